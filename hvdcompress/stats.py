@@ -1,0 +1,42 @@
+"""Bytes on the wire, per step and in total, measured from the payloads handed to the transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WireStats:
+    """Counts what one rank hands to collectives, next to what dense exchange would have sent.
+
+    ``bytes_sent`` is the size of this rank's payload tensors (for an allgather, its own
+    contribution). Ring allreduce moves about 2(N-1)/N of that per rank and an allgather receives
+    (N-1) times the others' share; those transport factors are the same for dense exchange, so the
+    ratio dense_bytes / bytes_sent compares like with like for summed compressors and gives the
+    send-side ratio for gathered ones.
+    """
+
+    steps: int = 0
+    last_bytes: int = 0
+    last_dense_bytes: int = 0
+    total_bytes: int = 0
+    total_dense_bytes: int = 0
+
+    def record(self, bytes_sent: int, dense_bytes: int) -> None:
+        self.steps += 1
+        self.last_bytes, self.last_dense_bytes = int(bytes_sent), int(dense_bytes)
+        self.total_bytes += self.last_bytes
+        self.total_dense_bytes += self.last_dense_bytes
+
+    @property
+    def ratio(self) -> float:
+        """Dense bytes / sent bytes over all recorded steps (inf when nothing was sent)."""
+        return self.total_dense_bytes / self.total_bytes if self.total_bytes else float("inf")
+
+    def as_dict(self) -> dict:
+        per_step = self.total_bytes / self.steps if self.steps else 0.0
+        dense_per_step = self.total_dense_bytes / self.steps if self.steps else 0.0
+        return {"steps": self.steps, "bytes_per_step": per_step, "dense_bytes_per_step": dense_per_step,
+                "last_bytes": self.last_bytes, "last_dense_bytes": self.last_dense_bytes,
+                "total_bytes": self.total_bytes, "total_dense_bytes": self.total_dense_bytes,
+                "ratio": self.ratio}

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Installs the whole hvdcompress stack into the active Python interpreter, idempotently:
+#   1. pinned Python dependencies (requirements/constraints.txt is the one place versions live);
+#   2. Horovod 0.28.1 built from its sdist with Gloo, without MPI, with the PyTorch and TensorFlow
+#      extensions -- the built wheel is cached in $HVDCOMPRESS_CACHE (default ~/.cache/hvdcompress),
+#      so only the first install on a machine pays the ~15 minute compile;
+#   3. this package, editable.
+# Facts behind the Horovod recipe (checked on these machines): CMake must be 3.x (gloo's
+# cmake_minimum_required is rejected by CMake 4), every C++ file must compile as C++17 (torch >= 2.1
+# headers), and the build must see the installed torch/TF (no build isolation).
+set -euo pipefail
+
+PY=${PYTHON:-python3}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${HVDCOMPRESS_CACHE:-$HOME/.cache/hvdcompress}
+HOROVOD_VERSION=0.28.1
+CONSTRAINTS="$HERE/requirements/constraints.txt"
+PIP=("$PY" -m pip --disable-pip-version-check)
+mkdir -p "$CACHE"
+
+log() { printf '[install] %s\n' "$*"; }
+
+# --- 1. Python dependencies -------------------------------------------------------------------
+if "$PY" - "$CONSTRAINTS" <<'PYCHECK' 2>/dev/null; then
+import sys, importlib.metadata as md
+want = {}
+for line in open(sys.argv[1]):
+    line = line.split('#')[0].strip()
+    if '==' in line:
+        name, ver = line.split('==')
+        want[name.strip()] = ver.strip()
+for name, ver in want.items():
+    if md.version(name).split('+')[0] != ver:
+        sys.exit(1)
+for name in ("numpy", "scikit-learn", "tqdm", "matplotlib", "pytest", "cloudpickle", "psutil",
+             "PyYAML", "packaging", "cffi", "wheel"):
+    md.version(name)
+PYCHECK
+  log "pinned dependencies already installed"
+else
+  log "installing pinned dependencies"
+  # torch first and alone: 2.13.0's CPU wheel is on disk (pip's find-links); nothing later may replace it.
+  "${PIP[@]}" install -c "$CONSTRAINTS" torch==2.13.0
+  "${PIP[@]}" install -c "$CONSTRAINTS" -r "$HERE/requirements/base.txt"
+fi
+
+# --- 2. Horovod ---------------------------------------------------------------------------------
+horovod_ok() {
+  "$PY" - <<'PYCHECK' >/dev/null 2>&1
+import os
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+import horovod, horovod.torch, horovod.tensorflow
+assert horovod.__version__ == "0.28.1"
+assert horovod.torch.gloo_built() and horovod.tensorflow.gloo_built()
+PYCHECK
+}
+
+if horovod_ok; then
+  log "horovod $HOROVOD_VERSION (gloo, torch, tensorflow) already installed"
+else
+  WHEEL=$(ls "$CACHE"/wheels/horovod-$HOROVOD_VERSION-*.whl 2>/dev/null | head -n1 || true)
+  if [ -z "$WHEEL" ]; then
+    log "building horovod $HOROVOD_VERSION from source (about 15 minutes on 2 cores; cached afterwards)"
+    command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
+    cmake_major=$(cmake --version | head -n1 | sed -E 's/[^0-9]*([0-9]+).*/\1/')
+    if [ "$cmake_major" != "3" ]; then
+      log "cmake on PATH is not 3.x; allowing gloo's old cmake_minimum_required"
+      export CMAKE_POLICY_VERSION_MINIMUM=3.5
+    fi
+    SHIM="$CACHE/cxx17"
+    mkdir -p "$SHIM"
+    cat > "$SHIM/g++" <<'SH'
+#!/usr/bin/env bash
+# Horovod 0.28.1 asks for C++11/14; torch >= 2.1 and TF 2.18 headers need C++17.
+args=()
+for a in "$@"; do
+  case "$a" in -std=c++11|-std=c++14|-std=gnu++11|-std=gnu++14) a=-std=c++17 ;; esac
+  args+=("$a")
+done
+exec /usr/bin/g++ "${args[@]}"
+SH
+    chmod +x "$SHIM/g++"
+    SRC=$(mktemp -d)
+    trap 'rm -rf "$SRC"' EXIT
+    "${PIP[@]}" download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$SRC"
+    mkdir -p "$CACHE/wheels"
+    CXX="$SHIM/g++" CC=/usr/bin/gcc \
+    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 \
+    HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS="-j$(nproc)" \
+    TF_USE_LEGACY_KERAS=1 \
+      "${PIP[@]}" wheel --no-build-isolation --no-deps -v "$SRC"/horovod-$HOROVOD_VERSION.tar.gz \
+        -w "$CACHE/wheels" > "$CACHE/horovod-build.log" 2>&1 || {
+          log "horovod build failed; last lines of $CACHE/horovod-build.log:"; tail -n 40 "$CACHE/horovod-build.log"; exit 1; }
+    WHEEL=$(ls "$CACHE"/wheels/horovod-$HOROVOD_VERSION-*.whl | head -n1)
+  fi
+  log "installing $WHEEL"
+  "${PIP[@]}" install -c "$CONSTRAINTS" --force-reinstall --no-deps "$WHEEL"
+  horovod_ok || { log "horovod installed but does not import with gloo/torch/tensorflow"; exit 1; }
+fi
+
+# --- 3. this package ---------------------------------------------------------------------------
+if "$PY" -c "import hvdcompress, sys; sys.exit(0 if hvdcompress.__file__.startswith('$HERE') else 1)" 2>/dev/null; then
+  log "hvdcompress already installed (editable, from $HERE)"
+else
+  "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps --no-build-isolation -e "$HERE"
+fi
+log "done: $(horovodrun --check-build 2>/dev/null | grep -E '\[X\]' | tr -s ' ' | tr '\n' ' ')"

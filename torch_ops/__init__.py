@@ -1,0 +1,9 @@
+"""PyTorch backend of hvdcompress. Users import it as ``import hvdcompress.torch as hvc``."""
+
+from hvdcompress.spec import Compression, CompressionSpec, parse_spec
+
+from .compressors import COMPRESSORS, Compressor, ExchangeContext, build_compressor
+from .optimizer import DistributedOptimizer
+
+__all__ = ["Compression", "CompressionSpec", "parse_spec", "COMPRESSORS", "Compressor",
+           "ExchangeContext", "build_compressor", "DistributedOptimizer"]

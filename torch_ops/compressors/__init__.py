@@ -1,0 +1,33 @@
+"""PyTorch compressors, one class per registered spec name (see ``hvdcompress.spec``)."""
+
+from hvdcompress.spec import REGISTRY, CompressionSpec
+
+from .base import Compressor, ExchangeContext, OneRoundCompressor
+from .dense import BF16Compressor, FP16Compressor, NoneCompressor
+from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor, topk_indices
+
+COMPRESSORS = {
+    "none": NoneCompressor,
+    "fp16": FP16Compressor,
+    "bf16": BF16Compressor,
+    "topk": TopKCompressor,
+    "randomk": RandomKCompressor,
+    "threshold": ThresholdCompressor,
+}
+
+
+def build_compressor(spec: CompressionSpec) -> Compressor:
+    """The PyTorch compressor for a validated spec."""
+    try:
+        cls = COMPRESSORS[spec.name]
+    except KeyError:
+        raise ValueError(f"compression: {spec.name!r} has no PyTorch implementation; "
+                         f"available: {', '.join(sorted(COMPRESSORS))}") from None
+    return cls(spec)
+
+
+assert set(COMPRESSORS) <= set(REGISTRY), "every PyTorch compressor needs a spec in hvdcompress.spec"
+
+__all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "COMPRESSORS", "build_compressor",
+           "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
+           "ThresholdCompressor", "TopKCompressor", "topk_indices"]

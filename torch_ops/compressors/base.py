@@ -1,0 +1,113 @@
+"""The compressor contract.
+
+Three roles, three small interfaces (after GRACE):
+
+* **Compressor** -- pure functions of (tensor, state): encode a flat tensor into a payload, say how
+  the payload travels, turn what comes back into a dense tensor. Never touches Horovod.
+* **Memory** (``torch_ops.memory``) -- holds what must survive between steps (the error-feedback
+  residual; DGC's momenta later), inside ``ExchangeContext.state``, which the optimizer saves in
+  its ``state_dict()``.
+* **Communicator** (``torch_ops.collectives``) -- carries out the requests an exchange yields.
+
+An *exchange* is a generator::
+
+    def exchange(self, x, ctx):             # x: flat gradient (a view; do not modify it in place)
+        ...                                 # compress, update memory
+        results = yield (Allgather(values), Allgather(indices))   # one round
+        ...                                 # may yield again: multi-round (sketch, PowerSGD)
+        return dense_sum * ctx.scale        # every rank returns the same tensor
+
+Each ``yield`` is one round: a tuple of requests (``Allreduce`` sums in place, ``Allgather``
+concatenates in rank order; sizes may differ per rank and may be zero). The driver sends back
+the tuple of results. Nothing runs between rounds but the generator's own code, so the pipeline
+can keep many exchanges in flight (one per tensor or per merged group), interleave their rounds,
+or finish them steps later (delayed averaging) without threads. Every decision an exchange
+makes from gathered or summed data is identical on all ranks, so all ranks apply the same update.
+
+``summed`` (allreduce) vs gathered (allgather) is declared by the compressor for its first round.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Dict, Tuple
+
+import torch
+
+from hvdcompress.spec import CompressionSpec
+
+from ..collectives import Allgather, Allreduce, Exchange
+from ..memory import Memory, memory_for
+
+
+@dataclass
+class ExchangeContext:
+    """What an exchange may know besides the tensor.
+
+    key         the tensor's (or merged group's) name, identical on all ranks
+    step        how many exchanges of this optimizer came before, identical on all ranks
+    world_size  number of ranks taking part
+    scale       factor for the summed result: 1/world_size for op=Average, 1 for Sum
+    state       this key's persistent tensors (residual, momenta, ...), saved with the optimizer
+    """
+
+    key: str
+    step: int
+    world_size: int
+    scale: float
+    state: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Compressor(ABC):
+    """Base of every compressor: holds the validated spec; subclasses define ``exchange``."""
+
+    summed: bool = True
+
+    def __init__(self, spec: CompressionSpec):
+        self.spec = spec
+
+    @abstractmethod
+    def exchange(self, x: torch.Tensor, ctx: ExchangeContext) -> Exchange:
+        """Generator: yields rounds of requests, returns the dense result (see module doc)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec})"
+
+
+class OneRoundCompressor(Compressor):
+    """A compressor whose whole exchange is one round of one kind of collective.
+
+    Subclasses define ``compress`` (flat tensor -> payload tuple), ``decompress`` (own payload ->
+    dense, for the residual) and ``aggregate`` (collective results -> dense sum over ranks).
+    Error feedback, when the spec asks for it, is wrapped around them here, once for all.
+    """
+
+    def __init__(self, spec: CompressionSpec):
+        super().__init__(spec)
+        self.memory: Memory = memory_for(spec)
+
+    @abstractmethod
+    def compress(self, a: torch.Tensor, ctx: ExchangeContext) -> Tuple[torch.Tensor, ...]:
+        """Flat tensor -> the payload tensors this rank puts on the wire."""
+
+    @abstractmethod
+    def decompress(self, payload: Tuple[torch.Tensor, ...], like: torch.Tensor,
+                   ctx: ExchangeContext) -> torch.Tensor:
+        """This rank's own payload -> the dense tensor it stands for (shape and dtype of like)."""
+
+    @abstractmethod
+    def aggregate(self, results: Tuple[torch.Tensor, ...], like: torch.Tensor,
+                  ctx: ExchangeContext) -> torch.Tensor:
+        """Collective results -> the dense sum over ranks (a new tensor or a summed payload)."""
+
+    def exchange(self, x: torch.Tensor, ctx: ExchangeContext) -> Exchange:
+        a = self.memory.compensate(x, ctx.state)
+        payload = self.compress(a, ctx)
+        self.memory.update(a, lambda: self.decompress(payload, a, ctx), ctx.state)
+        request = Allreduce if self.summed else Allgather
+        results = yield tuple(request(t) for t in payload)
+        total = self.aggregate(results, a, ctx)
+        if ctx.scale != 1.0:
+            total.mul_(ctx.scale)
+        return total

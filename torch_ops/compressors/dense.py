@@ -1,0 +1,56 @@
+"""Dense codecs: every entry is sent, possibly in fewer bits.
+
+none  allreduce the gradient itself, in place (Horovod's default path).
+fp16  x -> half; the halves are summed on the wire (Horovod's Compression.fp16); -> x.dtype.
+bf16  x -> bfloat16 (nearest even); the 16-bit codes are gathered and summed in fp32, in rank
+      order, so the sum does not lose bf16's 8-bit mantissa a second time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ExchangeContext, OneRoundCompressor
+
+
+class NoneCompressor(OneRoundCompressor):
+    summed = True
+
+    def compress(self, a, ctx):
+        return (a,)
+
+    def decompress(self, payload, like, ctx):
+        return payload[0]
+
+    def aggregate(self, results, like, ctx):
+        return results[0]
+
+
+class FP16Compressor(OneRoundCompressor):
+    summed = True
+
+    def compress(self, a, ctx):
+        return (a.to(torch.float16),)
+
+    def decompress(self, payload, like, ctx):
+        return payload[0].to(like.dtype)
+
+    def aggregate(self, results, like, ctx):
+        return results[0].to(like.dtype)
+
+
+class BF16Compressor(OneRoundCompressor):
+    summed = False
+
+    def compress(self, a, ctx):
+        return (a.to(torch.bfloat16).view(torch.int16),)
+
+    def decompress(self, payload, like, ctx):
+        return payload[0].view(torch.bfloat16).to(like.dtype)
+
+    def aggregate(self, results, like, ctx: ExchangeContext):
+        parts = results[0].view(torch.bfloat16).view(ctx.world_size, -1)
+        total = parts[0].to(like.dtype)
+        for part in parts[1:]:  # rank order: the same float sum on every rank and in the oracle
+            total += part.to(like.dtype)
+        return total

@@ -1,0 +1,103 @@
+"""Sparsifiers: send a subset of entries.
+
+topk       the k = ceil(ratio * numel) largest |a|; ties go to the lower index (so every
+           implementation picks the same set); payload (indices int32, values), gathered.
+threshold  every entry with |a| >= threshold; payload (indices, values), gathered; a rank may
+           send nothing.
+randomk    k entries at indices from ``hvdcompress.sampling.random_indices`` (seed, step and
+           tensor name shared by all ranks), so the values alone are allreduced.
+
+Gathered payloads are scatter-added in rank order: result[i] = sum over ranks of their value at i.
+Indices on the wire are sorted ascending.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+
+from hvdcompress.sampling import index_dtype, random_indices
+from hvdcompress.spec import num_selected
+
+from .base import OneRoundCompressor
+
+
+def _torch_index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if index_dtype(numel).itemsize == 4 else torch.int64
+
+
+def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest |a| (ties toward the lower index), sorted ascending, as int64."""
+    if k >= a.numel():
+        return torch.arange(a.numel(), device=a.device)
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=a.device)
+    mag = a.abs()
+    kth, idx = torch.topk(mag, k, sorted=False)
+    thr = kth.min()
+    n_above = int((mag > thr).sum())
+    n_at = int((mag == thr).sum())
+    if n_above + n_at == k:  # no tie at the boundary: topk's set is the only answer
+        return idx.sort().values
+    # ties at the threshold: all strictly larger, then the lowest-index entries equal to it
+    above = torch.nonzero(mag > thr).view(-1)
+    at = torch.nonzero(mag == thr).view(-1)[: k - n_above]
+    return torch.cat((above, at)).sort().values
+
+
+class _GatheredSparse(OneRoundCompressor):
+    summed = False
+
+    @abstractmethod
+    def select(self, a: torch.Tensor) -> torch.Tensor:
+        """Indices (int64, ascending, distinct) of the entries to send."""
+
+    def compress(self, a, ctx):
+        idx = self.select(a)
+        return idx.to(_torch_index_dtype(a.numel())), a[idx]
+
+    def decompress(self, payload, like, ctx):
+        out = torch.zeros_like(like)
+        out[payload[0].long()] = payload[1]
+        return out
+
+    def aggregate(self, results, like, ctx):
+        indices, values = results
+        return torch.zeros_like(like).index_add_(0, indices.long(), values)
+
+
+class TopKCompressor(_GatheredSparse):
+    def select(self, a):
+        return topk_indices(a, num_selected(self.spec["ratio"], a.numel()))
+
+
+class ThresholdCompressor(_GatheredSparse):
+    def select(self, a):
+        return torch.nonzero(a.abs() >= self.spec["threshold"]).view(-1)
+
+
+class RandomKCompressor(OneRoundCompressor):
+    summed = True
+
+    _cached = (None, None)
+
+    def _indices(self, a, ctx) -> torch.Tensor:
+        # compress, decompress (residual) and aggregate need the same indices: draw them once
+        tag = (ctx.key, ctx.step, a.numel())
+        if self._cached[0] != tag:
+            idx = random_indices(a.numel(), num_selected(self.spec["ratio"], a.numel()),
+                                 self.spec["seed"], ctx.step, ctx.key)
+            self._cached = (tag, torch.from_numpy(idx).to(device=a.device, dtype=torch.int64))
+        return self._cached[1]
+
+    def compress(self, a, ctx):
+        return (a[self._indices(a, ctx)],)
+
+    def decompress(self, payload, like, ctx):
+        out = torch.zeros_like(like)
+        out[self._indices(like, ctx)] = payload[0]
+        return out
+
+    def aggregate(self, results, like, ctx):
+        return self.decompress(results, like, ctx)
