@@ -9,13 +9,13 @@ needs next to them (init, rank, size, broadcasts, Average/Sum), so one import se
                                    compression=hvc.Compression.topk(ratio=0.01))
 """
 
-from horovod.torch import (Average, Sum, allreduce, broadcast_object, broadcast_optimizer_state,
+from horovod.torch import (Average, Sum, allgather, allreduce, broadcast_object, broadcast_optimizer_state,
                            broadcast_parameters, init, is_initialized, local_rank, local_size, rank,
                            shutdown, size)
 from torch_ops import *  # noqa: F401,F403
 from torch_ops import __all__ as _backend_all
 
 __all__ = list(_backend_all) + [
-    "Average", "Sum", "allreduce", "broadcast_object", "broadcast_optimizer_state",
+    "Average", "Sum", "allgather", "allreduce", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown",
     "size"]

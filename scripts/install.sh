@@ -99,7 +99,8 @@ SH
 fi
 
 # --- 3. this package ---------------------------------------------------------------------------
-if "$PY" -c "import hvdcompress, sys; sys.exit(0 if hvdcompress.__file__.startswith('$HERE') else 1)" 2>/dev/null; then
+# (checked from / so that the current directory does not make an uninstalled checkout importable)
+if (cd / && "$PY" -c "import hvdcompress, torch_ops, tf_ops, sys; sys.exit(0 if hvdcompress.__file__.startswith('$HERE/') else 1)") 2>/dev/null; then
   log "hvdcompress already installed (editable, from $HERE)"
 else
   "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps --no-build-isolation -e "$HERE"

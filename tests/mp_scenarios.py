@@ -1,0 +1,189 @@
+"""Code that runs inside real Horovod worker processes (launched by tests/test_multiprocess.py).
+
+Each scenario returns plain Python data; the pytest side asserts on it. Parameters are compared
+across ranks bit for bit by allgathering them.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import torch
+import torch.nn as nn
+
+TRAIN_SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "topk:ratio=0.01,residual=false",
+               "randomk:ratio=0.1,seed=1", "threshold:threshold=0.05"]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(16, 20, generator=g)
+    return x, (x[:, :4].argmax(1))
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _identical_across_ranks(model) -> bool:
+    import horovod.torch as hvd
+    flat = _flat(model)
+    rows = hvd.allgather(flat.unsqueeze(0), name="check.params")
+    return bool(all(torch.equal(rows[0], r) for r in rows))
+
+
+def _train(spec, steps=6, opt_cls=torch.optim.SGD, bpps=1, **opt_kw):
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    model = _model()
+    opt_kw = opt_kw or {"lr": 0.1, "momentum": 0.9}
+    opt = hvc.DistributedOptimizer(opt_cls(model.parameters(), **opt_kw),
+                                   named_parameters=model.named_parameters(), compression=spec,
+                                   backward_passes_per_step=bpps)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(bpps):
+            x, y = _batch(hvd.rank(), step * bpps + micro)
+            loss_fn(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def training(world_expected: int) -> dict:
+    """Every compressor trains a few steps; all ranks must end with identical parameters."""
+    import horovod.torch as hvd
+    hvd.init()
+    assert hvd.size() == world_expected
+    out = {"identical": {}, "bytes": {}, "moved": {}}
+    start = _flat(_model())
+    for spec in TRAIN_SPECS:
+        model, opt = _train(spec)
+        out["identical"][spec] = _identical_across_ranks(model)
+        out["bytes"][spec] = opt.stats.as_dict()
+        out["moved"][spec] = float((_flat(model) - start).abs().max())
+    model, _ = _train("topk:ratio=0.1", opt_cls=torch.optim.Adam, lr=1e-3)
+    out["identical"]["adam+topk"] = _identical_across_ranks(model)
+
+    # top-k at ratio 1.0 must give exactly the dense averaged update
+    dense, _ = _train("none")
+    full, _ = _train("topk:ratio=1.0")
+    diff = (_flat(dense) - _flat(full)).abs().max()
+    out["ratio1_max_diff"] = float(diff)
+
+    # backward_passes_per_step=2: the exchanged gradient is the average of the accumulated ones
+    model = _model()
+    opt = __import__("hvdcompress.torch", fromlist=["x"]).DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+        compression="topk:ratio=1.0", backward_passes_per_step=2)
+    for micro in range(2):
+        x, y = _batch(hvd.rank(), micro)
+        nn.CrossEntropyLoss()(model(x), y).backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    opt.synchronize()
+    want = [hvd.allreduce(g, name=f"check.bpps.{i}") for i, g in enumerate(local)]
+    out["bpps_max_diff"] = float(max((p.grad - w).abs().max() for p, w in zip(model.parameters(), want)))
+    with opt.skip_synchronize():
+        opt.step()
+    out["identical"]["bpps2"] = _identical_across_ranks(model)
+    hvd.shutdown()
+    return out
+
+
+def empty_selection() -> dict:
+    """Rank 1's gradient is all zero, so its threshold selection is empty; nothing may hang."""
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    hvd.init()
+    model = _model()
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression="threshold:threshold=1e-4")
+    sent = []
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        (loss * (0.0 if hvd.rank() == 1 else 1.0)).backward()
+        opt.step()
+        sent.append(opt.stats.last_bytes)
+    result = {"identical": _identical_across_ranks(model), "sent": sent}
+    hvd.shutdown()
+    return result
+
+
+def bad_arguments() -> dict:
+    """Bad input raises ValueError on every rank before any collective; a collective still works after."""
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    hvd.init()
+    model = _model()
+    errors = {}
+    cases = {
+        "ratio": dict(compression="topk:ratio=2"),
+        "unknown": dict(compression="zip"),
+        "bpps": dict(backward_passes_per_step=0),
+        "predivide": dict(gradient_predivide_factor=0.0),
+        "adasum": dict(op=hvd.Adasum),
+        "names": dict(named_parameters=[("same", p) for p in model.parameters()]),
+    }
+    for label, kwargs in cases.items():
+        try:
+            hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+            errors[label] = None
+        except ValueError as e:
+            errors[label] = str(e)
+    # a checkpoint of another compressor is refused before anything is loaded
+    _, opt_a = _train("topk:ratio=0.05", steps=1)
+    _, opt_b = _train("threshold:threshold=0.05", steps=1)
+    try:
+        opt_b.load_state_dict(opt_a.state_dict())
+        errors["state_dict"] = None
+    except ValueError as e:
+        errors["state_dict"] = str(e)
+    after = hvd.allreduce(torch.ones(1), name="check.after", op=hvd.Sum)
+    hvd.shutdown()
+    return {"errors": errors, "after": float(after)}
+
+
+def checkpoint_resume() -> dict:
+    """Save every rank's optimizer state mid-run, restore it into fresh objects: the continuation
+    must be bit-identical to never stopping (residuals are state)."""
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    hvd.init()
+    try:
+        spec = "topk:ratio=0.05"
+        model, opt = _train(spec, steps=3)
+        saved_model = copy.deepcopy(model.state_dict())
+        saved_opt = copy.deepcopy(opt.state_dict())
+        has_residual = all("residual" in st for st in saved_opt["hvdcompress"]["state"].values())
+
+        def cont(model, opt):
+            for step in range(3, 6):
+                opt.zero_grad()
+                x, y = _batch(hvd.rank(), step)
+                nn.CrossEntropyLoss()(model(x), y).backward()
+                opt.step()
+            return _flat(model)
+
+        straight = cont(model, opt)
+        model2 = _model()
+        opt2 = hvc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model2.named_parameters(), compression=spec)
+        model2.load_state_dict(saved_model)
+        opt2.load_state_dict(saved_opt)
+        resumed = cont(model2, opt2)
+        result = {"has_residual": has_residual, "equal": bool(torch.equal(straight, resumed)),
+                  "identical": _identical_across_ranks(model2)}
+    except Exception:  # report, do not hang the test on a worker traceback
+        result = {"error": traceback.format_exc()}
+    hvd.shutdown()
+    return result

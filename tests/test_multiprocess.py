@@ -1,0 +1,97 @@
+"""Real Horovod: 2 and 3 worker processes on the Gloo CPU backend (horovod.runner.run)."""
+
+import os
+
+import pytest
+
+hvd_runner = pytest.importorskip("horovod.runner")
+
+import mp_scenarios  # noqa: E402
+from mp_scenarios import TRAIN_SPECS  # noqa: E402
+
+
+def _run(fn, np_, *args):
+    """Run ``fn(*args)`` on ``np_`` local Gloo workers; returns each rank's result, rank order.
+    The workers inherit this process's environment."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    saved = dict(os.environ)
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), saved.get("PYTHONPATH", "")])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["HOROVOD_CYCLE_TIME"] = "1"  # ms; these runs are latency bound
+    try:
+        return hvd_runner.run(fn, args=args, num_proc=np_, hosts=f"localhost:{np_}", use_gloo=True,
+                              start_timeout=60)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2workers", "3workers"])
+def trained(request):
+    return request.param, _run(mp_scenarios.training, request.param, request.param)
+
+
+def test_every_compressor_leaves_identical_parameters_on_all_ranks(trained):
+    world, results = trained
+    assert len(results) == world
+    for r in results:
+        assert all(r["identical"].values()), r["identical"]
+        for spec in TRAIN_SPECS:
+            assert r["moved"][spec] > 0, f"{spec} did not train"
+
+
+def test_bytes_are_measured_and_smaller_than_dense(trained):
+    _, results = trained
+    b = results[0]["bytes"]
+    dense = b["none"]["dense_bytes_per_step"]
+    assert b["none"]["bytes_per_step"] == dense
+    assert b["fp16"]["bytes_per_step"] == dense / 2
+    assert b["bf16"]["bytes_per_step"] == dense / 2
+    assert b["topk:ratio=0.05"]["ratio"] > 8  # 5% of entries, 8 bytes each instead of 4
+    assert b["randomk:ratio=0.1,seed=1"]["ratio"] > 8
+
+
+def test_topk_at_ratio_one_equals_dense(trained):
+    world, results = trained
+    for r in results:
+        if world == 2:  # a+b is exact whatever the order; with 3 ranks the sum order may differ
+            assert r["ratio1_max_diff"] == 0.0
+        else:
+            assert r["ratio1_max_diff"] < 1e-6
+
+
+def test_backward_passes_per_step_exchanges_the_accumulated_gradient(trained):
+    _, results = trained
+    for r in results:
+        assert r["bpps_max_diff"] < 1e-6
+
+
+def test_empty_selection_on_one_rank_does_not_hang():
+    results = _run(mp_scenarios.empty_selection, 2)
+    assert all(r["identical"] for r in results)
+    assert results[1]["sent"] == [0, 0, 0]  # rank 1 had nothing above the threshold
+    assert all(b > 0 for b in results[0]["sent"])
+
+
+def test_bad_arguments_raise_on_every_rank_before_any_collective():
+    results = _run(mp_scenarios.bad_arguments, 2)
+    expected = {
+        "ratio": "parameter 'ratio' must be float in (0.0, 1.0]",
+        "unknown": "unknown compressor 'zip'",
+        "bpps": "backward_passes_per_step: must be an int >= 1",
+        "predivide": "gradient_predivide_factor: must be a finite float > 0",
+        "adasum": "op: Adasum is not supported",
+        "names": "parameter names must be unique",
+        "state_dict": "saved with compression 'topk:ratio=0.05,residual=true'",
+    }
+    for r in results:
+        assert r["after"] == 2.0
+        for label, needle in expected.items():
+            assert r["errors"][label] is not None and needle in r["errors"][label], (label, r["errors"][label])
+
+
+def test_checkpoint_resume_continues_bit_identically():
+    results = _run(mp_scenarios.checkpoint_resume, 2)
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["has_residual"] and r["equal"] and r["identical"]
