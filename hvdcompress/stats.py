@@ -21,12 +21,17 @@ class WireStats:
     last_dense_bytes: int = 0
     total_bytes: int = 0
     total_dense_bytes: int = 0
+    last_compute_seconds: float = 0.0
+    total_compute_seconds: float = 0.0
 
-    def record(self, bytes_sent: int, dense_bytes: int) -> None:
+    def record(self, bytes_sent: int, dense_bytes: int, compute_seconds: float = 0.0) -> None:
+        """One step: payload bytes, dense bytes, seconds spent compressing/decompressing."""
         self.steps += 1
         self.last_bytes, self.last_dense_bytes = int(bytes_sent), int(dense_bytes)
         self.total_bytes += self.last_bytes
         self.total_dense_bytes += self.last_dense_bytes
+        self.last_compute_seconds = float(compute_seconds)
+        self.total_compute_seconds += self.last_compute_seconds
 
     @property
     def ratio(self) -> float:
@@ -39,4 +44,5 @@ class WireStats:
         return {"steps": self.steps, "bytes_per_step": per_step, "dense_bytes_per_step": dense_per_step,
                 "last_bytes": self.last_bytes, "last_dense_bytes": self.last_dense_bytes,
                 "total_bytes": self.total_bytes, "total_dense_bytes": self.total_dense_bytes,
-                "ratio": self.ratio}
+                "ratio": self.ratio,
+                "compute_seconds_per_step": self.total_compute_seconds / self.steps if self.steps else 0.0}

@@ -14,6 +14,7 @@ to the transport, so compression ratios are measured from the real payload tenso
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Generator, List, Optional, Sequence, Tuple
 
@@ -77,22 +78,26 @@ class HorovodDriver:
 class PendingExchange:
     """One exchange in flight: its generator, the current round's handles, and its byte count."""
 
-    __slots__ = ("gen", "name", "driver", "handles", "round", "bytes_sent", "result")
+    __slots__ = ("gen", "name", "driver", "handles", "round", "bytes_sent", "result", "compute_seconds")
 
     def __init__(self, gen: Exchange, name: str, driver: HorovodDriver):
         self.gen, self.name, self.driver = gen, name, driver
         self.handles: Optional[List[Any]] = None
         self.round = 0
         self.bytes_sent = 0
+        self.compute_seconds = 0.0  # time spent in the exchange's own code (compress, decompress)
         self.result: Optional[torch.Tensor] = None
         self._advance(None)
 
     def _advance(self, results) -> None:
+        start = time.perf_counter()
         try:
             requests = self.gen.send(results) if results is not None else next(self.gen)
         except StopIteration as stop:
             self.handles, self.result = None, stop.value
             return
+        finally:
+            self.compute_seconds += time.perf_counter() - start
         self.bytes_sent += request_bytes(requests)
         self.handles = self.driver.launch(requests, f"{self.name}.r{self.round}")
         self.round += 1

@@ -42,7 +42,7 @@ STATE_VERSION = 1
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, spec: CompressionSpec, backward_passes_per_step: int,
-                 op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, source):
+                 op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source):
         super(self.__class__, self).__init__(params)
         self.defaults = dict(source.defaults)
         self.state.update(source.state)
@@ -52,7 +52,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_names: Dict[torch.Tensor, str] = _parameter_names(self.param_groups, named_parameters)
         self._hvc_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]
                                                 if p.requires_grad]
-        self._hvc_driver = HorovodDriver(process_set)
+        self._hvc_driver = driver if driver is not None else HorovodDriver(process_set)
         import horovod.torch as hvd
 
         self._hvc_world = (process_set or hvd.global_process_set).size()
@@ -91,7 +91,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if result.data_ptr() != p.grad.data_ptr():
                     p.grad.copy_(result)
         dense = sum(p.numel() * p.element_size() for p in pending)
-        self.stats.record(sum(ex.bytes_sent for ex in pending.values()), dense)
+        self.stats.record(sum(ex.bytes_sent for ex in pending.values()), dense,
+                          sum(ex.compute_seconds for ex in pending.values()))
         self._hvc_pending = {}
         self._hvc_passes_left = {p: self._hvc_passes for p in self._hvc_params}
         self._hvc_step += 1
@@ -228,7 +229,7 @@ def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step: int = 1, op=None,
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                         process_set=None):
+                         process_set=None, driver=None):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -244,6 +245,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         sparse_as_dense: sparse gradients are always exchanged densified; this only silences the
             warning.
         process_set: a Horovod process set (default: all ranks).
+        driver: the communicator that carries out collective requests (default
+            ``HorovodDriver(process_set)``); benchmarks pass one that injects latency.
 
     Every argument is validated here, before any collective, identically on every rank.
     """
@@ -279,4 +282,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, spec, backward_passes_per_step, op, factor,
-               sparse_as_dense, process_set, optimizer)
+               sparse_as_dense, process_set, driver, optimizer)
