@@ -36,3 +36,30 @@ def random_indices(numel: int, k: int, seed: int, step: int, key: str) -> np.nda
     idx = rng.choice(numel, size=k, replace=False, shuffle=False)
     idx.sort()
     return idx.astype(index_dtype(numel), copy=False)
+
+
+# --- the sampled-threshold rule of DGC, shared by every backend ---------------------------------
+# Estimate the k-th largest |v| from a strided sample (a random offset, then every stride-th
+# entry), select |v| >= thr; when more than ACCEPT_HIGH * k pass, keep the exact top-k among them;
+# when fewer than ACCEPT_LOW * k pass, multiply thr by LOWER_FACTOR and try again (at most
+# ``adapt_iters`` times). Ratios are compared in integers: 10*count vs 13*k and 8*k.
+ACCEPT_HIGH_TENTHS = 13
+ACCEPT_LOW_TENTHS = 8
+LOWER_FACTOR = 0.8  # applied in float32
+
+
+def sample_stride(sample_ratio: float) -> int:
+    """Every ``stride``-th entry is sampled: round(1 / sample_ratio), at least 1."""
+    return max(1, int(round(1.0 / sample_ratio)))
+
+
+def sample_offset(stride: int, numel: int, seed: int, step: int, key: str) -> int:
+    """The first sampled index, in [0, min(stride, numel)), identical on every rank."""
+    span = max(1, min(stride, numel))
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, key_hash(key), 1])))
+    return int(rng.integers(span))
+
+
+def sample_k(k: int, sample_size: int, numel: int) -> int:
+    """How many of the sample's largest entries estimate the threshold: ceil(k * m / n), in [1, m]."""
+    return max(1, min(sample_size, -(-k * sample_size // numel)))

@@ -35,10 +35,18 @@ class Param:
     high: Optional[float] = None
     low_open: bool = False  # True: the range excludes ``low``
     high_open: bool = False
+    optional: bool = False  # None (written "none") is accepted and means "off"
 
     def range_text(self) -> str:
         if self.kind is bool:
             return "true or false"
+        if self.kind is tuple:
+            return "floats in (0, 1] separated by '/' (empty for the default)"
+        if self.optional:
+            return self._numeric_range() + " or none"
+        return self._numeric_range()
+
+    def _numeric_range(self) -> str:
         lo = "-inf" if self.low is None else repr(self.low)
         hi = "inf" if self.high is None else repr(self.high)
         left = "(" if (self.low is None or self.low_open) else "["
@@ -47,6 +55,8 @@ class Param:
 
     def check(self, spec_name: str, value: Any) -> Any:
         where = f"{spec_name}: parameter '{self.name}'"
+        if self.optional and (value is None or (isinstance(value, str) and value.lower() == "none")):
+            return None
         value = _coerce(where, self.kind, value, self.range_text())
         if self.kind in (int, float):
             if isinstance(value, float) and not math.isfinite(value):
@@ -59,6 +69,12 @@ class Param:
 
 
 def _coerce(where: str, kind: type, value: Any, accepted: str) -> Any:
+    if kind is tuple:  # a list of floats: "0.25/0.0625" or a sequence
+        items = [s for s in value.split("/") if s.strip()] if isinstance(value, str) else value
+        try:
+            return tuple(_coerce(where, float, v, accepted) for v in items)
+        except TypeError:
+            raise ValueError(f"{where} must be {accepted}; got {value!r}") from None
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -85,6 +101,7 @@ class CompressorInfo:
     exchange: str  # SUMMED or GATHERED (the first round, for multi-round compressors)
     params: Tuple[Param, ...]
     doc: str
+    check: Optional[Callable[[Dict[str, Any]], None]] = None  # cross-parameter validation
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -97,8 +114,9 @@ class CompressorInfo:
 REGISTRY: Dict[str, CompressorInfo] = {}
 
 
-def register(name: str, exchange: str, doc: str, *params: Param) -> None:
-    REGISTRY[name] = CompressorInfo(name, exchange, tuple(params), doc)
+def register(name: str, exchange: str, doc: str, *params: Param,
+             check: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+    REGISTRY[name] = CompressorInfo(name, exchange, tuple(params), doc, check)
 
 
 def _residual(default: bool) -> Param:
@@ -126,6 +144,43 @@ register("threshold", GATHERED, "send every entry with |x| >= threshold as (indi
          _residual(True))
 
 
+
+def _check_dgc(p: Dict[str, Any]) -> None:
+    from .warmup import warmup_densities
+
+    if p["warmup_schedule"]:  # an explicit schedule sets the warm-up length
+        p["warmup_epochs"] = len(p["warmup_schedule"])
+    try:
+        warmup_densities(p["ratio"], p["warmup_epochs"], p["warmup_schedule"])
+    except ValueError as e:
+        raise ValueError(f"dgc: {e}".replace("warm-up: ", "")) from None
+
+
+register("dgc", GATHERED, "Deep Gradient Compression (Lin et al., ICLR 2018): top-k by a sampled "
+         "threshold on the accumulated velocity, with momentum correction, local gradient clipping, "
+         "momentum factor masking and sparsity warm-up; small and 1-D tensors are sent dense",
+         Param("ratio", float, 0.001, "target density (fraction of entries sent)", **_RATIO),
+         Param("momentum", float, 0.9, "momentum, applied in the compressor memory", low=0.0, high=1.0,
+               high_open=True),
+         Param("nesterov", bool, False, "Nesterov momentum"),
+         Param("momentum_correction", bool, True, "accumulate velocity (u = m*u + g; v += u) instead of "
+               "gradients; off: accumulate gradients, apply momentum to the exchanged average"),
+         Param("clip_norm", float, None, "local clipping: each tensor's gradient norm is clipped to "
+               "clip_norm / sqrt(world size) before accumulation", low=0.0, low_open=True, optional=True),
+         Param("momentum_masking", bool, True, "zero the momentum u where an entry was sent"),
+         Param("warmup_epochs", int, 4, "epochs of exponentially falling density", low=0),
+         Param("warmup_schedule", tuple, (), "explicit warm-up densities, one per epoch, decreasing "
+               "(sets warmup_epochs to its length); empty: exponential from 1 to ratio"),
+         Param("sample_ratio", float, 0.01, "fraction of |v| sampled to estimate the threshold", **_RATIO),
+         Param("adapt_iters", int, 4, "times the threshold may be lowered (x0.8) when fewer than 0.8k "
+               "entries pass it", low=0, high=32),
+         Param("min_sparse_numel", int, 1024, "tensors with fewer elements (and 1-D tensors) are sent "
+               "dense", low=1),
+         Param("fp16_values", bool, False, "send the selected values as fp16"),
+         Param("seed", int, 0, "seed of the sampling offset, shared by all ranks", low=0, high=2**63 - 1),
+         check=_check_dgc)
+
+
 @dataclass(frozen=True)
 class CompressionSpec:
     """A validated compressor name and its full parameter set (defaults filled in)."""
@@ -141,6 +196,8 @@ class CompressionSpec:
             full[p.name] = p.check(self.name, given.pop(p.name, p.default))
         if given:
             info.param(next(iter(given)))  # raises: unknown parameter, with the accepted list
+        if info.check is not None:
+            info.check(full)
         object.__setattr__(self, "params", full)
 
     @property
@@ -173,7 +230,11 @@ class CompressionSpec:
 
 
 def _fmt(v: Any) -> str:
-    return str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
+    if isinstance(v, tuple):
+        return "/".join(repr(x) for x in v)
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    return repr(v) if isinstance(v, float) else str(v)
 
 
 def info_for(name: str) -> CompressorInfo:
@@ -222,6 +283,7 @@ class Compression:
     topk = staticmethod(_factory("topk"))
     randomk = staticmethod(_factory("randomk"))
     threshold = staticmethod(_factory("threshold"))
+    dgc = staticmethod(_factory("dgc"))
 
 
 _HOROVOD_NAMES = {"NoneCompressor": "none", "FP16Compressor": "fp16"}

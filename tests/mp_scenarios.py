@@ -13,7 +13,9 @@ import torch
 import torch.nn as nn
 
 TRAIN_SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "topk:ratio=0.01,residual=false",
-               "randomk:ratio=0.1,seed=1", "threshold:threshold=0.05"]
+               "randomk:ratio=0.1,seed=1", "threshold:threshold=0.05",
+               "dgc:ratio=0.05,warmup_epochs=2,min_sparse_numel=256",
+               "dgc:ratio=0.05,nesterov=true,clip_norm=1.0,fp16_values=true,min_sparse_numel=256"]
 
 
 def _model() -> nn.Module:
@@ -38,7 +40,7 @@ def _identical_across_ranks(model) -> bool:
     return bool(all(torch.equal(rows[0], r) for r in rows))
 
 
-def _train(spec, steps=6, opt_cls=torch.optim.SGD, bpps=1, **opt_kw):
+def _train(spec, steps=6, opt_cls=torch.optim.SGD, bpps=1, epoch_every=2, **opt_kw):
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
     model = _model()
@@ -49,6 +51,7 @@ def _train(spec, steps=6, opt_cls=torch.optim.SGD, bpps=1, **opt_kw):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(steps):
+        opt.set_epoch(step // epoch_every)
         opt.zero_grad()
         for micro in range(bpps):
             x, y = _batch(hvd.rank(), step * bpps + micro)
@@ -133,6 +136,8 @@ def bad_arguments() -> dict:
         "predivide": dict(gradient_predivide_factor=0.0),
         "adasum": dict(op=hvd.Adasum),
         "names": dict(named_parameters=[("same", p) for p in model.parameters()]),
+        "warmup": dict(compression="dgc:warmup_schedule=0.25/0.3"),
+        "momentum": dict(compression="dgc:momentum=-0.9"),
     }
     for label, kwargs in cases.items():
         try:
@@ -153,21 +158,33 @@ def bad_arguments() -> dict:
     return {"errors": errors, "after": float(after)}
 
 
+RESUME_SPECS = {"topk:ratio=0.05": ("residual",),
+                "dgc:ratio=0.05,warmup_epochs=3,min_sparse_numel=256": ("u",)}
+
+
 def checkpoint_resume() -> dict:
     """Save every rank's optimizer state mid-run, restore it into fresh objects: the continuation
-    must be bit-identical to never stopping (residuals are state)."""
+    must be bit-identical to never stopping (residuals, DGC momenta and epoch are state)."""
+    import horovod.torch as hvd
+    hvd.init()
+    out = {spec: _resume_one(spec, names) for spec, names in RESUME_SPECS.items()}
+    hvd.shutdown()
+    return out
+
+
+def _resume_one(spec, state_names) -> dict:
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
-    hvd.init()
     try:
-        spec = "topk:ratio=0.05"
-        model, opt = _train(spec, steps=3)
+        model, opt = _train(spec, steps=3, epoch_every=1)
         saved_model = copy.deepcopy(model.state_dict())
         saved_opt = copy.deepcopy(opt.state_dict())
-        has_residual = all("residual" in st for st in saved_opt["hvdcompress"]["state"].values())
+        has_residual = all(all(n in st for n in state_names)
+                           for st in saved_opt["hvdcompress"]["state"].values())
 
         def cont(model, opt):
             for step in range(3, 6):
+                opt.set_epoch(step)
                 opt.zero_grad()
                 x, y = _batch(hvd.rank(), step)
                 nn.CrossEntropyLoss()(model(x), y).backward()
@@ -182,8 +199,7 @@ def checkpoint_resume() -> dict:
         opt2.load_state_dict(saved_opt)
         resumed = cont(model2, opt2)
         result = {"has_residual": has_residual, "equal": bool(torch.equal(straight, resumed)),
-                  "identical": _identical_across_ranks(model2)}
+                  "identical": _identical_across_ranks(model2), "epoch": opt2.epoch}
     except Exception:  # report, do not hang the test on a worker traceback
         result = {"error": traceback.format_exc()}
-    hvd.shutdown()
     return result

@@ -83,6 +83,8 @@ def test_bad_arguments_raise_on_every_rank_before_any_collective():
         "adasum": "op: Adasum is not supported",
         "names": "parameter names must be unique",
         "state_dict": "saved with compression 'topk:ratio=0.05,residual=true'",
+        "warmup": "dgc: warmup_schedule must decrease strictly",
+        "momentum": "dgc: parameter 'momentum' must be float in [0.0, 1.0)",
     }
     for r in results:
         assert r["after"] == 2.0
@@ -93,5 +95,7 @@ def test_bad_arguments_raise_on_every_rank_before_any_collective():
 def test_checkpoint_resume_continues_bit_identically():
     results = _run(mp_scenarios.checkpoint_resume, 2)
     for r in results:
-        assert "error" not in r, r.get("error")
-        assert r["has_residual"] and r["equal"] and r["identical"]
+        for spec, res in r.items():
+            assert "error" not in res, res.get("error")
+            assert res["has_residual"] and res["equal"] and res["identical"], spec
+            assert res["epoch"] == 5

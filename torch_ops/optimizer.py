@@ -35,6 +35,7 @@ from hvdcompress.stats import WireStats
 
 from .collectives import HorovodDriver, PendingExchange, finish_all
 from .compressors import ExchangeContext, build_compressor
+from .compressors.dgc import adopt_momentum
 
 STATE_KEY = "hvdcompress"
 STATE_VERSION = 1
@@ -64,6 +65,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_pending: Dict[torch.Tensor, PendingExchange] = {}
         self._hvc_state: Dict[str, Dict[str, torch.Tensor]] = {self._hvc_names[p]: {} for p in self._hvc_params}
         self._hvc_step = 0
+        self._hvc_epoch = 0
         self._hvc_sparse_as_dense = sparse_as_dense
         self._hvc_warned_sparse = False
         self._synchronized = False
@@ -98,6 +100,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_step += 1
         self._synchronized = True
 
+    def set_epoch(self, epoch: int) -> None:
+        """Tell compressors with a schedule (DGC's sparsity warm-up) which epoch is starting.
+        Call it on every rank at the start of each epoch (0-based), like a sampler's set_epoch."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch: epoch must be an int >= 0; got {epoch!r}")
+        self._hvc_epoch = epoch
+
+    @property
+    def epoch(self) -> int:
+        return self._hvc_epoch
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """Use when ``synchronize()`` was called by hand (e.g. to clip gradients) before ``step()``."""
@@ -131,6 +144,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "version": STATE_VERSION,
             "compression": self._hvc_spec.to_dict(),
             "step": self._hvc_step,
+            "epoch": self._hvc_epoch,
             "state": {key: {k: t.detach().clone() for k, t in st.items()}
                       for key, st in self._hvc_state.items()},
         }
@@ -142,11 +156,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is not None:
             self._hvc_check_state(ours)  # before anything is loaded: no half-restored optimizer
         super(self.__class__, self).load_state_dict(state_dict)
+        if self._hvc_spec.name == "dgc":  # a loaded param_group must not bring momentum back
+            for g in self.param_groups:
+                if "momentum" in g:
+                    g["momentum"] = 0.0
         if ours is None:
             warnings.warn("load_state_dict: the state dict has no compression state (saved by a "
                           "plain optimizer?); residuals start from zero.")
             return
         self._hvc_step = int(ours["step"])
+        self._hvc_epoch = int(ours["epoch"])
         by_name = {self._hvc_names[p]: p for p in self._hvc_params}
         self._hvc_state = {key: {k: t.detach().clone().to(by_name[key].device) for k, t in st.items()}
                            for key, st in ours["state"].items()}
@@ -166,10 +185,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("load_state_dict: the checkpoint holds compression state for parameters this "
                              f"optimizer does not have: {', '.join(unknown[:5])}")
         for key, st in ours["state"].items():
-            r = st.get("residual")
-            if r is not None and r.numel() != numel[key]:
-                raise ValueError(f"load_state_dict: residual of '{key}' has {r.numel()} elements, the "
-                                 f"parameter has {numel[key]} (a checkpoint of a different model?)")
+            self._hvc_compressor.check_state(key, st, numel[key])
 
     def _hvc_hook(self, p: torch.Tensor) -> None:
         if p in self._hvc_pending:
@@ -194,7 +210,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._hvc_prescale != 1.0:
                 x = x * self._hvc_prescale
             ctx = ExchangeContext(name, self._hvc_step, self._hvc_world, self._hvc_scale,
-                                  self._hvc_state[name])
+                                  self._hvc_state[name], tuple(p.shape), self._hvc_epoch)
             self._hvc_pending[p] = PendingExchange(self._hvc_compressor.exchange(x, ctx),
                                                    f"hvc.{name}", self._hvc_driver)
         self._synchronized = False
@@ -276,6 +292,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          f"got {gradient_predivide_factor!r}")
     if factor != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor: values other than 1.0 require op=hvd.Average")
+    if spec.name == "dgc":  # DGC's momentum lives in its memory: take the optimizer's over
+        spec = adopt_momentum(spec, optimizer.param_groups)
     if not hvd.is_initialized():
         raise ValueError("horovod is not initialized: call hvd.init() before DistributedOptimizer")
 

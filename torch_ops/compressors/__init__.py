@@ -4,7 +4,9 @@ from hvdcompress.spec import REGISTRY, CompressionSpec
 
 from .base import Compressor, ExchangeContext, OneRoundCompressor
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor
-from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor, topk_indices
+from .dgc import DGCCompressor
+from .selection import sampled_threshold_select, topk_indices
+from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 
 COMPRESSORS = {
     "none": NoneCompressor,
@@ -13,6 +15,7 @@ COMPRESSORS = {
     "topk": TopKCompressor,
     "randomk": RandomKCompressor,
     "threshold": ThresholdCompressor,
+    "dgc": DGCCompressor,
 }
 
 
@@ -30,4 +33,5 @@ assert set(COMPRESSORS) <= set(REGISTRY), "every PyTorch compressor needs a spec
 
 __all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "COMPRESSORS", "build_compressor",
            "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
-           "ThresholdCompressor", "TopKCompressor", "topk_indices"]
+           "ThresholdCompressor", "TopKCompressor", "DGCCompressor", "topk_indices",
+           "sampled_threshold_select"]

@@ -50,6 +50,8 @@ class ExchangeContext:
     world_size  number of ranks taking part
     scale       factor for the summed result: 1/world_size for op=Average, 1 for Sum
     state       this key's persistent tensors (residual, momenta, ...), saved with the optimizer
+    shape       the tensor's original shape (x arrives flattened)
+    epoch       the training epoch set by the user (drives warm-up schedules)
     """
 
     key: str
@@ -57,6 +59,8 @@ class ExchangeContext:
     world_size: int
     scale: float
     state: Dict[str, torch.Tensor] = field(default_factory=dict)
+    shape: Tuple[int, ...] = ()
+    epoch: int = 0
 
 
 class Compressor(ABC):
@@ -70,6 +74,15 @@ class Compressor(ABC):
     @abstractmethod
     def exchange(self, x: torch.Tensor, ctx: ExchangeContext) -> Exchange:
         """Generator: yields rounds of requests, returns the dense result (see module doc)."""
+
+    def check_state(self, key: str, state: Dict[str, torch.Tensor], numel: int) -> None:
+        """Raise ValueError when saved state cannot belong to a tensor of ``numel`` elements.
+        Default: every state tensor is as large as the tensor (residuals, momenta)."""
+        for name, t in state.items():
+            if t.numel() != numel:
+                raise ValueError(f"load_state_dict: compression state '{name}' of '{key}' has "
+                                 f"{t.numel()} elements, the parameter has {numel} (a checkpoint of "
+                                 "a different model?)")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec})"

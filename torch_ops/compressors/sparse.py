@@ -21,29 +21,11 @@ from hvdcompress.sampling import index_dtype, random_indices
 from hvdcompress.spec import num_selected
 
 from .base import OneRoundCompressor
+from .selection import topk_indices
 
 
 def _torch_index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if index_dtype(numel).itemsize == 4 else torch.int64
-
-
-def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest |a| (ties toward the lower index), sorted ascending, as int64."""
-    if k >= a.numel():
-        return torch.arange(a.numel(), device=a.device)
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64, device=a.device)
-    mag = a.abs()
-    kth, idx = torch.topk(mag, k, sorted=False)
-    thr = kth.min()
-    n_above = int((mag > thr).sum())
-    n_at = int((mag == thr).sum())
-    if n_above + n_at == k:  # no tie at the boundary: topk's set is the only answer
-        return idx.sort().values
-    # ties at the threshold: all strictly larger, then the lowest-index entries equal to it
-    above = torch.nonzero(mag > thr).view(-1)
-    at = torch.nonzero(mag == thr).view(-1)[: k - n_above]
-    return torch.cat((above, at)).sort().values
 
 
 class _GatheredSparse(OneRoundCompressor):

@@ -1,0 +1,137 @@
+"""Deep Gradient Compression (Lin et al., ICLR 2018) for PyTorch.
+
+The math, per worker and tensor (u: momentum, v: accumulated velocity, both in ``ctx.state``;
+the numpy oracle ``hvdcompress.reference.dgc`` spells out every step and the order of operations):
+
+    g <- g * min(1, clip_norm / sqrt(N) / ||g||)          local gradient clipping (optional)
+    u <- m*u + g;  v <- v + u   (Nesterov: v <- v + g + m*u)   momentum correction
+    I <- sampled-threshold top-k of |v|, k = ceil(density(epoch) * n)
+    send (I, v[I]);  v[I] <- 0;  u[I] <- 0                 momentum factor masking
+    result = (sum over ranks of the scattered values) / N
+
+Because the momentum lives here, the wrapped optimizer must not apply its own: the
+``DistributedOptimizer`` takes an SGD optimizer's momentum over (see ``adopt_momentum``).
+Tensors that are 1-D or smaller than ``min_sparse_numel`` are exchanged dense (allreduce of the
+velocity u), so every parameter gets the same momentum SGD treatment. Each switch of the spec
+(momentum_correction, clip_norm, momentum_masking, warmup_epochs) turns one technique off for
+ablations; with momentum correction off, momentum is applied to the exchanged average instead.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from hvdcompress.sampling import sample_offset, sample_stride
+from hvdcompress.spec import CompressionSpec, num_selected
+from hvdcompress.warmup import density_at
+
+from ..collectives import Allgather, Allreduce
+from .base import Compressor, ExchangeContext
+from .selection import sampled_threshold_select
+
+
+class DGCCompressor(Compressor):
+    summed = False
+
+    def __init__(self, spec: CompressionSpec):
+        super().__init__(spec)
+        p = spec.params
+        self.m = p["momentum"]
+        self.nesterov = p["nesterov"]
+        self.correction = p["momentum_correction"]
+        self.masking = p["momentum_masking"] and p["momentum_correction"]
+        self.clip_norm = p["clip_norm"]
+
+    def density(self, epoch: int) -> float:
+        p = self.spec.params
+        return density_at(epoch, p["ratio"], p["warmup_epochs"], p["warmup_schedule"])
+
+    def is_dense(self, shape) -> bool:
+        return len(shape) <= 1 or math.prod(shape) < self.spec["min_sparse_numel"]
+
+    def _clip(self, g: torch.Tensor, world: int) -> torch.Tensor:
+        if self.clip_norm is None:
+            return g
+        norm = math.sqrt(float(torch.sum(g.double() ** 2)))
+        coef = (self.clip_norm / math.sqrt(world)) / (norm + 1e-6)
+        return g * torch.tensor(coef, dtype=g.dtype) if coef < 1.0 else g
+
+    def _state(self, ctx: ExchangeContext, name: str, like: torch.Tensor) -> torch.Tensor:
+        t = ctx.state.get(name)
+        if t is None:
+            t = ctx.state[name] = torch.zeros_like(like)
+        return t
+
+    def _momentum_after(self, avg: torch.Tensor, ctx: ExchangeContext) -> torch.Tensor:
+        """Momentum correction off: plain momentum on the exchanged average (same on all ranks)."""
+        u = self._state(ctx, "u", avg)
+        u.mul_(self.m).add_(avg)
+        return avg + u * self.m if self.nesterov else u.clone()
+
+    def exchange(self, x: torch.Tensor, ctx: ExchangeContext):
+        shape = ctx.shape or tuple(x.shape)
+        g = self._clip(x, ctx.world_size)
+        u = self._state(ctx, "u", g)
+        if self.is_dense(shape):
+            if self.correction:
+                u.mul_(self.m).add_(g)
+                send = g + u * self.m if self.nesterov else u.clone()
+            else:
+                send = g.clone()
+            (total,) = yield (Allreduce(send),)
+            total.mul_(ctx.scale)
+            return total if self.correction else self._momentum_after(total, ctx)
+
+        v = self._state(ctx, "v", g)
+        if self.correction:
+            u.mul_(self.m).add_(g)
+            v.add_(g + u * self.m if self.nesterov else u)
+        else:
+            v.add_(g)
+        p = self.spec.params
+        k = num_selected(self.density(ctx.epoch), v.numel())
+        offset = sample_offset(sample_stride(p["sample_ratio"]), v.numel(), p["seed"], ctx.step, ctx.key)
+        idx = sampled_threshold_select(v, k, p["sample_ratio"], p["adapt_iters"], offset)
+        values = v[idx]
+        if p["fp16_values"]:
+            values = values.to(torch.float16)
+        v[idx] = 0
+        if self.masking:
+            u[idx] = 0
+        wire_idx = idx.to(torch.int32) if v.numel() <= torch.iinfo(torch.int32).max else idx
+        indices, gathered = yield (Allgather(wire_idx), Allgather(values))
+        total = torch.zeros_like(v).index_add_(0, indices.long(), gathered.to(v.dtype))
+        total.mul_(ctx.scale)
+        return total if self.correction else self._momentum_after(total, ctx)
+
+
+def adopt_momentum(spec: CompressionSpec, param_groups) -> CompressionSpec:
+    """Move an SGD-style optimizer's momentum into the DGC spec, so it is applied once.
+
+    DGC accumulates velocity in its memory (momentum correction); the wrapped optimizer must then
+    run without momentum. If the optimizer's parameter groups carry ``momentum`` > 0, that value
+    (and ``nesterov``) replaces the spec's, and the groups' momentum is set to 0. Groups with
+    different momenta cannot share one DGC memory: ValueError.
+    """
+    momenta = {(float(g.get("momentum", 0.0)), bool(g.get("nesterov", False))) for g in param_groups}
+    nonzero = {mn for mn in momenta if mn[0] > 0.0}
+    if not nonzero:
+        return spec
+    if len(momenta) > 1:
+        raise ValueError("compression 'dgc': the optimizer's parameter groups use different momenta "
+                         f"{sorted(momenta)}; DGC applies one momentum in its memory. Give every group "
+                         "the same momentum, or momentum=0 and set it in the spec (dgc:momentum=...)")
+    (m, nesterov), = nonzero
+    if (m, nesterov) != (spec["momentum"], spec["nesterov"]):
+        warnings.warn(f"compression 'dgc': taking over the optimizer's momentum={m}, nesterov={nesterov} "
+                      f"(the spec said momentum={spec['momentum']}, nesterov={spec['nesterov']}); the "
+                      "optimizer itself now runs with momentum=0")
+    for g in param_groups:
+        g["momentum"] = 0.0
+        if "nesterov" in g:
+            g["nesterov"] = False
+    params = dict(spec.params, momentum=m, nesterov=nesterov)
+    return CompressionSpec(spec.name, params)
