@@ -1,0 +1,358 @@
+"""Cost model of one training step's communication and compression, fitted from timings.
+
+Communication (alpha-beta, per worker count N, fitted on the real transport)::
+
+    allreduce  t = a_N + b_N * m          m: bytes each rank contributes
+    allgather  t = a_N + b_N * N * m      N * m: bytes every rank ends up holding
+
+An exchange of a (merged) tensor of d elements issues one or more collectives; its time is the
+sum over them (``comm_seconds``). Top-k sends an int32-index allgather and a float32-value
+allgather of k = ceil(ratio * d) entries each, so t_c = 2 * (a_N + b_N * 4 * N * k), as in
+DESIGN.md. Which collectives a compressor issues is told by ``PAYLOADS`` (by name), or, for a
+name not there, by its spec: ``exchange`` and a ``ratio`` parameter if it has one.
+
+Compression (per compressor spec) ``t_s(d) = a * f(d) + b`` with ``f(d) = d * log2(d)``
+("dlogd", sort-like selection) or ``f(d) = d`` ("linear"); both forms are fitted and the one with
+the smaller relative RMS error is kept, with both errors recorded.
+
+Every fit is weighted least squares on the *relative* residual ``(a + b*x - t) / t``, because
+sizes span many decades and the start-up term would otherwise be fitted to noise; a coefficient
+that comes out negative is fixed at 0 and the other refitted (``fit_linear``).
+
+To another world size the model is carried by ring-algorithm scaling (``for_world_size``):
+ring allreduce costs 2(N-1) alpha + 2(N-1)/N * m * beta, ring allgather (N-1) alpha +
+(N-1)/N * (N m) * beta, so a_N scales with (N-1) and b_N with (N-1)/N; the per-link alpha and beta
+come from the fitted N. This is an extrapolation (Horovod's own coordination is folded into alpha).
+
+A ``CostModel`` is JSON (``to_dict``/``save``/``load``), keyed by world size and host set, cached
+under ``~/.cache/hvdcompress`` (``cache_path``). One can be written by hand, e.g.
+``CostModel.from_link(4, gbit_per_s=1.0, latency_s=50e-6)`` or with explicit ``LinearFit``s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .spec import GATHERED, SUMMED, CompressionSpec, resolve
+
+VERSION = 1
+FORMS = ("dlogd", "linear")
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """``t = alpha + beta * x``; ``rel_rmse``: RMS of (fit - t) / t over the samples it came from."""
+
+    alpha: float
+    beta: float
+    rel_rmse: float = 0.0
+    samples: int = 0
+
+    def __call__(self, x):
+        return self.alpha + self.beta * np.asarray(x, dtype=float)
+
+    def to_dict(self) -> dict:
+        return {"alpha": self.alpha, "beta": self.beta, "rel_rmse": self.rel_rmse, "samples": self.samples}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "LinearFit":
+        return cls(float(d["alpha"]), float(d["beta"]), float(d.get("rel_rmse", 0.0)), int(d.get("samples", 0)))
+
+
+@dataclass(frozen=True)
+class ComputeFit:
+    """``t_s(d) = a * f(d) + b`` for d elements; ``errors``: relative RMS error of every form tried."""
+
+    form: str
+    a: float
+    b: float
+    errors: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"compute fit: form must be one of {', '.join(FORMS)}; got {self.form!r}")
+
+    def __call__(self, d):
+        return self.a * _feature(self.form, d) + self.b
+
+    @property
+    def rel_rmse(self) -> float:
+        return float(self.errors.get(self.form, 0.0))
+
+    def to_dict(self) -> dict:
+        return {"form": self.form, "a": self.a, "b": self.b, "errors": dict(self.errors)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ComputeFit":
+        return cls(d["form"], float(d["a"]), float(d["b"]), {k: float(v) for k, v in d.get("errors", {}).items()})
+
+
+def _feature(form: str, d) -> np.ndarray:
+    d = np.maximum(np.asarray(d, dtype=float), 0.0)
+    if form == "linear":
+        return d
+    return d * np.log2(np.maximum(d, 1.0))
+
+
+def fit_linear(x: Sequence[float], t: Sequence[float]) -> LinearFit:
+    """Least squares ``t ~ alpha + beta * x`` minimising sum(((alpha + beta*x - t) / t)^2), with
+    alpha, beta >= 0 (a negative one is fixed at 0 and the other refitted)."""
+    x, t = np.asarray(x, dtype=float), np.asarray(t, dtype=float)
+    if x.shape != t.shape or x.ndim != 1 or len(x) < 2:
+        raise ValueError(f"fit: need at least 2 (size, seconds) samples of equal length; got {len(x)}, {len(t)}")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(t)) and np.all(t > 0) and np.all(x >= 0)):
+        raise ValueError("fit: sizes must be finite and >= 0, times finite and > 0")
+    w = 1.0 / t
+    design = np.stack([w, x * w], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if beta < 0:
+        alpha, beta = float(np.sum(w) / np.sum(w * w)), 0.0  # argmin of sum((alpha * w - 1)^2)
+    elif alpha < 0:
+        alpha, beta = 0.0, float(np.sum(x * w) / np.sum((x * w) ** 2))
+    pred = alpha + beta * x
+    err = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+    return LinearFit(float(alpha), float(beta), err, len(x))
+
+
+def fit_compute(d: Sequence[float], t: Sequence[float], forms: Iterable[str] = FORMS) -> ComputeFit:
+    """Fit ``t_s(d)`` in every form of ``forms`` (see the module doc); keep the smallest error."""
+    fits = {}
+    for form in forms:
+        if form not in FORMS:
+            raise ValueError(f"compute fit: form must be one of {', '.join(FORMS)}; got {form!r}")
+        lin = fit_linear(_feature(form, d), t)
+        fits[form] = lin
+    best = min(fits, key=lambda f: fits[f].rel_rmse)
+    return ComputeFit(best, fits[best].beta, fits[best].alpha, {f: v.rel_rmse for f, v in fits.items()})
+
+
+# --- what a compressor puts on the wire ---------------------------------------------------------
+# A payload rule maps (spec, d elements as an array, itemsize, density) to (collective kind,
+# number of collectives, total bytes this rank contributes).
+PayloadRule = Callable[[CompressionSpec, np.ndarray, int, Optional[float]], Tuple[str, int, np.ndarray]]
+
+
+def _selected(fraction: float, d: np.ndarray) -> np.ndarray:
+    """k = ceil(fraction * d) (at least 1 of a non-empty tensor), as in ``spec.num_selected``."""
+    x = fraction * d
+    k = np.ceil(x - 1e-9 * x)
+    return np.where(d > 0, np.clip(k, 1, d), 0)
+
+
+def _index_bytes(d: np.ndarray) -> np.ndarray:
+    return np.where(d <= np.iinfo(np.int32).max, 4, 8)
+
+
+def _sparse_gathered(spec, d, itemsize, density):
+    frac = spec.params["ratio"] if "ratio" in spec.params else (1.0 if density is None else density)
+    k = _selected(frac, d)
+    return GATHERED, 2, k * (itemsize + _index_bytes(d))
+
+
+PAYLOADS: Dict[str, PayloadRule] = {
+    "none": lambda spec, d, item, dens: (SUMMED, 1, d * item),
+    "fp16": lambda spec, d, item, dens: (SUMMED, 1, d * 2.0),
+    "bf16": lambda spec, d, item, dens: (GATHERED, 1, d * 2.0),
+    "topk": _sparse_gathered,
+    "threshold": _sparse_gathered,  # density: measured fraction sent; unknown -> 1 (an upper bound)
+    "randomk": lambda spec, d, item, dens: (SUMMED, 1, _selected(spec["ratio"], d) * item),
+}
+
+
+def payload(spec, d, itemsize: int = 4, density: Optional[float] = None) -> Tuple[str, int, np.ndarray]:
+    """(collective kind, collectives per exchange, bytes this rank sends) for d-element tensors."""
+    spec = resolve(spec)
+    d = np.asarray(d, dtype=float)
+    rule = PAYLOADS.get(spec.name)
+    if rule is not None:
+        return rule(spec, d, itemsize, density)
+    if "ratio" in spec.params:  # a sparsifier this table does not know: values (+ indices if gathered)
+        if spec.exchange == GATHERED:
+            return _sparse_gathered(spec, d, itemsize, density)
+        return SUMMED, 1, _selected(spec["ratio"], d) * itemsize
+    return spec.exchange, 1, d * itemsize
+
+
+# --- the model ----------------------------------------------------------------------------------
+def host_key(world_size: int, hosts: Iterable[str] = ()) -> str:
+    """``n<N>-<10 hex digits of sha1 of the sorted distinct hosts>``: names a cached model."""
+    digest = hashlib.sha1(",".join(sorted(set(hosts))).encode()).hexdigest()[:10]
+    return f"n{int(world_size)}-{digest}"
+
+
+def cache_dir() -> str:
+    """$HVDCOMPRESS_CACHE, else $XDG_CACHE_HOME/hvdcompress, else ~/.cache/hvdcompress."""
+    if os.environ.get("HVDCOMPRESS_CACHE"):
+        return os.environ["HVDCOMPRESS_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hvdcompress")
+
+
+def cache_path(world_size: int, hosts: Iterable[str] = ()) -> str:
+    return os.path.join(cache_dir(), f"costmodel-{host_key(world_size, hosts)}.json")
+
+
+def _ring_factors(n: int) -> Tuple[float, float]:
+    """(latency factor, bandwidth factor) of a ring collective on n ranks: (n-1, (n-1)/n)."""
+    return float(n - 1), (n - 1) / n
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Fitted (or hand-written) costs for one world size and host set; see the module doc."""
+
+    world_size: int
+    allreduce: LinearFit
+    allgather: LinearFit
+    compress: Mapping[str, ComputeFit] = field(default_factory=dict)
+    hosts: Tuple[str, ...] = ()
+    meta: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"cost model: world_size must be an int >= 1; got {self.world_size!r}")
+        # compressor keys are normalised spec strings, so "topk:ratio=0.01" finds its fit
+        object.__setattr__(self, "compress", {str(resolve(k)): v for k, v in dict(self.compress).items()})
+        object.__setattr__(self, "hosts", tuple(sorted(set(self.hosts))))
+
+    @property
+    def key(self) -> str:
+        return host_key(self.world_size, self.hosts)
+
+    # -- predictions ---------------------------------------------------------------------------
+    def collective_seconds(self, kind: str, nbytes, world_size: Optional[int] = None):
+        """One collective: ``kind`` is "allreduce" or "allgather", nbytes what each rank sends."""
+        model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
+        nbytes = np.asarray(nbytes, dtype=float)
+        if kind == GATHERED:
+            return model.allgather(model.world_size * nbytes)
+        return model.allreduce(nbytes)
+
+    def comm_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
+                     density: Optional[float] = None):
+        """t_c: seconds to exchange tensors of ``dense_bytes`` (array ok) compressed by ``spec``."""
+        d = np.asarray(dense_bytes, dtype=float) / itemsize
+        kind, ops, nbytes = payload(spec, d, itemsize, density)
+        model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
+        fit = model.allgather if kind == GATHERED else model.allreduce
+        scale = model.world_size if kind == GATHERED else 1
+        return ops * fit.alpha + fit.beta * scale * nbytes
+
+    def has_compress_fit(self, spec) -> bool:
+        spec = resolve(spec)
+        return spec.name == "none" or str(spec) in self.compress
+
+    def compress_seconds(self, spec, dense_bytes, itemsize: int = 4):
+        """t_s: seconds to compress tensors of ``dense_bytes`` (array ok); 0 for ``none``."""
+        spec = resolve(spec)
+        fit = self.compress.get(str(spec))
+        if fit is None:
+            if spec.name == "none":
+                return np.zeros_like(np.asarray(dense_bytes, dtype=float))
+            known = ", ".join(sorted(self.compress)) or "none"
+            raise ValueError(f"cost model: no compression-time fit for '{spec}' (fitted: {known}); "
+                             "profile it (torch_ops.profiling) or add a ComputeFit by hand")
+        return fit(np.asarray(dense_bytes, dtype=float) / itemsize)
+
+    # -- other worlds --------------------------------------------------------------------------
+    def for_world_size(self, world_size: int, gbit_per_s: Optional[float] = None,
+                       latency_s: Optional[float] = None) -> "CostModel":
+        """This model carried to ``world_size`` ranks by ring scaling (module doc); optionally with
+        another link bandwidth (Gbit/s) and per-hop latency (seconds) in place of the fitted ones."""
+        if self.world_size < 2:
+            raise ValueError("cost model: a model fitted on 1 rank has no communication to scale")
+        n0_lat, n0_bw = _ring_factors(self.world_size)
+        lat, bw = _ring_factors(int(world_size))
+        ar_alpha = self.allreduce.alpha / (2 * n0_lat) if latency_s is None else latency_s
+        ag_alpha = self.allgather.alpha / n0_lat if latency_s is None else latency_s
+        if gbit_per_s is None:
+            ar_beta, ag_beta = self.allreduce.beta / (2 * n0_bw), self.allgather.beta / n0_bw
+        else:
+            ar_beta = ag_beta = 8.0 / (gbit_per_s * 1e9)
+        meta = dict(self.meta, scaled_from=self.world_size)
+        return CostModel(int(world_size), LinearFit(2 * lat * ar_alpha, 2 * bw * ar_beta),
+                         LinearFit(lat * ag_alpha, bw * ag_beta), self.compress, self.hosts, meta)
+
+    @classmethod
+    def from_link(cls, world_size: int, gbit_per_s: float, latency_s: float,
+                  compress: Optional[Mapping[str, ComputeFit]] = None) -> "CostModel":
+        """A hand-built model: ring collectives over links of ``gbit_per_s`` and ``latency_s``."""
+        if not (gbit_per_s > 0 and latency_s >= 0):
+            raise ValueError("cost model: gbit_per_s must be > 0 and latency_s >= 0")
+        lat, bw = _ring_factors(int(world_size))
+        beta = 8.0 / (gbit_per_s * 1e9)
+        return cls(int(world_size), LinearFit(2 * lat * latency_s, 2 * bw * beta),
+                   LinearFit(lat * latency_s, bw * beta), compress or {},
+                   meta={"source": f"from_link({gbit_per_s} Gbit/s, {latency_s} s)"})
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"version": VERSION, "key": self.key, "world_size": self.world_size, "hosts": list(self.hosts),
+                "allreduce": self.allreduce.to_dict(), "allgather": self.allgather.to_dict(),
+                "compress": {k: v.to_dict() for k, v in self.compress.items()}, "meta": dict(self.meta)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "CostModel":
+        if d.get("version") != VERSION:
+            raise ValueError(f"cost model: expected version {VERSION}; got {d.get('version')!r}")
+        return cls(int(d["world_size"]), LinearFit.from_dict(d["allreduce"]), LinearFit.from_dict(d["allgather"]),
+                   {k: ComputeFit.from_dict(v) for k, v in d.get("compress", {}).items()},
+                   tuple(d.get("hosts", ())), dict(d.get("meta", {})))
+
+    def save(self, path: Optional[str] = None) -> str:
+        """Write JSON to ``path`` (default: ``cache_path`` of this world and host set); returns it."""
+        path = path or cache_path(self.world_size, self.hosts)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # readers never see half a file
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "CostModel":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def cached(cls, world_size: int, hosts: Iterable[str] = ()) -> Optional["CostModel"]:
+        """The cached model of this world size and host set, or None."""
+        path = cache_path(world_size, hosts)
+        return cls.load(path) if os.path.exists(path) else None
+
+
+def fit_cost_model(world_size: int, allreduce_samples, allgather_samples, compress_samples=None,
+                   hosts: Iterable[str] = (), meta: Optional[Mapping] = None) -> CostModel:
+    """Fit a model from timings: ``allreduce_samples`` (bytes per rank, seconds) pairs,
+    ``allgather_samples`` likewise (bytes per rank; fitted on N * bytes), ``compress_samples``
+    {spec: [(elements, seconds), ...]}."""
+    ar = np.asarray(list(allreduce_samples), dtype=float).reshape(-1, 2)
+    ag = np.asarray(list(allgather_samples), dtype=float).reshape(-1, 2)
+    compress = {}
+    for spec, samples in (compress_samples or {}).items():
+        s = np.asarray(list(samples), dtype=float).reshape(-1, 2)
+        compress[str(resolve(spec))] = fit_compute(s[:, 0], s[:, 1])
+    return CostModel(int(world_size), fit_linear(ar[:, 0], ar[:, 1]),
+                     fit_linear(world_size * ag[:, 0], ag[:, 1]), compress, tuple(hosts), dict(meta or {}))
+
+
+def describe(model: CostModel) -> str:
+    """A few lines a person can read: the fits and their errors."""
+    lines = [f"cost model {model.key} (world size {model.world_size})"]
+    for name, fit in (("allreduce", model.allreduce), ("allgather", model.allgather)):
+        per = "byte per rank" if name == "allreduce" else "byte gathered"
+        bw = 8 / fit.beta / 1e9 if fit.beta > 0 else math.inf
+        lines.append(f"  {name}: {fit.alpha * 1e6:.1f} us + {fit.beta * 1e9:.4f} ns/{per} "
+                     f"(effective {bw:.2f} Gbit/s), rel. RMS error {fit.rel_rmse:.1%} over {fit.samples} samples")
+    for spec, fit in model.compress.items():
+        alt = ", ".join(f"{f} {e:.1%}" for f, e in fit.errors.items())
+        lines.append(f"  compress {spec}: {fit.a:.3g}*{'d*log2(d)' if fit.form == 'dlogd' else 'd'} + "
+                     f"{fit.b * 1e6:.1f} us (rel. RMS error: {alt})")
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""The timeline of one backward pass whose gradients are compressed and sent in merged groups.
+
+Tensors are numbered in *backward order* (0 = the first gradient backward produces, i.e. the
+last layer's). A plan is a partition of 0..L-1 into consecutive groups. For tensor i, ``t_b[i]``
+is the backward compute that precedes its gradient (the gap between two gradient hooks);
+``t_s(bytes)`` is the time to compress a group, ``t_c(bytes)`` the time to exchange it (both take
+the group's dense size in bytes). Time 0 is the start of backward.
+
+Two models of where compression runs (``overlap``):
+
+``"shared"`` (default; the MGS reference's model, and what a backward hook does on a CPU or on a
+single CUDA stream): compression runs on the compute stream, so it delays the backward of the
+layers after it. With ``R_i = t_b[0] + ... + t_b[i]`` and groups g = 1..G ending at tensor e_g::
+
+    compress_end[g] = R_{e_g} + t_s(1) + ... + t_s(g)          (backward and compression in turn)
+    comm_end[g]     = max(comm_end[g-1], compress_end[g]) + t_c(g)
+
+``"parallel"`` (DESIGN.md's formula, tau_s[l] = tau_b[l] + t_b[l]; tau_c[l] = max(tau_c[l+1] +
+t_c[l+1], tau_s[l] + t_s[l])): compression of a group starts as soon as its last gradient is
+ready and runs beside backward and beside other groups' compression::
+
+    compress_end[g] = R_{e_g} + t_s(g)
+    comm_end[g]     = max(comm_end[g-1], compress_end[g]) + t_c(g)
+
+In both, communication is serialized (one group on the wire at a time, in order) and the step's
+backward-plus-exchange time is ``comm_end[G]``. With t_s = 0 both are MG-WFBP's model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Sequence, Tuple
+
+import numpy as np
+
+OVERLAPS = ("shared", "parallel")
+CostFn = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per group (arrays in group order): when its last gradient is ready on the compute stream,
+    when its compression starts and ends, when its exchange starts and ends."""
+
+    groups: Tuple[Tuple[int, ...], ...]
+    ready: np.ndarray
+    compress_start: np.ndarray
+    compress_end: np.ndarray
+    comm_start: np.ndarray
+    comm_end: np.ndarray
+    backward_end: float  # all local compute (backward and every compression) is done
+
+    @property
+    def end(self) -> float:
+        """Backward + exchange time of the step: the last group's exchange ends."""
+        return float(self.comm_end[-1]) if len(self.comm_end) else self.backward_end
+
+    @property
+    def exposed_comm(self) -> float:
+        """How long the step waits for the network after the compute stream is done."""
+        return self.end - self.backward_end
+
+    def as_dict(self) -> dict:
+        return {"groups": [list(g) for g in self.groups], "ready": self.ready.tolist(),
+                "compress_start": self.compress_start.tolist(), "compress_end": self.compress_end.tolist(),
+                "comm_start": self.comm_start.tolist(), "comm_end": self.comm_end.tolist(),
+                "backward_end": self.backward_end, "end": self.end}
+
+
+def check_overlap(overlap: str) -> str:
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap: must be one of {', '.join(map(repr, OVERLAPS))}; got {overlap!r}")
+    return overlap
+
+
+def as_cost_fn(fn: Callable) -> CostFn:
+    """Wrap a cost function so it maps an array of byte counts to an array of seconds (a plain
+    scalar function, e.g. one using ``math.log``, is applied element by element)."""
+    def vectorised(x):
+        x = np.asarray(x, dtype=float)
+        try:
+            y = np.asarray(fn(x), dtype=float)
+            if y.shape == x.shape:
+                return y
+            if y.ndim == 0:
+                return np.full(x.shape, float(y))
+        except (TypeError, ValueError):
+            pass
+        return np.array([float(fn(float(v))) for v in x.ravel()], dtype=float).reshape(x.shape)
+    return vectorised
+
+
+def check_inputs(sizes: Sequence[float], t_b: Sequence[float]) -> Tuple[np.ndarray, np.ndarray]:
+    sizes = np.asarray(sizes, dtype=float)
+    t_b = np.asarray(t_b, dtype=float)
+    if sizes.ndim != 1 or t_b.shape != sizes.shape:
+        raise ValueError(f"sizes and t_b must be 1-D and of equal length; got shapes {sizes.shape}, {t_b.shape}")
+    if not (np.all(np.isfinite(sizes)) and np.all(sizes >= 0)):
+        raise ValueError("sizes: every tensor size (bytes) must be finite and >= 0")
+    if not (np.all(np.isfinite(t_b)) and np.all(t_b >= 0)):
+        raise ValueError("t_b: every backward time (seconds) must be finite and >= 0")
+    return sizes, t_b
+
+
+def check_partition(groups: Sequence[Sequence[int]], n: int) -> Tuple[Tuple[int, ...], ...]:
+    """Groups must be non-empty runs of consecutive indices that cover 0..n-1 in order."""
+    flat = [int(i) for g in groups for i in g]
+    if any(len(g) == 0 for g in groups) or flat != list(range(n)):
+        raise ValueError(f"groups must partition 0..{n - 1} into non-empty consecutive runs, in backward "
+                         f"order; got {[list(g) for g in groups]}")
+    for g in groups:
+        if list(g) != list(range(g[0], g[0] + len(g))):
+            raise ValueError(f"group {list(g)} is not a run of consecutive indices")
+    return tuple(tuple(int(i) for i in g) for g in groups)
+
+
+def group_ends(groups: Sequence[Sequence[int]]) -> List[int]:
+    """Exclusive end index of every group: [[0, 1], [2]] -> [2, 3]."""
+    return [int(g[-1]) + 1 for g in groups]
+
+
+def groups_from_ends(ends: Sequence[int]) -> List[List[int]]:
+    starts = [0] + list(ends[:-1])
+    return [list(range(a, b)) for a, b in zip(starts, ends)]
+
+
+def predict(groups: Sequence[Sequence[int]], sizes: Sequence[float], t_b: Sequence[float],
+            t_s: Callable, t_c: Callable, overlap: str = "shared") -> Timeline:
+    """The timeline of the module doc for this partition."""
+    check_overlap(overlap)
+    sizes, t_b = check_inputs(sizes, t_b)
+    groups = check_partition(groups, len(sizes))
+    ends = group_ends(groups)
+    cum = np.concatenate([[0.0], np.cumsum(sizes)])
+    R = np.concatenate([[0.0], np.cumsum(t_b)])
+    starts = [0] + ends[:-1]
+    nbytes = np.array([cum[e] - cum[s] for s, e in zip(starts, ends)], dtype=float)
+    ts = as_cost_fn(t_s)(nbytes)
+    tc = as_cost_fn(t_c)(nbytes)
+    n = len(groups)
+    ready, cs, ce, ms, me = (np.zeros(n) for _ in range(5))
+    stream = 0.0  # shared: compression done so far, pushing the compute stream back
+    comm_free = 0.0
+    for g, e in enumerate(ends):
+        ready[g] = R[e] + stream if overlap == "shared" else R[e]
+        cs[g] = ready[g]
+        ce[g] = cs[g] + ts[g]
+        if overlap == "shared":
+            stream += ts[g]
+        ms[g] = max(comm_free, ce[g])
+        me[g] = comm_free = ms[g] + tc[g]
+    backward_end = float(R[-1] + stream) if overlap == "shared" else float(max(R[-1], ce.max(initial=0.0)))
+    return Timeline(groups, ready, cs, ce, ms, me, backward_end)
