@@ -18,4 +18,5 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy"],
     extras_require={"dev": ["pytest", "tqdm", "matplotlib", "scikit-learn"]},
+    entry_points={"console_scripts": ["hvdcompress = hvdcompress.cli:main"]},
 )

@@ -100,7 +100,9 @@ fi
 
 # --- 3. this package ---------------------------------------------------------------------------
 # (checked from / so that the current directory does not make an uninstalled checkout importable)
-if (cd / && "$PY" -c "import hvdcompress, torch_ops, tf_ops, sys; sys.exit(0 if hvdcompress.__file__.startswith('$HERE/') else 1)") 2>/dev/null; then
+# (the console command `hvdcompress` must be registered too: it came with a later setup.py)
+if (cd / && "$PY" -c "import hvdcompress, torch_ops, tf_ops, sys; sys.exit(0 if hvdcompress.__file__.startswith('$HERE/') else 1)") 2>/dev/null \
+    && command -v hvdcompress >/dev/null; then
   log "hvdcompress already installed (editable, from $HERE)"
 else
   "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps --no-build-isolation -e "$HERE"

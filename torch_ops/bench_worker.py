@@ -7,7 +7,8 @@ fixes torch to ``threads`` CPU threads, and measures one *phase* per entry:
 - ``compute-only`` (when ``compute_only`` is true): the same model, batch and plain SGD step
   with no exchange at all -- the limit that compression approaches. Every rank runs it at the same
   time, so the ranks share the CPU cores as they do in the exchanging phases;
-- one phase per compression spec: ``DistributedOptimizer`` with that spec.
+- one phase per compression spec: ``DistributedOptimizer`` with that spec, set to epoch ``epoch``
+  (``opt.set_epoch``) so a schedule such as DGC's density warm-up is timed where asked.
 
 Each phase runs ``warmup`` steps, then ``steps`` timed steps (zero_grad, forward, backward,
 ``step()``, which waits for the exchange), between two barriers. It records each step's time,
@@ -40,7 +41,7 @@ from .optimizer import DistributedOptimizer
 
 COMPUTE_ONLY = "compute-only"
 REQUIRED = ("model", "batch", "steps", "warmup", "threads", "seed", "compute_only", "specs",
-            "latency_ms", "iface", "out")
+            "latency_ms", "epoch", "iface", "out")
 
 
 def read_counters(iface: Optional[str]) -> Dict[str, int]:
@@ -70,6 +71,7 @@ def run_phase(cfg: dict, spec: Optional[str], hvd) -> dict:
         driver = LatencyDriver(latency_s) if latency_s > 0 else HorovodDriver()
         opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=spec,
                                    driver=driver)
+        opt.set_epoch(cfg["epoch"])  # schedules (DGC's density warm-up) at the epoch asked for
 
     def train_step() -> float:
         start = time.perf_counter()
@@ -115,6 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise ValueError(f"bench worker config {argv[0]}: missing keys {', '.join(missing)}")
 
     torch.set_num_threads(int(cfg["threads"]))
+    import horovod
     import horovod.torch as hvd
 
     hvd.init()
@@ -123,7 +126,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     phases += list(cfg["specs"])
     result = {"rank": hvd.rank(), "size": hvd.size(), "threads": torch.get_num_threads(),
               "model": cfg["model"], "parameters": params, "parameter_tensors": tensors,
-              "iface": cfg["iface"], "phases": []}
+              "iface": cfg["iface"], "phases": [],
+              "versions": {"torch": torch.__version__, "horovod": horovod.__version__,
+                           "python": sys.version.split()[0]}}
     for spec in phases:
         phase = run_phase(cfg, spec, hvd)
         result["phases"].append(phase)

@@ -1,0 +1,228 @@
+"""``hvdcompress bench`` / ``python -m hvdcompress.bench``: the benchmark command line.
+
+For every worker count and link bandwidth it builds the emulated network (or, with
+``--loopback``, uses 127.0.0.1 with no rate limit), launches the Horovod workers once, and has them
+measure the compute-only limit (once per worker count) and every compression spec in turn. It
+writes ``OUT.json`` (every figure), ``OUT.png`` (step time vs bandwidth) and ``OUT.md`` (the README
+table, also printed). The JSON is rewritten after every launch, so an interrupted run keeps what
+it measured. Whatever happens -- a failed worker, a time limit, Ctrl-C, SIGTERM -- the workers are
+stopped and the namespaces, links and /etc/netns entries removed before it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+from hvdcompress.spec import parse_spec
+
+from . import netns
+from .figures import DEFINITIONS, add_relative, summarize
+from .launch import Placement, WorkerFailure, run_workers
+from .report import markdown_table, write_chart, write_json
+from .signals import raise_on_sigterm
+
+MODELS = ("vgg", "mlp", "deep")  # defined in torch_ops/bench_models.py (not imported: no torch here)
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog, description="Step time, bytes and speed-up of gradient compressors vs dense Horovod on "
+        "an emulated network (network namespaces + tbf; root) or on loopback.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--compression", "-c", nargs="+", default=["none", "fp16", "topk:ratio=0.001"],
+                    metavar="SPEC", help="compression specs to measure (space-separated)")
+    ap.add_argument("--bandwidths", "-b", default=argparse.SUPPRESS,
+                    help="comma-separated per-worker link rates, e.g. 10mbit,100mbit,1gbit,10gbit,unlimited "
+                         "(default: 100mbit; with --loopback only 'unlimited')")
+    ap.add_argument("--workers", "-n", default="4", help="comma-separated worker counts")
+    ap.add_argument("--model", choices=MODELS, default="vgg",
+                    help="vgg: 6.4M-parameter CNN; mlp: 12.6M-parameter MLP; deep: 0.33M parameters in 100 tensors")
+    ap.add_argument("--batch", type=int, default=32, help="samples per worker per step")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
+    ap.add_argument("--latency-ms", type=float, default=0.0,
+                    help="INJECT this delay into the completion of every exchange round in the workers "
+                         "(not network-emulated: netem is unavailable)")
+    ap.add_argument("--loopback", action="store_true",
+                    help="no namespaces, no root: workers on 127.0.0.1 with no rate limit")
+    ap.add_argument("--out", default="results/bench", help="output prefix: OUT.json, OUT.png, OUT.md")
+    ap.add_argument("--launch-timeout", type=float, default=900.0,
+                    help="seconds one launch (all specs at one bandwidth and worker count) may take")
+    ap.add_argument("--epoch", type=int, default=1000,
+                    help="epoch given to opt.set_epoch() before timing, so schedules (DGC's density warm-up) "
+                         "are measured at that epoch; the default is past any warm-up")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cleanup-stale", action="store_true",
+                    help="only delete namespaces left by benchmark runs that were killed, then exit")
+    return ap
+
+
+def _positive(name: str, value, low: float = 1) -> None:
+    if not value >= low:
+        raise ValueError(f"{name}: must be >= {low:g}; got {value!r}")
+
+
+def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
+    ap = build_parser(prog)
+    args = ap.parse_args(argv)
+    try:
+        for spec in args.compression:
+            parse_spec(spec)
+        args.worker_counts = [int(w) for w in args.workers.split(",") if w.strip()]
+        if not args.worker_counts or min(args.worker_counts) < 2:
+            raise ValueError(f"workers: every worker count must be >= 2; got {args.workers!r}")
+        if not hasattr(args, "bandwidths"):
+            args.bandwidths = "unlimited" if args.loopback else "100mbit"
+        args.bandwidth_list = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
+        rates = [netns.parse_bandwidth(b) for b in args.bandwidth_list]
+        if args.loopback and any(r is not None for r in rates):
+            raise ValueError("--loopback has no rate limit: use --bandwidths unlimited (or leave it out)")
+        for name in ("batch", "steps", "threads"):
+            _positive(name, getattr(args, name))
+        _positive("warmup", args.warmup, 0)
+        _positive("epoch", args.epoch, 0)
+        _positive("latency-ms", args.latency_ms, 0)
+        _positive("launch-timeout", args.launch_timeout, 10)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse_args(argv, prog)
+    if args.cleanup_stale:
+        problem = netns.missing_prerequisites()
+        if problem:
+            print(f"hvdcompress bench: cannot clean up namespaces: {problem}", file=sys.stderr)
+            return 2
+        removed = netns.remove_stale()
+        print(f"removed {len(removed)} stale namespace(s){': ' + ', '.join(removed) if removed else ''}")
+        return 0
+    if not args.loopback:
+        problem = netns.missing_prerequisites()
+        if problem:
+            print(f"hvdcompress bench: cannot emulate a network here: {problem}.\n"
+                  "Run it as root on a machine with iproute2, or measure without a rate limit on loopback:\n"
+                  f"  hvdcompress bench --loopback {shlex.join(argv)}", file=sys.stderr)
+            return 2
+        removed = netns.remove_stale()
+        if removed:
+            print(f"removed {len(removed)} namespace(s) left by killed runs: {', '.join(removed)}")
+    raise_on_sigterm()
+    report = _new_report(args, argv)
+    try:
+        ok = _sweep(args, report)
+    except KeyboardInterrupt as e:
+        print(f"\ninterrupted ({e or 'Ctrl-C'}): workers stopped, network torn down; "
+              f"partial results in {args.out}.json", file=sys.stderr)
+        _finish(args, report)
+        return 130
+    finally:
+        if not args.loopback:
+            left = netns.leftovers(os.getpid())
+            if left:
+                print(f"warning: removing namespaces left behind: {', '.join(left)}", file=sys.stderr)
+                netns.remove(left)
+    _finish(args, report)
+    print(markdown_table(report))
+    print(f"wrote {args.out}.json, {args.out}.png, {args.out}.md")
+    return 0 if ok else 1
+
+
+def _new_report(args: argparse.Namespace, argv: List[str]) -> dict:
+    return {
+        "meta": {
+            "command": "hvdcompress bench " + shlex.join(argv),
+            "mode": "loopback (127.0.0.1, no rate limit)" if args.loopback else "network namespaces",
+            "network": ("loopback 127.0.0.1, no rate limit" if args.loopback else
+                        "one network namespace per worker, veth into a bridge, tbf on both directions "
+                        "of each worker's link"),
+            "model": args.model, "parameters": None, "parameter_tensors": None,
+            "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+            "threads_per_worker": args.threads, "epoch": args.epoch,
+            "latency_ms_injected": args.latency_ms,
+            "latency_note": "injected into the completion of every exchange round in the worker process "
+                            "(LatencyDriver), not network-emulated" if args.latency_ms else "none injected",
+            "compression": list(args.compression), "bandwidths": args.bandwidth_list,
+            "workers": args.worker_counts, "cpu_count": os.cpu_count(),
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average_1_5_15_at_start": list(os.getloadavg()),
+            "versions": {},
+        },
+        "definitions": DEFINITIONS,
+        "compute_only": [],
+        "results": [],
+    }
+
+
+def _sweep(args: argparse.Namespace, report: dict) -> bool:
+    """Every (worker count, bandwidth) launch in turn; returns False if any failed."""
+    from tqdm import tqdm
+
+    launches = [(n, b) for n in args.worker_counts for b in args.bandwidth_list]
+    all_ok = True
+    print(f"torch threads per worker: {args.threads} (torch.set_num_threads); "
+          f"{'loopback' if args.loopback else 'network namespaces'}; {len(launches)} launch(es)")
+    with tempfile.TemporaryDirectory(prefix="hvcbench-") as tmp:
+        bar = tqdm(launches, unit="launch", file=sys.stdout)
+        for k, (n, bw) in enumerate(bar):
+            bar.set_description(f"{n} workers @ {bw}")
+            measure_co = not any(c["workers"] == n for c in report["compute_only"])
+            config = {"model": args.model, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+                      "threads": args.threads, "seed": args.seed, "compute_only": measure_co,
+                      "specs": list(args.compression), "latency_ms": args.latency_ms, "epoch": args.epoch}
+            workdir = os.path.join(tmp, f"launch{k}")
+            try:
+                ranks = _launch(args, n, bw, k, config, workdir, bar.write)
+            except (WorkerFailure, netns.SetupError) as e:
+                all_ok = False
+                bar.write(f"FAILED: {n} workers @ {bw}: {e}")
+                status = f"failed: {str(e).splitlines()[0]}"
+                report["results"] += [{"compression": s, "bandwidth": bw, "workers": n, "status": status}
+                                      for s in args.compression]
+                if isinstance(e, netns.SetupError):
+                    bar.write("the emulated network could not be built; --loopback needs no namespaces")
+                    break
+                continue
+            _record(report, ranks, n, bw, args)
+            write_json(report, args.out + ".json")
+    return all_ok
+
+
+def _launch(args, n: int, bw: str, k: int, config: dict, workdir: str, log) -> List[dict]:
+    if args.loopback:
+        return run_workers(Placement.loopback(n), config, workdir, args.launch_timeout, log)
+    with netns.EmulatedNetwork(n, netns.parse_bandwidth(bw), tag=str(k)) as net:
+        log(f"network: {net.describe()}")
+        return run_workers(Placement.in_network(net), config, workdir, args.launch_timeout, log)
+
+
+def _record(report: dict, ranks: List[dict], n: int, bw: str, args: argparse.Namespace) -> None:
+    meta = report["meta"]
+    meta["parameters"], meta["parameter_tensors"] = ranks[0]["parameters"], ranks[0]["parameter_tensors"]
+    meta["threads_per_worker"] = ranks[0]["threads"]
+    meta["versions"] = ranks[0].get("versions", {})
+    summary = summarize(ranks, args.batch)
+    if summary["compute_only"] is not None:
+        report["compute_only"].append(dict(summary["compute_only"], workers=n, measured_at_bandwidth=bw))
+    for fig in summary["phases"]:
+        report["results"].append(dict(fig, bandwidth=bw, workers=n, status="ok",
+                                      latency_ms_injected=args.latency_ms))
+    add_relative(report["results"], {c["workers"]: c for c in report["compute_only"]})
+
+
+def _finish(args: argparse.Namespace, report: dict) -> None:
+    report["meta"]["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    report["meta"]["load_average_1_5_15_at_end"] = list(os.getloadavg())
+    write_json(report, args.out + ".json")
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown_table(report))
+    write_chart(report, args.out + ".png")

@@ -1,0 +1,107 @@
+"""From the workers' raw timings and counters to the figures the benchmark reports.
+
+Definitions (also written into the JSON's ``definitions``):
+
+- step time: for each timed step, the slowest rank's time (ranks are coupled by the exchange, so
+  this is the step of the job); then the median over the timed steps;
+- samples/s: workers x batch per worker / step time;
+- payload bytes per step: what each rank handed to Horovod per step by the optimizer's own
+  accounting (``opt.stats``), averaged over ranks; dense bytes: the fp32 gradient size;
+- wire bytes per step: the worker interface's tx/rx byte counters over the timed steps, divided by
+  the steps and averaged over ranks -- Ethernet/IP/TCP headers and Horovod's own coordination
+  traffic included (None in loopback mode, where all ranks share ``lo``);
+- expected wire tx: the payload times what an ideal ring moves per rank -- 2(N-1)/N for an
+  allreduce, (N-1) for an allgather of equal shares -- so wire / expected near 1 means the
+  payload accounting and the link agree;
+- compute-only: the same model, batch and plain SGD step on every rank at once, no exchange.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+from hvdcompress.spec import GATHERED, parse_spec
+
+DEFINITIONS = {
+    "step_time_s": "median over the timed steps of the slowest rank's step time (seconds)",
+    "samples_per_s": "workers * batch per worker / step_time_s",
+    "bytes_per_step": "payload bytes each rank handed to Horovod per step (opt.stats), mean over ranks",
+    "dense_bytes_per_step": "fp32 gradient bytes per step (what dense allreduce hands to Horovod)",
+    "compute_seconds_per_step": "compression + decompression seconds per step (opt.stats), mean over ranks",
+    "wire_tx_bytes_per_step": "bytes sent on the worker's veth per step (interface counters, headers and "
+                              "Horovod coordination included), mean over ranks; null on loopback",
+    "wire_rx_bytes_per_step": "bytes received on the worker's veth per step, as above",
+    "expected_wire_tx_bytes_per_step": "payload * 2(N-1)/N (allreduce) or * (N-1) (allgather): an ideal ring",
+    "x_compute_only": "step_time_s / the compute-only step time for the same worker count",
+    "speedup_vs_dense": "step time of 'none' (dense allreduce) / step_time_s, same link and worker count",
+    "latency_ms_injected": "delay added to the completion of every exchange round in the worker process "
+                           "(not network-emulated); 0 when not used",
+}
+
+
+def step_time(rank_phases: List[dict]) -> Dict[str, object]:
+    """Median / min / max over steps of the slowest rank's step time, and the per-step series."""
+    per_step = [max(ts) for ts in zip(*(p["step_times_s"] for p in rank_phases))]
+    return {"step_time_s": statistics.median(per_step), "step_time_min_s": min(per_step),
+            "step_time_max_s": max(per_step), "step_times_s": per_step}
+
+
+def _mean(values: List[float]) -> float:
+    return sum(values) / len(values)
+
+
+def wire_factor(spec: str, workers: int) -> float:
+    """Bytes an ideal ring moves per rank per payload byte, for the spec's exchange."""
+    if workers < 2:
+        return 0.0
+    if parse_spec(spec).exchange == GATHERED:
+        return float(workers - 1)
+    return 2.0 * (workers - 1) / workers
+
+
+def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
+    """Figures of one launch: ``{"compute_only": {...} or None, "phases": [{...} per spec]}``."""
+    workers = len(rank_results)
+    steps = len(rank_results[0]["phases"][0]["step_times_s"])
+    out: Dict[str, object] = {"compute_only": None, "phases": []}
+    for i, first in enumerate(rank_results[0]["phases"]):
+        phases = [r["phases"][i] for r in rank_results]
+        fig: Dict[str, object] = {"compression": first["compression"]}
+        fig.update(step_time(phases))
+        fig["samples_per_s"] = workers * batch / fig["step_time_s"]
+        has_wire = "iface_tx_bytes" in first
+        for key in ("tx", "rx"):
+            fig[f"wire_{key}_bytes_per_step"] = (
+                _mean([p[f"iface_{key}_bytes"] for p in phases]) / steps if has_wire else None)
+        if "bytes_per_step" not in first:  # compute-only
+            fig["wire_tx_bytes_per_s_idle"] = (
+                _mean([p["iface_tx_bytes"] / sum(p["step_times_s"]) for p in phases]) if has_wire else None)
+            out["compute_only"] = fig
+            continue
+        payload = _mean([p["bytes_per_step"] for p in phases])
+        expected = payload * wire_factor(first["compression"], workers)
+        fig.update({
+            "bytes_per_step": payload,
+            "dense_bytes_per_step": first["dense_bytes_per_step"],
+            "compression_ratio": first["dense_bytes_per_step"] / payload if payload else None,
+            "compute_seconds_per_step": _mean([p["compute_seconds_per_step"] for p in phases]),
+            "expected_wire_tx_bytes_per_step": expected,
+            "wire_over_expected": (fig["wire_tx_bytes_per_step"] / expected
+                                   if has_wire and expected else None),
+        })
+        out["phases"].append(fig)
+    return out
+
+
+def add_relative(results: List[dict], compute_only: Dict[int, dict]) -> None:
+    """Fill ``x_compute_only`` and ``speedup_vs_dense`` in place, from the measured entries."""
+    dense = {(r["workers"], r["bandwidth"]): r["step_time_s"] for r in results
+             if r.get("status") == "ok" and r["compression"] == "none"}
+    for r in results:
+        if r.get("status") != "ok":
+            continue
+        co: Optional[dict] = compute_only.get(r["workers"])
+        r["x_compute_only"] = r["step_time_s"] / co["step_time_s"] if co else None
+        d = dense.get((r["workers"], r["bandwidth"]))
+        r["speedup_vs_dense"] = d / r["step_time_s"] if d else None

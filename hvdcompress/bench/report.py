@@ -1,0 +1,125 @@
+"""Writing the benchmark's figures: JSON (everything), a markdown table, a PNG chart."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, List, Optional
+
+from .netns import format_bandwidth, parse_bandwidth
+
+
+def _bw_key(label: str) -> float:
+    bps = parse_bandwidth(label)
+    return math.inf if bps is None else float(bps)
+
+
+def _num(v: Optional[float], digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    if v == 0:
+        return "0"
+    return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def _bytes(v: Optional[float]) -> str:
+    if v is None:
+        return "–"
+    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
+        if v >= scale:
+            return f"{v / scale:.3g} {unit}"
+    return f"{v:.0f} B"
+
+
+def write_json(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def markdown_table(report: dict) -> str:
+    """The README table: one row per (workers, link, compression), compute-only rows included."""
+    meta = report["meta"]
+    lines = [
+        f"Model `{meta['model']}` ({meta['parameters'] / 1e6:.1f}M parameters, "
+        f"{meta['parameter_tensors']} tensors), batch {meta['batch']} per worker, synthetic data; "
+        f"torch threads per worker: {meta['threads_per_worker']}; median of {meta['steps']} steps after "
+        f"{meta['warmup']} warm-up; {meta['network']}."]
+    if meta["latency_ms_injected"]:
+        lines.append(f"Latency: {meta['latency_ms_injected']:g} ms INJECTED into the completion of every "
+                     "exchange round in the worker processes (not network-emulated).")
+    lines += ["",
+              "| workers | link | compression | step time (s) | samples/s | x compute-only | speed-up vs dense "
+              "| payload/step/worker | wire tx/step/worker (measured) | wire / ideal ring | compress s/step |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    co = {c["workers"]: c for c in report["compute_only"]}
+    rows = sorted(report["results"], key=lambda r: (r["workers"], _bw_key(r["bandwidth"])))
+    last_workers = None
+    for r in rows:
+        if r["workers"] != last_workers and r["workers"] in co:
+            c = co[r["workers"]]
+            lines.append(f"| {c['workers']} | – | compute-only | {_num(c['step_time_s'])} | "
+                         f"{_num(c['samples_per_s'])} | 1 | – | 0 | – | – | – |")
+        last_workers = r["workers"]
+        if r["status"] != "ok":
+            lines.append(f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | "
+                         f"`{r['compression']}` | {r['status']} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | `{r['compression']}` | "
+            f"{_num(r['step_time_s'])} | {_num(r['samples_per_s'])} | {_num(r['x_compute_only'])} | "
+            f"{_num(r['speedup_vs_dense'])} | {_bytes(r['bytes_per_step'])} | "
+            f"{_bytes(r['wire_tx_bytes_per_step'])} | {_num(r['wire_over_expected'], 2)} | "
+            f"{_num(r['compute_seconds_per_step'], 2)} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(report: dict, path: str) -> None:
+    """Step time vs link bandwidth: one line per compressor, compute-only dashed; one panel per
+    worker count. 'unlimited' is the rightmost point; the y axis is logarithmic."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta = report["meta"]
+    ok = [r for r in report["results"] if r["status"] == "ok"]
+    worker_counts = sorted({r["workers"] for r in ok} | {c["workers"] for c in report["compute_only"]})
+    if not worker_counts:
+        return
+    labels = sorted({r["bandwidth"] for r in report["results"]}, key=_bw_key)
+    xs = {b: i for i, b in enumerate(labels)}
+    fig, axes = plt.subplots(1, len(worker_counts), figsize=(6.4 * len(worker_counts), 4.6), squeeze=False)
+    for ax, n in zip(axes[0], worker_counts):
+        by_spec: Dict[str, List[dict]] = {}
+        for r in ok:
+            if r["workers"] == n:
+                by_spec.setdefault(r["compression"], []).append(r)
+        for spec, rs in by_spec.items():
+            rs.sort(key=lambda r: _bw_key(r["bandwidth"]))
+            ax.plot([xs[r["bandwidth"]] for r in rs], [r["step_time_s"] for r in rs], marker="o", label=spec)
+        for c in report["compute_only"]:
+            if c["workers"] == n:
+                ax.axhline(c["step_time_s"], color="black", linestyle="--",
+                           label=f"compute-only ({c['step_time_s']:.3g} s)")
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels([format_bandwidth(parse_bandwidth(b)) for b in labels])
+        ax.set_yscale("log")
+        ax.set_xlabel("link bandwidth per worker (tbf, both directions)")
+        ax.set_ylabel("step time (s, median)")
+        ax.set_title(f"{n} workers")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    title = (f"{meta['model']} ({meta['parameters'] / 1e6:.1f}M params), batch {meta['batch']}/worker, "
+             f"{meta['threads_per_worker']} torch thread/worker, {meta['mode']}")
+    if meta["latency_ms_injected"]:
+        title += f"; {meta['latency_ms_injected']:g} ms latency INJECTED (not emulated)"
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,40 @@
+"""The ``hvdcompress`` console command: ``hvdcompress <command> [options]``.
+
+Commands are modules with a ``main(argv, prog)`` function, imported only when chosen (so that
+``hvdcompress --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "bench": ("hvdcompress.bench.cli", "step time and bytes of compressors vs dense Horovod on an "
+                                        "emulated network"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: hvdcompress <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += ["", "hvdcompress <command> --help shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"hvdcompress: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest, prog=f"hvdcompress {name}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The benchmark harness (``hvdcompress bench``): figures, outputs, refusal, and two real runs --
+loopback (always) and network namespaces (as root with iproute2; skipped otherwise), each checked
+for a complete JSON and, for namespaces, for nothing left behind."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from hvdcompress.bench import cli, netns
+from hvdcompress.bench.figures import DEFINITIONS, add_relative, summarize, wire_factor
+from hvdcompress.bench.report import markdown_table, write_chart
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RESULT_FIELDS = {"compression", "bandwidth", "workers", "status", "step_time_s", "step_time_min_s",
+                 "step_time_max_s", "step_times_s", "samples_per_s", "bytes_per_step", "dense_bytes_per_step",
+                 "compression_ratio", "compute_seconds_per_step", "wire_tx_bytes_per_step",
+                 "wire_rx_bytes_per_step", "expected_wire_tx_bytes_per_step", "wire_over_expected",
+                 "x_compute_only", "speedup_vs_dense", "latency_ms_injected"}
+COMPUTE_ONLY_FIELDS = {"compression", "workers", "step_time_s", "step_times_s", "samples_per_s",
+                       "wire_tx_bytes_per_step", "wire_tx_bytes_per_s_idle", "measured_at_bandwidth"}
+META_FIELDS = {"command", "mode", "network", "model", "parameters", "parameter_tensors", "batch", "steps",
+               "warmup", "threads_per_worker", "latency_ms_injected", "latency_note", "compression",
+               "bandwidths", "workers", "versions", "epoch", "load_average_1_5_15_at_start"}
+
+
+# -- pieces, no processes ---------------------------------------------------------------------------
+def test_bandwidths_parse_and_print():
+    assert netns.parse_bandwidth("100mbit") == 10**8
+    assert netns.parse_bandwidth("1.5Gbit") == 1_500_000_000
+    assert netns.parse_bandwidth("unlimited") is None
+    assert netns.format_bandwidth(10**10) == "10 Gbit/s"
+    assert netns.format_bandwidth(None) == "unlimited"
+    for bad in ("100", "fast", "0mbit", "10kbit"):
+        with pytest.raises(ValueError, match="bandwidth"):
+            netns.parse_bandwidth(bad)
+
+
+def _fake_rank(rank, compute, dense_time, wire=True):
+    def phase(name, times, payload=None):
+        p = {"compression": name, "step_times_s": times}
+        if payload is not None:
+            p.update(bytes_per_step=payload, dense_bytes_per_step=4000.0, compute_seconds_per_step=0.01)
+        if wire:
+            p.update(iface_tx_bytes=3 * (payload or 10) * 1.5, iface_rx_bytes=3 * (payload or 10) * 1.5)
+        return p
+    return {"rank": rank, "phases": [phase("compute-only", [compute] * 3),
+                                     phase("none", [dense_time, dense_time + rank, dense_time], 4000.0),
+                                     phase("topk:ratio=0.01", [compute * 1.1] * 3, 80.0)]}
+
+
+def test_figures_from_worker_results():
+    ranks = [_fake_rank(r, 0.5, 2.0) for r in range(4)]
+    s = summarize(ranks, batch=8)
+    assert s["compute_only"]["step_time_s"] == 0.5
+    none, topk = s["phases"]
+    assert none["step_times_s"] == [2.0, 5.0, 2.0]  # slowest rank per step
+    assert none["step_time_s"] == 2.0 and none["samples_per_s"] == 16.0
+    assert none["expected_wire_tx_bytes_per_step"] == 4000.0 * wire_factor("none", 4) == 6000.0
+    assert none["wire_over_expected"] == pytest.approx(1.0)
+    assert topk["compression_ratio"] == 50.0 and wire_factor("topk:ratio=0.01", 4) == 3.0
+    results = [dict(f, workers=4, bandwidth="100mbit", status="ok") for f in s["phases"]]
+    add_relative(results, {4: s["compute_only"]})
+    assert results[1]["x_compute_only"] == pytest.approx(1.1)
+    assert results[1]["speedup_vs_dense"] == pytest.approx(2.0 / 0.55)
+    assert set(DEFINITIONS) <= set(RESULT_FIELDS) | {"step_time_s"}
+
+
+def test_table_and_chart(tmp_path):
+    ranks = [_fake_rank(r, 0.5, 2.0, wire=False) for r in range(2)]
+    s = summarize(ranks, batch=8)
+    report = cli._new_report(cli._parse_args(["--loopback", "-n", "2"], None), ["--loopback"])
+    report["meta"].update(parameters=1000, parameter_tensors=4)
+    report["compute_only"] = [dict(s["compute_only"], workers=2, measured_at_bandwidth="unlimited")]
+    report["results"] = [dict(f, workers=2, bandwidth="unlimited", status="ok", latency_ms_injected=0.0)
+                         for f in s["phases"]]
+    report["results"].append({"compression": "fp16", "bandwidth": "unlimited", "workers": 2,
+                              "status": "failed: worker 1 exited with status 1"})
+    add_relative(report["results"], {2: report["compute_only"][0]})
+    table = markdown_table(report)
+    assert "| 2 | – | compute-only | 0.5 |" in table
+    assert "`topk:ratio=0.01`" in table and "failed: worker 1" in table
+    assert "torch threads per worker: 1" in table
+    write_chart(report, str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_refuses_without_root_and_offers_loopback(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert cli.main(["-n", "2", "--model", "deep"]) == 2
+    err = capsys.readouterr().err
+    assert "must run as root" in err and "--loopback" in err
+
+
+def test_bad_arguments_are_refused(capsys):
+    for argv, msg in ((["--loopback", "-b", "100mbit"], "--loopback has no rate limit"),
+                      (["-c", "zip"], "unknown compressor 'zip'"),
+                      (["-n", "1"], "worker count must be >= 2"),
+                      (["-b", "fast"], "bandwidth")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_latency_driver_delays_completion(monkeypatch):
+    pytest.importorskip("horovod.torch")
+    from torch_ops.collectives import HorovodDriver
+    from torch_ops.injected_latency import LatencyDriver
+
+    monkeypatch.setattr(HorovodDriver, "launch", lambda self, reqs, name: ["handle"])
+    monkeypatch.setattr(HorovodDriver, "wait", lambda self, handles: ("result",))
+    monkeypatch.setattr(HorovodDriver, "poll", lambda self, handles: True)
+    driver = LatencyDriver(0.2)
+    start = time.perf_counter()
+    handles = driver.launch([], "x")
+    assert not driver.poll(handles)
+    assert driver.wait(handles) == ("result",)
+    assert time.perf_counter() - start >= 0.2
+    assert driver.poll(handles)
+    with pytest.raises(ValueError, match="latency_s"):
+        LatencyDriver(-1.0)
+
+
+# -- real runs ----------------------------------------------------------------------------------------
+def _bench(tmp_path, *argv, timeout=150):
+    """Run the harness as a subprocess with a marker in its environment (inherited by everything
+    it starts), so the test can look for processes left behind."""
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, HVC_BENCH_TEST_MARKER=marker, TMPDIR=str(tmp_path))
+    out = str(tmp_path / "bench")
+    proc = subprocess.run([sys.executable, "-m", "hvdcompress.bench", *argv, "--out", out, "--model", "deep",
+                           "--batch", "8", "--steps", "2", "--warmup", "1", "--launch-timeout", "120"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out + ".json") as f:
+        report = json.load(f)
+    for ext in (".png", ".md"):
+        assert os.path.getsize(out + ext) > 0
+    assert "| compression |" in proc.stdout  # the markdown table is printed
+    return report, marker, proc
+
+
+def _processes_with(marker):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _check_complete(report, workers, specs, bandwidths):
+    assert META_FIELDS <= set(report["meta"]), META_FIELDS - set(report["meta"])
+    assert report["meta"]["threads_per_worker"] == 1
+    assert [c["workers"] for c in report["compute_only"]] == [workers]
+    assert COMPUTE_ONLY_FIELDS <= set(report["compute_only"][0])
+    got = {(r["compression"], r["bandwidth"]) for r in report["results"]}
+    assert got == {(s, b) for s in specs for b in bandwidths}
+    for r in report["results"]:
+        assert r["status"] == "ok"
+        assert RESULT_FIELDS <= set(r), RESULT_FIELDS - set(r)
+        assert r["workers"] == workers and len(r["step_times_s"]) == 2 and r["step_time_s"] > 0
+        assert r["dense_bytes_per_step"] == 332490 * 4
+    by = {r["compression"]: r for r in report["results"]}
+    assert by["none"]["bytes_per_step"] == by["none"]["dense_bytes_per_step"]
+    assert by["none"]["speedup_vs_dense"] == 1.0
+    return by
+
+
+def test_loopback_run_has_every_field(tmp_path):
+    specs = ["none", "topk:ratio=0.01"]
+    report, marker, _ = _bench(tmp_path, "--loopback", "-n", "2", "-c", *specs)
+    by = _check_complete(report, 2, specs, ["unlimited"])
+    assert by["topk:ratio=0.01"]["compression_ratio"] > 40
+    assert by["none"]["wire_tx_bytes_per_step"] is None  # lo is shared: no per-worker counters
+    assert not _processes_with(marker)
+
+
+@pytest.mark.skipif(netns.missing_prerequisites() is not None,
+                    reason=f"network namespaces unavailable: {netns.missing_prerequisites()}")
+def test_namespace_run_counts_wire_bytes_and_leaves_nothing_behind(tmp_path):
+    before = set(netns.list_namespaces())
+    etc_before = set(os.listdir(netns.NETNS_ETC)) if os.path.isdir(netns.NETNS_ETC) else set()
+    report, marker, proc = _bench(tmp_path, "-n", "2", "-b", "100mbit", "-c", "none")
+    by = _check_complete(report, 2, ["none"], ["100mbit"])
+    # the interface counters agree with the payload accounting: a 2-rank ring allreduce sends the
+    # payload once, plus Ethernet/IP/TCP headers and Horovod's coordination traffic
+    assert 0.9 < by["none"]["wire_over_expected"] < 2.0, by["none"]
+    assert report["compute_only"][0]["wire_tx_bytes_per_s_idle"] >= 0
+    assert "tbf rate 100 Mbit/s" in proc.stdout
+    assert set(netns.list_namespaces()) == before
+    etc_after = set(os.listdir(netns.NETNS_ETC)) if os.path.isdir(netns.NETNS_ETC) else set()
+    assert etc_after == etc_before
+    assert not _processes_with(marker)
+
+
+@pytest.mark.skipif(netns.missing_prerequisites() is not None,
+                    reason=f"network namespaces unavailable: {netns.missing_prerequisites()}")
+def test_emulated_network_tears_down_after_a_failure_inside():
+    with pytest.raises(RuntimeError, match="inside"):
+        with netns.EmulatedNetwork(2, 10**8, tag="t") as net:
+            assert set(net.namespaces) <= set(netns.list_namespaces())
+            assert os.path.exists(os.path.join(netns.NETNS_ETC, net.namespaces[0], "hosts"))
+            raise RuntimeError("inside")
+    assert not set(net.namespaces + [net.bridge_namespace]) & set(netns.list_namespaces())
+    assert not os.path.exists(os.path.join(netns.NETNS_ETC, net.namespaces[0]))
