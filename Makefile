@@ -3,7 +3,7 @@ PYTHON ?= python3
 NP ?= 2
 COMPRESSION ?= topk:ratio=0.01
 
-.PHONY: install digits test test-fast
+.PHONY: install digits test test-fast bench
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install.sh
@@ -17,4 +17,11 @@ test: install
 
 # Single-process tests only (no Horovod processes).
 test-fast:
-	$(PYTHON) -m pytest tests -q --ignore=tests/test_multiprocess.py
+	$(PYTHON) -m pytest tests -q --ignore=tests/test_multiprocess.py --ignore=tests/test_bench.py
+
+# The emulated-network benchmark of README "Benchmark: emulated network" (root; ~15 minutes on
+# 2 cores). Without root: make bench BENCH_ARGS="--loopback -n 2 --steps 4".
+BENCH_ARGS ?= -n 4 -b 10mbit,100mbit,1gbit,10gbit,unlimited -c none fp16 topk:ratio=0.001 dgc:ratio=0.001 \
+	--model vgg --batch 32 --steps 8 --warmup 1 --phase-budget-s 40 --out benchmarks/results/vgg-4workers
+bench: install
+	$(PYTHON) -m hvdcompress.bench $(BENCH_ARGS)

@@ -17,16 +17,17 @@ from hvdcompress.bench.report import markdown_table, write_chart
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-RESULT_FIELDS = {"compression", "bandwidth", "workers", "status", "step_time_s", "step_time_min_s",
+RESULT_FIELDS = {"compression", "bandwidth", "workers", "status", "steps", "step_time_s", "step_time_min_s",
                  "step_time_max_s", "step_times_s", "samples_per_s", "bytes_per_step", "dense_bytes_per_step",
                  "compression_ratio", "compute_seconds_per_step", "wire_tx_bytes_per_step",
                  "wire_rx_bytes_per_step", "expected_wire_tx_bytes_per_step", "wire_over_expected",
                  "x_compute_only", "speedup_vs_dense", "latency_ms_injected"}
-COMPUTE_ONLY_FIELDS = {"compression", "workers", "step_time_s", "step_times_s", "samples_per_s",
+COMPUTE_ONLY_FIELDS = {"compression", "workers", "steps", "step_time_s", "step_times_s", "samples_per_s",
                        "wire_tx_bytes_per_step", "wire_tx_bytes_per_s_idle", "measured_at_bandwidth"}
 META_FIELDS = {"command", "mode", "network", "model", "parameters", "parameter_tensors", "batch", "steps",
                "warmup", "threads_per_worker", "latency_ms_injected", "latency_note", "compression",
-               "bandwidths", "workers", "versions", "epoch", "load_average_1_5_15_at_start"}
+               "bandwidths", "workers", "versions", "epoch", "phase_budget_s", "load_average_1_5_15_at_start",
+               "load_average_1_5_15_at_end"}
 
 
 # -- pieces, no processes ---------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def test_table_and_chart(tmp_path):
                               "status": "failed: worker 1 exited with status 1"})
     add_relative(report["results"], {2: report["compute_only"][0]})
     table = markdown_table(report)
-    assert "| 2 | – | compute-only | 0.5 |" in table
+    assert "| 2 | – | compute-only | 3 | 0.5 |" in table
     assert "`topk:ratio=0.01`" in table and "failed: worker 1" in table
     assert "torch threads per worker: 1" in table
     write_chart(report, str(tmp_path / "c.png"))
@@ -178,7 +179,7 @@ def _check_complete(report, workers, specs, bandwidths):
 
 def test_loopback_run_has_every_field(tmp_path):
     specs = ["none", "topk:ratio=0.01"]
-    report, marker, _ = _bench(tmp_path, "--loopback", "-n", "2", "-c", *specs)
+    report, marker, _ = _bench(tmp_path, "--loopback", "-n", "2", "--phase-budget-s", "600", "-c", *specs)
     by = _check_complete(report, 2, specs, ["unlimited"])
     assert by["topk:ratio=0.01"]["compression_ratio"] > 40
     assert by["none"]["wire_tx_bytes_per_step"] is None  # lo is shared: no per-worker counters
@@ -213,3 +214,29 @@ def test_emulated_network_tears_down_after_a_failure_inside():
             raise RuntimeError("inside")
     assert not set(net.namespaces + [net.bridge_namespace]) & set(netns.list_namespaces())
     assert not os.path.exists(os.path.join(netns.NETNS_ETC, net.namespaces[0]))
+
+
+@pytest.mark.skipif(netns.missing_prerequisites() is not None,
+                    reason=f"network namespaces unavailable: {netns.missing_prerequisites()}")
+def test_sigterm_mid_run_stops_workers_and_removes_the_network(tmp_path):
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, HVC_BENCH_TEST_MARKER=marker, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "hvdcompress.bench", "-n", "2", "-b", "10mbit", "-c", "none",
+                             "--model", "deep", "--steps", "100000", "--out", str(tmp_path / "bench")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_processes_with(marker)) < 4 and time.monotonic() < deadline:  # harness, rdv, 2 workers
+            time.sleep(0.2)
+        assert netns.leftovers(proc.pid), "the harness built no namespaces"
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted (received SIGTERM)" in out
+    assert not netns.leftovers(proc.pid)
+    etc = os.listdir(netns.NETNS_ETC) if os.path.isdir(netns.NETNS_ETC) else []
+    assert not [d for d in etc if d.startswith(f"{netns.PREFIX}{proc.pid}-")]
+    assert not _processes_with(marker)

@@ -11,7 +11,9 @@ fixes torch to ``threads`` CPU threads, and measures one *phase* per entry:
   (``opt.set_epoch``) so a schedule such as DGC's density warm-up is timed where asked.
 
 Each phase runs ``warmup`` steps, then ``steps`` timed steps (zero_grad, forward, backward,
-``step()``, which waits for the exchange), between two barriers. It records each step's time,
+``step()``, which waits for the exchange), between two barriers; with ``phase_budget_s`` set, only
+as many timed steps as fit in that many seconds at the last warm-up step's pace (at least 3), so
+a slow link does not make a sweep endless. It records each step's time,
 the optimizer's own accounting over the timed steps (payload bytes, dense bytes, compression
 seconds: ``opt.stats``) and, when ``iface`` is set, the interface's byte counters
 (``/sys/class/net/<iface>/statistics``) before and after, so the bytes that really crossed the
@@ -40,6 +42,7 @@ from .injected_latency import LatencyDriver
 from .optimizer import DistributedOptimizer
 
 COMPUTE_ONLY = "compute-only"
+MIN_STEPS = 3  # timed steps per phase, whatever the time budget
 REQUIRED = ("model", "batch", "steps", "warmup", "threads", "seed", "compute_only", "specs",
             "latency_ms", "epoch", "iface", "out")
 
@@ -59,6 +62,16 @@ def _stats_totals(opt) -> Dict[str, float]:
     s = opt.stats
     return {"steps": s.steps, "bytes": s.total_bytes, "dense": s.total_dense_bytes,
             "compute": s.total_compute_seconds}
+
+
+def timed_steps(cfg: dict, warmup_times: List[float], hvd) -> int:
+    """``steps``, or fewer when ``phase_budget_s`` is set: as many as fit in the budget at rank 0's
+    last warm-up step time (at least ``MIN_STEPS``). Rank 0 decides, every rank follows."""
+    budget = cfg.get("phase_budget_s")
+    if not budget or not warmup_times:
+        return cfg["steps"]
+    fit = int(budget / max(warmup_times[-1], 1e-6))
+    return int(hvd.broadcast_object(min(cfg["steps"], max(MIN_STEPS, fit)), root_rank=0))
 
 
 def run_phase(cfg: dict, spec: Optional[str], hvd) -> dict:
@@ -81,12 +94,12 @@ def run_phase(cfg: dict, spec: Optional[str], hvd) -> dict:
         return time.perf_counter() - start
 
     hvd.barrier()
-    for _ in range(cfg["warmup"]):
-        train_step()
+    warmup_times = [train_step() for _ in range(cfg["warmup"])]
+    steps = timed_steps(cfg, warmup_times, hvd)
     hvd.barrier()
     before_stats = _stats_totals(opt) if spec is not None else None
     before_iface = read_counters(cfg["iface"])
-    times: List[float] = [train_step() for _ in range(cfg["steps"])]
+    times: List[float] = [train_step() for _ in range(steps)]
     after_iface = read_counters(cfg["iface"])
     phase = {"compression": spec if spec is not None else COMPUTE_ONLY, "step_times_s": times}
     if spec is not None:

@@ -46,6 +46,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=32, help="samples per worker per step")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--phase-budget-s", type=float, default=None,
+                    help="time only as many steps (at least 3, at most --steps) as fit in this many seconds "
+                         "at the last warm-up step's pace: bounds slow links (default: always --steps)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
     ap.add_argument("--latency-ms", type=float, default=0.0,
                     help="INJECT this delay into the completion of every exchange round in the workers "
@@ -88,6 +91,10 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
             _positive(name, getattr(args, name))
         _positive("warmup", args.warmup, 0)
         _positive("epoch", args.epoch, 0)
+        if args.phase_budget_s is not None:
+            _positive("phase-budget-s", args.phase_budget_s, 1)
+            if args.warmup < 1:
+                raise ValueError("phase-budget-s: needs --warmup >= 1 (the pace comes from a warm-up step)")
         _positive("latency-ms", args.latency_ms, 0)
         _positive("launch-timeout", args.launch_timeout, 10)
     except ValueError as e:
@@ -147,6 +154,7 @@ def _new_report(args: argparse.Namespace, argv: List[str]) -> dict:
                         "of each worker's link"),
             "model": args.model, "parameters": None, "parameter_tensors": None,
             "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+            "phase_budget_s": args.phase_budget_s,
             "threads_per_worker": args.threads, "epoch": args.epoch,
             "latency_ms_injected": args.latency_ms,
             "latency_note": "injected into the completion of every exchange round in the worker process "
@@ -178,14 +186,15 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
             measure_co = not any(c["workers"] == n for c in report["compute_only"])
             config = {"model": args.model, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
                       "threads": args.threads, "seed": args.seed, "compute_only": measure_co,
-                      "specs": list(args.compression), "latency_ms": args.latency_ms, "epoch": args.epoch}
+                      "specs": list(args.compression), "latency_ms": args.latency_ms, "epoch": args.epoch,
+                      "phase_budget_s": args.phase_budget_s}
             workdir = os.path.join(tmp, f"launch{k}")
             try:
                 ranks = _launch(args, n, bw, k, config, workdir, bar.write)
             except (WorkerFailure, netns.SetupError) as e:
                 all_ok = False
                 bar.write(f"FAILED: {n} workers @ {bw}: {e}")
-                status = f"failed: {str(e).splitlines()[0]}"
+                status = f"failed: {getattr(e, 'summary', str(e).splitlines()[0])}"
                 report["results"] += [{"compression": s, "bandwidth": bw, "workers": n, "status": status}
                                       for s in args.compression]
                 if isinstance(e, netns.SetupError):

@@ -63,11 +63,11 @@ def wire_factor(spec: str, workers: int) -> float:
 def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
     """Figures of one launch: ``{"compute_only": {...} or None, "phases": [{...} per spec]}``."""
     workers = len(rank_results)
-    steps = len(rank_results[0]["phases"][0]["step_times_s"])
     out: Dict[str, object] = {"compute_only": None, "phases": []}
     for i, first in enumerate(rank_results[0]["phases"]):
         phases = [r["phases"][i] for r in rank_results]
-        fig: Dict[str, object] = {"compression": first["compression"]}
+        steps = len(first["step_times_s"])
+        fig: Dict[str, object] = {"compression": first["compression"], "steps": steps}
         fig.update(step_time(phases))
         fig["samples_per_s"] = workers * batch / fig["step_time_s"]
         has_wire = "iface_tx_bytes" in first

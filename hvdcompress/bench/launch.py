@@ -33,7 +33,12 @@ GLOO_TIMEOUT_S = 300  # one collective may take minutes at 10 Mbit/s
 
 
 class WorkerFailure(RuntimeError):
-    """A worker failed or the launch ran past its time limit (the message has the log tail)."""
+    """A worker failed or the launch ran past its time limit. ``summary`` is one line; the
+    message adds the tail of the relevant log."""
+
+    def __init__(self, summary: str, log_tail: str = ""):
+        super().__init__(f"{summary}\n{log_tail}" if log_tail else summary)
+        self.summary = summary
 
 
 @dataclass
@@ -124,7 +129,7 @@ def _read_port(proc: subprocess.Popen, log: str) -> int:
                     return int(line.split()[1])
         elif proc.poll() is not None:
             break
-    raise WorkerFailure(f"the rendezvous server did not start within {RENDEZVOUS_START_TIMEOUT_S} s:\n"
+    raise WorkerFailure(f"the rendezvous server did not start within {RENDEZVOUS_START_TIMEOUT_S} s",
                         f"{buf.decode(errors='replace')}{_tail(log)}")
 
 
@@ -189,11 +194,11 @@ def _supervise(workers: List[subprocess.Popen], logs: List[str], timeout_s: floa
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             r = failed[0]
-            raise WorkerFailure(f"worker {r} exited with status {codes[r]}; the others were stopped. "
-                                f"Last lines of its log:\n{_tail(logs[r])}")
+            raise WorkerFailure(f"worker {r} exited with status {codes[r]}; the others were stopped",
+                                f"last lines of its log:\n{_tail(logs[r])}")
         if all(c == 0 for c in codes):
             return
         if time.monotonic() > deadline:
-            raise WorkerFailure(f"the workers did not finish within {timeout_s:g} s (--launch-timeout); "
-                                f"they were stopped. Last lines of rank 0's log:\n{_tail(logs[0])}")
+            raise WorkerFailure(f"the workers did not finish within {timeout_s:g} s (--launch-timeout) "
+                                "and were stopped", f"last lines of rank 0's log:\n{_tail(logs[0])}")
         time.sleep(0.2)

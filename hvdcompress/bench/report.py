@@ -32,6 +32,19 @@ def _bytes(v: Optional[float]) -> str:
     return f"{v:.0f} B"
 
 
+def _model_text(meta: dict) -> str:
+    if meta.get("parameters") is None:  # nothing measured yet
+        return f"`{meta['model']}`"
+    return f"`{meta['model']}` ({meta['parameters'] / 1e6:.2g}M parameters, {meta['parameter_tensors']} tensors)"
+
+
+def _steps_text(meta: dict) -> str:
+    if meta.get("phase_budget_s"):
+        return (f"{meta['steps']} timed steps, or as many (>= 3) as fit in {meta['phase_budget_s']:g} s "
+                "(column 'steps')")
+    return f"{meta['steps']} timed steps"
+
+
 def write_json(report: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -45,33 +58,34 @@ def markdown_table(report: dict) -> str:
     """The README table: one row per (workers, link, compression), compute-only rows included."""
     meta = report["meta"]
     lines = [
-        f"Model `{meta['model']}` ({meta['parameters'] / 1e6:.1f}M parameters, "
-        f"{meta['parameter_tensors']} tensors), batch {meta['batch']} per worker, synthetic data; "
-        f"torch threads per worker: {meta['threads_per_worker']}; median of {meta['steps']} steps after "
+        f"Model {_model_text(meta)}, batch {meta['batch']} per worker, synthetic data; "
+        f"torch threads per worker: {meta['threads_per_worker']}; median of {_steps_text(meta)} after "
         f"{meta['warmup']} warm-up; {meta['network']}."]
     if meta["latency_ms_injected"]:
         lines.append(f"Latency: {meta['latency_ms_injected']:g} ms INJECTED into the completion of every "
                      "exchange round in the worker processes (not network-emulated).")
     lines += ["",
-              "| workers | link | compression | step time (s) | samples/s | x compute-only | speed-up vs dense "
-              "| payload/step/worker | wire tx/step/worker (measured) | wire / ideal ring | compress s/step |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| workers | link | compression | steps | step time (s) | samples/s | x compute-only "
+              "| speed-up vs dense | payload/step/worker | wire tx/step/worker (measured) | wire / ideal ring "
+              "| compress s/step |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     co = {c["workers"]: c for c in report["compute_only"]}
     rows = sorted(report["results"], key=lambda r: (r["workers"], _bw_key(r["bandwidth"])))
     last_workers = None
     for r in rows:
         if r["workers"] != last_workers and r["workers"] in co:
             c = co[r["workers"]]
-            lines.append(f"| {c['workers']} | – | compute-only | {_num(c['step_time_s'])} | "
-                         f"{_num(c['samples_per_s'])} | 1 | – | 0 | – | – | – |")
+            lines.append(f"| {c['workers']} | – | compute-only | {c['steps']} | {_num(c['step_time_s'])} | "
+                         f"{_num(c['samples_per_s'])} | 1 | – | 0 | {_bytes(c['wire_tx_bytes_per_step'])} "
+                         "| – | – |")
         last_workers = r["workers"]
         if r["status"] != "ok":
             lines.append(f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | "
-                         f"`{r['compression']}` | {r['status']} | | | | | | | |")
+                         f"`{r['compression']}` | | {r['status']} | | | | | | | |")
             continue
         lines.append(
             f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | `{r['compression']}` | "
-            f"{_num(r['step_time_s'])} | {_num(r['samples_per_s'])} | {_num(r['x_compute_only'])} | "
+            f"{r['steps']} | {_num(r['step_time_s'])} | {_num(r['samples_per_s'])} | {_num(r['x_compute_only'])} | "
             f"{_num(r['speedup_vs_dense'])} | {_bytes(r['bytes_per_step'])} | "
             f"{_bytes(r['wire_tx_bytes_per_step'])} | {_num(r['wire_over_expected'], 2)} | "
             f"{_num(r['compute_seconds_per_step'], 2)} |")
@@ -85,6 +99,7 @@ def write_chart(report: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     meta = report["meta"]
     ok = [r for r in report["results"] if r["status"] == "ok"]
@@ -93,7 +108,7 @@ def write_chart(report: dict, path: str) -> None:
         return
     labels = sorted({r["bandwidth"] for r in report["results"]}, key=_bw_key)
     xs = {b: i for i, b in enumerate(labels)}
-    fig, axes = plt.subplots(1, len(worker_counts), figsize=(6.4 * len(worker_counts), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(worker_counts), figsize=(6.4 * len(worker_counts), 5.0), squeeze=False)
     for ax, n in zip(axes[0], worker_counts):
         by_spec: Dict[str, List[dict]] = {}
         for r in ok:
@@ -109,13 +124,17 @@ def write_chart(report: dict, path: str) -> None:
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels([format_bandwidth(parse_bandwidth(b)) for b in labels])
         ax.set_yscale("log")
+        fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+        ax.yaxis.set_major_formatter(fmt)
+        ax.yaxis.set_minor_formatter(fmt)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_xlabel("link bandwidth per worker (tbf, both directions)")
         ax.set_ylabel("step time (s, median)")
         ax.set_title(f"{n} workers")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    title = (f"{meta['model']} ({meta['parameters'] / 1e6:.1f}M params), batch {meta['batch']}/worker, "
-             f"{meta['threads_per_worker']} torch thread/worker, {meta['mode']}")
+    title = (f"model {_model_text(meta).replace('`', '')}, batch {meta['batch']}/worker, "
+             f"{meta['threads_per_worker']} torch thread(s)/worker\n{meta['mode']}")
     if meta["latency_ms_injected"]:
         title += f"; {meta['latency_ms_injected']:g} ms latency INJECTED (not emulated)"
     fig.suptitle(title, fontsize=10)
