@@ -1,18 +1,76 @@
 """A single-process stand-in for N ranks, for unit tests of exchange *semantics* only.
 
 It drives N exchange generators in lockstep and answers their requests the way the collectives
-define them (Allreduce: sum in rank order, written into every rank's tensor; Allgather: concatenate
-in rank order). The tests that matter for distributed behaviour run real Horovod processes
-(tests/test_multiprocess.py); this one lets the numpy oracle be compared quickly and exactly.
+define them (Allreduce: sum in rank order; Allgather: concatenate in rank order). The same driver
+serves both backends: requests from ``torch_ops`` are answered with torch (the sum is written into
+every rank's tensor, as Horovod's in-place allreduce does), requests from ``tf_ops`` with
+TensorFlow ops -- which also works while a ``tf.function`` is traced, so graph mode is checked the
+same way. The tests that matter for distributed behaviour run real Horovod processes
+(tests/test_multiprocess.py, tests/test_tf_multiprocess.py); this one lets the numpy oracle be
+compared quickly and exactly.
 """
 
 from __future__ import annotations
 
 from typing import List, Sequence
 
-import torch
 
-from torch_ops.collectives import Allgather, Allreduce, request_bytes
+class _Torch:
+    @staticmethod
+    def nbytes(requests):
+        from torch_ops.collectives import request_bytes
+        return request_bytes(requests)
+
+    @staticmethod
+    def allreduce(tensors):
+        total = tensors[0].clone()
+        for t in tensors[1:]:
+            total += t
+        for t in tensors:
+            t.copy_(total)
+        return list(tensors)
+
+    @staticmethod
+    def allgather(tensors):
+        import torch
+        cat = torch.cat(tensors)
+        return [cat.clone() for _ in tensors]
+
+
+class _TF:
+    @staticmethod
+    def nbytes(requests):
+        import tensorflow as tf
+        from tf_ops.collectives import request_bytes
+        n = request_bytes(requests)
+        return int(n) if tf.executing_eagerly() else n
+
+    @staticmethod
+    def allreduce(tensors):
+        import tensorflow as tf
+
+        def add_in_rank_order(*parts):
+            total = parts[0]
+            for t in parts[1:]:
+                total = total + t
+            return total
+
+        if tf.executing_eagerly():
+            total = add_in_rank_order(*tensors)
+        else:  # opaque, like a real collective: Grappler must not merge it with the ranks' own adds
+            total = tf.numpy_function(add_in_rank_order, list(tensors), tensors[0].dtype, stateful=False)
+            total.set_shape(tensors[0].shape)
+        return [total] * len(tensors)
+
+    @staticmethod
+    def allgather(tensors):
+        import tensorflow as tf
+        cat = tf.concat(tensors, axis=0)
+        return [cat] * len(tensors)
+
+
+def _backend(request):
+    return _TF if type(request).__module__.startswith("tf_ops") else _Torch
 
 
 def run_lockstep(gens: Sequence) -> tuple:
@@ -29,30 +87,27 @@ def run_lockstep(gens: Sequence) -> tuple:
                 requests[r] = gens[r].send(inbox[r]) if inbox[r] is not None else next(gens[r])
             except StopIteration as stop:
                 results[r] = stop.value
-        live = [r for r in live if results[r] is None]
+        live = [r for r in live if r in requests]
         if not live:
             break
         assert len(live) == n, "ranks disagree on the number of rounds"
         rounds = [requests[r] for r in range(n)]
         assert len({len(x) for x in rounds}) == 1, "ranks disagree on the number of requests"
+        backend = _backend(rounds[0][0]) if rounds[0] else _Torch
         for r in range(n):
-            sent[r] += request_bytes(rounds[r])
+            sent[r] += backend.nbytes(rounds[r])
         answers = [[] for _ in range(n)]
         for i in range(len(rounds[0])):
-            kinds = {type(rounds[r][i]) for r in range(n)}
+            kinds = {type(rounds[r][i]).__name__ for r in range(n)}
             assert len(kinds) == 1, "ranks disagree on the collective"
-            if kinds == {Allreduce}:
-                total = rounds[0][i].tensor.clone()
-                for r in range(1, n):
-                    total += rounds[r][i].tensor
-                for r in range(n):
-                    rounds[r][i].tensor.copy_(total)
-                    answers[r].append(rounds[r][i].tensor)
-            elif kinds == {Allgather}:
-                cat = torch.cat([rounds[r][i].tensor for r in range(n)])
-                for r in range(n):
-                    answers[r].append(cat.clone())
+            tensors = [rounds[r][i].tensor for r in range(n)]
+            if kinds == {"Allreduce"}:
+                out = backend.allreduce(tensors)
+            elif kinds == {"Allgather"}:
+                out = backend.allgather(tensors)
             else:
                 raise TypeError(kinds)
+            for r in range(n):
+                answers[r].append(out[r])
         inbox = [tuple(a) for a in answers]
     return results, sent

@@ -1,0 +1,30 @@
+"""``import hvdcompress.keras as hvc``: the Keras (tf.keras 2) face of hvdcompress.
+
+Hands on the names of ``tf_ops`` and, for convenience, Horovod's own ones a Keras script needs next
+to them (init, rank, size, its callbacks, allgather_object), so one import serves::
+
+    import hvdcompress.keras as hvc
+    hvc.init()
+    opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.05 * hvc.size(), momentum=0.9),
+                                   compression=hvc.Compression.dgc(ratio=0.001))
+    model.compile(optimizer=opt, loss=...)
+    model.fit(..., callbacks=[hvc.BroadcastGlobalVariablesCallback(0), hvc.MetricAverageCallback(),
+                              hvc.SparsityWarmupCallback(), hvc.CompressionStatsCallback()])
+"""
+
+import tf_ops  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from horovod.tensorflow import allgather_object, broadcast_object  # noqa: E402
+from horovod.tensorflow.keras import (Average, Sum, allgather, allreduce, broadcast,  # noqa: E402
+                                      broadcast_global_variables, callbacks, init, is_initialized,
+                                      local_rank, local_size, rank, shutdown, size)
+from horovod.tensorflow.keras.callbacks import (BroadcastGlobalVariablesCallback,  # noqa: E402
+                                                LearningRateScheduleCallback,
+                                                LearningRateWarmupCallback, MetricAverageCallback)
+from tf_ops import *  # noqa: F401,F403,E402
+from tf_ops import __all__ as _backend_all  # noqa: E402
+
+__all__ = list(_backend_all) + [
+    "Average", "Sum", "allgather", "allgather_object", "allreduce", "broadcast", "broadcast_object",
+    "broadcast_global_variables", "callbacks", "init", "is_initialized", "local_rank", "local_size", "rank",
+    "shutdown", "size", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback", "MetricAverageCallback"]

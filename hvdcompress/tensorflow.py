@@ -1,0 +1,24 @@
+"""``import hvdcompress.tensorflow as hvc``: the TensorFlow 2 face of hvdcompress.
+
+Hands on the names of ``tf_ops`` and, for convenience, Horovod's own ones a custom training loop
+needs next to them (init, rank, size, broadcasts, allgather_object, Average/Sum)::
+
+    import hvdcompress.tensorflow as hvc
+    hvc.init()
+    compression = hvc.GradientCompression("topk:ratio=0.01")
+    ...
+    tape = hvc.DistributedGradientTape(tape, compression=compression)
+
+``DistributedOptimizer`` is the Keras one (as in ``horovod.tensorflow`` for Keras optimizers).
+"""
+
+import tf_ops  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from horovod.tensorflow import (Average, Sum, allgather, allgather_object, allreduce, broadcast,  # noqa: E402
+                                broadcast_object, broadcast_variables, init, is_initialized, local_rank,
+                                local_size, rank, shutdown, size)
+from tf_ops import *  # noqa: F401,F403,E402
+from tf_ops import __all__ as _backend_all  # noqa: E402
+
+__all__ = list(_backend_all) + [
+    "Average", "Sum", "allgather", "allgather_object", "allreduce", "broadcast", "broadcast_object",
+    "broadcast_variables", "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size"]

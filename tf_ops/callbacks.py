@@ -1,0 +1,127 @@
+"""Keras callbacks: sparsity warm-up and compression statistics.
+
+``SparsityWarmupCallback`` sets the density at the start of every epoch from the warm-up schedule
+of ``hvdcompress.warmup`` (exponential decay to the target over the first epochs):
+
+    density(e) = target ** ((e + 1) / (W + 1))  for e < W,   target  for e >= W
+
+or an explicit list of warm-up densities. For DGC the schedule is the spec's own (warmup_epochs,
+warmup_schedule); for top-k / random-k give ``warmup_epochs`` (or ``warmup_schedule``) here, and
+the target is the spec's ratio. Every rank runs the callback, so every rank changes the density
+at the same step.
+
+``CompressionStatsCallback`` adds the measured figures of each epoch to the Keras logs (so
+``History``, ``TensorBoard`` and ``CSVLogger`` placed after it record them):
+
+    wire_bytes_per_step    bytes this rank handed to the collectives per step (mean over the epoch)
+    dense_bytes_per_step   what dense allreduce would have sent
+    compression_ratio      dense / wire
+    density                the density in effect (ratio-based compressors)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from hvdcompress.warmup import density_at, warmup_densities
+
+from .compression import GradientCompression
+
+_ANY_TARGET = 5e-324  # the smallest positive float: lets the core check a schedule before the target is known
+
+
+def _compression_of(callback, given: Optional[GradientCompression]) -> GradientCompression:
+    if given is not None:
+        return given
+    found = getattr(getattr(callback.model, "optimizer", None), "gradient_compression", None)
+    if not isinstance(found, GradientCompression):
+        raise ValueError(f"{type(callback).__name__}: the model's optimizer is not an hvdcompress "
+                         "DistributedOptimizer; wrap it, or pass compression=<GradientCompression>")
+    return found
+
+
+class SparsityWarmupCallback(tf.keras.callbacks.Callback):
+    """Density warm-up per epoch (see module doc).
+
+    Args:
+        warmup_epochs: epochs of falling density (>= 0); None: the spec's own warm-up (DGC).
+        warmup_schedule: explicit warm-up densities, one per epoch, decreasing, above the target.
+        compression: the ``GradientCompression`` to drive (default: the model optimizer's).
+        verbose: 1 prints the density at each epoch start (rank 0 prints if all ranks do).
+    """
+
+    def __init__(self, warmup_epochs: Optional[int] = None, warmup_schedule: Optional[Sequence[float]] = None,
+                 compression: Optional[GradientCompression] = None, verbose: int = 0):
+        super().__init__()
+        if warmup_epochs is not None and (isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int)
+                                          or warmup_epochs < 0):
+            raise ValueError(f"warmup_epochs: must be an int >= 0 or None; got {warmup_epochs!r}")
+        if warmup_schedule is not None:
+            warmup_schedule = tuple(warmup_schedule)
+            # the schedule's own rules (in (0, 1], decreasing, one per epoch), whatever the target
+            warmup_densities(_ANY_TARGET, warmup_epochs or 0, warmup_schedule)
+        if compression is not None and not isinstance(compression, GradientCompression):
+            raise ValueError(f"compression: expected a GradientCompression; got {compression!r}")
+        self.warmup_epochs = warmup_epochs
+        self.warmup_schedule = warmup_schedule
+        self._given = compression
+        self.verbose = verbose
+
+    def _own_schedule(self) -> bool:
+        return self.warmup_epochs is not None or self.warmup_schedule is not None
+
+    def on_train_begin(self, logs=None):
+        comp = _compression_of(self, self._given)
+        if comp.density is None:
+            raise ValueError(f"SparsityWarmupCallback: compression '{comp.compression}' has no density "
+                             "to warm up (use topk, randomk or dgc)")
+        if self._own_schedule():  # checked against the target before the first step
+            warmup_densities(comp.compression["ratio"], self.warmup_epochs or 0, self.warmup_schedule)
+        elif not comp.compressor.has_schedule:
+            raise ValueError(f"SparsityWarmupCallback: compression '{comp.compression}' has no warm-up of "
+                             "its own; give warmup_epochs (or warmup_schedule)")
+
+    def density_for(self, epoch: int, comp: GradientCompression) -> float:
+        if self._own_schedule():
+            return density_at(epoch, comp.compression["ratio"], self.warmup_epochs or 0, self.warmup_schedule)
+        return comp.compressor.scheduled_density(epoch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        comp = _compression_of(self, self._given)
+        comp.set_epoch(epoch)
+        comp.density = self.density_for(epoch, comp)
+        if self.verbose:
+            print(f"\nEpoch {epoch + 1}: gradient density {comp.density:.6g}")
+
+
+class CompressionStatsCallback(tf.keras.callbacks.Callback):
+    """Adds wire_bytes_per_step, dense_bytes_per_step, compression_ratio, density to epoch logs."""
+
+    def __init__(self, compression: Optional[GradientCompression] = None, prefix: str = ""):
+        super().__init__()
+        if compression is not None and not isinstance(compression, GradientCompression):
+            raise ValueError(f"compression: expected a GradientCompression; got {compression!r}")
+        self._given = compression
+        self.prefix = prefix
+        self._start = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = _compression_of(self, self._given).stats
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        comp = _compression_of(self, self._given)
+        now = comp.stats
+        start = self._start
+        steps = now.steps - (start.steps if start else 0)
+        wire = now.total_bytes - (start.total_bytes if start else 0)
+        dense = now.total_dense_bytes - (start.total_dense_bytes if start else 0)
+        p = self.prefix
+        logs[p + "wire_bytes_per_step"] = wire / steps if steps else 0.0
+        logs[p + "dense_bytes_per_step"] = dense / steps if steps else 0.0
+        logs[p + "compression_ratio"] = dense / wire if wire else float("inf")
+        if comp.density is not None:
+            logs[p + "density"] = comp.density

@@ -1,0 +1,100 @@
+"""Collective requests, and the Horovod driver that carries them out, for TensorFlow.
+
+The compressor contract is the one of ``torch_ops``: an exchange is a generator that *yields* a
+tuple of requests and is *sent* their results.
+
+    Allreduce(t)  -- sum ``t`` over all ranks; the result is a new tensor (TF tensors are
+                     immutable, so "in place" does not apply).
+    Allgather(t)  -- concatenate every rank's ``t`` along dim 0, in rank order; sizes may differ
+                     per rank (an empty ``t`` on some rank is fine).
+
+Inside ``tf.function`` the generators run while the function is traced: each round's requests
+become ``horovod.tensorflow`` ops (``allreduce(op=Sum)`` / ``allgather``) in the graph, their
+symbolic outputs are sent back, and the next round is built on them. TensorFlow's executor then
+starts every collective as soon as its input is ready, while the rest of the step still runs;
+Horovod fuses the small ones in its background cycle. Nothing of Horovod is patched.
+
+Bytes are counted from the payload tensors themselves (``tf.size * itemsize``, a tensor, since a
+threshold sparsifier's payload size is only known when the step runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generator, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+
+@dataclass(frozen=True)
+class Allreduce:
+    tensor: tf.Tensor
+
+
+@dataclass(frozen=True)
+class Allgather:
+    tensor: tf.Tensor
+
+
+Request = Any  # Allreduce | Allgather
+Exchange = Generator[Tuple[Request, ...], Tuple[tf.Tensor, ...], tf.Tensor]
+
+
+def request_bytes(requests: Sequence[Request]) -> tf.Tensor:
+    """Bytes this rank contributes to the collectives of one round (an int64 scalar tensor)."""
+    total = tf.constant(0, tf.int64)
+    for r in requests:
+        total += tf.size(r.tensor, out_type=tf.int64) * r.tensor.dtype.size
+    return total
+
+
+class HorovodDriver:
+    """Turns requests into ``horovod.tensorflow`` collectives on a process set.
+
+    ``name`` prefixes every op: Horovod matches collectives across ranks by name, and every rank
+    traces the same code, so every rank names the same operation the same way.
+    """
+
+    def __init__(self, process_set=None):
+        import horovod.tensorflow as hvd  # imported here: compressors and tests never need it
+
+        self._hvd = hvd
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+
+    def run(self, requests: Sequence[Request], name: str) -> Tuple[tf.Tensor, ...]:
+        hvd = self._hvd
+        out = []
+        for i, req in enumerate(requests):
+            op_name = f"{name}.{i}"
+            if isinstance(req, Allreduce):
+                out.append(hvd.allreduce(req.tensor, op=hvd.Sum, name=op_name, process_set=self.process_set))
+            elif isinstance(req, Allgather):
+                out.append(hvd.allgather(req.tensor, name=op_name, process_set=self.process_set))
+            else:
+                raise TypeError(f"exchange yielded {req!r}; expected Allreduce or Allgather requests")
+        return tuple(out)
+
+
+def run_exchanges(gens: Sequence[Exchange], names: Sequence[str], driver) -> Tuple[List[tf.Tensor], tf.Tensor]:
+    """Drive every exchange to completion, round-robin: round r of every exchange is issued
+    before round r+1 of any, so multi-round exchanges interleave. Returns (results in the order
+    of ``gens``, bytes this rank handed to the collectives as an int64 tensor)."""
+    results: List[Optional[tf.Tensor]] = [None] * len(gens)
+    inbox: List[Optional[tuple]] = [None] * len(gens)
+    sent = [tf.constant(0, tf.int64)]
+    rounds = [0] * len(gens)
+    live = list(range(len(gens)))
+    while live:
+        still = []
+        for i in live:
+            try:
+                requests = gens[i].send(inbox[i]) if inbox[i] is not None else next(gens[i])
+            except StopIteration as stop:
+                results[i] = stop.value
+                continue
+            sent.append(request_bytes(requests))
+            inbox[i] = driver.run(requests, f"{names[i]}.r{rounds[i]}")
+            rounds[i] += 1
+            still.append(i)
+        live = still
+    return results, tf.add_n(sent)

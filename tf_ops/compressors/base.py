@@ -1,0 +1,175 @@
+"""The compressor contract, in TensorFlow (the same three roles as ``torch_ops``).
+
+* **Compressor** -- pure functions of (tensor, state): encode a flat tensor into a payload, say how
+  the payload travels, turn what comes back into a dense tensor. Never touches Horovod.
+* **Memory** (``tf_ops.memory``) -- what must survive between steps (the error-feedback residual,
+  DGC's momenta): flat ``tf.Variable`` s in ``ExchangeContext.state``. A compressor names the
+  variables it needs (``state_slots``); ``GradientCompression`` creates them, zero, outside any
+  ``tf.function`` and tracks them for checkpoints.
+* **Communicator** (``tf_ops.collectives``) -- carries out the requests an exchange yields.
+
+An *exchange* is a generator::
+
+    def exchange(self, x, ctx):             # x: flat gradient
+        ...                                 # compress, update memory
+        results = yield (Allgather(values), Allgather(indices))   # one round
+        ...                                 # may yield again (multi-round compressors)
+        return dense_sum * ctx.scale        # every rank returns the same tensor
+
+Under ``tf.function`` it runs once, while tracing: the code between yields builds graph ops, and
+data-dependent choices are TF ops (``tf.cond`` / ``tf.while_loop``), never Python branches on
+tensor values. The ``step`` and ``density`` of the context may therefore be tensors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple, Union
+
+import tensorflow as tf
+
+from hvdcompress.spec import CompressionSpec, num_selected
+
+from ..collectives import Allgather, Allreduce, Exchange
+from ..memory import Memory, memory_for
+
+Scalar = Union[int, float, tf.Tensor]
+
+
+@dataclass
+class ExchangeContext:
+    """What an exchange may know besides the tensor.
+
+    key         the tensor's name, identical on all ranks (it seeds random-k and DGC's sampling)
+    step        exchanges of this state before this one (int or int64 tensor), same on all ranks
+    world_size  number of ranks taking part
+    scale       factor for the summed result: 1/world_size for op=Average, 1 for Sum
+    state       this tensor's persistent flat variables (residual, u, v), see ``state_slots``
+    shape       the tensor's original shape (x arrives flattened)
+    epoch       the training epoch (drives warm-up schedules when ``density`` is not given)
+    density     the fraction of entries a ratio-based sparsifier sends this step (float or float64
+                tensor); None: the spec's value for ``epoch``
+    """
+
+    key: str
+    step: Scalar
+    world_size: int
+    scale: float
+    state: Dict[str, tf.Variable] = field(default_factory=dict)
+    shape: Tuple[int, ...] = ()
+    epoch: int = 0
+    density: Optional[Scalar] = None
+
+
+def selected_count(density: Scalar, numel: int) -> Scalar:
+    """k = ceil(density * numel), as ``hvdcompress.spec.num_selected`` computes it, for a Python
+    density (a Python int) or a float64 tensor (an int32 tensor, the same value: the same IEEE
+    double operations in the same order)."""
+    if not tf.is_tensor(density):
+        return num_selected(float(density), numel)
+    if numel <= 0:
+        return tf.constant(0, tf.int32)
+    x = tf.cast(density, tf.float64) * float(numel)
+    k = tf.math.ceil(x - 1e-9 * x)
+    return tf.cast(tf.clip_by_value(k, 1.0, float(numel)), tf.int32)
+
+
+class Compressor(ABC):
+    """Base of every compressor: holds the validated spec; subclasses define ``exchange``."""
+
+    summed: bool = True
+    uses_step: bool = False  # True: the result depends on ctx.step (seeded selections)
+    has_schedule: bool = False  # True: the spec sets the density per epoch (warm-up)
+
+    def __init__(self, spec: CompressionSpec):
+        self.spec = spec
+
+    @property
+    def has_density(self) -> bool:
+        """Ratio-based: the density can change during training (warm-up)."""
+        return "ratio" in self.spec.params
+
+    def scheduled_density(self, epoch: int) -> float:
+        """The density the spec asks for during ``epoch`` (0-based)."""
+        return self.spec["ratio"]
+
+    def density(self, ctx: ExchangeContext) -> Scalar:
+        return ctx.density if ctx.density is not None else self.scheduled_density(ctx.epoch)
+
+    def state_slots(self, shape: Tuple[int, ...]) -> Tuple[str, ...]:
+        """Names of the flat variables (as large as the tensor) this compressor keeps."""
+        return ()
+
+    @property
+    def stateful(self) -> bool:
+        """Needs state that outlives one step (variables, or the step counter)."""
+        return self.uses_step
+
+    def new_state(self, shape: Tuple[int, ...], dtype: Any) -> Dict[str, tf.Variable]:
+        """Zero variables for a tensor of ``shape`` (created eagerly, outside any tf.function)."""
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        with tf.init_scope():
+            return {name: tf.Variable(tf.zeros([numel], dtype), trainable=False, name=name)
+                    for name in self.state_slots(tuple(shape))}
+
+    @abstractmethod
+    def exchange(self, x: tf.Tensor, ctx: ExchangeContext) -> Exchange:
+        """Generator: yields rounds of requests, returns the dense result (see module doc)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec})"
+
+
+def scaled(total: tf.Tensor, scale: float) -> tf.Tensor:
+    """total * scale, the scale rounded to the tensor's dtype first (as torch and numpy do)."""
+    return total if scale == 1.0 else total * tf.cast(scale, total.dtype)
+
+
+class OneRoundCompressor(Compressor):
+    """A compressor whose exchange is one round of one kind of collective.
+
+    Subclasses define ``select`` (what to send, e.g. indices; None for dense codecs), ``compress``
+    (flat tensor -> payload tuple), ``decompress`` (own payload -> dense, for the residual) and
+    ``aggregate`` (collective results -> dense sum over ranks). Error feedback, when the spec asks
+    for it, is wrapped around them here, once for all.
+    """
+
+    def __init__(self, spec: CompressionSpec):
+        super().__init__(spec)
+        self.memory: Memory = memory_for(spec)
+
+    def state_slots(self, shape):
+        return self.memory.slots
+
+    @property
+    def stateful(self) -> bool:
+        return self.uses_step or bool(self.memory.slots)
+
+    def select(self, a: tf.Tensor, ctx: ExchangeContext) -> Any:
+        return None
+
+    @abstractmethod
+    def compress(self, a: tf.Tensor, sel: Any, ctx: ExchangeContext) -> Tuple[tf.Tensor, ...]:
+        """Flat tensor -> the payload tensors this rank puts on the wire."""
+
+    @abstractmethod
+    def decompress(self, payload: Tuple[tf.Tensor, ...], like: tf.Tensor, sel: Any,
+                   ctx: ExchangeContext) -> tf.Tensor:
+        """This rank's own payload -> the dense tensor it stands for (shape and dtype of like)."""
+
+    @abstractmethod
+    def aggregate(self, results: Tuple[tf.Tensor, ...], like: tf.Tensor, sel: Any,
+                  ctx: ExchangeContext) -> tf.Tensor:
+        """Collective results -> the dense sum over ranks."""
+
+    def exchange(self, x, ctx):
+        a = self.memory.compensate(x, ctx.state)
+        sel = self.select(a, ctx)
+        payload = self.compress(a, sel, ctx)
+        self.memory.update(a, lambda: self.decompress(payload, a, sel, ctx), ctx.state)
+        request = Allreduce if self.summed else Allgather
+        results = yield tuple(request(t) for t in payload)
+        return scaled(self.aggregate(results, a, sel, ctx), ctx.scale)

@@ -1,0 +1,124 @@
+"""Argument checking and the exchange step shared by ``DistributedGradientTape`` and the Keras
+``DistributedOptimizer``.
+
+Every argument Horovod's wrappers take keeps its name and meaning; each is checked here, when the
+wrapper is made, identically on every rank and before any collective, so bad input raises the
+same ``ValueError`` (naming the argument) everywhere and no rank is left waiting.
+
+    op=Average:  result = sum_r C(g_r / f) * (f / N)      f = gradient_predivide_factor
+    op=Sum:      result = sum_r C(g_r)
+
+``device_dense`` / ``device_sparse`` are accepted for compatibility and ignored (the collectives
+run where Horovod places them). ``num_groups`` / ``groups`` (explicit grouping) are refused:
+each gradient is exchanged on its own and Horovod's tensor fusion merges the small ones.
+Sparse gradients (``tf.IndexedSlices``, e.g. from embeddings) are densified with a warning
+(``sparse_as_dense=True`` silences it): compressors work on dense tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+
+from hvdcompress.spec import resolve
+
+from .compression import GradientCompression
+from .compressors import build_compressor
+
+_STATELESS_CACHE: Dict[str, GradientCompression] = {}
+
+
+class Exchanger:
+    """A configured exchange: the compression object plus how results are scaled and where."""
+
+    def __init__(self, compression: GradientCompression, world_size: int, scale: float,
+                 prescale: float, process_set, sparse_as_dense: bool, who: str):
+        self.compression = compression
+        self.world_size, self.scale, self.prescale = world_size, scale, prescale
+        self.process_set = process_set
+        self.sparse_as_dense = sparse_as_dense
+        self.who = who
+        self._warned = False
+
+    def densify(self, grads) -> List[Optional[tf.Tensor]]:
+        out = []
+        for g in grads:
+            if isinstance(g, tf.IndexedSlices):
+                if not (self.sparse_as_dense or self._warned):
+                    warnings.warn(f"{self.who}: a gradient is a tf.IndexedSlices (sparse, e.g. from an "
+                                  "embedding); it is densified for compression, as with "
+                                  "sparse_as_dense=True (pass that to silence this warning).")
+                    self._warned = True
+                g = tf.convert_to_tensor(g)
+            out.append(g)
+        return out
+
+    def exchange(self, grads) -> List[Optional[tf.Tensor]]:
+        return self.compression.exchange(self.densify(grads), world_size=self.world_size, scale=self.scale,
+                                         prescale=self.prescale, process_set=self.process_set)
+
+
+def _check_factor(value, op_is_average: bool) -> float:
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        factor = float("nan")
+    if isinstance(value, bool) or not factor > 0 or math.isinf(factor):
+        raise ValueError(f"gradient_predivide_factor: must be a finite float > 0; got {value!r}")
+    if factor != 1.0 and not op_is_average:
+        raise ValueError("gradient_predivide_factor: values other than 1.0 require op=hvd.Average")
+    return factor
+
+
+def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as_dense, op,
+                   gradient_predivide_factor, num_groups, groups, process_set, persistent_only: bool,
+                   name: str = "hvc") -> Exchanger:
+    """Check the Horovod-style arguments and build the exchanger (see module doc).
+
+    ``persistent_only``: the wrapper lives for one step (a tape), so a compressor that keeps state
+    between steps must come as a ``GradientCompression`` made once by the caller.
+    """
+    import horovod.tensorflow as hvd
+
+    spec = None
+    if not isinstance(compression, GradientCompression):
+        spec = resolve(compression)  # a bad spec raises here, naming the parameter
+        if persistent_only and build_compressor(spec).stateful:
+            raise ValueError(
+                f"compression: '{spec}' keeps state between steps (residuals, momenta or the step "
+                f"counter), and a {who} lives for one step; create it once, outside the training "
+                f"step, as hvc.GradientCompression('{spec}'), pass that object as compression= "
+                "every step, and checkpoint it with the model")
+    for arg, value in (("device_dense", device_dense), ("device_sparse", device_sparse)):
+        if not isinstance(value, str):
+            raise ValueError(f"{arg}: expected a device string (accepted and ignored); got {value!r}")
+    if not isinstance(sparse_as_dense, bool):
+        raise ValueError(f"sparse_as_dense: must be True or False; got {sparse_as_dense!r}")
+    op = hvd.Average if op is None else op
+    if op == hvd.Adasum:
+        raise ValueError("op: Adasum is not supported with compression; accepted: hvd.Average, hvd.Sum")
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op: accepted values are hvd.Average and hvd.Sum; got {op!r}")
+    factor = _check_factor(gradient_predivide_factor, op == hvd.Average)
+    if num_groups != 0 or groups is not None:
+        raise ValueError("num_groups/groups: explicit grouping is not supported with compression; each "
+                         "gradient is exchanged on its own and Horovod's tensor fusion merges small ones. "
+                         "Leave num_groups=0 and groups=None.")
+    process_set = hvd.global_process_set if process_set is None else process_set
+    if not isinstance(process_set, hvd.ProcessSet):
+        raise ValueError(f"process_set: expected a horovod ProcessSet; got {process_set!r}")
+    if not hvd.is_initialized():
+        raise ValueError(f"horovod is not initialized: call hvd.init() before {who}")
+    if spec is not None and persistent_only:  # stateless: one shared object per spec, no new variables per step
+        key = f"{name}:{spec}"
+        if key not in _STATELESS_CACHE:
+            _STATELESS_CACHE[key] = GradientCompression(spec, name=name)
+        compression = _STATELESS_CACHE[key]
+    elif spec is not None:
+        compression = GradientCompression(spec, name=name)
+    world = process_set.size()
+    scale = factor / world if op == hvd.Average else 1.0
+    return Exchanger(compression, world, scale, 1.0 / factor, process_set, sparse_as_dense, who)

@@ -1,0 +1,175 @@
+"""Keras ``DistributedOptimizer``: Horovod's Keras optimizer wrapper, with gradient compression.
+
+Drop-in for ``horovod.tensorflow.keras.DistributedOptimizer``: the same arguments keep their names
+and meaning (name, device_dense, device_sparse, compression, sparse_as_dense,
+gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients, num_groups,
+groups, process_set). As there, the result is a new optimizer of a subclass of the given one's
+class, built from its config, whose gradient computation (``compute_gradients`` for Keras 2.11+
+optimizers, ``_compute_gradients`` / ``get_gradients`` for ``tf.keras.optimizers.legacy`` ones)
+returns the exchanged gradients; ``model.fit`` and ``optimizer.minimize`` go through it. Gradients
+handed to ``apply_gradients`` directly are applied as given (as with Horovod).
+
+The compression state is a ``GradientCompression`` tracked as ``optimizer.gradient_compression``,
+so ``tf.train.Checkpoint(optimizer=...)`` and ``model.save_weights`` (TensorFlow checkpoint
+format) save and restore it with the optimizer. Residuals differ per rank: to resume exactly,
+every rank saves and restores its own checkpoint.
+
+DGC keeps the momentum in its memory, so the optimizer must not apply its own: an optimizer whose
+config has ``momentum`` > 0 (SGD) is rebuilt with momentum 0 and that momentum (and ``nesterov``)
+moves into the DGC spec, with a warning when they differ from the spec's.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import tensorflow as tf
+
+from hvdcompress.spec import CompressionSpec, resolve
+
+from .accumulate import LocalAccumulator
+from .compression import GradientCompression
+from .exchanger import make_exchanger
+
+
+class _KerasMixin:
+    """Methods added to the wrapped optimizer's class (first in the MRO)."""
+
+    @property
+    def compression(self) -> CompressionSpec:
+        return self.gradient_compression.compression
+
+    @property
+    def stats(self):
+        """Bytes this rank handed to the collectives per step, next to dense (a WireStats)."""
+        return self.gradient_compression.stats
+
+    def _hvc_exchange_pairs(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return grads_and_vars
+        grads = [g for g, _ in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        acc = self._hvc_accumulator
+        if acc is None:
+            out = self._hvc.exchange(grads)
+        else:
+            out = acc.accumulate(self._hvc.densify(grads), self._hvc.exchange)
+        return list(zip(out, variables))
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        acc = self._hvc_accumulator
+        if acc is None:
+            return super(_KerasMixin, self).apply_gradients(grads_and_vars, *args, **kwargs)
+        grads_and_vars = list(grads_and_vars)
+
+        def apply():
+            super(_KerasMixin, self).apply_gradients(grads_and_vars, *args, **kwargs)
+            return tf.constant(True)
+
+        def skip():  # a pass that only accumulated: no update, but the iteration counts
+            self.iterations.assign_add(1)
+            return tf.constant(False)
+
+        return tf.cond(acc.synced(), apply, skip)
+
+
+class _OptimizerMixin(_KerasMixin):
+    """For ``tf.keras.optimizers.Optimizer`` (Keras 2.11+)."""
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        return self._hvc_exchange_pairs(super().compute_gradients(loss, var_list, tape))
+
+
+class _LegacyOptimizerMixin(_KerasMixin):
+    """For ``tf.keras.optimizers.legacy.Optimizer``."""
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        return self._hvc_exchange_pairs(super()._compute_gradients(loss, var_list, grad_loss, tape))
+
+    def get_gradients(self, loss, params):
+        grads = super().get_gradients(loss, params)
+        return [g for g, _ in self._hvc_exchange_pairs(zip(grads, params))]
+
+
+def _keras_bases():
+    new = getattr(tf.keras.optimizers, "Optimizer", None)
+    legacy = getattr(getattr(tf.keras.optimizers, "legacy", None), "Optimizer", None)
+    if legacy is None or "tf_keras" not in getattr(new, "__module__", "tf_keras"):
+        raise ValueError("optimizer: tf.keras is Keras 3 here; hvdcompress.keras (like "
+                         "horovod.tensorflow.keras) needs Keras 2: install tf-keras and set "
+                         "TF_USE_LEGACY_KERAS=1 before TensorFlow is first imported")
+    return new, legacy
+
+
+def _adopt_momentum(spec: CompressionSpec, config: dict):
+    """DGC: move the optimizer's momentum into the spec; the optimizer runs with momentum 0."""
+    momentum = config.get("momentum", 0.0)
+    if spec.name != "dgc" or not isinstance(momentum, (int, float)) or momentum == 0:
+        return spec, config
+    nesterov = bool(config.get("nesterov", False))
+    if (float(momentum), nesterov) != (spec["momentum"], spec["nesterov"]):
+        warnings.warn(f"compression 'dgc': taking over the optimizer's momentum={momentum}, "
+                      f"nesterov={nesterov} (the spec said momentum={spec['momentum']}, "
+                      f"nesterov={spec['nesterov']}); the optimizer itself now runs with momentum=0")
+    config = dict(config, momentum=0.0)
+    if "nesterov" in config:
+        config["nesterov"] = False
+    return CompressionSpec("dgc", dict(spec.params, momentum=float(momentum), nesterov=nesterov)), config
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
+                         backward_passes_per_step=1, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=None):
+    """Wrap a Keras optimizer so the gradients it computes are compressed, exchanged and averaged.
+
+    Args mirror ``horovod.tensorflow.keras.DistributedOptimizer``:
+        optimizer: a ``tf.keras.optimizers.Optimizer`` or ``tf.keras.optimizers.legacy.Optimizer``.
+        name: prefix of the collectives' names (a Python identifier; default "Distributed<Class>").
+        device_dense, device_sparse: accepted and ignored.
+        compression: a spec string (``"topk:ratio=0.01"``), ``hvdcompress.Compression.<name>(...)``,
+            Horovod's ``Compression.none`` / ``Compression.fp16``, or a ``GradientCompression``.
+        sparse_as_dense: sparse gradients are always densified; True silences the warning.
+        gradient_predivide_factor: with Average, divide by this before the sum and by
+            size/factor after (> 0).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        backward_passes_per_step: passes accumulated locally before each exchange (>= 1).
+        average_aggregated_gradients: divide the accumulated sum by backward_passes_per_step.
+        num_groups, groups: must stay 0 / None (explicit grouping is not supported).
+        process_set: a Horovod process set (default: all ranks).
+
+    Every argument is checked here, on every rank, before any collective.
+    """
+    new_base, legacy_base = _keras_bases()
+    if not isinstance(optimizer, (new_base, legacy_base)):
+        raise ValueError("optimizer: expected a tf.keras optimizer (tf.keras.optimizers.* or "
+                         f"tf.keras.optimizers.legacy.*); got {type(optimizer).__name__}")
+    name = name if name is not None else f"Distributed{type(optimizer).__name__}"
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"name: must be a Python identifier (it prefixes collective names); got {name!r}")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step: must be an int >= 1; got {backward_passes_per_step!r}")
+    if not isinstance(average_aggregated_gradients, bool):
+        raise ValueError("average_aggregated_gradients: must be True or False; "
+                         f"got {average_aggregated_gradients!r}")
+    config = optimizer.get_config()
+    if isinstance(compression, GradientCompression):
+        if compression.compression.name == "dgc" and config.get("momentum", 0):
+            raise ValueError("compression: DGC applies the momentum in its memory; give the optimizer "
+                             "momentum=0 (set it in the spec: dgc:momentum=...) or pass the spec instead "
+                             "of a GradientCompression so it is taken over")
+    else:
+        compression, config = _adopt_momentum(resolve(compression), config)
+    exchanger = make_exchanger("DistributedOptimizer", compression, device_dense, device_sparse,
+                               sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
+                               process_set, persistent_only=False, name=name)
+    mixin = _LegacyOptimizerMixin if isinstance(optimizer, legacy_base) else _OptimizerMixin
+    cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
+    opt = cls.from_config(config)
+    opt._hvc = exchanger
+    opt.gradient_compression = exchanger.compression
+    opt._hvc_accumulator = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
+                            if backward_passes_per_step > 1 else None)
+    return opt

@@ -1,0 +1,77 @@
+"""``DistributedGradientTape``: Horovod's TF2 tape wrapper, with gradient compression.
+
+Drop-in for ``horovod.tensorflow.DistributedGradientTape``: ``tape.gradient(loss, variables)``
+returns the gradients compressed, exchanged among the ranks and averaged (or summed). The result
+is an instance of a subclass of the wrapped tape's class that records into the same tape::
+
+    compression = hvc.GradientCompression("topk:ratio=0.01")   # once, outside the step
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvc.DistributedGradientTape(tape, compression=compression)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+A tape lives for one step, so compressors with state between steps (error feedback, random-k's
+step counter, DGC's momenta) need the ``GradientCompression`` object made once; stateless specs
+(``none``, ``fp16``, ``bf16``) may be given as a string. Gradients that are None stay None (every
+rank has the same graph, so every rank skips the same ones).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from .exchanger import Exchanger, make_exchanger
+
+
+class _TapeMixin:
+    """Methods added to the wrapped tape's class (first in the MRO)."""
+
+    _hvc: Exchanger
+
+    @property
+    def compression(self):
+        """The ``GradientCompression`` doing the exchange (its ``stats`` count the bytes)."""
+        return self._hvc.compression
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat = tf.nest.flatten(grads)
+        return tf.nest.pack_sequence_as(grads, self._hvc.exchange(flat))
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
+                            sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
+                            num_groups=0, groups=None, process_set=None):
+    """Wrap ``gradtape`` so ``gradient()`` returns compressed, exchanged, averaged gradients.
+
+    Args mirror ``horovod.tensorflow.DistributedGradientTape``:
+        gradtape: the ``tf.GradientTape`` that recorded the forward pass.
+        device_dense, device_sparse: accepted and ignored.
+        compression: a ``GradientCompression`` (required for stateful compressors), or a spec for
+            a stateless one (``"fp16"``, Horovod's ``Compression.fp16``). Default: none.
+        sparse_as_dense: sparse gradients are always densified; True silences the warning.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: with Average, divide by this before the sum and by
+            size/factor after (> 0).
+        num_groups, groups: must stay 0 / None (explicit grouping is not supported).
+        process_set: a Horovod process set (default: all ranks).
+
+    Every argument is checked here, on every rank, before any collective.
+    """
+    if not isinstance(gradtape, tf.GradientTape):
+        raise ValueError(f"gradtape: expected a tf.GradientTape; got {type(gradtape).__name__}")
+    exchanger = make_exchanger("DistributedGradientTape", compression, device_dense, device_sparse,
+                               sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
+                               process_set, persistent_only=True)
+    base = type(gradtape)
+    cls = type(base.__name__, (_TapeMixin, base), {})
+    tape = cls(persistent=gradtape._persistent,
+               watch_accessed_variables=gradtape._watch_accessed_variables)
+    tape._tape = gradtape._tape  # record into (and read from) the same tape as the original
+    tape._hvc = exchanger
+    return tape
