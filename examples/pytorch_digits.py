@@ -16,39 +16,18 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import hvdcompress.torch as hvc
-
-
-class DigitsCNN(nn.Module):
-    """Two 3x3 convolutions and two dense layers on 8x8 images: about 38k parameters."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+from hvdcompress.datasets import load_digits
+from torch_ops.models import DigitsCNN
 
 
 def load_data(seed: int):
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[:, None]
-    y = digits.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
-    return (torch.from_numpy(x_tr), torch.from_numpy(y_tr)), (torch.from_numpy(x_te), torch.from_numpy(y_te))
+    d = load_digits(seed)
+    return (torch.from_numpy(d.x_train), torch.from_numpy(d.y_train)), (torch.from_numpy(d.x_test), torch.from_numpy(d.y_test))
 
 
 def parse_args(argv=None):
@@ -94,6 +73,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for epoch in bar:
         perm = torch.randperm(len(x_tr), generator=gen)
+        opt.set_epoch(epoch)  # drives warm-up schedules (DGC); harmless for the others
         for i in range(steps_per_epoch):
             idx = perm[i * args.batch_size:(i + 1) * args.batch_size]
             opt.zero_grad()

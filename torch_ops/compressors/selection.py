@@ -3,7 +3,8 @@
 ``topk_indices``: the k largest |a|, ties toward the lower index, ascending.
 ``sampled_threshold_select``: DGC's threshold estimated from a strided sample of |v|, adapted
 until between 0.8k and 1.3k entries pass (the rule lives in ``hvdcompress.sampling``). It makes
-two passes over the tensor (|v| >= thr, nonzero) instead of a full top-k.
+three passes over the tensor (|v|, >= thr, nonzero) instead of a full top-k, into work buffers
+that are reused across calls (allocating 100 MB afresh costs as much as a pass in page faults).
 """
 
 from __future__ import annotations
@@ -12,6 +13,23 @@ import torch
 
 from hvdcompress.sampling import (ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, sample_k,
                                   sample_stride)
+
+
+class _Scratch:
+    """Reusable 1-D work buffers, one per (dtype, device), grown to the largest size asked for.
+    Callers use the view they get before asking again (hooks run on one backward thread)."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get((dtype, device))
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[(dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
+
+_scratch = _Scratch()
 
 
 def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
@@ -36,14 +54,15 @@ def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
 def sampled_threshold_select(v: torch.Tensor, k: int, sample_ratio: float, adapt_iters: int,
                              offset: int) -> torch.Tensor:
     """Indices (int64, ascending) chosen by DGC's sampled threshold on |v|."""
-    mag = v.abs()
-    n = mag.numel()
+    n = v.numel()
+    mag = torch.abs(v, out=_scratch.get(n, v.dtype, v.device))
+    mask = _scratch.get(n, torch.bool, v.device)
     sample = mag[offset::sample_stride(sample_ratio)]
     ks = sample_k(k, sample.numel(), n)
     thr = torch.topk(sample, ks, sorted=False).values.min()
     lower = torch.tensor(LOWER_FACTOR, dtype=mag.dtype)
     for it in range(adapt_iters + 1):
-        idx = torch.nonzero(mag >= thr).view(-1)
+        idx = torch.nonzero(torch.ge(mag, thr, out=mask)).view(-1)
         c = idx.numel()
         if 10 * c > ACCEPT_HIGH_TENTHS * k:
             return idx[topk_indices(mag[idx], k)]
