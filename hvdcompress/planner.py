@@ -29,179 +29,29 @@ at ``world_size`` and t_s (the prediction always includes t_s when the model has
 spec). ``layerwise``/``single``/``size`` need no cost model; without one (or without t_b) the
 prediction is None.
 
-Search (``optimal``): the exact minimum over all 2^(L-1) consecutive partitions, by dynamic
-programming over the end of the last group. With ``overlap="parallel"`` the state after tensors
-0..k-1 is the exchange end time C (the best prefix is the one with the smallest C, as everything
-later is non-decreasing in C): O(L^2). With ``overlap="shared"`` the future also depends on S,
-the compression time already spent on the compute stream, so each prefix keeps its Pareto front
-of (S, C) pairs; both transitions ``S' = S + t_s``, ``C' = max(C, R_k + S') + t_c`` are
-non-decreasing in (S, C), so dropping dominated pairs is exact. Cost O(L^2 * F), F the front size
-(a handful in practice). ``greedy`` is the MGS rule: walking in backward order, the next tensor
-joins the open group when the extra time the group's data would wait for it is less than the
-start-up cost saved by sending one exchange fewer, t_c(a) + t_c(b) - t_c(a+b). ``brute_force``
-enumerates every partition (tests only).
+The searches live in ``hvdcompress.search``: ``optimal`` (dynamic programming over the end of
+the last group; exact, O(L^2) for ``overlap="parallel"``, Pareto fronts with branch and bound for
+``"shared"``, with a certified bound ``gap`` should a front have to be thinned), ``greedy`` (the
+MGS paper's rule) and ``brute_force`` (tests).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .search import Search, brute_force, by_size, greedy, layerwise, optimal, single
 from .spec import GATHERED, resolve
-from .timeline import (Timeline, as_cost_fn, check_inputs, check_overlap, group_ends, groups_from_ends,
-                       predict)
+from .timeline import Timeline, check_inputs, check_overlap, predict
 
 MIB = 1 << 20
 COST_MODEL_SCHEDULES = ("mgs", "mgwfbp")
 ACCEPTED = ("'layerwise', 'single', 'size:<MB>' (e.g. 'size:64'), 'mgs', 'mgwfbp' (either followed by "
             "':greedy' for the papers' greedy rule instead of the exact optimum), or 'auto'/None (mgs for "
             "gathered compressors, mgwfbp for summed ones)")
-
-
-# --- fixed partitions ---------------------------------------------------------------------------
-def layerwise(n: int) -> List[List[int]]:
-    return [[i] for i in range(n)]
-
-
-def single(n: int) -> List[List[int]]:
-    return [list(range(n))] if n else []
-
-
-def by_size(sizes_bytes: Sequence[float], threshold_bytes: float) -> List[List[int]]:
-    """Fusion by size: a tensor joins the open group while the group stays <= threshold bytes;
-    otherwise it starts a new one (a tensor larger than the threshold is a group of its own)."""
-    groups: List[List[int]] = []
-    total = 0.0
-    for i, s in enumerate(sizes_bytes):
-        if groups and total + s <= threshold_bytes:
-            groups[-1].append(i)
-            total += s
-        else:
-            groups.append([i])
-            total = s
-    return groups
-
-
-# --- search -------------------------------------------------------------------------------------
-def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared") -> Tuple[List[List[int]], float]:
-    """The exact optimum (module doc): (groups, backward/exchange end time)."""
-    check_overlap(overlap)
-    sizes, t_b = check_inputs(sizes, t_b)
-    n = len(sizes)
-    if n == 0:
-        return [], 0.0
-    ts_fn, tc_fn = as_cost_fn(t_s), as_cost_fn(t_c)
-    shared = overlap == "shared"
-    cum = np.concatenate([[0.0], np.cumsum(sizes)])
-    ready = np.concatenate([[0.0], np.cumsum(t_b)])
-    pool = _StatePool(4 * n + 16)  # state 0: nothing done, at boundary 0
-    for k in range(1, n + 1):
-        spent, comm, boundary = pool.view()
-        group_bytes = cum[k] - cum[:k]  # bytes of the group [b, k) for every boundary b < k
-        ts, tc = ts_fn(group_bytes)[boundary], tc_fn(group_bytes)[boundary]
-        new_spent = spent + ts if shared else np.zeros_like(spent)
-        new_comm = np.maximum(comm, ready[k] + new_spent + (0.0 if shared else ts)) + tc
-        order = np.lexsort((new_comm, new_spent))
-        sorted_comm = new_comm[order]
-        keep = np.ones(len(order), dtype=bool)
-        keep[1:] = sorted_comm[1:] < np.minimum.accumulate(sorted_comm)[:-1]
-        parents = order[keep]
-        pool.append(new_spent[parents], new_comm[parents], k, parents)
-    spent, comm, boundary = pool.view()
-    last = np.flatnonzero(boundary == n)
-    best = int(last[np.argmin(comm[last])])
-    ends = []
-    while best > 0:
-        ends.append(int(pool.boundary[best]))
-        best = int(pool.parent[best])
-    return groups_from_ends(ends[::-1]), float(comm[last].min())
-
-
-class _StatePool:
-    """Append-only arrays of DP states: compression time spent, exchange end, boundary, parent."""
-
-    def __init__(self, capacity: int):
-        self.spent, self.comm = np.zeros(capacity), np.zeros(capacity)
-        self.boundary = np.zeros(capacity, dtype=np.int64)
-        self.parent = np.full(capacity, -1, dtype=np.int64)
-        self.size = 1
-
-    def view(self):
-        m = self.size
-        return self.spent[:m], self.comm[:m], self.boundary[:m]
-
-    def append(self, spent, comm, boundary: int, parent) -> None:
-        m, add = self.size, len(spent)
-        if m + add > len(self.spent):
-            grow = max(2 * len(self.spent), m + add)
-            for name in ("spent", "comm", "boundary", "parent"):
-                old = getattr(self, name)
-                new = np.zeros(grow, dtype=old.dtype)
-                new[:m] = old[:m]
-                setattr(self, name, new)
-        self.spent[m:m + add], self.comm[m:m + add] = spent, comm
-        self.boundary[m:m + add], self.parent[m:m + add] = boundary, parent
-        self.size = m + add
-
-
-def greedy(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared") -> Tuple[List[List[int]], float]:
-    """The MGS / MG-WFBP greedy rule (module doc): (groups, backward/exchange end time)."""
-    check_overlap(overlap)
-    sizes, t_b = check_inputs(sizes, t_b)
-    n = len(sizes)
-    if n == 0:
-        return [], 0.0
-    ts_fn, tc_fn = as_cost_fn(t_s), as_cost_fn(t_c)
-
-    def ts(b):
-        return float(ts_fn(np.array([b]))[0])
-
-    def tc(b):
-        return float(tc_fn(np.array([b]))[0])
-
-    groups, start, open_bytes = [], 0, float(sizes[0])
-    now = float(t_b[0])  # when the open group's last gradient is ready on the compute stream
-    comm_free = 0.0
-    for x in range(1, n):
-        alone_ready = now + ts(open_bytes)           # close the open group: compressed at ...
-        alone_start = max(comm_free, alone_ready)    # ... and on the wire at
-        merged = open_bytes + float(sizes[x])
-        merged_ready = now + float(t_b[x]) + ts(merged)
-        wait = merged_ready - alone_start            # extra wait of the open group's data
-        saved = tc(open_bytes) + tc(float(sizes[x])) - tc(merged)
-        if wait < saved:
-            open_bytes = merged
-            now += float(t_b[x])
-        else:
-            groups.append(list(range(start, x)))
-            comm_free = alone_start + tc(open_bytes)
-            now = (alone_ready if overlap == "shared" else now) + float(t_b[x])
-            start, open_bytes = x, float(sizes[x])
-    groups.append(list(range(start, n)))
-    return groups, predict(groups, sizes, t_b, t_s, t_c, overlap).end
-
-
-def brute_force(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
-                max_tensors: int = 16) -> Tuple[List[List[int]], float]:
-    """Every one of the 2^(L-1) partitions, timed by ``timeline.predict`` (for tests)."""
-    sizes, t_b = check_inputs(sizes, t_b)
-    n = len(sizes)
-    if n > max_tensors:
-        raise ValueError(f"brute_force: {n} tensors means 2^{n - 1} partitions; at most {max_tensors}")
-    if n == 0:
-        return [], 0.0
-    best, best_groups = math.inf, None
-    for cuts in itertools.product((False, True), repeat=n - 1):
-        ends = [i + 1 for i, cut in enumerate(cuts) if cut] + [n]
-        groups = groups_from_ends(ends)
-        end = predict(groups, sizes, t_b, t_s, t_c, overlap).end
-        if end < best:
-            best, best_groups = end, groups
-    return best_groups, best
 
 
 # --- schedules ----------------------------------------------------------------------------------
@@ -255,11 +105,12 @@ class Plan:
     predicted_seconds: Optional[float]  # forward + timeline end + update; None without a model
     timeline: Optional[Timeline]
     overlap: str
+    gap: Optional[float] = None         # seconds above the optimum at most (0: optimal; None: unknown)
     notes: Tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
         return {"schedule": self.schedule, "groups": self.groups, "predicted_seconds": self.predicted_seconds,
-                "overlap": self.overlap, "notes": list(self.notes),
+                "overlap": self.overlap, "gap": self.gap, "notes": list(self.notes),
                 "timeline": self.timeline.as_dict() if self.timeline is not None else None}
 
 
@@ -283,7 +134,7 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
         check_inputs(sizes, np.zeros_like(sizes))
     n = len(sizes)
     notes: List[str] = []
-    t_s = t_c = None
+    t_s = t_c = gap = None
     if cost_model is not None:
         world = cost_model.world_size if world_size is None else int(world_size)
 
@@ -309,7 +160,10 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
                              "fit for it (profile it, or use 'mgwfbp', which ignores compression time)")
         search_ts = t_s if sched.kind == "mgs" else (lambda b: np.zeros_like(np.asarray(b, dtype=float)))
         search = optimal if sched.search == "dp" else greedy
-        groups, _ = search(sizes, t_b, search_ts, t_c, overlap)
+        found = search(sizes, t_b, search_ts, t_c, overlap)
+        groups, gap = found.groups, found.gap
+        if sched.kind == "mgwfbp":
+            gap = None  # optimal for the search's model (no compression time), not the predicted one
     elif sched.kind == "layerwise":
         groups = layerwise(n)
     elif sched.kind == "single":
@@ -321,8 +175,8 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     if cost_model is not None and t_b is not None:
         timeline = predict(groups, sizes, t_b, t_s, t_c, overlap)
         predicted = float(forward_seconds) + timeline.end + float(update_seconds)
-    return Plan(str(sched), [list(g) for g in groups], predicted, timeline, overlap, tuple(notes))
+    return Plan(str(sched), [list(g) for g in groups], predicted, timeline, overlap, gap, tuple(notes))
 
 
-__all__ = ["Plan", "Schedule", "make_plan", "parse_schedule", "optimal", "greedy", "brute_force",
-           "layerwise", "single", "by_size", "group_ends", "predict"]
+__all__ = ["Plan", "Schedule", "Search", "make_plan", "parse_schedule", "optimal", "greedy", "brute_force",
+           "layerwise", "single", "by_size", "predict"]

@@ -28,6 +28,7 @@ backward-plus-exchange time is ``comm_end[G]``. With t_s = 0 both are MG-WFBP's 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Sequence, Tuple
 
@@ -79,12 +80,14 @@ def as_cost_fn(fn: Callable) -> CostFn:
     def vectorised(x):
         x = np.asarray(x, dtype=float)
         try:
-            y = np.asarray(fn(x), dtype=float)
+            with warnings.catch_warnings():  # math.* on a 1-element array: a scalar function
+                warnings.simplefilter("error", DeprecationWarning)
+                y = np.asarray(fn(x), dtype=float)
             if y.shape == x.shape:
                 return y
             if y.ndim == 0:
                 return np.full(x.shape, float(y))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, DeprecationWarning):
             pass
         return np.array([float(fn(float(v))) for v in x.ravel()], dtype=float).reshape(x.shape)
     return vectorised

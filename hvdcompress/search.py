@@ -1,0 +1,253 @@
+"""Searching the partitions of tensors (backward order) into consecutive groups.
+
+Every function here takes per-tensor ``sizes`` (bytes) and backward times ``t_b``, the cost
+functions ``t_s(bytes)`` (compress a group) and ``t_c(bytes)`` (exchange it), and the overlap
+model of ``hvdcompress.timeline``; it returns a ``Search``: the groups, their modelled
+backward/exchange end time, and ``gap`` (an upper bound on how far that time may be above the
+optimum: 0 when the optimum is certified, None when unknown).
+
+``optimal``: dynamic programming over the end of the last group. Write ``R_k`` for the backward
+time of tensors 0..k-1. After a prefix the state is (S, C): compression time spent on the compute
+stream (``shared`` overlap; always 0 with ``parallel``) and the end of the last exchange. Adding
+the group [b, k)::
+
+    S' = S + t_s(b, k)                     (shared)         S' = 0         (parallel)
+    C' = max(C, R_k + S') + t_c(b, k)      (shared)         C' = max(C, R_k + t_s(b, k)) + t_c(b, k)
+
+Both are non-decreasing in (S, C), so a state that another one matches or beats in both
+coordinates can be dropped without losing the optimum; the answer is the smallest C at k = L.
+``parallel``: one state per prefix (the smallest C), O(L^2) evaluations. ``shared``: a Pareto
+front of (S, C) per prefix, O(L^2 * F) for fronts of F points. Fronts are kept small exactly by
+branch and bound: a state whose lower bound ``max(C + minTC(k), R_L + S + minTS(k) + minLast(k))``
+(minTC / minTS: the least total exchange / compression time of any partition of the tensors left,
+themselves 1-D DPs; minLast: the cheapest last exchange) exceeds the best plan known (greedy,
+the ``parallel`` optimum, layerwise, single, timed in the shared model) cannot lead to the optimum.
+Should a front still exceed ``max_front`` points (default: ``default_max_front``, which keeps the
+search near 1e7 state updates) it is thinned: a state is dropped when a kept one has C no larger
+and S at most eps larger, eps = (S range) / max_front. The result is then certified within
+``gap`` = min(sum of the eps used, result - least lower bound of a dropped state): the end time is
+1-Lipschitz in S, and an optimal path that lost a state is no shorter than that state's bound.
+
+``greedy``: the rule of MGS (Shi et al., INFOCOM 2020) and MG-WFBP: walking in backward order,
+the next tensor joins the open group when the extra time the group's data would wait for it is
+less than the start-up cost saved, t_c(a) + t_c(b) - t_c(a + b). ``brute_force``: every partition.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable, List, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from .timeline import as_cost_fn, check_inputs, check_overlap, groups_from_ends, predict
+
+MAX_FRONT = 512
+
+
+class Search(NamedTuple):
+    groups: List[List[int]]
+    seconds: float          # modelled end of backward + exchanges (timeline.predict(...).end)
+    gap: Optional[float]    # seconds the result may be above the optimum (0: optimal; None: unknown)
+
+
+def layerwise(n: int) -> List[List[int]]:
+    return [[i] for i in range(n)]
+
+
+def single(n: int) -> List[List[int]]:
+    return [list(range(n))] if n else []
+
+
+def by_size(sizes_bytes: Sequence[float], threshold_bytes: float) -> List[List[int]]:
+    """Fusion by size: a tensor joins the open group while the group stays <= threshold bytes;
+    otherwise it starts a new one (a tensor larger than the threshold is a group of its own)."""
+    groups: List[List[int]] = []
+    total = 0.0
+    for i, s in enumerate(sizes_bytes):
+        if groups and total + s <= threshold_bytes:
+            groups[-1].append(i)
+            total += s
+        else:
+            groups.append([i])
+            total = s
+    return groups
+
+
+class _Pool:
+    """Append-only DP states: compression spent S, exchange end C, boundary k, parent state."""
+
+    def __init__(self, capacity: int):
+        self.spent, self.comm = np.zeros(capacity), np.zeros(capacity)
+        self.boundary = np.zeros(capacity, dtype=np.int64)
+        self.parent = np.full(capacity, -1, dtype=np.int64)
+        self.size = 1  # state 0: nothing sent yet, boundary 0
+
+    def append(self, spent, comm, boundary: int, parent) -> None:
+        m, add = self.size, len(spent)
+        if m + add > len(self.spent):
+            grow = max(2 * len(self.spent), m + add)
+            for name in ("spent", "comm", "boundary", "parent"):
+                old = getattr(self, name)
+                new = np.zeros(grow, dtype=old.dtype)
+                new[:m] = old[:m]
+                setattr(self, name, new)
+        self.spent[m:m + add], self.comm[m:m + add] = spent, comm
+        self.boundary[m:m + add], self.parent[m:m + add] = boundary, parent
+        self.size = m + add
+
+    def ends(self, state: int) -> List[int]:
+        ends = []
+        while state > 0:
+            ends.append(int(self.boundary[state]))
+            state = int(self.parent[state])
+        return ends[::-1]
+
+
+def _min_sum_suffix(cum: np.ndarray, fn) -> np.ndarray:
+    """m[k] = least sum of fn(group bytes) over all partitions of tensors k..L-1 (m[L] = 0)."""
+    n = len(cum) - 1
+    m = np.zeros(n + 1)
+    for b in range(n - 1, -1, -1):
+        m[b] = np.min(fn(cum[b + 1:] - cum[b]) + m[b + 1:])
+    return m
+
+
+def _pareto(spent: np.ndarray, comm: np.ndarray) -> np.ndarray:
+    """Indices of the states no other state matches or beats in both S and C, by S ascending."""
+    order = np.lexsort((comm, spent))
+    c = comm[order]
+    keep = np.ones(len(order), dtype=bool)
+    keep[1:] = c[1:] < np.minimum.accumulate(c)[:-1]
+    return order[keep]
+
+
+def _thin(front: np.ndarray, spent: np.ndarray, max_front: int):
+    """Thin a Pareto front (S ascending, C descending) to about max_front points; returns the
+    kept indices, the dropped ones and the eps used (0 when nothing was dropped)."""
+    if len(front) <= max_front:
+        return front, front[:0], 0.0
+    s = spent[front]
+    eps = (s[-1] - s[0]) / max_front
+    keep = np.zeros(len(front), dtype=bool)
+    keep[-1], last = True, s[-1]  # walking down in S: a point within eps of the last kept one is covered
+    for i in range(len(front) - 2, -1, -1):
+        if s[i] < last - eps:
+            keep[i], last = True, s[i]
+    return front[keep], front[~keep], float(eps)
+
+
+def default_max_front(n: int) -> int:
+    """Front size allowed for n tensors: the whole search stays around 1e7 state updates."""
+    return int(min(MAX_FRONT, max(16, 2e7 / max(n, 1) ** 2)))
+
+
+def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
+            max_front: Optional[int] = None) -> Search:
+    """The partition with the least modelled end time (module doc)."""
+    check_overlap(overlap)
+    sizes, t_b = check_inputs(sizes, t_b)
+    n = len(sizes)
+    if n == 0:
+        return Search([], 0.0, 0.0)
+    ts_fn, tc_fn = as_cost_fn(t_s), as_cost_fn(t_c)
+    shared = overlap == "shared"
+    cum = np.concatenate([[0.0], np.cumsum(sizes)])
+    ready = np.concatenate([[0.0], np.cumsum(t_b)])
+    if shared:  # bounds for branch and bound
+        best = min((predict(g, sizes, t_b, ts_fn, tc_fn, overlap).end, g) for g in
+                   (greedy(sizes, t_b, ts_fn, tc_fn, overlap).groups, layerwise(n), single(n),
+                    optimal(sizes, t_b, ts_fn, tc_fn, "parallel").groups))
+        upper, upper_groups = best
+        min_tc, min_ts = _min_sum_suffix(cum, tc_fn), _min_sum_suffix(cum, ts_fn)
+        min_last = np.append(np.minimum.accumulate(tc_fn(cum[-1] - cum[:-1])[::-1])[::-1], 0.0)
+        slack = 1e-12 * max(upper, 1e-300)
+    pool = _Pool(4 * n + 16)
+    eps_sum, dropped_bound = 0.0, math.inf
+    max_front = default_max_front(n) if max_front is None else max(1, int(max_front))
+    for k in range(1, n + 1):
+        m = pool.size
+        spent, comm, boundary = pool.spent[:m], pool.comm[:m], pool.boundary[:m]
+        group_bytes = cum[k] - cum[:k]  # the group [b, k) for every boundary b < k
+        ts, tc = ts_fn(group_bytes)[boundary], tc_fn(group_bytes)[boundary]
+        if shared:
+            new_spent = spent + ts
+            new_comm = np.maximum(comm, ready[k] + new_spent) + tc
+            lower = np.maximum(new_comm + min_tc[k], ready[n] + new_spent + min_ts[k] + min_last[k])
+            alive = np.flatnonzero(lower <= upper + slack)
+            front = alive[_pareto(new_spent[alive], new_comm[alive])]
+            front, dropped, eps = _thin(front, new_spent, max_front)
+            eps_sum += eps
+            if len(dropped):
+                dropped_bound = min(dropped_bound, float(lower[dropped].min()))
+        else:
+            new_spent = np.zeros(m)
+            new_comm = np.maximum(comm, ready[k] + ts) + tc
+            front = np.array([int(np.argmin(new_comm))])
+        pool.append(new_spent[front], new_comm[front], k, front)
+    last = np.flatnonzero(pool.boundary[:pool.size] == n)
+    if len(last) == 0:  # every path was cut by the bound: the known plan is optimal
+        return Search([list(g) for g in upper_groups], float(upper), 0.0)
+    state = int(last[np.argmin(pool.comm[last])])
+    found = float(pool.comm[state])
+    # the optimum is found, or a thinned state lies on an optimal path (>= its lower bound), or
+    # the path got within eps of each thinning it passed through
+    gap = max(0.0, min(eps_sum, found - dropped_bound)) if eps_sum else 0.0
+    if shared and upper < found:
+        return Search([list(g) for g in upper_groups], float(upper), max(0.0, gap - (found - upper)))
+    return Search(groups_from_ends(pool.ends(state)), found, gap)
+
+
+def greedy(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared") -> Search:
+    """The MGS / MG-WFBP greedy rule (module doc)."""
+    check_overlap(overlap)
+    sizes, t_b = check_inputs(sizes, t_b)
+    n = len(sizes)
+    if n == 0:
+        return Search([], 0.0, 0.0)
+    ts_fn, tc_fn = as_cost_fn(t_s), as_cost_fn(t_c)
+
+    def ts(b):
+        return float(ts_fn(np.array([b]))[0])
+
+    def tc(b):
+        return float(tc_fn(np.array([b]))[0])
+
+    groups, start, open_bytes = [], 0, float(sizes[0])
+    now = float(t_b[0])  # when the open group's last gradient is ready on the compute stream
+    comm_free = 0.0
+    for x in range(1, n):
+        alone_ready = now + ts(open_bytes)           # close the open group: compressed at ...
+        alone_start = max(comm_free, alone_ready)    # ... and on the wire at
+        merged = open_bytes + float(sizes[x])
+        wait = now + float(t_b[x]) + ts(merged) - alone_start  # extra wait of the group's data
+        saved = tc(open_bytes) + tc(float(sizes[x])) - tc(merged)
+        if wait < saved:
+            open_bytes = merged
+            now += float(t_b[x])
+        else:
+            groups.append(list(range(start, x)))
+            comm_free = alone_start + tc(open_bytes)
+            now = (alone_ready if overlap == "shared" else now) + float(t_b[x])
+            start, open_bytes = x, float(sizes[x])
+    groups.append(list(range(start, n)))
+    return Search(groups, predict(groups, sizes, t_b, ts_fn, tc_fn, overlap).end, None)
+
+
+def brute_force(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
+                max_tensors: int = 16) -> Search:
+    """Every one of the 2^(L-1) partitions, timed by ``timeline.predict`` (for tests)."""
+    sizes, t_b = check_inputs(sizes, t_b)
+    n = len(sizes)
+    if n > max_tensors:
+        raise ValueError(f"brute_force: {n} tensors means 2^{n - 1} partitions; at most {max_tensors}")
+    if n == 0:
+        return Search([], 0.0, 0.0)
+    best, best_groups = math.inf, None
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        groups = groups_from_ends([i + 1 for i, cut in enumerate(cuts) if cut] + [n])
+        end = predict(groups, sizes, t_b, t_s, t_c, overlap).end
+        if end < best:
+            best, best_groups = end, groups
+    return Search(best_groups, best, 0.0)
