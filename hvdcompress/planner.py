@@ -97,6 +97,45 @@ def parse_schedule(text: Union[str, Schedule, None]) -> Schedule:
 
 
 @dataclass(frozen=True)
+class Workload:
+    """What a step of one model costs locally, tensors in backward order: parameter names, sizes
+    in bytes, backward time before each gradient (t_b), and the time outside backward (forward,
+    and the optimizer's update). ``torch_ops.profiling.profile_workload`` measures one."""
+
+    names: Tuple[str, ...]
+    sizes_bytes: Tuple[float, ...]
+    t_b: Tuple[float, ...]
+    forward_seconds: float = 0.0
+    update_seconds: float = 0.0
+
+    def __post_init__(self):
+        check_inputs(self.sizes_bytes, self.t_b)
+        if len(self.names) != len(self.sizes_bytes):
+            raise ValueError(f"workload: {len(self.names)} names for {len(self.sizes_bytes)} tensors")
+        for field_name in ("names", "sizes_bytes", "t_b"):
+            object.__setattr__(self, field_name, tuple(getattr(self, field_name)))
+
+    @property
+    def compute_seconds(self) -> float:
+        """A step without any exchange: forward + backward + update."""
+        return self.forward_seconds + float(np.sum(self.t_b)) + self.update_seconds
+
+    def plan(self, schedule, cost_model, spec=None, world_size: Optional[int] = None, **kw) -> "Plan":
+        return make_plan(schedule, self.sizes_bytes, self.t_b, cost_model, spec, world_size,
+                         forward_seconds=self.forward_seconds, update_seconds=self.update_seconds, **kw)
+
+    def to_dict(self) -> dict:
+        return {"names": list(self.names), "sizes_bytes": list(self.sizes_bytes), "t_b": list(self.t_b),
+                "forward_seconds": self.forward_seconds, "update_seconds": self.update_seconds}
+
+    @classmethod
+    def from_dict(cls, d) -> "Workload":
+        return cls(tuple(d["names"]), tuple(float(x) for x in d["sizes_bytes"]),
+                   tuple(float(x) for x in d["t_b"]), float(d.get("forward_seconds", 0.0)),
+                   float(d.get("update_seconds", 0.0)))
+
+
+@dataclass(frozen=True)
 class Plan:
     """A partition of the tensors (backward order) into groups, with its modelled timeline."""
 
@@ -178,5 +217,5 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     return Plan(str(sched), [list(g) for g in groups], predicted, timeline, overlap, gap, tuple(notes))
 
 
-__all__ = ["Plan", "Schedule", "Search", "make_plan", "parse_schedule", "optimal", "greedy", "brute_force",
+__all__ = ["Plan", "Schedule", "Workload", "Search", "make_plan", "parse_schedule", "optimal", "greedy", "brute_force",
            "layerwise", "single", "by_size", "predict"]

@@ -1,0 +1,285 @@
+"""Measurements the layer-merging planner needs, taken inside a running Horovod job (PyTorch).
+
+    time_collectives(kinds, sizes)   Horovod allreduce / allgather on the live transport:
+                                     (bytes per rank, seconds) samples for the alpha-beta fits
+    time_compression(spec, sizes)    a compressor's compress step (everything its exchange does
+                                     before the first collective: error feedback, selection, packing)
+    profile_workload(model, closure) per-parameter backward times from gradient hooks, forward and
+                                     update times: a ``hvdcompress.planner.Workload``
+    profile_cost_model(specs)        all of the first two, fitted into a ``CostModel`` and cached
+    load_or_profile(specs)           the cached model for this world and host set, else profile
+
+Every rank ends with the *same* numbers: times are averaged over ranks with an allreduce, and the
+parameter order of rank 0 is broadcast, so every rank builds the same plan (a plan that differed
+between ranks would pair different collectives). Call these on every rank.
+
+From a shell (writes the fitted model to the cache, and to --out)::
+
+    horovodrun -np 2 -H localhost:2 --gloo python -m torch_ops.profiling \\
+        --compression topk:ratio=0.01 --compression none --model deep --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import time
+from dataclasses import fields
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from hvdcompress.costmodel import CostModel, cache_path, describe, fit_cost_model
+from hvdcompress.planner import Workload
+from hvdcompress.spec import resolve
+
+from .compressors import ExchangeContext, build_compressor
+
+DEFAULT_COMM_BYTES = tuple(4 << (2 * i) for i in range(5, 12))    # 4 KiB .. 16 MiB, x4 steps
+DEFAULT_COMPRESS_ELEMENTS = tuple(1 << i for i in range(10, 23, 2))  # 1 Ki .. 4 Mi floats
+
+
+def _hvd():
+    import horovod.torch as hvd
+    if not hvd.is_initialized():
+        raise RuntimeError("profiling: call hvd.init() first (these measurements run on every rank)")
+    return hvd
+
+
+def _rank_mean(values: Sequence[float], name: str) -> List[float]:
+    """Element-wise mean over ranks (identical on every rank)."""
+    hvd = _hvd()
+    t = torch.tensor(list(values), dtype=torch.float64)
+    return hvd.allreduce(t, op=hvd.Average, name=name).tolist()
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int, warmup: int,
+                    before: Optional[Callable[[], None]] = None) -> float:
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_collectives(kinds: Iterable[str] = ("allreduce", "allgather"),
+                     sizes_bytes: Sequence[int] = DEFAULT_COMM_BYTES, repeats: int = 5,
+                     warmup: int = 1) -> Dict[str, List[Tuple[int, float]]]:
+    """{kind: [(bytes each rank sends, median seconds over repeats, mean over ranks)]} for float32
+    tensors; a barrier before each timed call lines the ranks up."""
+    hvd = _hvd()
+    out: Dict[str, List[Tuple[int, float]]] = {}
+    for kind in kinds:
+        if kind not in ("allreduce", "allgather"):
+            raise ValueError(f"profiling: kind must be 'allreduce' or 'allgather'; got {kind!r}")
+        medians = []
+        for nbytes in sizes_bytes:
+            x = torch.ones(max(1, int(nbytes) // 4))
+            count = iter(range(1 << 30))
+            if kind == "allreduce":
+                def call():
+                    hvd.allreduce_(x, op=hvd.Sum, name=f"hvc.profile.ar.{nbytes}.{next(count)}")
+            else:
+                def call():
+                    hvd.allgather(x, name=f"hvc.profile.ag.{nbytes}.{next(count)}")
+            medians.append(_median_seconds(call, repeats, warmup, before=hvd.barrier))
+        out[kind] = list(zip((int(b) for b in sizes_bytes), _rank_mean(medians, f"hvc.profile.{kind}")))
+    return out
+
+
+def _context(numel: int, world_size: int) -> ExchangeContext:
+    ctx = ExchangeContext(key="hvc.profile", step=1, world_size=world_size, scale=1.0 / world_size)
+    names = {f.name for f in fields(ExchangeContext)}
+    if "shape" in names:  # a 2-D shape: compressors that send 1-D tensors dense take their sparse path
+        ctx.shape = (1, numel)
+    if "epoch" in names:  # past any warm-up: the target density
+        ctx.epoch = 1 << 20
+    return ctx
+
+
+def compress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, warmup: int = 1) -> float:
+    """Median seconds of one compress step of ``spec`` on ``numel`` random float32 entries: the
+    exchange generator run up to its first round of collectives (then abandoned)."""
+    comp = build_compressor(resolve(spec))
+    gen = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=gen)
+    ctx = _context(numel, world_size)
+
+    def call():
+        exchange = comp.exchange(x, ctx)
+        try:
+            next(exchange)
+        except StopIteration:
+            pass
+        exchange.close()
+
+    with torch.no_grad():
+        return _median_seconds(call, repeats, warmup)
+
+
+def time_compression(spec, sizes: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
+                     warmup: int = 1, average: bool = True) -> List[Tuple[int, float]]:
+    """[(elements, median seconds)] of ``spec``'s compress step; averaged over ranks if ``average``
+    (needs Horovod), else this process's own times."""
+    world = _hvd().size() if average else 1
+    secs = [compress_seconds(spec, int(d), world, repeats, warmup) for d in sizes]
+    if average:
+        secs = _rank_mean(secs, f"hvc.profile.compress.{resolve(spec)}")
+    return list(zip((int(d) for d in sizes), secs))
+
+
+def profile_workload(model: torch.nn.Module, closure: Callable[[], torch.Tensor], iters: int = 5,
+                     warmup: int = 2, optimizer: Optional[torch.optim.Optimizer] = None,
+                     average: bool = True) -> Workload:
+    """Per-parameter backward times of ``model``: ``closure()`` runs the forward pass and returns
+    the loss; its ``backward()`` is timed with a hook on every parameter (called when the
+    parameter's gradient is complete). t_b[i] is the time from the previous hook (or from the
+    start of backward) to the i-th, medians over ``iters`` runs after ``warmup``; the order of
+    the hooks is the backward order. ``optimizer.step()``, if given, is timed as the update.
+    Parameters that get no gradient come last with t_b = 0. With ``average`` (Horovod running),
+    times are averaged over ranks and rank 0's order is used everywhere."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    stamps: Dict[str, float] = {}
+    hooks = [p.register_post_accumulate_grad_hook(lambda _p, n=n: stamps.__setitem__(n, time.perf_counter()))
+             for n, p in named]
+    runs: List[Tuple[List[str], Dict[str, float], float, float]] = []
+    try:
+        for it in range(warmup + iters):
+            for _, p in named:
+                p.grad = None
+            stamps.clear()
+            t0 = time.perf_counter()
+            loss = closure()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if optimizer is not None:
+                optimizer.step()
+            t3 = time.perf_counter()
+            order = sorted(stamps, key=stamps.get)
+            gaps, prev = {}, t1
+            for n in order:
+                gaps[n], prev = stamps[n] - prev, stamps[n]
+            if it >= warmup:
+                runs.append((order, gaps, t1 - t0, t3 - t2))
+    finally:
+        for h in hooks:
+            h.remove()
+    order = runs[0][0]
+    order = order + [n for n, _ in named if n not in order]
+    if average:
+        order = _hvd().broadcast_object(order, root_rank=0, name="hvc.profile.order")
+    t_b = [statistics.median(r[1].get(n, 0.0) for r in runs) for n in order]
+    forward = statistics.median(r[2] for r in runs)
+    update = statistics.median(r[3] for r in runs)
+    if average:
+        *t_b, forward, update = _rank_mean(t_b + [forward, update], "hvc.profile.workload")
+    by_name = dict(named)
+    sizes = [float(by_name[n].numel() * by_name[n].element_size()) for n in order]
+    return Workload(tuple(order), tuple(sizes), tuple(max(0.0, t) for t in t_b), forward, update)
+
+
+def hosts() -> Tuple[str, ...]:
+    """Every rank's host name (the host set a cached model is keyed by)."""
+    return tuple(_hvd().allgather_object(socket.gethostname(), name="hvc.profile.hosts"))
+
+
+def profile_cost_model(specs: Iterable = ("none",), comm_bytes: Sequence[int] = DEFAULT_COMM_BYTES,
+                       compress_elements: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
+                       save: bool = True, path: Optional[str] = None) -> CostModel:
+    """Time the collectives and every spec's compression, fit a ``CostModel`` (identical on all
+    ranks) and, with ``save``, write it to the cache (local rank 0 of each host) and to ``path``
+    (rank 0)."""
+    hvd = _hvd()
+    started = time.perf_counter()
+    comm = time_collectives(sizes_bytes=comm_bytes, repeats=repeats)
+    compress = {str(resolve(s)): time_compression(s, compress_elements, repeats) for s in specs}
+    elapsed = _rank_mean([time.perf_counter() - started], "hvc.profile.elapsed")[0]
+    meta = {"source": "torch_ops.profiling", "torch": torch.__version__,
+            "horovod": __import__("horovod").__version__, "profile_seconds": round(elapsed, 3),
+            "samples": {"allreduce": comm["allreduce"], "allgather": comm["allgather"], "compress": compress}}
+    model = fit_cost_model(hvd.size(), comm["allreduce"], comm["allgather"], compress, hosts(),
+                           meta=json.loads(json.dumps(meta)))  # as it reads back from the cache
+    if save and hvd.local_rank() == 0:
+        model.save()
+    if save and path and hvd.rank() == 0:
+        model.save(path)
+    return model
+
+
+def load_or_profile(specs: Iterable = ("none",), **kwargs) -> CostModel:
+    """The cached model of this world size and host set when it has every spec's compression fit;
+    else profile (a few seconds). Rank 0 decides and its model is broadcast, so all ranks agree."""
+    hvd = _hvd()
+    specs = [resolve(s) for s in specs]
+    names = hosts()
+    cached = None
+    if hvd.rank() == 0:
+        model = CostModel.cached(hvd.size(), names)
+        if model is not None and all(model.has_compress_fit(s) for s in specs):
+            cached = model.to_dict()
+    cached = hvd.broadcast_object(cached, root_rank=0, name="hvc.profile.cached")
+    if cached is not None:
+        return CostModel.from_dict(cached)
+    return profile_cost_model(specs, **kwargs)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m torch_ops.profiling",
+                                 description="Profile collectives, compression and (optionally) a model's "
+                                             "backward pass under horovodrun; fit and cache the cost model.")
+    ap.add_argument("--compression", action="append", default=None,
+                    help="compressor spec to time (repeatable; default: none and topk:ratio=0.01)")
+    ap.add_argument("--model", default=None, help="also profile this benchmark model's backward pass "
+                    "(torch_ops.bench_models: e.g. deep, mlp, vgg)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-mib", type=float, default=16.0, help="largest collective timed, MiB per rank")
+    ap.add_argument("--out", default=None, help="write {cost_model, workload, plans} JSON here (rank 0)")
+    args = ap.parse_args(argv)
+
+    import horovod.torch as hvd
+    hvd.init()
+    specs = args.compression or ["none", "topk:ratio=0.01"]
+    comm_bytes = [b for b in DEFAULT_COMM_BYTES if b <= args.max_mib * (1 << 20)] or [DEFAULT_COMM_BYTES[0]]
+    model = profile_cost_model(specs, comm_bytes=comm_bytes, repeats=args.repeats)
+    report = {"cost_model": model.to_dict(), "cache": cache_path(model.world_size, model.hosts)}
+    if args.model:
+        from . import bench_models
+        net = bench_models.build(args.model)
+        x, y = bench_models.synthetic_batch(args.batch_size, seed=hvd.rank())
+        sgd = torch.optim.SGD(net.parameters(), lr=0.01)
+        workload = profile_workload(net, lambda: torch.nn.functional.cross_entropy(net(x), y),
+                                    optimizer=sgd)
+        report["workload"] = workload.to_dict()
+        report["plans"] = {}
+        for spec in specs:
+            for sched in ("layerwise", "single", "size:64", "auto"):
+                plan = workload.plan(sched, model, spec)
+                report["plans"][f"{resolve(spec)} {sched}"] = {
+                    "schedule": plan.schedule, "groups": len(plan.groups),
+                    "predicted_seconds": plan.predicted_seconds}
+    if hvd.rank() == 0:
+        print(describe(model))
+        print(f"cached at {report['cache']}")
+        for name, p in report.get("plans", {}).items():
+            print(f"  predicted step {name:>40}: {p['predicted_seconds'] * 1e3:8.2f} ms "
+                  f"({p['groups']} groups, {p['schedule']})")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
