@@ -21,8 +21,9 @@ that comes out negative is fixed at 0 and the other refitted (``fit_linear``).
 
 To another world size the model is carried by ring-algorithm scaling (``for_world_size``):
 ring allreduce costs 2(N-1) alpha + 2(N-1)/N * m * beta, ring allgather (N-1) alpha +
-(N-1)/N * (N m) * beta, so a_N scales with (N-1) and b_N with (N-1)/N; the per-link alpha and beta
-come from the fitted N. This is an extrapolation (Horovod's own coordination is folded into alpha).
+(N-1)/N * (N m) * beta, so b_N scales with (N-1)/N and the per-hop part of a_N with (N-1); the
+per-link alpha and beta come from the fitted N, or from a given bandwidth and hop latency (then
+the rest of the fitted start-up, Horovod's coordination, stays fixed). This is an extrapolation.
 
 A ``CostModel`` is JSON (``to_dict``/``save``/``load``), keyed by world size and host set, cached
 under ``~/.cache/hvdcompress`` (``cache_path``). One can be written by hand, e.g.
@@ -264,21 +265,26 @@ class CostModel:
     # -- other worlds --------------------------------------------------------------------------
     def for_world_size(self, world_size: int, gbit_per_s: Optional[float] = None,
                        latency_s: Optional[float] = None) -> "CostModel":
-        """This model carried to ``world_size`` ranks by ring scaling (module doc); optionally with
-        another link bandwidth (Gbit/s) and per-hop latency (seconds) in place of the fitted ones."""
+        """This model carried to ``world_size`` ranks by ring scaling (module doc).
+
+        ``gbit_per_s``: another link bandwidth in place of the fitted one. ``latency_s``: the
+        per-hop latency of the network; the part of the fitted start-up time it does not explain
+        (Horovod's coordination, cycle time) is then kept as a fixed cost per collective. Without
+        it, all of the fitted start-up time is taken as per-hop latency (a pessimistic carry)."""
         if self.world_size < 2:
             raise ValueError("cost model: a model fitted on 1 rank has no communication to scale")
         n0_lat, n0_bw = _ring_factors(self.world_size)
         lat, bw = _ring_factors(int(world_size))
-        ar_alpha = self.allreduce.alpha / (2 * n0_lat) if latency_s is None else latency_s
-        ag_alpha = self.allgather.alpha / n0_lat if latency_s is None else latency_s
-        if gbit_per_s is None:
-            ar_beta, ag_beta = self.allreduce.beta / (2 * n0_bw), self.allgather.beta / n0_bw
-        else:
-            ar_beta = ag_beta = 8.0 / (gbit_per_s * 1e9)
+        fits = []
+        for fit, hops in ((self.allreduce, 2.0), (self.allgather, 1.0)):  # ring allreduce: 2 passes
+            if latency_s is None:
+                alpha = fit.alpha / n0_lat * lat
+            else:
+                alpha = max(0.0, fit.alpha - hops * n0_lat * latency_s) + hops * lat * latency_s
+            beta = fit.beta / n0_bw * bw if gbit_per_s is None else hops * bw * 8.0 / (gbit_per_s * 1e9)
+            fits.append(LinearFit(alpha, beta))
         meta = dict(self.meta, scaled_from=self.world_size)
-        return CostModel(int(world_size), LinearFit(2 * lat * ar_alpha, 2 * bw * ar_beta),
-                         LinearFit(lat * ag_alpha, bw * ag_beta), self.compress, self.hosts, meta)
+        return CostModel(int(world_size), fits[0], fits[1], self.compress, self.hosts, meta)
 
     @classmethod
     def from_link(cls, world_size: int, gbit_per_s: float, latency_s: float,

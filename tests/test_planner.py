@@ -264,3 +264,46 @@ def test_plain_scalar_cost_functions_are_accepted():
     brute = brute_force(sizes, t_b, lambda b: 1e-6 * math.log2(b + 1), lambda b: 1e-3 + 1e-8 * b).seconds
     assert best == pytest.approx(brute)
     assert isinstance(Schedule("mgs"), Schedule)
+
+
+def test_carrying_a_model_to_more_workers_keeps_the_fixed_start_up():
+    fitted = CostModel(2, LinearFit(1e-3, 2e-9), LinearFit(8e-4, 1e-9))
+    far = fitted.for_world_size(64, gbit_per_s=1.0, latency_s=50e-6)
+    assert far.allreduce.alpha == pytest.approx(1e-3 - 2 * 50e-6 + 2 * 63 * 50e-6)
+    assert far.allgather.alpha == pytest.approx(8e-4 - 50e-6 + 63 * 50e-6)
+    assert far.allreduce.beta == pytest.approx(2 * 63 / 64 * 8e-9)
+    assert fitted.for_world_size(64).allreduce.alpha == pytest.approx(63e-3)  # all of it per hop
+
+
+def test_simulation_predicts_efficiency_and_compares_with_measurements(tmp_path, capsys):
+    from hvdcompress import simulate
+
+    work = simulate.synthetic_workload(60, 40.0, 80.0, 40.0)
+    assert len(work.names) == 60 and sum(work.sizes_bytes) == pytest.approx(40 * MIB, rel=0.01)
+    assert sum(work.t_b) == pytest.approx(0.08)
+    model = CostModel.from_link(4, 10.0, 20e-6, {"topk:ratio=0.01": ComputeFit("dlogd", 1e-9, 5e-5)})
+    rows = simulate.sweep(work, model, ["none", "topk:ratio=0.01"], ["layerwise", "single", "auto"],
+                          [16, 256], [1.0, 10.0])
+    assert len(rows) == 2 * 2 * 3 * 2
+    for r in rows:
+        assert 0 < r["efficiency"] <= 1 and r["speedup"] == pytest.approx(r["workers"] * r["efficiency"])
+    pick = {(r["gbps"], r["compression"], r["schedule"], r["workers"]): r["efficiency"] for r in rows}
+    for key in [(g, c, n) for g in (1.0, 10.0) for c in ("none", "topk:ratio=0.01,residual=true") for n in (16, 256)]:
+        g, c, n = key
+        assert pick[(g, c, "auto", n)] >= max(pick[(g, c, "layerwise", n)], pick[(g, c, "single", n)]) - 1e-12
+    assert pick[(1.0, "none", "auto", 16)] < pick[(10.0, "none", "auto", 16)]  # slower links hurt dense
+    measured = [{"workers": 4, "compression": "none", "schedule": "single", "seconds": 0.2}]
+    (row,) = simulate.compare(measured, work, model)
+    assert row["rel_error"] == pytest.approx(row["step_seconds"] / 0.2 - 1)
+
+    out = tmp_path / "sim.json"
+    (tmp_path / "measured.json").write_text(json.dumps(measured))
+    assert simulate.main(["--link", "1,50", "--synthetic", "30,10,50,20", "--workers", "16,64",
+                          "--gbps", "1,10", "--schedule", "single", "--schedule", "mgwfbp",
+                          "--measured", str(tmp_path / "measured.json"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["note"].startswith("PREDICTIONS") and len(result["rows"]) == 2 * 1 * 2 * 2
+    assert len(result["measured"]) == 1 and (tmp_path / "sim.png").stat().st_size > 0
+    assert "PREDICTIONS" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown schedule"):
+        simulate.main(["--link", "1,50", "--synthetic", "3,1,1,1", "--schedule", "fast", "--out", str(out)])

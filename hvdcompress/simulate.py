@@ -1,0 +1,238 @@
+"""Predicted step time and scaling efficiency at scale, from a fitted cost model.
+
+Everything this module outputs is a PREDICTION of the model in ``hvdcompress.costmodel`` and
+``hvdcompress.timeline``, not a measurement: the collectives' alpha-beta fits are carried from the
+world size they were measured at to 16..1024 workers by ring-algorithm scaling (a_N ~ (N-1),
+b_N ~ (N-1)/N), optionally with another link bandwidth; compression and backward times are those
+profiled on one worker. Where measured step times are supplied (``--measured``), the prediction
+for those configurations is printed next to them with its relative error.
+
+    step(N)       = forward + end of the backward/exchange timeline of the plan + update
+    efficiency(N) = (forward + backward + update) / step(N)   (1.0: communication fully hidden)
+    speedup(N)    = N * efficiency(N)                          (vs one worker without exchange)
+
+Usage (the profile comes from ``python -m torch_ops.profiling --model ... --out profile.json``)::
+
+    python -m hvdcompress.simulate --profile profile.json --gbps 0.1,1,10 \\
+        --compression none --compression topk:ratio=0.01 --out sim.json --plot sim.png
+    python -m hvdcompress.simulate --link 1,50 --synthetic 160,100,200,100   # no profile at hand
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Iterable, List, Optional, Sequence
+
+import numpy as np
+
+from .costmodel import CostModel
+from .planner import Workload, parse_schedule
+from .spec import resolve
+
+NOTE = ("PREDICTIONS from the fitted cost model (alpha-beta collectives scaled to N workers by ring "
+        "formulas, profiled compression and backward times), not measurements")
+DEFAULT_WORKERS = (16, 32, 64, 128, 256, 512, 1024)
+DEFAULT_SCHEDULES = ("layerwise", "single", "size:64", "auto")
+
+
+def synthetic_workload(tensors: int, total_mb: float, backward_ms: float, forward_ms: float,
+                       seed: int = 0) -> Workload:
+    """A stand-in model: ``tensors`` parameter tensors whose sizes span three decades (log-uniform,
+    fixed seed) and add up to ``total_mb`` MiB; backward time split half evenly per tensor, half
+    in proportion to size."""
+    rng = np.random.default_rng(seed)
+    raw = np.exp(rng.uniform(0, math.log(1000), tensors))
+    sizes = np.maximum(4, np.round(raw / raw.sum() * total_mb * (1 << 20) / 4) * 4)
+    t_b = backward_ms / 1e3 * (0.5 / tensors + 0.5 * sizes / sizes.sum())
+    return Workload(tuple(f"t{i}" for i in range(tensors)), tuple(sizes.tolist()), tuple(t_b.tolist()),
+                    forward_ms / 1e3, 0.0)
+
+
+def model_at(cost_model: CostModel, workers: int, gbps: Optional[float] = None,
+             latency_s: Optional[float] = None) -> CostModel:
+    """The cost model for ``workers`` ranks (the fitted one when nothing changes)."""
+    if workers == cost_model.world_size and gbps is None and latency_s is None:
+        return cost_model
+    return cost_model.for_world_size(workers, gbps, latency_s)
+
+
+def predict_step(workload: Workload, cost_model: CostModel, spec, schedule, workers: int,
+                 gbps: Optional[float] = None, latency_s: Optional[float] = None,
+                 overlap: str = "shared") -> dict:
+    """One configuration: the plan's predicted step, efficiency and speedup (module doc)."""
+    spec = resolve(spec)
+    model = model_at(cost_model, workers, gbps, latency_s)
+    plan = workload.plan(schedule, model, spec, workers, overlap=overlap)
+    compute = workload.compute_seconds
+    step = plan.predicted_seconds
+    return {"workers": workers, "gbps": gbps, "compression": str(spec), "schedule": str(parse_schedule(schedule)),
+            "plan": plan.schedule, "groups": len(plan.groups), "step_seconds": step,
+            "compute_seconds": compute, "exposed_seconds": step - compute, "efficiency": compute / step,
+            "speedup": workers * compute / step}
+
+
+def sweep(workload: Workload, cost_model: CostModel, specs: Iterable, schedules: Iterable,
+          workers: Iterable[int] = DEFAULT_WORKERS, gbps: Iterable[Optional[float]] = (None,),
+          latency_s: Optional[float] = None, overlap: str = "shared") -> List[dict]:
+    return [predict_step(workload, cost_model, spec, sched, n, g, latency_s, overlap)
+            for g in gbps for spec in specs for sched in schedules for n in workers]
+
+
+def compare(measured: Sequence[dict], workload: Workload, cost_model: CostModel,
+            latency_s: Optional[float] = None, overlap: str = "shared") -> List[dict]:
+    """Prediction vs measurement. Each record: workers, compression, schedule, seconds (measured
+    step time) and optionally gbps (None: the transport the model was fitted on)."""
+    rows = []
+    for m in measured:
+        missing = {"workers", "compression", "schedule", "seconds"} - set(m)
+        if missing:
+            raise ValueError(f"measured record {m!r} lacks {', '.join(sorted(missing))}")
+        row = predict_step(workload, cost_model, m["compression"], m["schedule"], int(m["workers"]),
+                           m.get("gbps"), latency_s, overlap)
+        row["measured_seconds"] = float(m["seconds"])
+        row["rel_error"] = row["step_seconds"] / row["measured_seconds"] - 1.0
+        rows.append(row)
+    return rows
+
+
+def _label(row: dict) -> str:
+    plan = row["schedule"] if row["schedule"] == row["plan"] else f"{row['schedule']}={row['plan']}"
+    return f"{row['compression']} / {plan}"
+
+
+def plot(rows: Sequence[dict], path: str, measured: Sequence[dict] = (), title: str = "") -> None:
+    """Efficiency vs workers, one panel per bandwidth, one line per compressor and schedule."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bands = list(dict.fromkeys(r["gbps"] for r in rows))
+    fig, axes = plt.subplots(1, len(bands), figsize=(5.2 * len(bands), 4.2), squeeze=False, sharey=True)
+    for ax, band in zip(axes[0], bands):
+        lines = {}
+        for r in rows:
+            if r["gbps"] == band:
+                lines.setdefault(_label(r), []).append((r["workers"], r["efficiency"]))
+        for label, pts in lines.items():
+            xs, ys = zip(*sorted(pts))
+            ax.plot(xs, ys, marker="o", ms=3, label=label)
+        for m in measured:
+            if m["gbps"] == band:
+                ax.scatter([m["workers"]], [m["compute_seconds"] / m["measured_seconds"]], marker="x", s=50,
+                           color="k", zorder=5, label="measured" if m is measured[0] else None)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("workers")
+        ax.set_title("fitted link" if band is None else f"{band:g} Gbit/s links")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("predicted scaling efficiency")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle((title + "\n" if title else "") + "Predictions from the fitted cost model, not measurements",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _floats(text: str) -> List[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers; got {text!r}") from None
+
+
+def _load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _inputs(args) -> tuple:
+    profile = _load_json(args.profile) if args.profile else {}
+    if args.cost_model:
+        d = _load_json(args.cost_model)
+        model = CostModel.from_dict(d.get("cost_model", d))
+    elif "cost_model" in profile:
+        model = CostModel.from_dict(profile["cost_model"])
+    elif args.link:
+        model = CostModel.from_link(2, args.link[0], args.link[1] * 1e-6)
+    else:
+        raise SystemExit("simulate: give --profile, --cost-model or --link GBPS,LATENCY_US")
+    if args.workload:
+        d = _load_json(args.workload)
+        workload = Workload.from_dict(d.get("workload", d))
+    elif "workload" in profile:
+        workload = Workload.from_dict(profile["workload"])
+    elif args.synthetic:
+        if len(args.synthetic) != 4:
+            raise SystemExit("simulate: --synthetic takes TENSORS,MB,BACKWARD_MS,FORWARD_MS")
+        t, mb, bms, fms = args.synthetic
+        workload = synthetic_workload(int(t), mb, bms, fms)
+    else:
+        raise SystemExit("simulate: give --profile (with a workload), --workload or --synthetic")
+    return model, workload
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hvdcompress.simulate", description=__doc__.split("\n\n")[0] +
+                                 ". " + NOTE + ".", formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", help="JSON from python -m torch_ops.profiling --out (cost model + workload)")
+    ap.add_argument("--cost-model", help="a CostModel JSON (e.g. from ~/.cache/hvdcompress)")
+    ap.add_argument("--workload", help="a Workload JSON (sizes, t_b, forward/update seconds)")
+    ap.add_argument("--link", type=_floats, help="hand-built model: GBPS,LATENCY_US per ring hop")
+    ap.add_argument("--synthetic", type=_floats, help="synthetic model: TENSORS,MB,BACKWARD_MS,FORWARD_MS")
+    ap.add_argument("--compression", action="append", help="spec (repeatable; default: none + every "
+                    "compressor with a compression-time fit in the model)")
+    ap.add_argument("--schedule", action="append", help=f"repeatable; default: {', '.join(DEFAULT_SCHEDULES)}")
+    ap.add_argument("--workers", type=_floats, default=list(DEFAULT_WORKERS))
+    ap.add_argument("--gbps", type=_floats, default=None, help="link bandwidths to predict for (Gbit/s); "
+                    "default: the fitted transport")
+    ap.add_argument("--latency-us", type=float, default=None, help="per-hop latency in place of the fitted one")
+    ap.add_argument("--overlap", default="shared", choices=("shared", "parallel"))
+    ap.add_argument("--measured", help="JSON list of {workers, compression, schedule, seconds[, gbps]}")
+    ap.add_argument("--out", default="simulation.json")
+    ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    args = ap.parse_args(argv)
+
+    model, workload = _inputs(args)
+    specs = args.compression or (["none"] + [s for s in model.compress if resolve(s).name != "none"])
+    schedules = args.schedule or list(DEFAULT_SCHEDULES)
+    for s in schedules:
+        parse_schedule(s)  # a bad string fails before any work
+    latency = None if args.latency_us is None else args.latency_us * 1e-6
+    gbps = args.gbps or [None]
+    try:
+        rows = sweep(workload, model, specs, schedules, [int(n) for n in args.workers], gbps, latency, args.overlap)
+        measured = compare(_load_json(args.measured), workload, model, latency, args.overlap) if args.measured else []
+    except ValueError as e:
+        raise SystemExit(f"simulate: {e}") from None
+    result = {"note": NOTE, "cost_model": {"key": model.key, "world_size": model.world_size,
+                                           "meta": {k: v for k, v in model.meta.items() if k != "samples"}},
+              "workload": {"tensors": len(workload.names), "bytes": float(sum(workload.sizes_bytes)),
+                           "compute_seconds": workload.compute_seconds},
+              "overlap": args.overlap, "rows": rows, "measured": measured}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    png = args.plot or (args.out.rsplit(".", 1)[0] + ".png")
+    plot(rows, png, measured, title=f"{len(workload.names)} tensors, "
+         f"{sum(workload.sizes_bytes) / (1 << 20):.1f} MiB, compute {workload.compute_seconds * 1e3:.1f} ms/step")
+    print(f"# {NOTE}")
+    print(f"{'gbps':>8} {'compression / schedule':>44} " + " ".join(f"{int(n):>7}" for n in args.workers))
+    for g in gbps:
+        for spec in specs:
+            for sched in schedules:
+                effs = [r for r in rows if r["gbps"] == g and r["compression"] == str(resolve(spec))
+                        and r["schedule"] == str(parse_schedule(sched))]
+                label = "fitted" if g is None else f"{g:g}"
+                print(f"{label:>8} {_label(effs[0])[-44:]:>44} " + " ".join(f"{r['efficiency']:7.3f}" for r in effs))
+    for m in measured:
+        print(f"measured {m['workers']} workers {m['compression']} {m['schedule']}: {m['measured_seconds'] * 1e3:.2f} ms, "
+              f"predicted {m['step_seconds'] * 1e3:.2f} ms ({m['rel_error']:+.1%})")
+    print(f"wrote {args.out} and {png} (efficiency = compute / predicted step)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
