@@ -22,6 +22,6 @@ test-fast:
 # The emulated-network benchmark of README "Benchmark: emulated network" (root; ~15 minutes on
 # 2 cores). Without root: make bench BENCH_ARGS="--loopback -n 2 --steps 4".
 BENCH_ARGS ?= -n 4 -b 10mbit,100mbit,1gbit,10gbit,unlimited -c none fp16 topk:ratio=0.001 dgc:ratio=0.001 \
-	--model vgg --batch 32 --steps 8 --warmup 1 --phase-budget-s 40 --out benchmarks/results/vgg-4workers
+	--model vgg --batch 32 --steps 6 --warmup 1 --phase-budget-s 30 --out benchmarks/results/vgg-4workers
 bench: install
 	$(PYTHON) -m hvdcompress.bench $(BENCH_ARGS)

@@ -23,7 +23,7 @@ RESULT_FIELDS = {"compression", "bandwidth", "workers", "status", "steps", "step
                  "wire_rx_bytes_per_step", "expected_wire_tx_bytes_per_step", "wire_over_expected",
                  "x_compute_only", "speedup_vs_dense", "latency_ms_injected"}
 COMPUTE_ONLY_FIELDS = {"compression", "workers", "steps", "step_time_s", "step_times_s", "samples_per_s",
-                       "wire_tx_bytes_per_step", "wire_tx_bytes_per_s_idle", "measured_at_bandwidth"}
+                       "wire_tx_bytes_per_step", "wire_tx_bytes_per_s_idle", "bandwidth"}
 META_FIELDS = {"command", "mode", "network", "model", "parameters", "parameter_tensors", "batch", "steps",
                "warmup", "threads_per_worker", "latency_ms_injected", "latency_note", "compression",
                "bandwidths", "workers", "versions", "epoch", "phase_budget_s", "load_average_1_5_15_at_start",
@@ -66,7 +66,7 @@ def test_figures_from_worker_results():
     assert none["wire_over_expected"] == pytest.approx(1.0)
     assert topk["compression_ratio"] == 50.0 and wire_factor("topk:ratio=0.01", 4) == 3.0
     results = [dict(f, workers=4, bandwidth="100mbit", status="ok") for f in s["phases"]]
-    add_relative(results, {4: s["compute_only"]})
+    add_relative(results, [dict(s["compute_only"], workers=4, bandwidth="100mbit")])
     assert results[1]["x_compute_only"] == pytest.approx(1.1)
     assert results[1]["speedup_vs_dense"] == pytest.approx(2.0 / 0.55)
     assert set(DEFINITIONS) <= set(RESULT_FIELDS) | {"step_time_s"}
@@ -77,14 +77,14 @@ def test_table_and_chart(tmp_path):
     s = summarize(ranks, batch=8)
     report = cli._new_report(cli._parse_args(["--loopback", "-n", "2"], None), ["--loopback"])
     report["meta"].update(parameters=1000, parameter_tensors=4)
-    report["compute_only"] = [dict(s["compute_only"], workers=2, measured_at_bandwidth="unlimited")]
+    report["compute_only"] = [dict(s["compute_only"], workers=2, bandwidth="unlimited")]
     report["results"] = [dict(f, workers=2, bandwidth="unlimited", status="ok", latency_ms_injected=0.0)
                          for f in s["phases"]]
     report["results"].append({"compression": "fp16", "bandwidth": "unlimited", "workers": 2,
                               "status": "failed: worker 1 exited with status 1"})
-    add_relative(report["results"], {2: report["compute_only"][0]})
+    add_relative(report["results"], report["compute_only"])
     table = markdown_table(report)
-    assert "| 2 | – | compute-only | 3 | 0.5 |" in table
+    assert "| 2 | unlimited | compute-only | 3 | 0.5 |" in table
     assert "`topk:ratio=0.01`" in table and "failed: worker 1" in table
     assert "torch threads per worker: 1" in table
     write_chart(report, str(tmp_path / "c.png"))
@@ -93,9 +93,10 @@ def test_table_and_chart(tmp_path):
 
 def test_refuses_without_root_and_offers_loopback(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert cli.main(["-n", "2", "--model", "deep"]) == 2
+    assert cli.main(["-n", "2", "-b", "100mbit", "--model", "deep"]) == 2
     err = capsys.readouterr().err
-    assert "must run as root" in err and "--loopback" in err
+    assert "must run as root" in err
+    assert "hvdcompress bench --loopback -n 2 --model deep" in err
 
 
 def test_bad_arguments_are_refused(capsys):

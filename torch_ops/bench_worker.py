@@ -2,32 +2,31 @@
 
 Started by the harness (``hvdcompress bench``, see ``hvdcompress.bench``) once per rank, with the
 Gloo environment already set (rank, size, rendezvous address, interface). It initialises Horovod,
-fixes torch to ``threads`` CPU threads, and measures one *phase* per entry:
+fixes torch to ``threads`` CPU threads, and times one *phase* per entry, each with its own copy of
+the model (built from the same seed on every rank, so no broadcast is needed):
 
-- ``compute-only`` (when ``compute_only`` is true): the same model, batch and plain SGD step
-  with no exchange at all -- the limit that compression approaches. Every rank runs it at the same
-  time, so the ranks share the CPU cores as they do in the exchanging phases;
+- ``compute-only`` (when ``compute_only`` is true): the same model, batch and plain SGD step with
+  no exchange at all -- the limit that compression approaches;
 - one phase per compression spec: ``DistributedOptimizer`` with that spec, set to epoch ``epoch``
   (``opt.set_epoch``) so a schedule such as DGC's density warm-up is timed where asked.
 
-Each phase runs ``warmup`` steps, then ``steps`` timed steps (zero_grad, forward, backward,
-``step()``, which waits for the exchange), between two barriers; with ``phase_budget_s`` set, only
-as many timed steps as fit in that many seconds at the last warm-up step's pace (at least 3), so
-a slow link does not make a sweep endless. It records each step's time,
-the optimizer's own accounting over the timed steps (payload bytes, dense bytes, compression
-seconds: ``opt.stats``) and, when ``iface`` is set, the interface's byte counters
-(``/sys/class/net/<iface>/statistics``) before and after, so the bytes that really crossed the
-link can be compared with the payload. The rank writes its figures as JSON to ``out``.
+The phases are *interleaved*: after ``warmup`` untimed steps of each, every round times one step
+(zero_grad, forward, backward, ``step()``, which waits for the exchange) of every phase in turn.
+On a shared machine whose load drifts, every phase then sees the same load, so their ratios hold
+even when the absolute times move. ``steps`` rounds are timed; with ``phase_budget_s`` set, only
+as many rounds as fit in ``phase_budget_s`` x (number of phases) seconds at the last warm-up
+round's pace (at least 3), so a slow link does not make a sweep endless.
 
-Every rank builds the model from the same seed, so parameters start identical without a
-broadcast (which would cost seconds per phase on a slow link). Plain SGD without momentum is
-used in every phase, so the compressors that keep momentum themselves (DGC) fit too; only the
-time of a step matters here, not what it learns.
+Per phase it records each timed step's time, the optimizer's own accounting over the timed steps
+(payload bytes, dense bytes, compression seconds: ``opt.stats``) and, when ``iface`` is set, the
+interface's byte counters (``/sys/class/net/<iface>/statistics``) around each timed step, so the
+bytes that really crossed the link can be compared with the payload. The rank writes its figures
+as JSON to ``out``. Plain SGD without momentum is used everywhere, so the compressors that keep
+momentum themselves (DGC) fit too; only the time of a step matters here, not what it learns.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import time
@@ -42,9 +41,9 @@ from .injected_latency import LatencyDriver
 from .optimizer import DistributedOptimizer
 
 COMPUTE_ONLY = "compute-only"
-MIN_STEPS = 3  # timed steps per phase, whatever the time budget
+MIN_STEPS = 3  # timed rounds, whatever the time budget
 REQUIRED = ("model", "batch", "steps", "warmup", "threads", "seed", "compute_only", "specs",
-            "latency_ms", "epoch", "iface", "out")
+            "latency_ms", "epoch", "phase_budget_s", "iface", "out")
 
 
 def read_counters(iface: Optional[str]) -> Dict[str, int]:
@@ -58,64 +57,91 @@ def read_counters(iface: Optional[str]) -> Dict[str, int]:
     return out
 
 
-def _stats_totals(opt) -> Dict[str, float]:
-    s = opt.stats
-    return {"steps": s.steps, "bytes": s.total_bytes, "dense": s.total_dense_bytes,
-            "compute": s.total_compute_seconds}
+class Phase:
+    """One model + optimizer (compressed exchange, or none at all) and what its timed steps cost."""
+
+    def __init__(self, cfg: dict, spec: Optional[str], rank: int):
+        self.spec = spec
+        self.model = build(cfg["model"], seed=cfg["seed"])
+        self.x, self.y = synthetic_batch(cfg["batch"], seed=cfg["seed"] + 1000 * (1 + rank))
+        opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        if spec is not None:
+            latency_s = cfg["latency_ms"] / 1000.0
+            driver = LatencyDriver(latency_s) if latency_s > 0 else HorovodDriver()
+            opt = DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
+                                       compression=spec, driver=driver)
+            opt.set_epoch(cfg["epoch"])  # schedules (DGC's density warm-up) at the epoch asked for
+        self.opt = opt
+        self.iface = cfg["iface"]
+        self.times: List[float] = []
+        self.wire = {"tx_bytes": 0, "rx_bytes": 0}
+        self._stats_before: Optional[Dict[str, float]] = None
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.opt.zero_grad()
+        F.cross_entropy(self.model(self.x), self.y).backward()
+        self.opt.step()
+        return time.perf_counter() - start
+
+    def _stats(self) -> Dict[str, float]:
+        s = self.opt.stats
+        return {"steps": s.steps, "bytes": s.total_bytes, "dense": s.total_dense_bytes,
+                "compute": s.total_compute_seconds}
+
+    def start_timing(self) -> None:
+        if self.spec is not None:
+            self._stats_before = self._stats()
+
+    def timed_step(self) -> None:
+        before = read_counters(self.iface)
+        self.times.append(self.step())
+        after = read_counters(self.iface)
+        for key in before:
+            self.wire[key] += after[key] - before[key]
+
+    def figures(self) -> dict:
+        out = {"compression": self.spec if self.spec is not None else COMPUTE_ONLY, "step_times_s": self.times}
+        if self.spec is not None:
+            now, was = self._stats(), self._stats_before
+            n = now["steps"] - was["steps"]
+            out.update({"bytes_per_step": (now["bytes"] - was["bytes"]) / n,
+                        "dense_bytes_per_step": (now["dense"] - was["dense"]) / n,
+                        "compute_seconds_per_step": (now["compute"] - was["compute"]) / n})
+        if self.iface:
+            out.update({f"iface_{k}": v for k, v in self.wire.items()})
+        return out
 
 
-def timed_steps(cfg: dict, warmup_times: List[float], hvd) -> int:
-    """``steps``, or fewer when ``phase_budget_s`` is set: as many as fit in the budget at rank 0's
-    last warm-up step time (at least ``MIN_STEPS``). Rank 0 decides, every rank follows."""
-    budget = cfg.get("phase_budget_s")
-    if not budget or not warmup_times:
+def timed_rounds(cfg: dict, last_round_s: float, phases: int, hvd) -> int:
+    """``steps``, or fewer when ``phase_budget_s`` is set: as many rounds as fit in the budget at
+    rank 0's last warm-up round's pace (at least ``MIN_STEPS``). Rank 0 decides, every rank follows."""
+    budget = cfg["phase_budget_s"]
+    if not budget or cfg["warmup"] < 1:
         return cfg["steps"]
-    fit = int(budget / max(warmup_times[-1], 1e-6))
+    fit = int(budget * phases / max(last_round_s, 1e-6))
     return int(hvd.broadcast_object(min(cfg["steps"], max(MIN_STEPS, fit)), root_rank=0))
 
 
-def run_phase(cfg: dict, spec: Optional[str], hvd) -> dict:
-    """Warm up, then time ``cfg['steps']`` training steps with ``spec`` (None: no exchange)."""
-    model = build(cfg["model"], seed=cfg["seed"])
-    x, y = synthetic_batch(cfg["batch"], seed=cfg["seed"] + 1000 * (1 + hvd.rank()))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    if spec is not None:
-        latency_s = cfg["latency_ms"] / 1000.0
-        driver = LatencyDriver(latency_s) if latency_s > 0 else HorovodDriver()
-        opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=spec,
-                                   driver=driver)
-        opt.set_epoch(cfg["epoch"])  # schedules (DGC's density warm-up) at the epoch asked for
-
-    def train_step() -> float:
-        start = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        return time.perf_counter() - start
-
+def run(cfg: dict, hvd) -> List[dict]:
+    """Warm up every phase, then time ``timed_rounds`` interleaved rounds; the phases' figures."""
+    specs = ([None] if cfg["compute_only"] else []) + list(cfg["specs"])
+    phases = [Phase(cfg, spec, hvd.rank()) for spec in specs]
     hvd.barrier()
-    warmup_times = [train_step() for _ in range(cfg["warmup"])]
-    steps = timed_steps(cfg, warmup_times, hvd)
+    last_round_s = 0.0
+    for _ in range(cfg["warmup"]):
+        last_round_s = sum(p.step() for p in phases)
+    rounds = timed_rounds(cfg, last_round_s, len(phases), hvd)
+    if hvd.rank() == 0:
+        print(f"[bench worker] timing {rounds} interleaved rounds of {len(phases)} phases", flush=True)
     hvd.barrier()
-    before_stats = _stats_totals(opt) if spec is not None else None
-    before_iface = read_counters(cfg["iface"])
-    times: List[float] = [train_step() for _ in range(steps)]
-    after_iface = read_counters(cfg["iface"])
-    phase = {"compression": spec if spec is not None else COMPUTE_ONLY, "step_times_s": times}
-    if spec is not None:
-        after = _stats_totals(opt)
-        n = after["steps"] - before_stats["steps"]
-        phase.update({
-            "bytes_per_step": (after["bytes"] - before_stats["bytes"]) / n,
-            "dense_bytes_per_step": (after["dense"] - before_stats["dense"]) / n,
-            "compute_seconds_per_step": (after["compute"] - before_stats["compute"]) / n,
-        })
-    if before_iface:
-        phase.update({f"iface_{k}": after_iface[k] - before_iface[k] for k in before_iface})
+    for p in phases:
+        p.start_timing()
+    for _ in range(rounds):
+        for p in phases:
+            p.timed_step()
     hvd.barrier()
-    del opt, model
-    gc.collect()
-    return phase
+    return [p.figures() for p in phases]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -135,20 +161,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     hvd.init()
     params, tensors = count_parameters(build(cfg["model"], seed=cfg["seed"]))
-    phases = [None] if cfg["compute_only"] else []
-    phases += list(cfg["specs"])
-    result = {"rank": hvd.rank(), "size": hvd.size(), "threads": torch.get_num_threads(),
-              "model": cfg["model"], "parameters": params, "parameter_tensors": tensors,
-              "iface": cfg["iface"], "phases": [],
-              "versions": {"torch": torch.__version__, "horovod": horovod.__version__,
-                           "python": sys.version.split()[0]}}
-    for spec in phases:
-        phase = run_phase(cfg, spec, hvd)
-        result["phases"].append(phase)
-        if hvd.rank() == 0:
+    figures = run(cfg, hvd)
+    if hvd.rank() == 0:
+        for phase in figures:
             times = sorted(phase["step_times_s"])
             print(f"[bench worker] {phase['compression']}: median step {times[len(times) // 2]:.3f} s",
                   flush=True)
+    result = {"rank": hvd.rank(), "size": hvd.size(), "threads": torch.get_num_threads(),
+              "model": cfg["model"], "parameters": params, "parameter_tensors": tensors,
+              "iface": cfg["iface"], "phases": figures,
+              "versions": {"torch": torch.__version__, "horovod": horovod.__version__,
+                           "python": sys.version.split()[0]}}
     with open(cfg["out"].format(rank=hvd.rank()), "w") as f:
         json.dump(result, f)
     hvd.shutdown()

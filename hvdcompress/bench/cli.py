@@ -2,7 +2,8 @@
 
 For every worker count and link bandwidth it builds the emulated network (or, with
 ``--loopback``, uses 127.0.0.1 with no rate limit), launches the Horovod workers once, and has them
-measure the compute-only limit (once per worker count) and every compression spec in turn. It
+time the compute-only limit and every compression spec, interleaved step by step (so a load that
+drifts on a shared machine weighs on all of them alike; see ``torch_ops.bench_worker``). It
 writes ``OUT.json`` (every figure), ``OUT.png`` (step time vs bandwidth) and ``OUT.md`` (the README
 table, also printed). The JSON is rewritten after every launch, so an interrupted run keeps what
 it measured. Whatever happens -- a failed worker, a time limit, Ctrl-C, SIGTERM -- the workers are
@@ -47,8 +48,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--phase-budget-s", type=float, default=None,
-                    help="time only as many steps (at least 3, at most --steps) as fit in this many seconds "
-                         "at the last warm-up step's pace: bounds slow links (default: always --steps)")
+                    help="time only as many rounds (at least 3, at most --steps) as give each phase about this "
+                         "many seconds at the warm-up pace: bounds slow links (default: always --steps)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
     ap.add_argument("--latency-ms", type=float, default=0.0,
                     help="INJECT this delay into the completion of every exchange round in the workers "
@@ -102,6 +103,19 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
     return args
 
 
+def _without_bandwidths(argv: List[str]) -> List[str]:
+    """``argv`` less its bandwidth options (loopback has no rate limit)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("-b", "--bandwidths"):
+            skip = True
+        elif not a.startswith(("--bandwidths=", "-b")):
+            out.append(a)
+    return out
+
+
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse_args(argv, prog)
@@ -118,7 +132,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         if problem:
             print(f"hvdcompress bench: cannot emulate a network here: {problem}.\n"
                   "Run it as root on a machine with iproute2, or measure without a rate limit on loopback:\n"
-                  f"  hvdcompress bench --loopback {shlex.join(argv)}", file=sys.stderr)
+                  f"  hvdcompress bench --loopback {shlex.join(_without_bandwidths(argv))}", file=sys.stderr)
             return 2
         removed = netns.remove_stale()
         if removed:
@@ -183,9 +197,8 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
         bar = tqdm(launches, unit="launch", file=sys.stdout)
         for k, (n, bw) in enumerate(bar):
             bar.set_description(f"{n} workers @ {bw}")
-            measure_co = not any(c["workers"] == n for c in report["compute_only"])
             config = {"model": args.model, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                      "threads": args.threads, "seed": args.seed, "compute_only": measure_co,
+                      "threads": args.threads, "seed": args.seed, "compute_only": True,
                       "specs": list(args.compression), "latency_ms": args.latency_ms, "epoch": args.epoch,
                       "phase_budget_s": args.phase_budget_s}
             workdir = os.path.join(tmp, f"launch{k}")
@@ -221,11 +234,11 @@ def _record(report: dict, ranks: List[dict], n: int, bw: str, args: argparse.Nam
     meta["versions"] = ranks[0].get("versions", {})
     summary = summarize(ranks, args.batch)
     if summary["compute_only"] is not None:
-        report["compute_only"].append(dict(summary["compute_only"], workers=n, measured_at_bandwidth=bw))
+        report["compute_only"].append(dict(summary["compute_only"], workers=n, bandwidth=bw))
     for fig in summary["phases"]:
         report["results"].append(dict(fig, bandwidth=bw, workers=n, status="ok",
                                       latency_ms_injected=args.latency_ms))
-    add_relative(report["results"], {c["workers"]: c for c in report["compute_only"]})
+    add_relative(report["results"], report["compute_only"])
 
 
 def _finish(args: argparse.Namespace, report: dict) -> None:

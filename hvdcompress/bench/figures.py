@@ -3,7 +3,8 @@
 Definitions (also written into the JSON's ``definitions``):
 
 - step time: for each timed step, the slowest rank's time (ranks are coupled by the exchange, so
-  this is the step of the job); then the median over the timed steps;
+  this is the step of the job); then the median over the timed steps. The phases of one launch
+  (compute-only and every spec) are timed interleaved, one step of each per round;
 - samples/s: workers x batch per worker / step time;
 - payload bytes per step: what each rank handed to Horovod per step by the optimizer's own
   accounting (``opt.stats``), averaged over ranks; dense bytes: the fp32 gradient size;
@@ -13,7 +14,8 @@ Definitions (also written into the JSON's ``definitions``):
 - expected wire tx: the payload times what an ideal ring moves per rank -- 2(N-1)/N for an
   allreduce, (N-1) for an allgather of equal shares -- so wire / expected near 1 means the
   payload accounting and the link agree;
-- compute-only: the same model, batch and plain SGD step on every rank at once, no exchange.
+- compute-only: the same model, batch and plain SGD step on every rank at once, no exchange,
+  timed in the same launch (same link, same load) as the specs it is compared with.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ DEFINITIONS = {
                               "Horovod coordination included), mean over ranks; null on loopback",
     "wire_rx_bytes_per_step": "bytes received on the worker's veth per step, as above",
     "expected_wire_tx_bytes_per_step": "payload * 2(N-1)/N (allreduce) or * (N-1) (allgather): an ideal ring",
-    "x_compute_only": "step_time_s / the compute-only step time for the same worker count",
+    "x_compute_only": "step_time_s / the compute-only step time of the same launch (workers, link)",
     "speedup_vs_dense": "step time of 'none' (dense allreduce) / step_time_s, same link and worker count",
     "latency_ms_injected": "delay added to the completion of every exchange round in the worker process "
                            "(not network-emulated); 0 when not used",
@@ -94,14 +96,16 @@ def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
     return out
 
 
-def add_relative(results: List[dict], compute_only: Dict[int, dict]) -> None:
-    """Fill ``x_compute_only`` and ``speedup_vs_dense`` in place, from the measured entries."""
+def add_relative(results: List[dict], compute_only: List[dict]) -> None:
+    """Fill ``x_compute_only`` and ``speedup_vs_dense`` in place, from the entries measured in the
+    same launch (same worker count and link)."""
     dense = {(r["workers"], r["bandwidth"]): r["step_time_s"] for r in results
              if r.get("status") == "ok" and r["compression"] == "none"}
+    limits = {(c["workers"], c["bandwidth"]): c for c in compute_only}
     for r in results:
         if r.get("status") != "ok":
             continue
-        co: Optional[dict] = compute_only.get(r["workers"])
+        co: Optional[dict] = limits.get((r["workers"], r["bandwidth"]))
         r["x_compute_only"] = r["step_time_s"] / co["step_time_s"] if co else None
         d = dense.get((r["workers"], r["bandwidth"]))
         r["speedup_vs_dense"] = d / r["step_time_s"] if d else None

@@ -148,7 +148,7 @@ def run_workers(placement: Placement, config: dict, workdir: str, timeout_s: flo
     logs: List[str] = []
     try:
         rdv_log = os.path.join(workdir, "rendezvous.log")
-        with open(rdv_log, "w") as err:
+        with open(rdv_log, "w") as err, held_signals():  # no Ctrl-C between start and bookkeeping
             rdv = subprocess.Popen(
                 placement.prefixes[0] + [sys.executable, "-m", "hvdcompress.bench.rendezvous",
                                          "--addr", placement.rendezvous_addr, "--hosts", placement.hosts,
@@ -156,12 +156,12 @@ def run_workers(placement: Placement, config: dict, workdir: str, timeout_s: flo
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
                 env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                     p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)))
-        procs.append(rdv)
+            procs.append(rdv)
         port = _read_port(rdv, rdv_log)
         for rank, slot in enumerate(slot_environment(placement.hosts, n)):
             log = os.path.join(workdir, f"rank{rank}.log")
             logs.append(log)
-            with open(log, "w") as out:
+            with open(log, "w") as out, held_signals():
                 procs.append(subprocess.Popen(
                     placement.prefixes[rank] + [sys.executable, "-m", "torch_ops.bench_worker", config_path],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

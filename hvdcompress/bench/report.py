@@ -40,8 +40,8 @@ def _model_text(meta: dict) -> str:
 
 def _steps_text(meta: dict) -> str:
     if meta.get("phase_budget_s"):
-        return (f"{meta['steps']} timed steps, or as many (>= 3) as fit in {meta['phase_budget_s']:g} s "
-                "(column 'steps')")
+        return (f"{meta['steps']} timed steps, or as many (>= 3) as give each phase about "
+                f"{meta['phase_budget_s']:g} s (column 'steps')")
     return f"{meta['steps']} timed steps"
 
 
@@ -69,16 +69,17 @@ def markdown_table(report: dict) -> str:
               "| speed-up vs dense | payload/step/worker | wire tx/step/worker (measured) | wire / ideal ring "
               "| compress s/step |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    co = {c["workers"]: c for c in report["compute_only"]}
+    co = {(c["workers"], c["bandwidth"]): c for c in report["compute_only"]}
     rows = sorted(report["results"], key=lambda r: (r["workers"], _bw_key(r["bandwidth"])))
-    last_workers = None
+    last_group = None
     for r in rows:
-        if r["workers"] != last_workers and r["workers"] in co:
-            c = co[r["workers"]]
-            lines.append(f"| {c['workers']} | – | compute-only | {c['steps']} | {_num(c['step_time_s'])} | "
-                         f"{_num(c['samples_per_s'])} | 1 | – | 0 | {_bytes(c['wire_tx_bytes_per_step'])} "
-                         "| – | – |")
-        last_workers = r["workers"]
+        group = (r["workers"], r["bandwidth"])
+        if group != last_group and group in co:
+            c = co[group]
+            lines.append(f"| {c['workers']} | {format_bandwidth(parse_bandwidth(c['bandwidth']))} | "
+                         f"compute-only | {c['steps']} | {_num(c['step_time_s'])} | {_num(c['samples_per_s'])} "
+                         f"| 1 | – | 0 | {_bytes(c['wire_tx_bytes_per_step'])} | – | – |")
+        last_group = group
         if r["status"] != "ok":
             lines.append(f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | "
                          f"`{r['compression']}` | | {r['status']} | | | | | | | |")
@@ -93,8 +94,8 @@ def markdown_table(report: dict) -> str:
 
 
 def write_chart(report: dict, path: str) -> None:
-    """Step time vs link bandwidth: one line per compressor, compute-only dashed; one panel per
-    worker count. 'unlimited' is the rightmost point; the y axis is logarithmic."""
+    """Step time vs link bandwidth: one line per compressor, compute-only (timed in each launch)
+    dashed; one panel per worker count. 'unlimited' is the rightmost point; the y axis is log."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,10 +118,11 @@ def write_chart(report: dict, path: str) -> None:
         for spec, rs in by_spec.items():
             rs.sort(key=lambda r: _bw_key(r["bandwidth"]))
             ax.plot([xs[r["bandwidth"]] for r in rs], [r["step_time_s"] for r in rs], marker="o", label=spec)
-        for c in report["compute_only"]:
-            if c["workers"] == n:
-                ax.axhline(c["step_time_s"], color="black", linestyle="--",
-                           label=f"compute-only ({c['step_time_s']:.3g} s)")
+        limits = sorted((c for c in report["compute_only"] if c["workers"] == n),
+                        key=lambda c: _bw_key(c["bandwidth"]))
+        if limits:
+            ax.plot([xs[c["bandwidth"]] for c in limits], [c["step_time_s"] for c in limits], color="black",
+                    linestyle="--", marker="x", label="compute-only (no exchange)")
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels([format_bandwidth(parse_bandwidth(b)) for b in labels])
         ax.set_yscale("log")
