@@ -1,7 +1,8 @@
 """``import hvdcompress.keras as hvc``: the Keras (tf.keras 2) face of hvdcompress.
 
 Hands on the names of ``tf_ops`` and, for convenience, Horovod's own ones a Keras script needs next
-to them (init, rank, size, its callbacks, allgather_object), so one import serves::
+to them (init, rank, size, allgather_object, and its Keras callbacks -- given the Keras 2 backend,
+see ``tf_ops.horovod_callbacks``), so one import serves::
 
     import hvdcompress.keras as hvc
     hvc.init()
@@ -17,9 +18,9 @@ from horovod.tensorflow import allgather_object, broadcast_object  # noqa: E402
 from horovod.tensorflow.keras import (Average, Sum, allgather, allreduce, broadcast,  # noqa: E402
                                       broadcast_global_variables, callbacks, init, is_initialized,
                                       local_rank, local_size, rank, shutdown, size)
-from horovod.tensorflow.keras.callbacks import (BroadcastGlobalVariablesCallback,  # noqa: E402
-                                                LearningRateScheduleCallback,
-                                                LearningRateWarmupCallback, MetricAverageCallback)
+from tf_ops.horovod_callbacks import (BroadcastGlobalVariablesCallback,  # noqa: E402
+                                      LearningRateScheduleCallback, LearningRateWarmupCallback,
+                                      MetricAverageCallback)
 from tf_ops import *  # noqa: F401,F403,E402
 from tf_ops import __all__ as _backend_all  # noqa: E402
 

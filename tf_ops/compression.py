@@ -176,9 +176,7 @@ class GradientCompression(tf.Module):
             for name in self._compressor.state_slots(shape):
                 var = slots.get(name)
                 if var is None:
-                    with tf.init_scope():
-                        slots[name] = tf.Variable(tf.zeros([numel], g.dtype), trainable=False,
-                                                  name=f"{self.name}_{i}_{name}")
+                    slots[name] = self._compressor.make_slot(name, numel, g.dtype, f"{self.name}_{i}_{name}")
                 elif tuple(var.shape) != (numel,) or var.dtype != g.dtype:
                     raise ValueError(
                         f"compression state: gradient {i} has {numel} elements of {g.dtype.name}, its "

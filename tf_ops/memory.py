@@ -5,7 +5,9 @@
 
 Nothing the worker computed is dropped, only delayed. The residual is a ``tf.Variable`` (flat, one
 per tensor) in the exchange context's ``state``, owned by ``GradientCompression`` and saved with
-``tf.train.Checkpoint``. It starts at zero, so the first step sends ``g + 0 = g``.
+``tf.train.Checkpoint``. It starts at -0.0, the exact additive identity of IEEE floats
+(``-0.0 + -0.0 = -0.0``, while ``-0.0 + 0.0 = +0.0``), so the first step sends ``g`` bit for bit, as
+the oracle (which has no residual yet) does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Memory:
     """No memory: what is not sent is lost (the right choice for lossless or unbiased codecs)."""
 
     slots: Tuple[str, ...] = ()
+    initial = 0.0  # value the slots start at
 
     def compensate(self, x: tf.Tensor, state: Dict[str, tf.Variable]) -> tf.Tensor:
         return x
@@ -33,6 +36,7 @@ class ResidualMemory(Memory):
     """Error feedback with a residual per tensor."""
 
     slots = ("residual",)
+    initial = -0.0
 
     def compensate(self, x, state):
         r = state["residual"]

@@ -101,6 +101,16 @@ class Compressor(ABC):
         """Names of the flat variables (as large as the tensor) this compressor keeps."""
         return ()
 
+    def initial_value(self, slot: str) -> float:
+        """The value every entry of state variable ``slot`` starts at."""
+        return 0.0
+
+    def make_slot(self, slot: str, numel: int, dtype: Any, name: Optional[str] = None) -> tf.Variable:
+        """One zero-initialised (see ``initial_value``) flat state variable, created eagerly."""
+        with tf.init_scope():
+            return tf.Variable(tf.fill([numel], tf.constant(self.initial_value(slot), dtype)),
+                               trainable=False, name=name or slot)
+
     @property
     def stateful(self) -> bool:
         """Needs state that outlives one step (variables, or the step counter)."""
@@ -111,9 +121,7 @@ class Compressor(ABC):
         numel = 1
         for d in shape:
             numel *= int(d)
-        with tf.init_scope():
-            return {name: tf.Variable(tf.zeros([numel], dtype), trainable=False, name=name)
-                    for name in self.state_slots(tuple(shape))}
+        return {name: self.make_slot(name, numel, dtype) for name in self.state_slots(tuple(shape))}
 
     @abstractmethod
     def exchange(self, x: tf.Tensor, ctx: ExchangeContext) -> Exchange:
@@ -143,6 +151,9 @@ class OneRoundCompressor(Compressor):
 
     def state_slots(self, shape):
         return self.memory.slots
+
+    def initial_value(self, slot):
+        return self.memory.initial
 
     @property
     def stateful(self) -> bool:

@@ -34,6 +34,15 @@ from .selection import sampled_threshold_select, sampling_offset, wire_index_dty
 from .sparse import scatter
 
 
+@tf.function(experimental_attributes={"_noinline": True}, autograph=False)
+def _grouped_add(a, b):
+    """a + b, computed before it is added to anything else. Inside a traced function Grappler's
+    arithmetic optimizer would flatten ``v + (g + m*u)`` into one AddN summed left to right,
+    ((v + g) + m*u), which rounds differently than the oracle; a function it may not inline keeps
+    the parenthesised sum."""
+    return a + b
+
+
 class DGCCompressor(Compressor):
     summed = False
     uses_step = True  # the sampling offset is drawn per step
@@ -95,7 +104,7 @@ class DGCCompressor(Compressor):
         v = ctx.state["v"]
         if self.correction:
             u_new = u * m + g
-            v_new = v + ((g + u_new * m) if self.nesterov else u_new)
+            v_new = v + (_grouped_add(g, u_new * m) if self.nesterov else u_new)
         else:
             u_new, v_new = None, v + g
         p = self.spec.params
