@@ -38,6 +38,14 @@ def _model_text(meta: dict) -> str:
     return f"`{meta['model']}` ({meta['parameters'] / 1e6:.2g}M parameters, {meta['parameter_tensors']} tensors)"
 
 
+def _load_text(meta: dict) -> str:
+    start, end = meta.get("load_average_1_5_15_at_start"), meta.get("load_average_1_5_15_at_end")
+    if not start or not end:
+        return ""
+    return (f"Machine load average (1 min) {start[0]:.1f} at start, {end[0]:.1f} at end, "
+            f"on {meta['cpu_count']} cores")
+
+
 def _steps_text(meta: dict) -> str:
     if meta.get("phase_budget_s"):
         return (f"{meta['steps']} timed steps, or as many (>= 3) as give each phase about "
@@ -61,6 +69,9 @@ def markdown_table(report: dict) -> str:
         f"Model {_model_text(meta)}, batch {meta['batch']} per worker, synthetic data; "
         f"torch threads per worker: {meta['threads_per_worker']}; median of {_steps_text(meta)} after "
         f"{meta['warmup']} warm-up; {meta['network']}."]
+    load = _load_text(meta)
+    if load:
+        lines.append(load + ".")
     if meta["latency_ms_injected"]:
         lines.append(f"Latency: {meta['latency_ms_injected']:g} ms INJECTED into the completion of every "
                      "exchange round in the worker processes (not network-emulated).")
@@ -137,6 +148,8 @@ def write_chart(report: dict, path: str) -> None:
         ax.legend(fontsize=8)
     title = (f"model {_model_text(meta).replace('`', '')}, batch {meta['batch']}/worker, "
              f"{meta['threads_per_worker']} torch thread(s)/worker\n{meta['mode']}")
+    if _load_text(meta):
+        title += f"; {_load_text(meta).lower()}"
     if meta["latency_ms_injected"]:
         title += f"; {meta['latency_ms_injected']:g} ms latency INJECTED (not emulated)"
     fig.suptitle(title, fontsize=10)
