@@ -1,0 +1,279 @@
+"""Code that runs inside real Horovod worker processes for the TF backend (launched by
+tests/test_tf_multiprocess.py). TensorFlow takes seconds to import, so one launch runs every
+scenario and returns plain Python data; the pytest side asserts on it. Parameters are compared
+across ranks bit for bit by allgathering them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+TAPE_SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "randomk:ratio=0.1,seed=1",
+              "dgc:ratio=0.05,nesterov=true,clip_norm=1.0,fp16_values=true,min_sparse_numel=256"]
+STATELESS = ("none", "fp16", "bf16")  # may be given to a tape as a plain spec
+USED = {}  # id(model) -> the GradientCompression its tape used
+RESUME = [("keras", "topk:ratio=0.05"), ("tape", "dgc:ratio=0.05,warmup_epochs=3,min_sparse_numel=256")]
+
+
+def _model(seed=0):
+    import tensorflow as tf
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([tf.keras.layers.Dense(32, activation="relu", input_shape=(20,)),
+                                tf.keras.layers.Dense(32, activation="tanh"), tf.keras.layers.Dense(4)])
+
+
+def _batch(rank, step):
+    import numpy as np
+    rng = np.random.default_rng(1000 * rank + step)
+    x = rng.standard_normal((16, 20)).astype(np.float32)
+    return x, x[:, :4].argmax(1)
+
+
+def _flat(model):
+    import tensorflow as tf
+    return tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
+
+
+def _identical(model) -> bool:
+    import horovod.tensorflow as hvd
+    import numpy as np
+    rows = hvd.allgather(_flat(model)[None], name="check_params").numpy()
+    return bool(all(np.array_equal(rows[0], r) for r in rows))
+
+
+def _loss():
+    import tensorflow as tf
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _keras(spec, legacy=False, bpps=1, steps=6, epoch_every=2, momentum=0.9, **kw):
+    import hvdcompress.keras as hvc
+    import tensorflow as tf
+    model = _model()
+    sgd = tf.keras.optimizers.legacy.SGD if legacy else tf.keras.optimizers.SGD
+    opt = hvc.DistributedOptimizer(sgd(0.1, momentum=momentum), compression=spec, backward_passes_per_step=bpps, **kw)
+    model.compile(optimizer=opt, loss=_loss())
+    return model, opt, lambda first, last: _fit_steps(model, opt, first, last, epoch_every)
+
+
+def _fit_steps(model, opt, first, last, epoch_every):
+    import hvdcompress.keras as hvc
+    for step in range(first, last):
+        opt.gradient_compression.set_epoch(step // epoch_every)
+        model.train_on_batch(*_batch(hvc.rank(), step))
+
+
+def _tape(compression, steps=6, momentum=0.0, epoch_every=2):
+    import hvdcompress.tensorflow as hvc
+    import tensorflow as tf
+    model = _model()
+    opt = tf.keras.optimizers.SGD(0.1, momentum=momentum)
+    loss_fn = _loss()
+
+    @tf.function
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvc.DistributedGradientTape(tape, compression=compression)
+        USED[id(model)] = tape.compression  # (when traced) the object that does the exchange
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    def run(first, last):
+        for step in range(first, last):
+            if isinstance(compression, hvc.GradientCompression):
+                compression.set_epoch(step // epoch_every)
+            step_fn(*_batch(hvc.rank(), step))
+    run(0, steps)
+    return model, opt, run
+
+
+def keras_paths() -> dict:
+    """The Keras optimizer's own features; every compressor is covered on the (cheaper) tape path."""
+    import hvdcompress.keras as hvc
+    out = {"identical": {}, "moved": {}}
+    start = _flat(_model()).numpy()
+    for label, kwargs in (("topk", dict(spec="topk:ratio=0.05")),
+                          ("legacy+randomk", dict(spec="randomk:ratio=0.1,seed=1", legacy=True)),
+                          ("bpps2", dict(spec="topk:ratio=0.05", bpps=2, average_aggregated_gradients=True))):
+        model, opt, run = _keras(**kwargs)
+        run(0, 6)
+        out["identical"][label] = _identical(model)
+        out["moved"][label] = float(abs(_flat(model).numpy() - start).max())
+    out["bpps2_iterations_exchanges"] = (int(opt.iterations.numpy()), opt.stats.steps)
+    model, opt, run = _keras("dgc:ratio=0.05,min_sparse_numel=256", momentum=0.8)
+    out["dgc_momentum_taken_over"] = (opt.compression["momentum"], float(opt.get_config()["momentum"]))
+    # DGC through model.fit with the callbacks, Horovod's included
+    model, opt, _ = _keras("dgc:ratio=0.05,warmup_epochs=2,min_sparse_numel=256")
+    x, y = _batch(hvc.rank(), 0)
+    hist = model.fit(x, y, batch_size=4, epochs=3, verbose=0,
+                     callbacks=[hvc.BroadcastGlobalVariablesCallback(0), hvc.MetricAverageCallback(),
+                                hvc.SparsityWarmupCallback(), hvc.CompressionStatsCallback()])
+    out["fit_density"] = hist.history["density"]
+    out["fit_wire"] = hist.history["wire_bytes_per_step"]
+    out["identical"]["fit+callbacks"] = _identical(model)
+    return out
+
+
+def tape_paths() -> dict:
+    import hvdcompress.tensorflow as hvc
+    out = {"identical": {}, "bytes": {}, "moved": {}}
+    start = _flat(_model()).numpy()
+    for spec in TAPE_SPECS:
+        comp = spec if spec in STATELESS else hvc.GradientCompression(spec)
+        model, _, _ = _tape(comp)
+        out["identical"][spec] = _identical(model)
+        out["moved"][spec] = float(abs(_flat(model).numpy() - start).max())
+        out["bytes"][spec] = USED[id(model)].stats.as_dict()
+    dense = _flat(_tape("none")[0]).numpy()  # reuses the cached stateless object
+    full = _flat(_tape(hvc.GradientCompression("topk:ratio=1.0"))[0]).numpy()
+    out["ratio1_max_diff"] = float(abs(dense - full).max())
+    return out
+
+
+def checkpoint_resume(tmp: str) -> dict:
+    """Every rank saves its own checkpoint mid-run; fresh objects restored from it must continue
+    bit-identically to never stopping (residuals, DGC momenta, step and epoch are state)."""
+    import hvdcompress.tensorflow as hvc
+    import numpy as np
+    import tensorflow as tf
+    out = {}
+    rank = hvc.rank()
+    for kind, spec in RESUME:
+        path = os.path.join(tmp, f"{kind}-rank{rank}")
+        if kind == "keras":  # model.save_weights (TF format) carries the optimizer and its compression state
+            model, opt, run = _keras(spec, epoch_every=1)
+            run(0, 3)
+            model.save_weights(path)
+            run(3, 6)
+            straight = _flat(model).numpy()
+            model2, opt2, run2 = _keras(spec, epoch_every=1)
+            model2.load_weights(path)
+            comp2 = opt2.gradient_compression
+        else:  # custom loop: tf.train.Checkpoint(model, optimizer, compression)
+            comp = hvc.GradientCompression(spec)
+            model, opt, run = _tape(comp, steps=3, epoch_every=1)
+            saved = tf.train.Checkpoint(model=model, optimizer=opt, compression=comp).save(path)
+            run(3, 6)
+            straight = _flat(model).numpy()
+            comp2 = hvc.GradientCompression(spec)
+            model2, opt2, run2 = _tape(comp2, steps=0, epoch_every=1)
+            tf.train.Checkpoint(model=model2, optimizer=opt2, compression=comp2).restore(saved)
+        run2(3, 6)
+        out[f"{kind} {spec}"] = {"equal": bool(np.array_equal(straight, _flat(model2).numpy())),
+                                 "identical": _identical(model2), "step": int(comp2.step.numpy()),
+                                 "state": sorted({k for s in comp2.slots for k in s})}
+    return out
+
+
+def bad_arguments() -> dict:
+    """Bad input raises on every rank before any collective; a collective still works after."""
+    import horovod.tensorflow as hvd
+    import hvdcompress.keras as hvc
+    import tensorflow as tf
+    errors = {}
+    sgd = tf.keras.optimizers.SGD
+    cases = {
+        "ratio": lambda: hvc.DistributedOptimizer(sgd(0.1), compression="topk:ratio=2"),
+        "unknown": lambda: hvc.DistributedOptimizer(sgd(0.1), compression="zip"),
+        "bpps": lambda: hvc.DistributedOptimizer(sgd(0.1), backward_passes_per_step=0),
+        "predivide": lambda: hvc.DistributedOptimizer(sgd(0.1), gradient_predivide_factor=0.0),
+        "adasum": lambda: hvc.DistributedOptimizer(sgd(0.1), op=hvd.Adasum),
+        "groups": lambda: hvc.DistributedOptimizer(sgd(0.1), num_groups=2),
+        "warmup": lambda: hvc.DistributedOptimizer(sgd(0.1), compression="dgc:warmup_schedule=0.25/0.3"),
+        "tape_state": lambda: hvc.DistributedGradientTape(tf.GradientTape(), compression="topk:ratio=0.01"),
+    }
+    for label, make in cases.items():
+        try:
+            make()
+            errors[label] = None
+        except ValueError as e:
+            errors[label] = str(e)
+    # a checkpoint of another compressor is refused at the next step, before its collectives
+    tmp = tempfile.mkdtemp()
+    comp = hvc.GradientCompression("topk:ratio=0.05")
+    _tape(comp, steps=1)
+    path = tf.train.Checkpoint(compression=comp).save(os.path.join(tmp, "ck"))
+    other = hvc.GradientCompression("threshold:threshold=0.05")
+    tf.train.Checkpoint(compression=other).restore(path)
+    try:
+        _tape(other, steps=1)
+        errors["checkpoint"] = None
+    except tf.errors.InvalidArgumentError as e:
+        errors["checkpoint"] = e.message
+    after = hvd.allreduce(tf.ones([1]), name="check_after", op=hvd.Sum)
+    return {"errors": errors, "after": float(after.numpy()[0])}
+
+
+def special_gradients() -> dict:
+    """An empty selection on one rank, and sparse (IndexedSlices) gradients from an embedding."""
+    import hvdcompress.tensorflow as hvc
+    import numpy as np
+    import tensorflow as tf
+    out = {}
+    comp = hvc.GradientCompression("threshold:threshold=1e-4")
+    model = _model()
+    opt = tf.keras.optimizers.SGD(0.1)
+    sent = []
+    for step in range(3):
+        x, y = _batch(hvc.rank(), step)
+        with tf.GradientTape() as tape:
+            loss = _loss()(y, model(x)) * (0.0 if hvc.rank() == 1 else 1.0)
+        grads = hvc.DistributedGradientTape(tape, compression=comp).gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        sent.append(comp.stats.last_bytes)
+    out["empty"] = {"identical": _identical(model), "sent": sent}
+
+    tf.keras.utils.set_random_seed(0)
+    emb = tf.keras.Sequential([tf.keras.layers.Embedding(50, 8, input_length=5), tf.keras.layers.Flatten(),
+                               tf.keras.layers.Dense(4)])
+    emb.compile(optimizer=hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression="topk:ratio=0.2"),
+                loss=_loss())
+    ids = np.random.default_rng(hvc.rank()).integers(0, 50, (16, 5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        emb.train_on_batch(ids, ids[:, 0] % 4)
+        emb.train_on_batch(ids, ids[:, 1] % 4)
+    out["sparse"] = {"identical": _identical(emb),
+                     "warned": any("tf.IndexedSlices" in str(w.message) for w in caught)}
+    return out
+
+
+def dgc_converges_on_digits(epochs: int) -> dict:
+    """The Keras example, dense and DGC 0.1% with the warm-up callback, same seed and epochs."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(here), "examples"))
+    import keras_digits
+    out = {}
+    for spec in ("none", "dgc:ratio=0.001"):
+        args = keras_digits.parse_args(["--compression", spec, "--epochs", str(epochs), "--verbose", "0"])
+        out[spec] = keras_digits.train(args)
+    return out
+
+
+def everything(world_expected: int, digits_epochs: int) -> dict:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    hvd.init()
+    assert hvd.size() == world_expected
+    out = {}
+    tmp = tempfile.mkdtemp()
+    for name, fn, args in (("keras", keras_paths, ()), ("tape", tape_paths, ()),
+                           ("resume", checkpoint_resume, (tmp,)), ("bad", bad_arguments, ()),
+                           ("special", special_gradients, ()), ("digits", dgc_converges_on_digits, (digits_epochs,))):
+        start = time.perf_counter(), time.process_time()
+        try:
+            out[name] = fn(*args)
+        except Exception:  # report, do not hang the test on a worker traceback
+            out[name] = {"error": traceback.format_exc()}
+        out.setdefault("seconds", {})[name] = (time.perf_counter() - start[0], time.process_time() - start[1])
+    hvd.shutdown()
+    return out
