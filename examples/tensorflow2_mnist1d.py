@@ -91,13 +91,12 @@ def main(argv=None) -> int:
         ckpt.restore(manager.latest_checkpoint)
     first_epoch = int(ckpt.epoch.numpy())
 
-    rng = np.random.default_rng(args.seed * 1000 + rank)
     start = time.perf_counter()
     epoch_start = compression.stats
     for epoch in range(first_epoch, args.epochs):
         epoch_start = compression.stats
         compression.set_epoch(epoch)
-        perm = rng.permutation(len(x_tr))
+        perm = np.random.default_rng([args.seed, rank, epoch]).permutation(len(x_tr))  # resumable
         for i in range(steps_per_epoch):
             idx = perm[i * args.batch_size:(i + 1) * args.batch_size]
             loss = train_step(tf.constant(x_tr[idx]), tf.constant(y_tr[idx]))
