@@ -308,6 +308,29 @@ def resolve(compression: Any) -> CompressionSpec:
                      f"or Horovod's Compression.none/fp16; got {compression!r}")
 
 
+def build_from(table: Mapping[str, Callable[[CompressionSpec], Any]], spec: CompressionSpec, backend: str):
+    """A backend's compressor for ``spec`` from its name table; ValueError if it has none."""
+    try:
+        cls = table[spec.name]
+    except KeyError:
+        raise ValueError(f"compression: {spec.name!r} has no {backend} implementation; "
+                         f"available: {', '.join(sorted(table))}") from None
+    return cls(spec)
+
+
+def dgc_density(spec: CompressionSpec, epoch: int) -> float:
+    """DGC's density during ``epoch``: its warm-up schedule, then the target ratio."""
+    from .warmup import density_at
+
+    p = spec.params
+    return density_at(epoch, p["ratio"], p["warmup_epochs"], p["warmup_schedule"])
+
+
+def dgc_sends_dense(spec: CompressionSpec, shape: Tuple[int, ...]) -> bool:
+    """DGC exchanges 1-D tensors and tensors under ``min_sparse_numel`` elements dense."""
+    return len(shape) <= 1 or math.prod(shape) < spec["min_sparse_numel"]
+
+
 def num_selected(ratio: float, numel: int) -> int:
     """k = ceil(ratio * numel), the number of entries a ratio-based sparsifier sends.
 

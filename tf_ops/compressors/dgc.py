@@ -25,8 +25,7 @@ import math
 import tensorflow as tf
 
 from hvdcompress.sampling import sample_stride
-from hvdcompress.spec import CompressionSpec
-from hvdcompress.warmup import density_at
+from hvdcompress.spec import CompressionSpec, dgc_density, dgc_sends_dense
 
 from ..collectives import Allgather, Allreduce
 from .base import Compressor, ExchangeContext, scaled, selected_count
@@ -58,11 +57,10 @@ class DGCCompressor(Compressor):
         self.clip_norm = p["clip_norm"]
 
     def scheduled_density(self, epoch: int) -> float:
-        p = self.spec.params
-        return density_at(epoch, p["ratio"], p["warmup_epochs"], p["warmup_schedule"])
+        return dgc_density(self.spec, epoch)
 
     def is_dense(self, shape) -> bool:
-        return len(shape) <= 1 or math.prod(shape) < self.spec["min_sparse_numel"]
+        return dgc_sends_dense(self.spec, tuple(shape))
 
     def state_slots(self, shape):
         return ("u",) if self.is_dense(shape) else ("u", "v")

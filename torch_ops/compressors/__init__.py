@@ -1,6 +1,6 @@
 """PyTorch compressors, one class per registered spec name (see ``hvdcompress.spec``)."""
 
-from hvdcompress.spec import REGISTRY, CompressionSpec
+from hvdcompress.spec import REGISTRY, CompressionSpec, build_from
 
 from .base import Compressor, ExchangeContext, OneRoundCompressor
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor
@@ -21,13 +21,7 @@ COMPRESSORS = {
 
 def build_compressor(spec: CompressionSpec) -> Compressor:
     """The PyTorch compressor for a validated spec."""
-    try:
-        cls = COMPRESSORS[spec.name]
-    except KeyError:
-        raise ValueError(f"compression: {spec.name!r} has no PyTorch implementation; "
-                         f"available: {', '.join(sorted(COMPRESSORS))}") from None
-    return cls(spec)
-
+    return build_from(COMPRESSORS, spec, "PyTorch")
 
 assert set(COMPRESSORS) <= set(REGISTRY), "every PyTorch compressor needs a spec in hvdcompress.spec"
 

@@ -25,8 +25,7 @@ import warnings
 import torch
 
 from hvdcompress.sampling import sample_offset, sample_stride
-from hvdcompress.spec import CompressionSpec, num_selected
-from hvdcompress.warmup import density_at
+from hvdcompress.spec import CompressionSpec, dgc_density, dgc_sends_dense, num_selected
 
 from ..collectives import Allgather, Allreduce
 from .base import Compressor, ExchangeContext
@@ -46,11 +45,10 @@ class DGCCompressor(Compressor):
         self.clip_norm = p["clip_norm"]
 
     def density(self, epoch: int) -> float:
-        p = self.spec.params
-        return density_at(epoch, p["ratio"], p["warmup_epochs"], p["warmup_schedule"])
+        return dgc_density(self.spec, epoch)
 
     def is_dense(self, shape) -> bool:
-        return len(shape) <= 1 or math.prod(shape) < self.spec["min_sparse_numel"]
+        return dgc_sends_dense(self.spec, tuple(shape))
 
     def _clip(self, g: torch.Tensor, world: int) -> torch.Tensor:
         if self.clip_norm is None:
