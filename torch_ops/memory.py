@@ -22,8 +22,8 @@ class Memory:
     def compensate(self, x: torch.Tensor, state: Dict[str, torch.Tensor]) -> torch.Tensor:
         return x
 
-    def update(self, a: torch.Tensor, sent: Callable[[], torch.Tensor],
-               state: Dict[str, torch.Tensor]) -> None:
+    def update(self, unsent: Callable[[], torch.Tensor], state: Dict[str, torch.Tensor]) -> None:
+        """``unsent()`` computes a - D(C(a)); called only by memories that keep it."""
         return None
 
 
@@ -39,8 +39,8 @@ class ResidualMemory(Memory):
                              f"gradient has {tuple(x.shape)}")
         return x + r
 
-    def update(self, a, sent, state):
-        state["residual"] = a - sent()
+    def update(self, unsent, state):
+        state["residual"] = unsent()
 
 
 def memory_for(spec: CompressionSpec) -> Memory:

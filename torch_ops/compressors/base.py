@@ -109,6 +109,11 @@ class OneRoundCompressor(Compressor):
                    ctx: ExchangeContext) -> torch.Tensor:
         """This rank's own payload -> the dense tensor it stands for (shape and dtype of like)."""
 
+    def unsent(self, payload: Tuple[torch.Tensor, ...], a: torch.Tensor, ctx: ExchangeContext) -> torch.Tensor:
+        """What this rank's payload leaves out of ``a``: a - D(C(a)), the error-feedback residual.
+        Sparsifiers override it with one copy instead of a dense decompression and a subtraction."""
+        return a - self.decompress(payload, a, ctx)
+
     @abstractmethod
     def aggregate(self, results: Tuple[torch.Tensor, ...], like: torch.Tensor,
                   ctx: ExchangeContext) -> torch.Tensor:
@@ -117,7 +122,7 @@ class OneRoundCompressor(Compressor):
     def exchange(self, x: torch.Tensor, ctx: ExchangeContext) -> Exchange:
         a = self.memory.compensate(x, ctx.state)
         payload = self.compress(a, ctx)
-        self.memory.update(a, lambda: self.decompress(payload, a, ctx), ctx.state)
+        self.memory.update(lambda: self.unsent(payload, a, ctx), ctx.state)
         request = Allreduce if self.summed else Allgather
         results = yield tuple(request(t) for t in payload)
         total = self.aggregate(results, a, ctx)

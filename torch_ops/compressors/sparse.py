@@ -44,6 +44,11 @@ class _GatheredSparse(OneRoundCompressor):
         out[payload[0].long()] = payload[1]
         return out
 
+    def unsent(self, payload, a, ctx):
+        r = a.clone()
+        r[payload[0].long()] = 0
+        return r
+
     def aggregate(self, results, like, ctx):
         indices, values = results
         return torch.zeros_like(like).index_add_(0, indices.long(), values)
@@ -80,6 +85,11 @@ class RandomKCompressor(OneRoundCompressor):
         out = torch.zeros_like(like)
         out[self._indices(like, ctx)] = payload[0]
         return out
+
+    def unsent(self, payload, a, ctx):
+        r = a.clone()
+        r[self._indices(a, ctx)] = 0
+        return r
 
     def aggregate(self, results, like, ctx):
         return self.decompress(results, like, ctx)
