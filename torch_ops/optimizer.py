@@ -8,18 +8,25 @@ optimizer's class, so schedulers and ``isinstance`` checks keep working.
 
 How a step runs:
 
-1. backward: when a parameter's gradient is final (``register_post_accumulate_grad_hook``, after
-   ``backward_passes_per_step`` passes), the hook compresses it and launches its exchange
-   (``Compressor.exchange``, a generator of collective rounds) as Horovod async ops, while the
-   rest of backward still runs;
-2. ``synchronize()`` launches the exchanges of parameters that got no gradient (with zeros, as
-   Horovod does, so every rank takes part), drives all exchanges to completion, round-robin, and
-   writes each result into ``p.grad``;
-3. the wrapped optimizer's own ``step()`` then runs on the exchanged gradients.
+1. backward: parameters are exchanged in *groups* (``schedule``; ``torch_ops.scheduling`` says
+   how groups are chosen, ``torch_ops.grouping`` how they are laid out). When a parameter's
+   gradient is final (``register_post_accumulate_grad_hook``, after ``backward_passes_per_step``
+   passes) and it is the last of its group to be, the hook flattens the group into one buffer,
+   compresses it and launches its exchange (``Compressor.exchange``, a generator of collective
+   rounds) as Horovod async ops, while the rest of backward still runs;
+2. ``synchronize()`` launches the groups that are not complete (gradients that never came are
+   zeros, as in Horovod, so every rank takes part), drives all exchanges to completion,
+   round-robin, and scatters each result into the parameters' ``.grad``;
+3. the wrapped optimizer's own ``step()`` then runs on the exchanged gradients; after it, the
+   step's clock readings go to the scheduler, which may change the groups for the next step.
+
+``opt.plan`` is the plan in use (groups, predicted step time), ``opt.groups`` its parameter
+names, ``opt.timings`` what the last step measured (``torch_ops.scheduling.StepClock``).
 
 Compressor state (residuals) is optimizer state: ``state_dict()`` holds it under the key
-``"hvdcompress"`` and ``load_state_dict()`` restores it. Residuals differ per rank, so to resume
-exactly every rank saves and loads its own ``state_dict()``.
+``"hvdcompress"``, per parameter whatever the grouping, with the plan in use, and
+``load_state_dict()`` restores both (the plan only if the schedule is the same). Residuals differ
+per rank, so to resume exactly every rank saves and loads its own ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -33,9 +40,13 @@ import torch
 from hvdcompress.spec import CompressionSpec, resolve
 from hvdcompress.stats import WireStats
 
+from hvdcompress.planner import Plan
+
 from .collectives import HorovodDriver, PendingExchange, finish_all
 from .compressors import ExchangeContext, build_compressor
 from .compressors.dgc import adopt_momentum
+from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
+from .scheduling import Scheduler, StepClock, check_cost_model, check_profile_steps, check_schedule, now
 
 STATE_KEY = "hvdcompress"
 STATE_VERSION = 1
@@ -43,7 +54,8 @@ STATE_VERSION = 1
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, spec: CompressionSpec, backward_passes_per_step: int,
-                 op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source):
+                 op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source,
+                 schedule, cost_model, profile_steps):
         super(self.__class__, self).__init__(params)
         self.defaults = dict(source.defaults)
         self.state.update(source.state)
@@ -53,17 +65,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_names: Dict[torch.Tensor, str] = _parameter_names(self.param_groups, named_parameters)
         self._hvc_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]
                                                 if p.requires_grad]
-        self._hvc_driver = driver if driver is not None else HorovodDriver(process_set)
+        self._hvc_by_name: Dict[str, torch.Tensor] = {self._hvc_names[p]: p for p in self._hvc_params}
         import horovod.torch as hvd
 
         self._hvc_world = (process_set or hvd.global_process_set).size()
+        self._hvc_scheduler = Scheduler(
+            schedule, spec, cost_model, profile_steps,
+            {n: float(p.numel() * p.element_size()) for n, p in self._hvc_by_name.items()},
+            self._hvc_world, self._hvc_compressor.elementwise_state)
+        self._hvc_driver = driver if driver is not None else HorovodDriver(process_set)
         average = op == hvd.Average
         self._hvc_prescale = 1.0 / gradient_predivide_factor
         self._hvc_scale = gradient_predivide_factor / self._hvc_world if average else 1.0
         self._hvc_passes = backward_passes_per_step
         self._hvc_passes_left: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._hvc_params}
-        self._hvc_pending: Dict[torch.Tensor, PendingExchange] = {}
-        self._hvc_state: Dict[str, Dict[str, torch.Tensor]] = {self._hvc_names[p]: {} for p in self._hvc_params}
+        self._hvc_pending: Dict[int, PendingExchange] = {}
+        self._hvc_state: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in self._hvc_by_name}
+        self._hvc_groups: List[Group] = []
+        self._hvc_group_of: Dict[torch.Tensor, int] = {}
+        self._hvc_waiting: List[int] = []
+        self._hvc_regroup([[n] for n in self._hvc_by_name])  # layerwise until the scheduler decides
         self._hvc_step = 0
         self._hvc_epoch = 0
         self._hvc_sparse_as_dense = sparse_as_dense
@@ -71,6 +92,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self.stats = WireStats()
+        self.timings: Dict[str, Optional[float]] = {}
+        self._hvc_clock = StepClock(None)
         self._hvc_hooks = [p.register_post_accumulate_grad_hook(self._hvc_hook) for p in self._hvc_params]
 
     # -- public API (Horovod's) -----------------------------------------------------------------
@@ -78,27 +101,56 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def compression(self) -> CompressionSpec:
         return self._hvc_spec
 
+    @property
+    def schedule(self) -> str:
+        """The schedule asked for ("auto", "mgs", "size:64", ..., or "explicit")."""
+        return self._hvc_scheduler.text
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        """The plan in use (``hvdcompress.planner.Plan``: groups as indices in backward order,
+        ``predicted_seconds``), or None while the first steps run layerwise."""
+        return self._hvc_scheduler.plan
+
+    @property
+    def groups(self) -> List[List[str]]:
+        """The parameter names of each group exchanged now, in launch order."""
+        return [list(g.names) for g in self._hvc_groups]
+
+    @property
+    def workload(self):
+        """The profiled ``hvdcompress.planner.Workload`` the plan was made from (or None)."""
+        return self._hvc_scheduler.workload
+
+    @property
+    def cost_model(self):
+        """The ``CostModel`` the plan was made with (given, cached or profiled), or None."""
+        return self._hvc_scheduler.cost_model
+
     def synchronize(self):
         """Finish every gradient exchange of this step and write the results into ``p.grad``."""
-        for p in self._hvc_params:
-            if p not in self._hvc_pending:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                self._hvc_launch(p)
+        start = now()
+        for gi, group in enumerate(self._hvc_groups):
+            if gi not in self._hvc_pending:
+                for name in group.names:
+                    p = self._hvc_by_name[name]
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                self._hvc_launch(gi)
         pending = self._hvc_pending
         with torch.no_grad():
             finish_all(list(pending.values()))
-            for p, ex in pending.items():
-                result = ex.result.view_as(p.grad)
-                if result.data_ptr() != p.grad.data_ptr():
-                    p.grad.copy_(result)
-        dense = sum(p.numel() * p.element_size() for p in pending)
+            for gi, ex in pending.items():
+                scatter(ex.result, [self._hvc_by_name[n].grad for n in self._hvc_groups[gi].names])
+        dense = sum(p.numel() * p.element_size() for p in self._hvc_params)
         self.stats.record(sum(ex.bytes_sent for ex in pending.values()), dense,
                           sum(ex.compute_seconds for ex in pending.values()))
         self._hvc_pending = {}
         self._hvc_passes_left = {p: self._hvc_passes for p in self._hvc_params}
+        self._hvc_waiting = [len(g.names) for g in self._hvc_groups]
         self._hvc_step += 1
         self._synchronized = True
+        self._hvc_clock.sync = (start, now())
 
     def set_epoch(self, epoch: int) -> None:
         """Tell compressors with a schedule (DGC's sparsity warm-up) which epoch is starting.
@@ -129,7 +181,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        start = now()
+        loss = super(self.__class__, self).step(closure)
+        self._hvc_clock.update = (start, now())
+        self._hvc_end_of_step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True):
         if self._hvc_pending:
@@ -145,8 +201,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "compression": self._hvc_spec.to_dict(),
             "step": self._hvc_step,
             "epoch": self._hvc_epoch,
-            "state": {key: {k: t.detach().clone() for k, t in st.items()}
-                      for key, st in self._hvc_state.items()},
+            "state": self._hvc_param_state(),
+            "plan": self._hvc_plan_dict(),
         }
         return sd
 
@@ -166,9 +222,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         self._hvc_step = int(ours["step"])
         self._hvc_epoch = int(ours["epoch"])
-        by_name = {self._hvc_names[p]: p for p in self._hvc_params}
-        self._hvc_state = {key: {k: t.detach().clone().to(by_name[key].device) for k, t in st.items()}
-                           for key, st in ours["state"].items()}
+        by_name = self._hvc_by_name
+        per = {n: {} for n in by_name}
+        per.update({key: {k: t.detach().clone().to(by_name[key].device) for k, t in st.items()}
+                    for key, st in ours["state"].items()})
+        saved = ours.get("plan")
+        groups = self.groups
+        if saved is not None and saved["schedule"] == self._hvc_scheduler.text:
+            plan = Plan(saved["schedule"], [list(g) for g in saved["groups"]], saved["predicted_seconds"],
+                        None, "shared")
+            self._hvc_scheduler.adopt(plan, saved["order"])
+            groups = [[saved["order"][i] for i in g] for g in plan.groups]
+        self._hvc_state = {n: {} for n in by_name}
+        self._hvc_regroup(groups, per)
 
     # -- internals -------------------------------------------------------------------------------
     def _hvc_check_state(self, ours) -> None:
@@ -186,34 +252,82 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              f"optimizer does not have: {', '.join(unknown[:5])}")
         for key, st in ours["state"].items():
             self._hvc_compressor.check_state(key, st, numel[key])
+        saved = ours.get("plan")
+        if saved is not None and sorted(saved.get("order", ())) != sorted(numel):
+            raise ValueError("load_state_dict: the checkpoint's plan groups other parameters than this "
+                             "optimizer has (a checkpoint of a different model?)")
 
     def _hvc_hook(self, p: torch.Tensor) -> None:
-        if p in self._hvc_pending:
+        entered = now()
+        if self._hvc_passes_left[p] == 0:
             raise AssertionError("Gradients were computed more than backward_passes_per_step times "
                                  "before call to step(). Increase backward_passes_per_step to "
                                  "accumulate gradients locally.")
         self._hvc_passes_left[p] -= 1
         if self._hvc_passes_left[p] == 0:
-            self._hvc_launch(p)
+            gi = self._hvc_group_of[p]
+            self._hvc_waiting[gi] -= 1
+            if self._hvc_waiting[gi] == 0:
+                self._hvc_launch(gi)
+            self._hvc_clock.hooks.append((self._hvc_names[p], entered, now()))
 
-    def _hvc_launch(self, p: torch.Tensor) -> None:
-        grad = p.grad
-        if grad.is_sparse:
-            if not (self._hvc_sparse_as_dense or self._hvc_warned_sparse):
-                warnings.warn("hvdcompress: sparse gradients are exchanged densified (as with "
-                              "sparse_as_dense=True).")
-                self._hvc_warned_sparse = True
-            p.grad = grad = grad.to_dense()
-        name = self._hvc_names[p]
+    def _hvc_launch(self, gi: int) -> None:
+        group = self._hvc_groups[gi]
+        grads = []
+        for name in group.names:
+            p = self._hvc_by_name[name]
+            if p.grad.is_sparse:
+                if not (self._hvc_sparse_as_dense or self._hvc_warned_sparse):
+                    warnings.warn("hvdcompress: sparse gradients are exchanged densified (as with "
+                                  "sparse_as_dense=True).")
+                    self._hvc_warned_sparse = True
+                p.grad = p.grad.to_dense()
+            grads.append(p.grad)
         with torch.no_grad():
-            x = grad.reshape(-1)
+            x = flatten(grads)
             if self._hvc_prescale != 1.0:
                 x = x * self._hvc_prescale
-            ctx = ExchangeContext(name, self._hvc_step, self._hvc_world, self._hvc_scale,
-                                  self._hvc_state[name], tuple(p.shape), self._hvc_epoch)
-            self._hvc_pending[p] = PendingExchange(self._hvc_compressor.exchange(x, ctx),
-                                                   f"hvc.{name}", self._hvc_driver)
+            ctx = ExchangeContext(group.key, self._hvc_step, self._hvc_world, self._hvc_scale,
+                                  self._hvc_state[group.key], group.shape, self._hvc_epoch)
+            self._hvc_pending[gi] = PendingExchange(self._hvc_compressor.exchange(x, ctx),
+                                                    f"hvc.{group.key}", self._hvc_driver)
         self._synchronized = False
+
+    def _hvc_end_of_step(self) -> None:
+        """The step's timings; the scheduler's turn (it may regroup, at the same step on all ranks)."""
+        plan = self._hvc_scheduler.plan
+        self.timings = self._hvc_clock.timings(self._hvc_step - 1, plan.predicted_seconds if plan else None)
+        groups = self._hvc_scheduler.end_of_step(self._hvc_clock)
+        if groups is not None:
+            self._hvc_regroup(groups)
+        self._hvc_clock = StepClock(now())
+
+    def _hvc_param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Compression state per parameter name (copies), whatever the grouping."""
+        out = {}
+        for g in self._hvc_groups:
+            out.update(zip(g.names, split_state(self._hvc_state[g.key], g.numels)))
+        return out
+
+    def _hvc_regroup(self, groups: List[List[str]], per_param=None) -> None:
+        """Exchange ``groups`` (names) from now on; state is carried over per parameter."""
+        if self._hvc_pending:
+            raise AssertionError("hvdcompress: regrouping while exchanges are in flight")
+        per = per_param if per_param is not None else self._hvc_param_state()
+        shapes = {n: tuple(p.shape) for n, p in self._hvc_by_name.items()}
+        self._hvc_groups = make_groups(groups, shapes)
+        self._hvc_state = {g.key: join_state([per.get(n, {}) for n in g.names], g.numels)
+                           for g in self._hvc_groups}
+        self._hvc_group_of = {self._hvc_by_name[n]: gi for gi, g in enumerate(self._hvc_groups)
+                              for n in g.names}
+        self._hvc_waiting = [len(g.names) for g in self._hvc_groups]
+
+    def _hvc_plan_dict(self):
+        sched = self._hvc_scheduler
+        if sched.plan is None:
+            return None
+        return {"schedule": sched.text, "order": list(sched.order), "groups": sched.plan.groups,
+                "predicted_seconds": sched.plan.predicted_seconds}
 
 
 def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
@@ -245,7 +359,8 @@ def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step: int = 1, op=None,
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                         process_set=None, driver=None):
+                         process_set=None, driver=None, schedule="auto", cost_model=None,
+                         profile_steps: int = 5):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -263,6 +378,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         process_set: a Horovod process set (default: all ranks).
         driver: the communicator that carries out collective requests (default
             ``HorovodDriver(process_set)``); benchmarks pass one that injects latency.
+
+    Layer merging (``torch_ops.scheduling`` has the details):
+        schedule: how gradients are grouped into exchanges: "auto" (default: the cost-model
+            schedule for the compressor, "mgs" for sparsifiers, "mgwfbp" for dense ones),
+            "mgs", "mgwfbp" (":greedy" for the papers' greedy rule), "layerwise" (one exchange
+            per tensor), "single" (one for all), "size:<MB>" (Horovod-fusion-like), or explicit
+            groups: a list of lists of parameter names, consecutive in backward order.
+        cost_model: an ``hvdcompress.costmodel.CostModel`` for the cost-model schedules (and for
+            predicted step times with the others); default: the cached fit for this world and
+            host set, else profiled on the live transport at first use (a few seconds).
+        profile_steps: steps measured (after the first) before a cost-model plan is made; until
+            then gradients are exchanged layerwise (int in [1, 1000]).
 
     Every argument is validated here, before any collective, identically on every rank.
     """
@@ -292,6 +419,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          f"got {gradient_predivide_factor!r}")
     if factor != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor: values other than 1.0 require op=hvd.Average")
+    check_schedule(schedule)
+    check_profile_steps(profile_steps)
+    check_cost_model(cost_model)
     if spec.name == "dgc":  # DGC's momentum lives in its memory: take the optimizer's over
         spec = adopt_momentum(spec, optimizer.param_groups)
     if not hvd.is_initialized():
@@ -300,4 +430,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, spec, backward_passes_per_step, op, factor,
-               sparse_as_dense, process_set, driver, optimizer)
+               sparse_as_dense, process_set, driver, optimizer, schedule, cost_model, profile_steps)

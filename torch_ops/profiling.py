@@ -26,12 +26,12 @@ import json
 import socket
 import statistics
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from hvdcompress.costmodel import CostModel, cache_path, describe, fit_cost_model
+from hvdcompress.costmodel import CostModel, cache_path, describe, fit_compute, fit_cost_model
 from hvdcompress.planner import Workload
 from hvdcompress.spec import resolve
 
@@ -216,21 +216,45 @@ def profile_cost_model(specs: Iterable = ("none",), comm_bytes: Sequence[int] = 
     return model
 
 
-def load_or_profile(specs: Iterable = ("none",), **kwargs) -> CostModel:
-    """The cached model of this world size and host set when it has every spec's compression fit;
-    else profile (a few seconds). Rank 0 decides and its model is broadcast, so all ranks agree."""
+def comm_sizes_up_to(max_bytes: Optional[float], sizes: Sequence[int] = DEFAULT_COMM_BYTES) -> List[int]:
+    """The sample sizes up to the first one >= ``max_bytes`` (all of them for None): no need to
+    time collectives larger than the whole gradient."""
+    out = []
+    for b in sizes:
+        out.append(int(b))
+        if max_bytes is not None and b >= max_bytes:
+            break
+    return out if len(out) >= 3 else list(sizes[:3])
+
+
+def load_or_profile(specs: Iterable = ("none",), max_bytes: Optional[float] = None, **kwargs) -> CostModel:
+    """The cached model of this world size and host set, with a compression fit for every spec
+    (fits missing from the cache are timed and added); else profile (a few seconds), timing
+    collectives up to ``max_bytes`` per rank. Rank 0 decides and its model is broadcast, so
+    all ranks agree. Call on every rank."""
     hvd = _hvd()
     specs = [resolve(s) for s in specs]
     names = hosts()
     cached = None
     if hvd.rank() == 0:
         model = CostModel.cached(hvd.size(), names)
-        if model is not None and all(model.has_compress_fit(s) for s in specs):
-            cached = model.to_dict()
+        cached = model.to_dict() if model is not None else None
     cached = hvd.broadcast_object(cached, root_rank=0, name="hvc.profile.cached")
-    if cached is not None:
-        return CostModel.from_dict(cached)
-    return profile_cost_model(specs, **kwargs)
+    if cached is None:
+        kwargs.setdefault("comm_bytes", comm_sizes_up_to(max_bytes))
+        return profile_cost_model(specs, **kwargs)
+    model = CostModel.from_dict(cached)
+    missing = [s for s in specs if not model.has_compress_fit(s)]
+    if not missing:
+        return model
+    compress = dict(model.compress)
+    for s in missing:
+        samples = time_compression(s, kwargs.get("compress_elements", DEFAULT_COMPRESS_ELEMENTS))
+        compress[str(s)] = fit_compute([d for d, _ in samples], [t for _, t in samples])
+    model = replace(model, compress=compress)
+    if kwargs.get("save", True) and hvd.local_rank() == 0:
+        model.save()
+    return model
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

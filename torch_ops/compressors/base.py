@@ -67,6 +67,10 @@ class Compressor(ABC):
     """Base of every compressor: holds the validated spec; subclasses define ``exchange``."""
 
     summed: bool = True
+    # Every state tensor has one entry per element of the tensor (residuals, momenta), so the
+    # optimizer may merge tensors into one group and concatenate their state (torch_ops.grouping).
+    # A compressor with other state (e.g. low-rank factors) sets False: layerwise schedules only.
+    elementwise_state: bool = True
 
     def __init__(self, spec: CompressionSpec):
         self.spec = spec

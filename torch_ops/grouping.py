@@ -1,0 +1,143 @@
+"""Merged groups of gradient tensors: one flat buffer per group, and per-parameter state.
+
+A plan (``hvdcompress.planner``) partitions the parameters, in backward order, into consecutive
+groups. The optimizer compresses and exchanges each group as one flat tensor::
+
+    x      = cat(g_1.flatten(), ..., g_n.flatten())     (a view of g_1 when n == 1)
+    result = exchange(x)                               the compressor sees one tensor
+    g_i   <- result[offset_i : offset_i + numel_i]     scattered back into each .grad
+
+Compressor state (residuals, DGC's momenta) is *elementwise*: a state tensor of a group is the
+concatenation of its members' state tensors, in the same layout as ``x``. The optimizer keeps
+state per group while it runs and splits it per parameter for ``state_dict()``, so a checkpoint
+does not depend on the grouping and loads under any plan (``join_state`` / ``split_state``); an
+absent state entry stands for zeros, as every memory starts from zeros.
+
+The shape a compressor is told (``ExchangeContext.shape``) is the parameter's own for a group of
+one; a merged group is one tensor of ``(numel,)`` when all its members are 1-D (biases, norms) and
+``(1, numel)`` otherwise, so a rule such as DGC's "1-D tensors are sent dense" applies to the
+group as a whole: a merged group holding a weight matrix is sparsified, biases included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+State = Dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Consecutive parameters (backward order) exchanged as one flat tensor."""
+
+    names: Tuple[str, ...]
+    shapes: Tuple[Tuple[int, ...], ...]
+
+    @property
+    def key(self) -> str:
+        """The exchange's name, identical on all ranks: the parameter's name for a group of one,
+        else ``<first>+<n-1>`` (groups are disjoint and consecutive, so keys are unique)."""
+        if len(self.names) == 1:
+            return self.names[0]
+        return f"{self.names[0]}+{len(self.names) - 1}"
+
+    @property
+    def numels(self) -> Tuple[int, ...]:
+        return tuple(_numel(s) for s in self.shapes)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """What the compressor is told the tensor's shape is (module doc)."""
+        if len(self.shapes) == 1:
+            return self.shapes[0]
+        if all(len(s) <= 1 for s in self.shapes):
+            return (self.numel,)
+        return (1, self.numel)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def make_groups(groups: Sequence[Sequence[str]], shapes: Mapping[str, Tuple[int, ...]]) -> List[Group]:
+    """Groups of parameter names -> ``Group``s; ValueError unless every name in ``shapes``
+    appears exactly once and every group is non-empty."""
+    seen: Dict[str, int] = {}
+    out = []
+    for gi, names in enumerate(groups):
+        names = tuple(names)
+        if not names:
+            raise ValueError(f"schedule: group {gi} is empty; every group needs at least one parameter")
+        for n in names:
+            if n not in shapes:
+                raise ValueError(f"schedule: group {gi} names '{n}', which is not a parameter of this "
+                                 "optimizer (names come from named_parameters)")
+            if n in seen:
+                raise ValueError(f"schedule: parameter '{n}' is in groups {seen[n]} and {gi}; each "
+                                 "parameter must be in exactly one group")
+            seen[n] = gi
+        out.append(Group(names, tuple(tuple(shapes[n]) for n in names)))
+    missing = [n for n in shapes if n not in seen]
+    if missing:
+        raise ValueError("schedule: every parameter must be in a group; missing: " + ", ".join(missing[:5]))
+    return out
+
+
+def flatten(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The group's flat gradient: a view for one tensor, a new concatenated buffer otherwise."""
+    if len(grads) == 1:
+        return grads[0].reshape(-1)
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def scatter(result: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+    """Copy the flat ``result`` into each gradient (skipped where it already is that gradient)."""
+    if len(grads) == 1:
+        g = grads[0]
+        if result.data_ptr() != g.data_ptr() or result.numel() != g.numel():
+            g.copy_(result.view_as(g))
+        return
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(result[offset:offset + n].view_as(g))
+        offset += n
+
+
+def join_state(states: Sequence[Mapping[str, torch.Tensor]], numels: Sequence[int]) -> State:
+    """Member states -> the group's (each entry concatenated; absent entries as zeros)."""
+    if len(states) == 1:
+        return dict(states[0])
+    out: State = {}
+    keys = sorted({k for st in states for k in st})
+    for k in keys:
+        like = next(st[k] for st in states if k in st)
+        parts = [st[k].reshape(-1) if k in st else like.new_zeros(n) for st, n in zip(states, numels)]
+        out[k] = torch.cat(parts)
+    return out
+
+
+def split_state(state: Mapping[str, torch.Tensor], numels: Sequence[int]) -> List[State]:
+    """The group's state -> one dict per member (copies, so a checkpoint never aliases live state)."""
+    if len(numels) == 1:
+        return [{k: t.detach().clone() for k, t in state.items()}]
+    out: List[State] = [{} for _ in numels]
+    for k, t in state.items():
+        if t.numel() != sum(numels):
+            raise ValueError(f"compression state '{k}' of a merged group has {t.numel()} elements; the "
+                             f"group has {sum(numels)} (state must be elementwise to be merged)")
+        offset = 0
+        for st, n in zip(out, numels):
+            st[k] = t.detach().reshape(-1)[offset:offset + n].clone()
+            offset += n
+    return out
