@@ -215,12 +215,17 @@ class CostModel:
     compress: Mapping[str, ComputeFit] = field(default_factory=dict)
     hosts: Tuple[str, ...] = ()
     meta: Mapping[str, object] = field(default_factory=dict)
+    decompress: Mapping[str, ComputeFit] = field(default_factory=dict)
+    launch_seconds: float = 0.0  # CPU time to hand one collective to Horovod (on the compute stream)
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"cost model: world_size must be an int >= 1; got {self.world_size!r}")
         # compressor keys are normalised spec strings, so "topk:ratio=0.01" finds its fit
         object.__setattr__(self, "compress", {str(resolve(k)): v for k, v in dict(self.compress).items()})
+        object.__setattr__(self, "decompress", {str(resolve(k)): v for k, v in dict(self.decompress).items()})
+        if not (math.isfinite(self.launch_seconds) and self.launch_seconds >= 0):
+            raise ValueError(f"cost model: launch_seconds must be finite and >= 0; got {self.launch_seconds!r}")
         object.__setattr__(self, "hosts", tuple(sorted(set(self.hosts))))
 
     @property
@@ -262,6 +267,24 @@ class CostModel:
                              "profile it (torch_ops.profiling) or add a ComputeFit by hand")
         return fit(np.asarray(dense_bytes, dtype=float) / itemsize)
 
+    def group_cpu_seconds(self, spec, dense_bytes, itemsize: int = 4):
+        """What a group costs on the compute stream before its exchange: compression (t_s, if
+        fitted; 0 otherwise) plus handing each of its collectives to Horovod."""
+        spec = resolve(spec)
+        d = np.asarray(dense_bytes, dtype=float)
+        _, ops, _ = payload(spec, d / itemsize, itemsize, None)
+        base = self.compress_seconds(spec, d, itemsize) if self.has_compress_fit(spec) else np.zeros_like(d)
+        return base + ops * self.launch_seconds
+
+    def has_decompress_fit(self, spec) -> bool:
+        return str(resolve(spec)) in self.decompress
+
+    def decompress_seconds(self, spec, dense_bytes, itemsize: int = 4):
+        """t_d: seconds to turn a group's results back into gradients (0 without a fit)."""
+        fit = self.decompress.get(str(resolve(spec)))
+        d = np.asarray(dense_bytes, dtype=float)
+        return fit(d / itemsize) if fit is not None else np.zeros_like(d)
+
     # -- other worlds --------------------------------------------------------------------------
     def for_world_size(self, world_size: int, gbit_per_s: Optional[float] = None,
                        latency_s: Optional[float] = None) -> "CostModel":
@@ -284,7 +307,8 @@ class CostModel:
             beta = fit.beta / n0_bw * bw if gbit_per_s is None else hops * bw * 8.0 / (gbit_per_s * 1e9)
             fits.append(LinearFit(alpha, beta))
         meta = dict(self.meta, scaled_from=self.world_size)
-        return CostModel(int(world_size), fits[0], fits[1], self.compress, self.hosts, meta)
+        return CostModel(int(world_size), fits[0], fits[1], self.compress, self.hosts, meta, self.decompress,
+                         self.launch_seconds)
 
     @classmethod
     def from_link(cls, world_size: int, gbit_per_s: float, latency_s: float,
@@ -302,7 +326,9 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"version": VERSION, "key": self.key, "world_size": self.world_size, "hosts": list(self.hosts),
                 "allreduce": self.allreduce.to_dict(), "allgather": self.allgather.to_dict(),
-                "compress": {k: v.to_dict() for k, v in self.compress.items()}, "meta": dict(self.meta)}
+                "compress": {k: v.to_dict() for k, v in self.compress.items()}, "meta": dict(self.meta),
+                "decompress": {k: v.to_dict() for k, v in self.decompress.items()},
+                "launch_seconds": self.launch_seconds}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "CostModel":
@@ -310,7 +336,9 @@ class CostModel:
             raise ValueError(f"cost model: expected version {VERSION}; got {d.get('version')!r}")
         return cls(int(d["world_size"]), LinearFit.from_dict(d["allreduce"]), LinearFit.from_dict(d["allgather"]),
                    {k: ComputeFit.from_dict(v) for k, v in d.get("compress", {}).items()},
-                   tuple(d.get("hosts", ())), dict(d.get("meta", {})))
+                   tuple(d.get("hosts", ())), dict(d.get("meta", {})),
+                   {k: ComputeFit.from_dict(v) for k, v in d.get("decompress", {}).items()},
+                   float(d.get("launch_seconds", 0.0)))
 
     def save(self, path: Optional[str] = None) -> str:
         """Write JSON to ``path`` (default: ``cache_path`` of this world and host set); returns it."""
@@ -335,18 +363,24 @@ class CostModel:
 
 
 def fit_cost_model(world_size: int, allreduce_samples, allgather_samples, compress_samples=None,
-                   hosts: Iterable[str] = (), meta: Optional[Mapping] = None) -> CostModel:
+                   hosts: Iterable[str] = (), meta: Optional[Mapping] = None, decompress_samples=None,
+                   launch_seconds: float = 0.0) -> CostModel:
     """Fit a model from timings: ``allreduce_samples`` (bytes per rank, seconds) pairs,
-    ``allgather_samples`` likewise (bytes per rank; fitted on N * bytes), ``compress_samples``
-    {spec: [(elements, seconds), ...]}."""
+    ``allgather_samples`` likewise (bytes per rank; fitted on N * bytes), ``compress_samples`` and
+    ``decompress_samples`` {spec: [(elements, seconds), ...]}; ``launch_seconds`` as measured."""
     ar = np.asarray(list(allreduce_samples), dtype=float).reshape(-1, 2)
     ag = np.asarray(list(allgather_samples), dtype=float).reshape(-1, 2)
-    compress = {}
-    for spec, samples in (compress_samples or {}).items():
-        s = np.asarray(list(samples), dtype=float).reshape(-1, 2)
-        compress[str(resolve(spec))] = fit_compute(s[:, 0], s[:, 1])
+
+    def fits(samples_by_spec):
+        out = {}
+        for spec, samples in (samples_by_spec or {}).items():
+            s = np.asarray(list(samples), dtype=float).reshape(-1, 2)
+            out[str(resolve(spec))] = fit_compute(s[:, 0], s[:, 1])
+        return out
+
     return CostModel(int(world_size), fit_linear(ar[:, 0], ar[:, 1]),
-                     fit_linear(world_size * ag[:, 0], ag[:, 1]), compress, tuple(hosts), dict(meta or {}))
+                     fit_linear(world_size * ag[:, 0], ag[:, 1]), fits(compress_samples), tuple(hosts),
+                     dict(meta or {}), fits(decompress_samples), float(launch_seconds))
 
 
 def describe(model: CostModel) -> str:
@@ -357,8 +391,11 @@ def describe(model: CostModel) -> str:
         bw = 8 / fit.beta / 1e9 if fit.beta > 0 else math.inf
         lines.append(f"  {name}: {fit.alpha * 1e6:.1f} us + {fit.beta * 1e9:.4f} ns/{per} "
                      f"(effective {bw:.2f} Gbit/s), rel. RMS error {fit.rel_rmse:.1%} over {fit.samples} samples")
-    for spec, fit in model.compress.items():
-        alt = ", ".join(f"{f} {e:.1%}" for f, e in fit.errors.items())
-        lines.append(f"  compress {spec}: {fit.a:.3g}*{'d*log2(d)' if fit.form == 'dlogd' else 'd'} + "
-                     f"{fit.b * 1e6:.1f} us (rel. RMS error: {alt})")
+    for what, table in (("compress", model.compress), ("decompress", model.decompress)):
+        for spec, fit in table.items():
+            alt = ", ".join(f"{f} {e:.1%}" for f, e in fit.errors.items())
+            lines.append(f"  {what} {spec}: {fit.a:.3g}*{'d*log2(d)' if fit.form == 'dlogd' else 'd'} + "
+                         f"{fit.b * 1e6:.1f} us (rel. RMS error: {alt})")
+    if model.launch_seconds:
+        lines.append(f"  launch: {model.launch_seconds * 1e6:.1f} us per collective handed to Horovod")
     return "\n".join(lines)

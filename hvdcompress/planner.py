@@ -25,8 +25,9 @@ The API the optimizer calls::
     "auto" or None   "mgs" for gathered (sparse) compressors, "mgwfbp" for summed (dense) ones
 
 ``cost_model`` is a ``hvdcompress.costmodel.CostModel``; it gives t_c for the compressor ``spec``
-at ``world_size`` and t_s (the prediction always includes t_s when the model has a fit for the
-spec). ``layerwise``/``single``/``size`` need no cost model; without one (or without t_b) the
+at ``world_size``, t_s (compression, when the model has a fit for the spec, plus the CPU time of
+handing the group's collectives to Horovod: ``CostModel.group_cpu_seconds``) and, when fitted,
+t_d (decompression and scatter after backward; in the prediction only, see ``timeline``). ``layerwise``/``single``/``size`` need no cost model; without one (or without t_b) the
 prediction is None.
 
 The searches live in ``hvdcompress.search``: ``optimal`` (dynamic programming over the end of
@@ -180,14 +181,16 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
         def t_c(b):
             return cost_model.comm_seconds(spec, b, world, itemsize, density)
 
-        if cost_model.has_compress_fit(spec):
-            def t_s(b):
-                return cost_model.compress_seconds(spec, b, itemsize)
-        else:
+        if not cost_model.has_compress_fit(spec):
             notes.append(f"no compression-time fit for '{spec}': compression counted as 0 s")
 
-            def t_s(b):
-                return np.zeros_like(np.asarray(b, dtype=float))
+        def t_s(b):  # compression and the hand-over of the group's collectives
+            return cost_model.group_cpu_seconds(spec, b, itemsize)
+
+        t_d = None
+        if cost_model.has_decompress_fit(spec):
+            def t_d(b):
+                return cost_model.decompress_seconds(spec, b, itemsize)
 
     if sched.kind in COST_MODEL_SCHEDULES:
         if cost_model is None or t_b is None:
@@ -212,7 +215,7 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
 
     timeline = predicted = None
     if cost_model is not None and t_b is not None:
-        timeline = predict(groups, sizes, t_b, t_s, t_c, overlap)
+        timeline = predict(groups, sizes, t_b, t_s, t_c, overlap, t_d)
         predicted = float(forward_seconds) + timeline.end + float(update_seconds)
     return Plan(str(sched), [list(g) for g in groups], predicted, timeline, overlap, gap, tuple(notes))
 

@@ -16,6 +16,12 @@ Usage (the profile comes from ``python -m torch_ops.profiling --model ... --out 
     python -m hvdcompress.simulate --profile profile.json --gbps 0.1,1,10 \\
         --compression none --compression topk:ratio=0.01 --out sim.json --plot sim.png
     python -m hvdcompress.simulate --link 1,50 --synthetic 160,100,200,100   # no profile at hand
+    python -m hvdcompress.simulate --bench benchmarks/results/schedules-deep.json   # from a benchmark
+
+With ``--bench`` the cost model fitted on the emulated link of one launch of ``hvdcompress bench``
+(``--bench-launch``), the workload profiled by that launch's first phase that has one, and every
+step time measured in that launch are used: the error of the model is shown on exactly the
+configurations that were measured, next to its predictions for 16..1024 workers.
 """
 
 from __future__ import annotations
@@ -149,7 +155,28 @@ def _load_json(path: str) -> dict:
         return json.load(f)
 
 
+def bench_inputs(report: dict, launch: int = 0) -> tuple:
+    """(cost model, workload, measured records) of launch ``launch`` of a ``hvdcompress bench`` JSON
+    (one run with the cost model profiled: ``cost_models`` entries)."""
+    models = report.get("cost_models") or []
+    if not 0 <= launch < len(models):
+        raise ValueError(f"bench: launch {launch} has no fitted cost model ({len(models)} in the file; run the "
+                         "benchmark without --no-profile)")
+    entry = models[launch]
+    rows = [r for r in report["results"] if r.get("status") == "ok" and r["workers"] == entry["workers"]
+            and r["bandwidth"] == entry["bandwidth"]]
+    profiled = next((r["plan"]["profiled"] for r in rows if (r.get("plan") or {}).get("profiled")), None)
+    if profiled is None:
+        raise ValueError("bench: no phase of that launch recorded its profiled workload")
+    measured = [{"workers": r["workers"], "compression": r["compression"], "schedule": r["schedule"],
+                 "seconds": r["step_time_s"], "gbps": None} for r in rows if r.get("schedule")]
+    return CostModel.from_dict(entry["model"]), Workload.from_dict(profiled), measured
+
+
 def _inputs(args) -> tuple:
+    if args.bench:
+        model, workload, _ = bench_inputs(_load_json(args.bench), args.bench_launch)
+        return model, workload
     profile = _load_json(args.profile) if args.profile else {}
     if args.cost_model:
         d = _load_json(args.cost_model)
@@ -192,11 +219,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--latency-us", type=float, default=None, help="per-hop latency in place of the fitted one")
     ap.add_argument("--overlap", default="shared", choices=("shared", "parallel"))
     ap.add_argument("--measured", help="JSON list of {workers, compression, schedule, seconds[, gbps]}")
+    ap.add_argument("--bench", help="a `hvdcompress bench` JSON: cost model, workload and measured step times "
+                    "of one launch (module doc)")
+    ap.add_argument("--bench-launch", type=int, default=0, help="which launch of --bench (0-based)")
     ap.add_argument("--out", default="simulation.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     args = ap.parse_args(argv)
 
-    model, workload = _inputs(args)
+    try:
+        model, workload = _inputs(args)
+    except ValueError as e:
+        raise SystemExit(f"simulate: {e}") from None
     specs = args.compression or (["none"] + [s for s in model.compress if resolve(s).name != "none"])
     schedules = args.schedule or list(DEFAULT_SCHEDULES)
     for s in schedules:
@@ -205,7 +238,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gbps = args.gbps or [None]
     try:
         rows = sweep(workload, model, specs, schedules, [int(n) for n in args.workers], gbps, latency, args.overlap)
-        measured = compare(_load_json(args.measured), workload, model, latency, args.overlap) if args.measured else []
+        records = _load_json(args.measured) if args.measured else []
+        if args.bench:
+            records += bench_inputs(_load_json(args.bench), args.bench_launch)[2]
+        measured = compare(records, workload, model, latency, args.overlap)
     except ValueError as e:
         raise SystemExit(f"simulate: {e}") from None
     result = {"note": NOTE, "cost_model": {"key": model.key, "world_size": model.world_size,

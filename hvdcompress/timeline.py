@@ -24,13 +24,22 @@ ready and runs beside backward and beside other groups' compression::
 
 In both, communication is serialized (one group on the wire at a time, in order) and the step's
 backward-plus-exchange time is ``comm_end[G]``. With t_s = 0 both are MG-WFBP's model.
+
+Optionally ``t_d(bytes)``, the time to turn a group's collective results back into gradients
+(decompress, aggregate, scatter into ``.grad``). That runs in ``synchronize()``, on the compute
+stream once backward is done, group after group as their exchanges end::
+
+    finish[g] = max(finish[g-1], comm_end[g], backward_end) + t_d(g),   end = finish[G]
+
+The searches leave t_d out (it is nearly proportional to the total size, whatever the grouping);
+predictions include it when the cost model has a fit.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,10 +59,14 @@ class Timeline:
     comm_start: np.ndarray
     comm_end: np.ndarray
     backward_end: float  # all local compute (backward and every compression) is done
+    finish_end: Optional[float] = None  # the last group's results are gradients again (with t_d)
 
     @property
     def end(self) -> float:
-        """Backward + exchange time of the step: the last group's exchange ends."""
+        """Backward + exchange time of the step: the last group's exchange ends (and, with t_d,
+        its results are scattered back)."""
+        if self.finish_end is not None:
+            return self.finish_end
         return float(self.comm_end[-1]) if len(self.comm_end) else self.backward_end
 
     @property
@@ -65,7 +78,7 @@ class Timeline:
         return {"groups": [list(g) for g in self.groups], "ready": self.ready.tolist(),
                 "compress_start": self.compress_start.tolist(), "compress_end": self.compress_end.tolist(),
                 "comm_start": self.comm_start.tolist(), "comm_end": self.comm_end.tolist(),
-                "backward_end": self.backward_end, "end": self.end}
+                "backward_end": self.backward_end, "finish_end": self.finish_end, "end": self.end}
 
 
 def check_overlap(overlap: str) -> str:
@@ -128,8 +141,8 @@ def groups_from_ends(ends: Sequence[int]) -> List[List[int]]:
 
 
 def predict(groups: Sequence[Sequence[int]], sizes: Sequence[float], t_b: Sequence[float],
-            t_s: Callable, t_c: Callable, overlap: str = "shared") -> Timeline:
-    """The timeline of the module doc for this partition."""
+            t_s: Callable, t_c: Callable, overlap: str = "shared", t_d: Optional[Callable] = None) -> Timeline:
+    """The timeline of the module doc for this partition (``t_d``: see the module doc)."""
     check_overlap(overlap)
     sizes, t_b = check_inputs(sizes, t_b)
     groups = check_partition(groups, len(sizes))
@@ -153,4 +166,9 @@ def predict(groups: Sequence[Sequence[int]], sizes: Sequence[float], t_b: Sequen
         ms[g] = max(comm_free, ce[g])
         me[g] = comm_free = ms[g] + tc[g]
     backward_end = float(R[-1] + stream) if overlap == "shared" else float(max(R[-1], ce.max(initial=0.0)))
-    return Timeline(groups, ready, cs, ce, ms, me, backward_end)
+    finish = None
+    if t_d is not None:
+        finish = backward_end
+        for end_g, td in zip(me, as_cost_fn(t_d)(nbytes)):
+            finish = max(finish, float(end_g)) + float(td)
+    return Timeline(groups, ready, cs, ce, ms, me, backward_end, finish)

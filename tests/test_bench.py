@@ -21,7 +21,9 @@ RESULT_FIELDS = {"compression", "bandwidth", "workers", "status", "steps", "step
                  "step_time_max_s", "step_times_s", "samples_per_s", "bytes_per_step", "dense_bytes_per_step",
                  "compression_ratio", "compute_seconds_per_step", "wire_tx_bytes_per_step",
                  "wire_rx_bytes_per_step", "expected_wire_tx_bytes_per_step", "wire_over_expected",
-                 "x_compute_only", "speedup_vs_dense", "latency_ms_injected"}
+                 "x_compute_only", "speedup_vs_dense", "latency_ms_injected", "schedule", "plan", "timings",
+                 "predicted_step_time_s", "prediction_error", "after_forward_s", "predicted_after_forward_s",
+                 "after_forward_prediction_error"}
 COMPUTE_ONLY_FIELDS = {"compression", "workers", "steps", "step_time_s", "step_times_s", "samples_per_s",
                        "wire_tx_bytes_per_step", "wire_tx_bytes_per_s_idle", "bandwidth"}
 META_FIELDS = {"command", "mode", "network", "model", "parameters", "parameter_tensors", "batch", "steps",
@@ -72,6 +74,27 @@ def test_figures_from_worker_results():
     assert set(DEFINITIONS) <= set(RESULT_FIELDS) | {"step_time_s"}
 
 
+def test_schedule_plan_and_prediction_error_are_reported():
+    ranks = [_fake_rank(r, 0.5, 2.0) for r in range(2)]
+    for r in ranks:
+        for p in r["phases"][1:]:
+            p["schedule"] = "auto"
+            p["forward_times_s"] = [0.25, 0.5, 0.25]
+            p["plan"] = {"schedule": "mgs", "groups": 3, "tensors_per_group": [2, 1, 1],
+                         "predicted_seconds": 2.2, "predicted_after_forward_seconds": 1.9}
+            p["timings"] = {"backward_seconds": 0.1}
+    none, _ = summarize(ranks, batch=8)["phases"]
+    assert none["schedule"] == "auto" and none["plan"]["groups"] == 3
+    assert none["prediction_error"] == pytest.approx(2.2 / 2.0 - 1)
+    # per step, the slowest rank's step minus its forward: [1.75, 2.5 (rank 1: 3.0 - 0.5), 1.75]
+    assert none["after_forward_s"] == pytest.approx(1.75)
+    assert none["after_forward_prediction_error"] == pytest.approx(1.9 / 1.75 - 1)
+    table = markdown_table({"meta": cli._new_report(cli._parse_args(["--loopback", "-n", "2"], None), [])["meta"],
+                            "compute_only": [], "results": [dict(none, workers=2, bandwidth="unlimited", status="ok",
+                                                                 x_compute_only=None, speedup_vs_dense=None)]})
+    assert "auto→mgs (3)" in table and "2.2 (+10%; after fwd 1.9 vs 1.75, +9%)" in table
+
+
 def test_table_and_chart(tmp_path):
     ranks = [_fake_rank(r, 0.5, 2.0, wire=False) for r in range(2)]
     s = summarize(ranks, batch=8)
@@ -84,7 +107,7 @@ def test_table_and_chart(tmp_path):
                               "status": "failed: worker 1 exited with status 1"})
     add_relative(report["results"], report["compute_only"])
     table = markdown_table(report)
-    assert "| 2 | unlimited | compute-only | 3 | 0.5 |" in table
+    assert "| 2 | unlimited | compute-only | – | 3 | 0.5 | – |" in table
     assert "`topk:ratio=0.01`" in table and "failed: worker 1" in table
     assert "torch threads per worker: 1" in table
     write_chart(report, str(tmp_path / "c.png"))
@@ -103,7 +126,9 @@ def test_bad_arguments_are_refused(capsys):
     for argv, msg in ((["--loopback", "-b", "100mbit"], "--loopback has no rate limit"),
                       (["-c", "zip"], "unknown compressor 'zip'"),
                       (["-n", "1"], "worker count must be >= 2"),
-                      (["-b", "fast"], "bandwidth")):
+                      (["-b", "fast"], "bandwidth"),
+                      (["-s", "fastest"], "schedule: unknown schedule 'fastest'"),
+                      (["--warmup", "3", "--profile-steps", "3"], "warmup: must exceed --profile-steps")):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2
@@ -137,7 +162,8 @@ def _bench(tmp_path, *argv, timeout=150):
     env = dict(os.environ, HVC_BENCH_TEST_MARKER=marker, TMPDIR=str(tmp_path))
     out = str(tmp_path / "bench")
     proc = subprocess.run([sys.executable, "-m", "hvdcompress.bench", *argv, "--out", out, "--model", "deep",
-                           "--batch", "8", "--steps", "2", "--warmup", "1", "--launch-timeout", "120"],
+                           "--batch", "8", "--steps", "2", "--warmup", "2", "--profile-steps", "1",
+                           "--profile-max-mib", "0.1", "--launch-timeout", "120"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out + ".json") as f:
@@ -172,6 +198,9 @@ def _check_complete(report, workers, specs, bandwidths):
         assert RESULT_FIELDS <= set(r), RESULT_FIELDS - set(r)
         assert r["workers"] == workers and len(r["step_times_s"]) == 2 and r["step_time_s"] > 0
         assert r["dense_bytes_per_step"] == 332490 * 4
+        assert r["schedule"] == "auto" and r["plan"]["schedule"] in ("mgs", "mgwfbp")  # the default
+        assert r["plan"]["predicted_seconds"] > 0 and len(r["plan"]["profiled"]["t_b"]) == 100
+        assert r["timings"]["backward_seconds"] >= 0
     by = {r["compression"]: r for r in report["results"]}
     assert by["none"]["bytes_per_step"] == by["none"]["dense_bytes_per_step"]
     assert by["none"]["speedup_vs_dense"] == 1.0

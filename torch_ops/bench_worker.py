@@ -7,10 +7,19 @@ the model (built from the same seed on every rank, so no broadcast is needed):
 
 - ``compute-only`` (when ``compute_only`` is true): the same model, batch and plain SGD step with
   no exchange at all -- the limit that compression approaches;
-- one phase per compression spec: ``DistributedOptimizer`` with that spec, set to epoch ``epoch``
-  (``opt.set_epoch``) so a schedule such as DGC's density warm-up is timed where asked.
+- one phase per (compression spec, merge schedule): ``DistributedOptimizer`` with that spec and
+  ``schedule``, set to epoch ``epoch`` (``opt.set_epoch``) so a schedule such as DGC's density
+  warm-up is timed where asked.
 
-The phases are *interleaved*: after ``warmup`` untimed steps of each, every round times one step
+With ``profile`` set, the cost model is fitted once per launch on this link
+(``torch_ops.profiling.profile_cost_model``, collectives up to ``profile_max_mib`` MiB per rank,
+nothing cached) and handed to every phase, so each plan -- whatever its schedule -- carries the
+model's predicted step time; the cost-model schedules plan with it.
+
+Each phase's ``warmup`` untimed steps run back to back (the optimizer's scheduler measures its
+profiling steps from one step's end to the next, so nothing else may run between them; warmup
+must exceed ``profile_steps`` for the plan to be made before timing). Then the phases are
+*interleaved*: every round times one step
 (zero_grad, forward, backward, ``step()``, which waits for the exchange) of every phase in turn.
 On a shared machine whose load drifts, every phase then sees the same load, so their ratios hold
 even when the absolute times move. ``steps`` rounds are timed; with ``phase_budget_s`` set, only
@@ -18,7 +27,8 @@ as many rounds as fit in ``phase_budget_s`` x (number of phases) seconds at the 
 round's pace (at least 3), so a slow link does not make a sweep endless.
 
 Per phase it records each timed step's time, the optimizer's own accounting over the timed steps
-(payload bytes, dense bytes, compression seconds: ``opt.stats``) and, when ``iface`` is set, the
+(payload bytes, dense bytes, compression seconds: ``opt.stats``), the plan (groups, predicted
+step time) and the medians of the optimizer's per-step timings (``opt.timings``) and, when ``iface`` is set, the
 interface's byte counters (``/sys/class/net/<iface>/statistics``) around each timed step, so the
 bytes that really crossed the link can be compared with the payload. The rank writes its figures
 as JSON to ``out``. Plain SGD without momentum is used everywhere, so the compressors that keep
@@ -28,9 +38,10 @@ momentum themselves (DGC) fit too; only the time of a step matters here, not wha
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +55,8 @@ COMPUTE_ONLY = "compute-only"
 MIN_STEPS = 3  # timed rounds, whatever the time budget
 REQUIRED = ("model", "batch", "steps", "warmup", "threads", "seed", "compute_only", "specs",
             "latency_ms", "epoch", "phase_budget_s", "iface", "out")
+OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3}
+TIMING_KEYS = ("backward_seconds", "hook_seconds", "synchronize_seconds", "update_seconds")
 
 
 def read_counters(iface: Optional[str]) -> Dict[str, int]:
@@ -60,8 +73,10 @@ def read_counters(iface: Optional[str]) -> Dict[str, int]:
 class Phase:
     """One model + optimizer (compressed exchange, or none at all) and what its timed steps cost."""
 
-    def __init__(self, cfg: dict, spec: Optional[str], rank: int):
+    def __init__(self, cfg: dict, spec: Optional[str], rank: int, schedule: Optional[str] = None,
+                 cost_model=None):
         self.spec = spec
+        self.schedule = schedule
         self.model = build(cfg["model"], seed=cfg["seed"])
         self.x, self.y = synthetic_batch(cfg["batch"], seed=cfg["seed"] + 1000 * (1 + rank))
         opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
@@ -69,18 +84,24 @@ class Phase:
             latency_s = cfg["latency_ms"] / 1000.0
             driver = LatencyDriver(latency_s) if latency_s > 0 else HorovodDriver()
             opt = DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
-                                       compression=spec, driver=driver)
+                                       compression=spec, driver=driver, schedule=schedule,
+                                       cost_model=cost_model, profile_steps=cfg["profile_steps"])
             opt.set_epoch(cfg["epoch"])  # schedules (DGC's density warm-up) at the epoch asked for
         self.opt = opt
         self.iface = cfg["iface"]
         self.times: List[float] = []
+        self.forward_times: List[float] = []
+        self.last_forward = 0.0
+        self.timings: List[dict] = []
         self.wire = {"tx_bytes": 0, "rx_bytes": 0}
         self._stats_before: Optional[Dict[str, float]] = None
 
     def step(self) -> float:
         start = time.perf_counter()
         self.opt.zero_grad()
-        F.cross_entropy(self.model(self.x), self.y).backward()
+        loss = F.cross_entropy(self.model(self.x), self.y)
+        self.last_forward = time.perf_counter() - start
+        loss.backward()
         self.opt.step()
         return time.perf_counter() - start
 
@@ -96,21 +117,59 @@ class Phase:
     def timed_step(self) -> None:
         before = read_counters(self.iface)
         self.times.append(self.step())
+        self.forward_times.append(self.last_forward)
         after = read_counters(self.iface)
+        if self.spec is not None:
+            self.timings.append(dict(self.opt.timings))
         for key in before:
             self.wire[key] += after[key] - before[key]
 
     def figures(self) -> dict:
-        out = {"compression": self.spec if self.spec is not None else COMPUTE_ONLY, "step_times_s": self.times}
+        out = {"compression": self.spec if self.spec is not None else COMPUTE_ONLY, "step_times_s": self.times,
+               "forward_times_s": self.forward_times}
         if self.spec is not None:
             now, was = self._stats(), self._stats_before
             n = now["steps"] - was["steps"]
             out.update({"bytes_per_step": (now["bytes"] - was["bytes"]) / n,
                         "dense_bytes_per_step": (now["dense"] - was["dense"]) / n,
-                        "compute_seconds_per_step": (now["compute"] - was["compute"]) / n})
+                        "compute_seconds_per_step": (now["compute"] - was["compute"]) / n,
+                        "schedule": self.schedule, "plan": plan_figures(self.opt),
+                        "timings": {k: statistics.median(t[k] for t in self.timings) for k in TIMING_KEYS}})
         if self.iface:
             out.update({f"iface_{k}": v for k, v in self.wire.items()})
         return out
+
+
+def plan_figures(opt) -> Optional[dict]:
+    """The plan a phase ran with: its schedule, group sizes and predicted step time."""
+    plan = opt.plan
+    if plan is None:
+        return None
+    out = {"schedule": plan.schedule, "groups": len(plan.groups),
+           "tensors_per_group": [len(g) for g in plan.groups], "predicted_seconds": plan.predicted_seconds}
+    if opt.workload is not None:
+        w = opt.workload
+        out["workload"] = {"forward_seconds": w.forward_seconds, "backward_seconds": sum(w.t_b),
+                           "update_seconds": w.update_seconds}
+        out["profiled"] = w.to_dict()  # per tensor: what `python -m hvdcompress.simulate --bench` reads
+        if plan.predicted_seconds is not None:  # what the schedule decides: all but the forward pass
+            out["predicted_after_forward_seconds"] = plan.predicted_seconds - w.forward_seconds
+    return out
+
+
+def cost_model_for(cfg: dict, hvd):
+    """The cost model fitted on this launch's link (None unless ``profile``); not cached."""
+    if not cfg["profile"]:
+        return None
+    from .profiling import comm_sizes_up_to, profile_cost_model
+    specs = [s for s in cfg["specs"]]
+    model = profile_cost_model(specs, comm_bytes=comm_sizes_up_to(cfg["profile_max_mib"] * (1 << 20)),
+                               repeats=5, save=False)
+    if hvd.rank() == 0:
+        from hvdcompress.costmodel import describe
+        for line in describe(model).splitlines():
+            print(f"[bench worker] {line}", flush=True)
+    return model
 
 
 def timed_rounds(cfg: dict, last_round_s: float, phases: int, hvd) -> int:
@@ -123,14 +182,19 @@ def timed_rounds(cfg: dict, last_round_s: float, phases: int, hvd) -> int:
     return int(hvd.broadcast_object(min(cfg["steps"], max(MIN_STEPS, fit)), root_rank=0))
 
 
-def run(cfg: dict, hvd) -> List[dict]:
-    """Warm up every phase, then time ``timed_rounds`` interleaved rounds; the phases' figures."""
-    specs = ([None] if cfg["compute_only"] else []) + list(cfg["specs"])
-    phases = [Phase(cfg, spec, hvd.rank()) for spec in specs]
+def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
+    """Warm up every phase, then time ``timed_rounds`` interleaved rounds; the phases' figures and
+    the cost model fitted on the link (as a dict; None without ``profile``)."""
+    model = cost_model_for(cfg, hvd)
+    phases = [Phase(cfg, None, hvd.rank())] if cfg["compute_only"] else []
+    phases += [Phase(cfg, spec, hvd.rank(), sched, model) for spec in cfg["specs"] for sched in cfg["schedules"]]
     hvd.barrier()
     last_round_s = 0.0
-    for _ in range(cfg["warmup"]):
-        last_round_s = sum(p.step() for p in phases)
+    for p in phases:  # back to back: the schedulers measure their profiling steps here
+        last = 0.0
+        for _ in range(cfg["warmup"]):
+            last = p.step()
+        last_round_s += last
     rounds = timed_rounds(cfg, last_round_s, len(phases), hvd)
     if hvd.rank() == 0:
         print(f"[bench worker] timing {rounds} interleaved rounds of {len(phases)} phases", flush=True)
@@ -141,7 +205,7 @@ def run(cfg: dict, hvd) -> List[dict]:
         for p in phases:
             p.timed_step()
     hvd.barrier()
-    return [p.figures() for p in phases]
+    return [p.figures() for p in phases], (model.to_dict() if model is not None else None)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -154,6 +218,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     missing = [k for k in REQUIRED if k not in cfg]
     if missing:
         raise ValueError(f"bench worker config {argv[0]}: missing keys {', '.join(missing)}")
+    cfg = dict(OPTIONAL, **cfg)
 
     torch.set_num_threads(int(cfg["threads"]))
     import horovod
@@ -161,15 +226,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     hvd.init()
     params, tensors = count_parameters(build(cfg["model"], seed=cfg["seed"]))
-    figures = run(cfg, hvd)
+    figures, cost_model = run(cfg, hvd)
     if hvd.rank() == 0:
         for phase in figures:
             times = sorted(phase["step_times_s"])
-            print(f"[bench worker] {phase['compression']}: median step {times[len(times) // 2]:.3f} s",
-                  flush=True)
+            label = phase["compression"] + (f" @ {phase['schedule']}" if phase.get("schedule") else "")
+            plan = phase.get("plan") or {}
+            pred = plan.get("predicted_seconds")
+            print(f"[bench worker] {label}: median step {times[len(times) // 2]:.3f} s"
+                  + (f", {plan['groups']} groups, predicted {pred:.3f} s" if pred else ""), flush=True)
     result = {"rank": hvd.rank(), "size": hvd.size(), "threads": torch.get_num_threads(),
               "model": cfg["model"], "parameters": params, "parameter_tensors": tensors,
-              "iface": cfg["iface"], "phases": figures,
+              "iface": cfg["iface"], "phases": figures, "cost_model": cost_model,
               "versions": {"torch": torch.__version__, "horovod": horovod.__version__,
                            "python": sys.version.split()[0]}}
     with open(cfg["out"].format(rank=hvd.rank()), "w") as f:

@@ -4,6 +4,9 @@
                                      (bytes per rank, seconds) samples for the alpha-beta fits
     time_compression(spec, sizes)    a compressor's compress step (everything its exchange does
                                      before the first collective: error feedback, selection, packing)
+    time_decompression(spec, sizes)  what its exchange does after the collectives (aggregation,
+                                     decompression) and the copy back into the gradient
+    time_launch()                    the CPU time of handing one collective to Horovod
     profile_workload(model, closure) per-parameter backward times from gradient hooks, forward and
                                      update times: a ``hvdcompress.planner.Workload``
     profile_cost_model(specs)        all of the first two, fitted into a ``CostModel`` and cached
@@ -73,7 +76,7 @@ def _median_seconds(fn: Callable[[], None], repeats: int, warmup: int,
 
 def time_collectives(kinds: Iterable[str] = ("allreduce", "allgather"),
                      sizes_bytes: Sequence[int] = DEFAULT_COMM_BYTES, repeats: int = 5,
-                     warmup: int = 1) -> Dict[str, List[Tuple[int, float]]]:
+                     warmup: int = 2) -> Dict[str, List[Tuple[int, float]]]:
     """{kind: [(bytes each rank sends, median seconds over repeats, mean over ranks)]} for float32
     tensors; a barrier before each timed call lines the ranks up."""
     hvd = _hvd()
@@ -84,13 +87,14 @@ def time_collectives(kinds: Iterable[str] = ("allreduce", "allgather"),
         medians = []
         for nbytes in sizes_bytes:
             x = torch.ones(max(1, int(nbytes) // 4))
-            count = iter(range(1 << 30))
+            # one name per size, reused: Horovod's response cache then serves the repeats, as it
+            # serves a training loop's exchanges (same names every step)
             if kind == "allreduce":
                 def call():
-                    hvd.allreduce_(x, op=hvd.Sum, name=f"hvc.profile.ar.{nbytes}.{next(count)}")
+                    hvd.allreduce_(x, op=hvd.Sum, name=f"hvc.profile.ar.{nbytes}")
             else:
                 def call():
-                    hvd.allgather(x, name=f"hvc.profile.ag.{nbytes}.{next(count)}")
+                    hvd.allgather(x, name=f"hvc.profile.ag.{nbytes}")
             medians.append(_median_seconds(call, repeats, warmup, before=hvd.barrier))
         out[kind] = list(zip((int(b) for b in sizes_bytes), _rank_mean(medians, f"hvc.profile.{kind}")))
     return out
@@ -124,6 +128,73 @@ def compress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, wa
 
     with torch.no_grad():
         return _median_seconds(call, repeats, warmup)
+
+
+def _local_results(requests, world_size: int):
+    """What the collectives would return if every rank sent this rank's payload."""
+    from .collectives import Allgather
+    return tuple(torch.cat([r.tensor] * world_size) if isinstance(r, Allgather) else r.tensor * world_size
+                 for r in requests)
+
+
+def decompress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, warmup: int = 1) -> float:
+    """Median seconds of what follows the collectives of ``spec``'s exchange on ``numel`` random
+    float32 entries -- decompression, aggregation, scaling, later rounds' own code -- plus the copy
+    of the result into a gradient (the optimizer's scatter), with every rank's payload taken equal
+    to this one's. The collectives themselves are not timed."""
+    comp = build_compressor(resolve(spec))
+    gen = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=gen)
+    grad = torch.empty(numel)
+    ctx = _context(numel, world_size)
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + repeats):
+            exchange = comp.exchange(x, ctx)
+            requests, elapsed = next(exchange), 0.0
+            while True:
+                results = _local_results(requests, world_size)
+                start = time.perf_counter()
+                try:
+                    requests = exchange.send(results)
+                except StopIteration as stop:
+                    grad.copy_(stop.value)
+                    elapsed += time.perf_counter() - start
+                    break
+                elapsed += time.perf_counter() - start
+            if i >= warmup:
+                times.append(elapsed)
+    return statistics.median(times)
+
+
+def time_decompression(spec, sizes: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
+                       warmup: int = 1, average: bool = True) -> List[Tuple[int, float]]:
+    """[(elements, median seconds)] of ``decompress_seconds``; averaged over ranks if ``average``."""
+    world = _hvd().size() if average else 1
+    secs = [decompress_seconds(spec, int(d), world, repeats, warmup) for d in sizes]
+    if average:
+        secs = _rank_mean(secs, f"hvc.profile.decompress.{resolve(spec)}")
+    return list(zip((int(d) for d in sizes), secs))
+
+
+def time_launch(repeats: int = 20, warmup: int = 3) -> float:
+    """Median CPU seconds of handing one small collective to Horovod (the ``*_async`` call alone,
+    which runs on the training thread), over allreduce and allgather, mean over ranks."""
+    hvd = _hvd()
+    x = torch.ones(256)
+    times = []
+    for i in range(warmup + repeats):
+        for kind in ("ar", "ag"):
+            start = time.perf_counter()
+            if kind == "ar":
+                handle = hvd.allreduce_async_(x, op=hvd.Sum, name="hvc.profile.launch.ar")
+            else:
+                handle = hvd.allgather_async(x, name="hvc.profile.launch.ag")
+            elapsed = time.perf_counter() - start
+            hvd.synchronize(handle)
+            if i >= warmup:
+                times.append(elapsed)
+    return _rank_mean([statistics.median(times)], "hvc.profile.launch")[0]
 
 
 def time_compression(spec, sizes: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
@@ -202,13 +273,17 @@ def profile_cost_model(specs: Iterable = ("none",), comm_bytes: Sequence[int] = 
     hvd = _hvd()
     started = time.perf_counter()
     comm = time_collectives(sizes_bytes=comm_bytes, repeats=repeats)
+    launch = time_launch()
     compress = {str(resolve(s)): time_compression(s, compress_elements, repeats) for s in specs}
+    decompress = {str(resolve(s)): time_decompression(s, compress_elements, repeats) for s in specs}
     elapsed = _rank_mean([time.perf_counter() - started], "hvc.profile.elapsed")[0]
     meta = {"source": "torch_ops.profiling", "torch": torch.__version__,
             "horovod": __import__("horovod").__version__, "profile_seconds": round(elapsed, 3),
-            "samples": {"allreduce": comm["allreduce"], "allgather": comm["allgather"], "compress": compress}}
+            "samples": {"allreduce": comm["allreduce"], "allgather": comm["allgather"], "compress": compress,
+                        "decompress": decompress}}
     model = fit_cost_model(hvd.size(), comm["allreduce"], comm["allgather"], compress, hosts(),
-                           meta=json.loads(json.dumps(meta)))  # as it reads back from the cache
+                           meta=json.loads(json.dumps(meta)),  # as it reads back from the cache
+                           decompress_samples=decompress, launch_seconds=launch)
     if save and hvd.local_rank() == 0:
         model.save()
     if save and path and hvd.rank() == 0:
@@ -244,14 +319,16 @@ def load_or_profile(specs: Iterable = ("none",), max_bytes: Optional[float] = No
         kwargs.setdefault("comm_bytes", comm_sizes_up_to(max_bytes))
         return profile_cost_model(specs, **kwargs)
     model = CostModel.from_dict(cached)
-    missing = [s for s in specs if not model.has_compress_fit(s)]
+    missing = [s for s in specs if not (model.has_compress_fit(s) and model.has_decompress_fit(s))]
     if not missing:
         return model
-    compress = dict(model.compress)
+    compress, decompress = dict(model.compress), dict(model.decompress)
+    sizes = kwargs.get("compress_elements", DEFAULT_COMPRESS_ELEMENTS)
     for s in missing:
-        samples = time_compression(s, kwargs.get("compress_elements", DEFAULT_COMPRESS_ELEMENTS))
-        compress[str(s)] = fit_compute([d for d, _ in samples], [t for _, t in samples])
-    model = replace(model, compress=compress)
+        for table, timer in ((compress, time_compression), (decompress, time_decompression)):
+            samples = timer(s, sizes)
+            table[str(s)] = fit_compute([d for d, _ in samples], [t for _, t in samples])
+    model = replace(model, compress=compress, decompress=decompress)
     if kwargs.get("save", True) and hvd.local_rank() == 0:
         model.save()
     return model

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import statistics
 import time
+
+import numpy as np
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from hvdcompress.costmodel import CostModel
@@ -187,10 +189,17 @@ class Scheduler:
         return self.workload.plan(self.schedule, model, self.spec, self.world)
 
     def _workload(self) -> Workload:
+        """Medians over the profiled steps, then the slowest rank: a group's exchange starts when
+        its last gradient is ready on *every* rank, so the ready times (cumulative backward) are
+        the maximum over ranks, and so are the forward and update times."""
         gaps = [c.backward_gaps() for c in self._runs]
         t_b = [statistics.median(g.get(n, 0.0) for g in gaps) for n in self.order]
         fwd = statistics.median(c.hooks[0][1] - c.prev_end if c.hooks else 0.0 for c in self._runs)
         upd = statistics.median(c.update[1] - c.update[0] for c in self._runs)
+        ranks = _hvd().allgather_object((t_b, fwd, upd), name="hvc.plan.workload")
+        ready = np.max([np.cumsum(r[0]) for r in ranks], axis=0)
+        t_b = np.diff(ready, prepend=0.0).clip(min=0.0).tolist()
+        fwd, upd = max(r[1] for r in ranks), max(r[2] for r in ranks)
         return Workload(tuple(self.order), tuple(self.sizes[n] for n in self.order), tuple(t_b), fwd, upd)
 
     def _names(self, plan: Plan) -> List[List[str]]:
@@ -199,9 +208,9 @@ class Scheduler:
 
 def predict_explicit(plan_groups, workload: Workload, model: CostModel, spec, world: int) -> Plan:
     """Explicit groups (indices in backward order) with their prediction under ``model``."""
-    t_c = (lambda b: model.comm_seconds(spec, b, world))
-    t_s = (lambda b: model.compress_seconds(spec, b)) if model.has_compress_fit(spec) else (lambda b: 0.0 * b)
-    tl = predict(plan_groups, workload.sizes_bytes, workload.t_b, t_s, t_c)
+    t_d = (lambda b: model.decompress_seconds(spec, b)) if model.has_decompress_fit(spec) else None
+    tl = predict(plan_groups, workload.sizes_bytes, workload.t_b, lambda b: model.group_cpu_seconds(spec, b),
+                 lambda b: model.comm_seconds(spec, b, world), "shared", t_d)
     return Plan("explicit", [list(g) for g in plan_groups], workload.forward_seconds + tl.end +
                 workload.update_seconds, tl, "shared")
 

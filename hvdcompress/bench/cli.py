@@ -20,6 +20,7 @@ import tempfile
 import time
 from typing import List, Optional
 
+from hvdcompress.planner import parse_schedule
 from hvdcompress.spec import parse_spec
 
 from . import netns
@@ -28,7 +29,10 @@ from .launch import Placement, WorkerFailure, run_workers
 from .report import markdown_table, write_chart, write_json
 from .signals import raise_on_sigterm
 
-MODELS = ("vgg", "mlp", "deep")  # defined in torch_ops/bench_models.py (not imported: no torch here)
+MODELS = ("vgg", "mlp", "deep")
+# Horovod settings the workers inherit from this process that change what is measured
+HOROVOD_TUNING = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY",
+                  "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_DISABLE_GROUP_FUSION")  # defined in torch_ops/bench_models.py (not imported: no torch here)
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
@@ -38,6 +42,16 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--compression", "-c", nargs="+", default=["none", "fp16", "topk:ratio=0.001"],
                     metavar="SPEC", help="compression specs to measure (space-separated)")
+    ap.add_argument("--schedules", "-s", default="auto",
+                    help="comma-separated merge schedules (DistributedOptimizer(schedule=...)): layerwise, single, "
+                         "size:<MB>, mgs, mgwfbp, auto; every spec is timed with every schedule")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="do not fit the cost model on the link at the start of each launch (then only the "
+                         "cost-model schedules profile, through the cache, and the others get no prediction)")
+    ap.add_argument("--profile-max-mib", type=float, default=4.0,
+                    help="largest collective (MiB per rank) timed for the cost model's fit")
+    ap.add_argument("--profile-steps", type=int, default=3,
+                    help="optimizer steps measured before a cost-model plan is made (warm-up must exceed it)")
     ap.add_argument("--bandwidths", "-b", default=argparse.SUPPRESS,
                     help="comma-separated per-worker link rates, e.g. 10mbit,100mbit,1gbit,10gbit,unlimited "
                          "(default: 100mbit; with --loopback only 'unlimited')")
@@ -46,7 +60,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                     help="vgg: 6.4M-parameter CNN; mlp: 12.6M-parameter MLP; deep: 0.33M parameters in 100 tensors")
     ap.add_argument("--batch", type=int, default=32, help="samples per worker per step")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--warmup", type=int, default=5,
+                    help="untimed steps of each phase, back to back, before the timed rounds")
     ap.add_argument("--phase-budget-s", type=float, default=None,
                     help="time only as many rounds (at least 3, at most --steps) as give each phase about this "
                          "many seconds at the warm-up pace: bounds slow links (default: always --steps)")
@@ -79,6 +94,11 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
     try:
         for spec in args.compression:
             parse_spec(spec)
+        args.schedule_list = [s.strip() for s in args.schedules.split(",") if s.strip()]
+        if not args.schedule_list:
+            raise ValueError("schedules: give at least one schedule")
+        for sched in args.schedule_list:
+            parse_schedule(sched)
         args.worker_counts = [int(w) for w in args.workers.split(",") if w.strip()]
         if not args.worker_counts or min(args.worker_counts) < 2:
             raise ValueError(f"workers: every worker count must be >= 2; got {args.workers!r}")
@@ -91,6 +111,11 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
         for name in ("batch", "steps", "threads"):
             _positive(name, getattr(args, name))
         _positive("warmup", args.warmup, 0)
+        _positive("profile-steps", args.profile_steps, 1)
+        _positive("profile-max-mib", args.profile_max_mib, 0.01)
+        if args.warmup <= args.profile_steps:
+            raise ValueError(f"warmup: must exceed --profile-steps ({args.profile_steps}) so every plan is made "
+                             f"before timing; got {args.warmup}")
         _positive("epoch", args.epoch, 0)
         if args.phase_budget_s is not None:
             _positive("phase-budget-s", args.phase_budget_s, 1)
@@ -173,10 +198,13 @@ def _new_report(args: argparse.Namespace, argv: List[str]) -> dict:
             "latency_ms_injected": args.latency_ms,
             "latency_note": "injected into the completion of every exchange round in the worker process "
                             "(LatencyDriver), not network-emulated" if args.latency_ms else "none injected",
-            "compression": list(args.compression), "bandwidths": args.bandwidth_list,
+            "compression": list(args.compression), "schedules": args.schedule_list,
+            "cost_model_profiled_per_launch": args.profile, "profile_steps": args.profile_steps,
+            "bandwidths": args.bandwidth_list,
             "workers": args.worker_counts, "cpu_count": os.cpu_count(),
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average_1_5_15_at_start": list(os.getloadavg()),
+            "horovod_env": {k: v for k, v in sorted(os.environ.items()) if k in HOROVOD_TUNING},
             "versions": {},
         },
         "definitions": DEFINITIONS,
@@ -200,7 +228,9 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
             config = {"model": args.model, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
                       "threads": args.threads, "seed": args.seed, "compute_only": True,
                       "specs": list(args.compression), "latency_ms": args.latency_ms, "epoch": args.epoch,
-                      "phase_budget_s": args.phase_budget_s}
+                      "phase_budget_s": args.phase_budget_s, "schedules": args.schedule_list,
+                      "profile": args.profile, "profile_max_mib": args.profile_max_mib,
+                      "profile_steps": args.profile_steps}
             workdir = os.path.join(tmp, f"launch{k}")
             try:
                 ranks = _launch(args, n, bw, k, config, workdir, bar.write)
@@ -208,8 +238,9 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
                 all_ok = False
                 bar.write(f"FAILED: {n} workers @ {bw}: {e}")
                 status = f"failed: {getattr(e, 'summary', str(e).splitlines()[0])}"
-                report["results"] += [{"compression": s, "bandwidth": bw, "workers": n, "status": status}
-                                      for s in args.compression]
+                report["results"] += [{"compression": s, "schedule": sc, "bandwidth": bw, "workers": n,
+                                       "status": status}
+                                      for s in args.compression for sc in args.schedule_list]
                 if isinstance(e, netns.SetupError):
                     bar.write("the emulated network could not be built; --loopback needs no namespaces")
                     break
@@ -233,6 +264,8 @@ def _record(report: dict, ranks: List[dict], n: int, bw: str, args: argparse.Nam
     meta["threads_per_worker"] = ranks[0]["threads"]
     meta["versions"] = ranks[0].get("versions", {})
     summary = summarize(ranks, args.batch)
+    if ranks[0].get("cost_model") is not None:
+        report.setdefault("cost_models", []).append({"workers": n, "bandwidth": bw, "model": ranks[0]["cost_model"]})
     if summary["compute_only"] is not None:
         report["compute_only"].append(dict(summary["compute_only"], workers=n, bandwidth=bw))
     for fig in summary["phases"]:

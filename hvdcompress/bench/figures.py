@@ -36,7 +36,22 @@ DEFINITIONS = {
     "wire_rx_bytes_per_step": "bytes received on the worker's veth per step, as above",
     "expected_wire_tx_bytes_per_step": "payload * 2(N-1)/N (allreduce) or * (N-1) (allgather): an ideal ring",
     "x_compute_only": "step_time_s / the compute-only step time of the same launch (workers, link)",
-    "speedup_vs_dense": "step time of 'none' (dense allreduce) / step_time_s, same link and worker count",
+    "speedup_vs_dense": "step time of 'none' (dense allreduce) / step_time_s, same link and worker count "
+                        "(and same schedule when 'none' was measured with it)",
+    "schedule": "the optimizer's merge schedule (DistributedOptimizer(schedule=...)); plan.schedule is what "
+                "'auto' resolved to",
+    "plan": "groups, tensors per group and predicted step time of the plan the phase ran with",
+    "predicted_step_time_s": "the plan's predicted step time: forward + modelled backward/compression/"
+                             "exchange timeline + update, from the cost model fitted on this link in this "
+                             "launch and the backward times profiled by the optimizer",
+    "prediction_error": "predicted_step_time_s / step_time_s - 1",
+    "after_forward_s": "median over timed steps of the slowest rank's (step time - its zero_grad + forward "
+                       "time): backward, compression, exchange, update -- the part a schedule changes",
+    "predicted_after_forward_s": "the plan's prediction of that part (modelled timeline end + profiled update)",
+    "after_forward_prediction_error": "predicted_after_forward_s / after_forward_s - 1",
+    "timings": "medians over the timed steps of rank 0's opt.timings (seconds): backward (first to last "
+               "gradient hook), hook (compression and launches inside backward), synchronize (waiting "
+               "for the exchanges, decompression, scatter), update",
     "latency_ms_injected": "delay added to the completion of every exchange round in the worker process "
                            "(not network-emulated); 0 when not used",
 }
@@ -70,6 +85,8 @@ def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
         phases = [r["phases"][i] for r in rank_results]
         steps = len(first["step_times_s"])
         fig: Dict[str, object] = {"compression": first["compression"], "steps": steps}
+        if "schedule" in first:
+            fig["schedule"] = first["schedule"]
         fig.update(step_time(phases))
         fig["samples_per_s"] = workers * batch / fig["step_time_s"]
         has_wire = "iface_tx_bytes" in first
@@ -92,6 +109,16 @@ def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
             "wire_over_expected": (fig["wire_tx_bytes_per_step"] / expected
                                    if has_wire and expected else None),
         })
+        plan = first.get("plan")
+        predicted = plan.get("predicted_seconds") if plan else None
+        fig.update({"plan": plan, "timings": first.get("timings"), "predicted_step_time_s": predicted,
+                    "prediction_error": predicted / fig["step_time_s"] - 1.0 if predicted else None})
+        after = plan.get("predicted_after_forward_seconds") if plan else None
+        if after is not None and "forward_times_s" in first:
+            rest = statistics.median(max(p["step_times_s"][i] - p["forward_times_s"][i] for p in phases)
+                                     for i in range(steps))
+            fig.update({"after_forward_s": rest, "predicted_after_forward_s": after,
+                        "after_forward_prediction_error": after / rest - 1.0})
         out["phases"].append(fig)
     return out
 
@@ -99,13 +126,17 @@ def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
 def add_relative(results: List[dict], compute_only: List[dict]) -> None:
     """Fill ``x_compute_only`` and ``speedup_vs_dense`` in place, from the entries measured in the
     same launch (same worker count and link)."""
-    dense = {(r["workers"], r["bandwidth"]): r["step_time_s"] for r in results
-             if r.get("status") == "ok" and r["compression"] == "none"}
+    dense: Dict[tuple, float] = {}
+    for r in results:  # dense with the same schedule, else the fastest dense of the launch
+        if r.get("status") == "ok" and r["compression"] == "none":
+            dense[(r["workers"], r["bandwidth"], r.get("schedule"))] = r["step_time_s"]
+            key = (r["workers"], r["bandwidth"])
+            dense[key] = min(dense.get(key, r["step_time_s"]), r["step_time_s"])
     limits = {(c["workers"], c["bandwidth"]): c for c in compute_only}
     for r in results:
         if r.get("status") != "ok":
             continue
         co: Optional[dict] = limits.get((r["workers"], r["bandwidth"]))
         r["x_compute_only"] = r["step_time_s"] / co["step_time_s"] if co else None
-        d = dense.get((r["workers"], r["bandwidth"]))
+        d = dense.get((r["workers"], r["bandwidth"], r.get("schedule")), dense.get((r["workers"], r["bandwidth"])))
         r["speedup_vs_dense"] = d / r["step_time_s"] if d else None

@@ -219,7 +219,9 @@ class EmulatedNetwork:
 
     def _limit(self, ns: str, dev: str) -> None:
         rate = self.bandwidth_bps
-        burst = max(64 * 1024, rate // 8 // 250)  # >= 4 ms at full rate, and well above one GSO packet
+        # a small bucket (1 ms at full rate, >= 10 full-size frames), so a short message is limited
+        # like a long one, as on a real link (tbf segments larger GSO packets itself)
+        burst = max(15000, rate // 8 // 1000)
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
               "burst", str(burst), "latency", "50ms"])
 

@@ -53,6 +53,28 @@ def _steps_text(meta: dict) -> str:
     return f"{meta['steps']} timed steps"
 
 
+def _schedule(r: dict) -> str:
+    """'mgs (4)': the schedule asked for, what 'auto' resolved to, and the number of groups."""
+    if not r.get("schedule"):
+        return "–"
+    plan = r.get("plan") or {}
+    name = r["schedule"]
+    if plan.get("schedule") and plan["schedule"] != name:
+        name = f"{name}→{plan['schedule']}"
+    return f"{name} ({plan['groups']})" if plan.get("groups") else name
+
+
+def _predicted(r: dict) -> str:
+    """'0.031 (+5%; after forward 0.020 vs 0.021, -3%)': whole step, then the part a schedule changes."""
+    if r.get("predicted_step_time_s") is None:
+        return "–"
+    text = f"{_num(r['predicted_step_time_s'])} ({r['prediction_error']:+.0%}"
+    if r.get("after_forward_prediction_error") is not None:
+        text += (f"; after fwd {_num(r['predicted_after_forward_s'])} vs {_num(r['after_forward_s'])}, "
+                 f"{r['after_forward_prediction_error']:+.0%}")
+    return text + ")"
+
+
 def write_json(report: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -72,14 +94,19 @@ def markdown_table(report: dict) -> str:
     load = _load_text(meta)
     if load:
         lines.append(load + ".")
+    if meta.get("horovod_env"):
+        lines.append("Horovod settings: " + ", ".join(f"{k}={v}" for k, v in meta["horovod_env"].items())
+                     + " (HOROVOD_FUSION_THRESHOLD=0: Horovod fuses nothing, so each group of a schedule is "
+                       "its own collective).")
     if meta["latency_ms_injected"]:
         lines.append(f"Latency: {meta['latency_ms_injected']:g} ms INJECTED into the completion of every "
                      "exchange round in the worker processes (not network-emulated).")
     lines += ["",
-              "| workers | link | compression | steps | step time (s) | samples/s | x compute-only "
+              "| workers | link | compression | schedule (groups) | steps | step time (s) | predicted (s) "
+              "| samples/s | x compute-only "
               "| speed-up vs dense | payload/step/worker | wire tx/step/worker (measured) | wire / ideal ring "
               "| compress s/step |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     co = {(c["workers"], c["bandwidth"]): c for c in report["compute_only"]}
     rows = sorted(report["results"], key=lambda r: (r["workers"], _bw_key(r["bandwidth"])))
     last_group = None
@@ -88,16 +115,17 @@ def markdown_table(report: dict) -> str:
         if group != last_group and group in co:
             c = co[group]
             lines.append(f"| {c['workers']} | {format_bandwidth(parse_bandwidth(c['bandwidth']))} | "
-                         f"compute-only | {c['steps']} | {_num(c['step_time_s'])} | {_num(c['samples_per_s'])} "
-                         f"| 1 | – | 0 | {_bytes(c['wire_tx_bytes_per_step'])} | – | – |")
+                         f"compute-only | – | {c['steps']} | {_num(c['step_time_s'])} | – | "
+                         f"{_num(c['samples_per_s'])} | 1 | – | 0 | {_bytes(c['wire_tx_bytes_per_step'])} | – | – |")
         last_group = group
         if r["status"] != "ok":
             lines.append(f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | "
-                         f"`{r['compression']}` | | {r['status']} | | | | | | | |")
+                         f"`{r['compression']}` | {_schedule(r)} | | {r['status']} | | | | | | | | |")
             continue
         lines.append(
             f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | `{r['compression']}` | "
-            f"{r['steps']} | {_num(r['step_time_s'])} | {_num(r['samples_per_s'])} | {_num(r['x_compute_only'])} | "
+            f"{_schedule(r)} | {r['steps']} | {_num(r['step_time_s'])} | {_predicted(r)} | "
+            f"{_num(r['samples_per_s'])} | {_num(r['x_compute_only'])} | "
             f"{_num(r['speedup_vs_dense'])} | {_bytes(r['bytes_per_step'])} | "
             f"{_bytes(r['wire_tx_bytes_per_step'])} | {_num(r['wire_over_expected'], 2)} | "
             f"{_num(r['compute_seconds_per_step'], 2)} |")
@@ -125,7 +153,8 @@ def write_chart(report: dict, path: str) -> None:
         by_spec: Dict[str, List[dict]] = {}
         for r in ok:
             if r["workers"] == n:
-                by_spec.setdefault(r["compression"], []).append(r)
+                label = r["compression"] + (f" @ {r['schedule']}" if r.get("schedule") else "")
+                by_spec.setdefault(label, []).append(r)
         for spec, rs in by_spec.items():
             rs.sort(key=lambda r: _bw_key(r["bandwidth"]))
             ax.plot([xs[r["bandwidth"]] for r in rs], [r["step_time_s"] for r in rs], marker="o", label=spec)
