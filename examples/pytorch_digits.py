@@ -33,6 +33,8 @@ def load_data(seed: int):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compression", default="none", help="spec, e.g. none, fp16, topk:ratio=0.01")
+    p.add_argument("--schedule", default="auto", help="merge schedule: auto (cost model), mgs, mgwfbp, "
+                   "layerwise, single, size:<MB>")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = DigitsCNN()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    opt = hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    opt = hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
+                                   schedule=args.schedule)
     hvc.broadcast_parameters(model.state_dict(), root_rank=0)
     hvc.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -92,6 +95,9 @@ def main(argv=None) -> int:
         "test_accuracy": evaluate(model, x_te, y_te), "bytes_per_step": stats["bytes_per_step"],
         "dense_bytes_per_step": stats["dense_bytes_per_step"], "compression_ratio": stats["ratio"],
         "steps": stats["steps"], "parameters_identical_across_ranks": identical, "seconds": elapsed,
+        "schedule": args.schedule, "groups": opt.groups,
+        "predicted_step_seconds": opt.plan.predicted_seconds if opt.plan else None,
+        "last_step_timings": opt.timings,
     }
     if rank == 0:
         print(f"compression           {result['compression']}")
@@ -99,6 +105,11 @@ def main(argv=None) -> int:
         print(f"bytes/step per rank   {result['bytes_per_step']:.0f} (dense {result['dense_bytes_per_step']:.0f}, "
               f"{result['compression_ratio']:.1f}x smaller)")
         print(f"identical parameters  {identical}")
+        plan = opt.plan
+        predicted = f", predicted step {plan.predicted_seconds * 1e3:.1f} ms" if plan and plan.predicted_seconds else ""
+        print(f"schedule              {args.schedule} -> {plan.schedule if plan else 'layerwise'}: "
+              f"{len(opt.groups)} group(s) of {[len(g) for g in opt.groups]} tensors{predicted}; "
+              f"last step {opt.timings['iteration_seconds'] * 1e3:.1f} ms")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)

@@ -92,6 +92,7 @@ class Phase:
         self.times: List[float] = []
         self.forward_times: List[float] = []
         self.last_forward = 0.0
+        self.back_to_back: List[float] = []  # warm-up steps once the plan and its prediction are made
         self.timings: List[dict] = []
         self.wire = {"tx_bytes": 0, "rx_bytes": 0}
         self._stats_before: Optional[Dict[str, float]] = None
@@ -104,6 +105,17 @@ class Phase:
         loss.backward()
         self.opt.step()
         return time.perf_counter() - start
+
+    def note_warmup_step(self) -> None:
+        """Keep the step time the optimizer measured (end of the previous step to the end of this
+        one) for warm-up steps that ran with the final plan, back to back."""
+        plan = getattr(self.opt, "plan", None)
+        if plan is not None and plan.predicted_seconds is not None and self.opt.timings.get("iteration_seconds"):
+            if self.opt.timings["step"] > 0 and self._planned_before:
+                self.back_to_back.append(self.opt.timings["iteration_seconds"])
+            self._planned_before = True
+
+    _planned_before = False
 
     def _stats(self) -> Dict[str, float]:
         s = self.opt.stats
@@ -134,6 +146,7 @@ class Phase:
                         "dense_bytes_per_step": (now["dense"] - was["dense"]) / n,
                         "compute_seconds_per_step": (now["compute"] - was["compute"]) / n,
                         "schedule": self.schedule, "plan": plan_figures(self.opt),
+                        "back_to_back_step_times_s": self.back_to_back,
                         "timings": {k: statistics.median(t[k] for t in self.timings) for k in TIMING_KEYS}})
         if self.iface:
             out.update({f"iface_{k}": v for k, v in self.wire.items()})
@@ -194,6 +207,7 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
         last = 0.0
         for _ in range(cfg["warmup"]):
             last = p.step()
+            p.note_warmup_step()
         last_round_s += last
     rounds = timed_rounds(cfg, last_round_s, len(phases), hvd)
     if hvd.rank() == 0:

@@ -45,6 +45,10 @@ DEFINITIONS = {
                              "exchange timeline + update, from the cost model fitted on this link in this "
                              "launch and the backward times profiled by the optimizer",
     "prediction_error": "predicted_step_time_s / step_time_s - 1",
+    "back_to_back_step_time_s": "the step time the optimizer itself measured (opt.timings, end of one step to "
+                                "the end of the next) over the warm-up steps run back to back with the final "
+                                "plan: median per rank, slowest rank",
+    "back_to_back_prediction_error": "predicted_step_time_s / back_to_back_step_time_s - 1",
     "after_forward_s": "median over timed steps of the slowest rank's (step time - its zero_grad + forward "
                        "time): backward, compression, exchange, update -- the part a schedule changes",
     "predicted_after_forward_s": "the plan's prediction of that part (modelled timeline end + profiled update)",
@@ -113,6 +117,11 @@ def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
         predicted = plan.get("predicted_seconds") if plan else None
         fig.update({"plan": plan, "timings": first.get("timings"), "predicted_step_time_s": predicted,
                     "prediction_error": predicted / fig["step_time_s"] - 1.0 if predicted else None})
+        b2b = [statistics.median(p["back_to_back_step_times_s"]) for p in phases
+               if p.get("back_to_back_step_times_s")]
+        complete = bool(b2b) and len(b2b) == len(phases)
+        fig["back_to_back_step_time_s"] = max(b2b) if complete else None
+        fig["back_to_back_prediction_error"] = predicted / max(b2b) - 1.0 if complete and predicted else None
         after = plan.get("predicted_after_forward_seconds") if plan else None
         if after is not None and "forward_times_s" in first:
             rest = statistics.median(max(p["step_times_s"][i] - p["forward_times_s"][i] for p in phases)

@@ -65,13 +65,14 @@ def _schedule(r: dict) -> str:
 
 
 def _predicted(r: dict) -> str:
-    """'0.031 (+5%; after forward 0.020 vs 0.021, -3%)': whole step, then the part a schedule changes."""
+    """'0.031 (+5%; back to back 0.030, +3%)': the prediction and its error against the interleaved
+    timed steps, then against the steps the optimizer timed back to back during warm-up."""
     if r.get("predicted_step_time_s") is None:
         return "–"
     text = f"{_num(r['predicted_step_time_s'])} ({r['prediction_error']:+.0%}"
-    if r.get("after_forward_prediction_error") is not None:
-        text += (f"; after fwd {_num(r['predicted_after_forward_s'])} vs {_num(r['after_forward_s'])}, "
-                 f"{r['after_forward_prediction_error']:+.0%}")
+    if r.get("back_to_back_prediction_error") is not None:
+        text += (f"; back to back {_num(r['back_to_back_step_time_s'])}, "
+                 f"{r['back_to_back_prediction_error']:+.0%}")
     return text + ")"
 
 
