@@ -40,14 +40,16 @@ def _identical_across_ranks(model) -> bool:
     return bool(all(torch.equal(rows[0], r) for r in rows))
 
 
-def _train(spec, steps=6, opt_cls=torch.optim.SGD, bpps=1, epoch_every=2, **opt_kw):
+def _train(spec, steps=6, opt_cls=torch.optim.SGD, bpps=1, epoch_every=2, schedule="layerwise", **opt_kw):
+    """``steps`` steps of ``_model()``; per-tensor exchanges unless another ``schedule`` is asked
+    for (the default "auto" would profile the transport after 6 steps)."""
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
     model = _model()
     opt_kw = opt_kw or {"lr": 0.1, "momentum": 0.9}
     opt = hvc.DistributedOptimizer(opt_cls(model.parameters(), **opt_kw),
                                    named_parameters=model.named_parameters(), compression=spec,
-                                   backward_passes_per_step=bpps)
+                                   backward_passes_per_step=bpps, schedule=schedule)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(steps):
@@ -85,7 +87,7 @@ def training(world_expected: int) -> dict:
     model = _model()
     opt = __import__("hvdcompress.torch", fromlist=["x"]).DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-        compression="topk:ratio=1.0", backward_passes_per_step=2)
+        compression="topk:ratio=1.0", backward_passes_per_step=2, schedule="layerwise")
     for micro in range(2):
         x, y = _batch(hvd.rank(), micro)
         nn.CrossEntropyLoss()(model(x), y).backward()
@@ -101,7 +103,8 @@ def training(world_expected: int) -> dict:
 
 
 def empty_selection() -> dict:
-    """Rank 1's gradient is all zero, so its threshold selection is empty; nothing may hang."""
+    """Rank 1's gradient is all zero, so its threshold selection is empty; nothing may hang.
+    The optimizer keeps the default schedule ("auto"): these 3 steps run layerwise, measuring."""
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
     hvd.init()
@@ -117,7 +120,8 @@ def empty_selection() -> dict:
         (loss * (0.0 if hvd.rank() == 1 else 1.0)).backward()
         opt.step()
         sent.append(opt.stats.last_bytes)
-    result = {"identical": _identical_across_ranks(model), "sent": sent}
+    result = {"identical": _identical_across_ranks(model), "sent": sent, "schedule": opt.schedule,
+              "plan": opt.plan, "groups": opt.groups}
     hvd.shutdown()
     return result
 
@@ -194,7 +198,8 @@ def _resume_one(spec, state_names) -> dict:
         straight = cont(model, opt)
         model2 = _model()
         opt2 = hvc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9),
-                                        named_parameters=model2.named_parameters(), compression=spec)
+                                        named_parameters=model2.named_parameters(), compression=spec,
+                                        schedule="layerwise")
         model2.load_state_dict(saved_model)
         opt2.load_state_dict(saved_opt)
         resumed = cont(model2, opt2)

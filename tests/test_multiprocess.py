@@ -1,6 +1,7 @@
 """Real Horovod: 2 and 3 worker processes on the Gloo CPU backend (horovod.runner.run)."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -10,12 +11,23 @@ import mp_scenarios  # noqa: E402
 from mp_scenarios import TRAIN_SPECS  # noqa: E402
 
 
+def worker_cache_dir() -> str:
+    """The cost-model cache the workers use: $HVDCOMPRESS_CACHE as the test session set it
+    (conftest.py: a temporary directory per session; a test may set its own), else a temporary
+    one made here -- never the user's ~/.cache/hvdcompress."""
+    if not os.environ.get("HVDCOMPRESS_CACHE"):
+        os.environ["HVDCOMPRESS_CACHE"] = tempfile.mkdtemp(prefix="hvdcompress-test-cache-")
+    return os.environ["HVDCOMPRESS_CACHE"]
+
+
 def _run(fn, np_, *args):
     """Run ``fn(*args)`` on ``np_`` local Gloo workers; returns each rank's result, rank order.
     The workers inherit this process's environment."""
     here = os.path.dirname(os.path.abspath(__file__))
+    cache = worker_cache_dir()
     saved = dict(os.environ)
     os.environ["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), saved.get("PYTHONPATH", "")])
+    os.environ["HVDCOMPRESS_CACHE"] = cache
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["HOROVOD_CYCLE_TIME"] = "1"  # ms; these runs are latency bound
     try:
@@ -70,6 +82,8 @@ def test_empty_selection_on_one_rank_does_not_hang():
     results = _run(mp_scenarios.empty_selection, 2)
     assert all(r["identical"] for r in results)
     assert results[1]["sent"] == [0, 0, 0]  # rank 1 had nothing above the threshold
+    for r in results:  # the default schedule measures layerwise before it plans (after 6 steps)
+        assert r["schedule"] == "auto" and r["plan"] is None and all(len(g) == 1 for g in r["groups"])
     assert all(b > 0 for b in results[0]["sent"])
 
 

@@ -11,6 +11,7 @@ import pytest
 hvd_runner = pytest.importorskip("horovod.runner")
 
 import mp_tf_scenarios  # noqa: E402
+from test_multiprocess import worker_cache_dir  # noqa: E402
 from mp_tf_scenarios import TAPE_SPECS  # noqa: E402
 
 WORLD = 2
@@ -26,6 +27,7 @@ def results():
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     os.environ["HOROVOD_CYCLE_TIME"] = "1"  # ms; these runs are latency bound
+    os.environ["HVDCOMPRESS_CACHE"] = worker_cache_dir()  # never the user's cost-model cache
     try:
         out = hvd_runner.run(mp_tf_scenarios.everything, args=(WORLD, DIGITS_EPOCHS), num_proc=WORLD,
                              hosts=f"localhost:{WORLD}", use_gloo=True, start_timeout=120)

@@ -228,15 +228,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     for key, st in ours["state"].items()})
         saved = ours.get("plan")
         groups = self.groups
-        if saved is not None and saved["schedule"] == self._hvc_scheduler.text:
-            plan = Plan(saved["schedule"], [list(g) for g in saved["groups"]], saved["predicted_seconds"],
-                        None, "shared")
+        if self._hvc_same_schedule(saved):
+            plan = Plan(saved.get("resolved", saved["schedule"]), [list(g) for g in saved["groups"]],
+                        saved["predicted_seconds"], None, "shared")
             self._hvc_scheduler.adopt(plan, saved["order"])
             groups = [[saved["order"][i] for i in g] for g in plan.groups]
         self._hvc_state = {n: {} for n in by_name}
         self._hvc_regroup(groups, per)
 
     # -- internals -------------------------------------------------------------------------------
+    def _hvc_same_schedule(self, saved) -> bool:
+        """Whether a saved plan was made for this optimizer's schedule: the same string, and for
+        explicit groups the same groups (any other explicit groups are another schedule)."""
+        sched = self._hvc_scheduler
+        if saved is None or saved["schedule"] != sched.text:
+            return False
+        if sched.text != "explicit":
+            return True
+        named = sorted(sorted(saved["order"][i] for i in g) for g in saved["groups"])
+        return named == sorted(sorted(g) for g in sched.schedule)
+
     def _hvc_check_state(self, ours) -> None:
         if not isinstance(ours, dict) or ours.get("version") != STATE_VERSION:
             raise ValueError(f"load_state_dict: state_dict['{STATE_KEY}'] is not hvdcompress state "
@@ -326,8 +337,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sched = self._hvc_scheduler
         if sched.plan is None:
             return None
-        return {"schedule": sched.text, "order": list(sched.order), "groups": sched.plan.groups,
-                "predicted_seconds": sched.plan.predicted_seconds}
+        return {"schedule": sched.text, "resolved": sched.plan.schedule, "order": list(sched.order),
+                "groups": sched.plan.groups, "predicted_seconds": sched.plan.predicted_seconds}
 
 
 def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:

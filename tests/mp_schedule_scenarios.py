@@ -1,0 +1,329 @@
+"""Layer merging (``schedule=``) inside real Horovod workers, launched by
+tests/test_multiprocess_schedules.py.
+
+Every scenario returns plain Python data; the pytest side asserts on it. ``everything`` runs
+them all in one launch (a launch costs seconds), each part guarded so a failing part reports its
+traceback instead of hanging the others. Parameters are compared across ranks bit for bit by
+allgathering them (``mp_scenarios._identical_across_ranks``).
+
+The test model's tensors in backward order are 4.bias (16 B), 4.weight (512 B), 2.bias (128 B),
+2.weight (4096 B), 0.bias (128 B), 0.weight (2560 B), so "size:0.004" (4194 B) makes three
+groups, two of them merged.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.nn as nn
+
+from mp_scenarios import TRAIN_SPECS, _batch, _flat, _identical_across_ranks, _model
+
+STEPS = 6
+PROFILE_STEPS = 2  # cost-model schedules: step 0 learns the order, 1-2 measure, merged from step 3
+SIZE = "size:0.004"
+EXACT_SPECS = ["none", "fp16", "topk:ratio=1.0"]  # elementwise exact with 2 ranks: merging changes nothing
+
+
+def hand_model(world, *specs):
+    """A cost model built by hand (no profiling): 5 ms per hop makes every exchange latency
+    bound, so the cost-model schedules merge; a compression fit for each of ``specs``."""
+    from hvdcompress.costmodel import ComputeFit, CostModel
+    fit = ComputeFit("linear", 1e-9, 2e-5)
+    return CostModel.from_link(world, gbit_per_s=1.0, latency_s=5e-3, compress={s: fit for s in specs})
+
+
+def make(spec, schedule, model=None, lr=0.1, momentum=0.9, **kw):
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    model = model if model is not None else _model()
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+                                   named_parameters=model.named_parameters(), compression=spec,
+                                   schedule=schedule, **kw)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, opt
+
+
+def run_steps(model, opt, start, stop, bpps=1):
+    """Steps ``start..stop-1``; per step: identical across ranks, its timings, and the number of
+    groups after it (a plan made at the end of a step is used from the next one)."""
+    import horovod.torch as hvd
+    log = []
+    for step in range(start, stop):
+        opt.set_epoch(step // 2)
+        opt.zero_grad()
+        for micro in range(bpps):
+            x, y = _batch(hvd.rank(), step * bpps + micro)
+            nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        log.append({"identical": _identical_across_ranks(model), "timings": dict(opt.timings),
+                    "groups_after": len(opt.groups)})
+    return log
+
+
+def train(spec, schedule, steps=STEPS, bpps=1, **kw):
+    model, opt = make(spec, schedule, backward_passes_per_step=bpps, **kw)
+    return model, opt, run_steps(model, opt, 0, steps, bpps)
+
+
+def order_of(opt):
+    return list(opt.state_dict()["hvdcompress"]["plan"]["order"])
+
+
+def summary(opt, log) -> dict:
+    plan = opt.plan
+    return {"groups": opt.groups, "schedule": opt.schedule,
+            "plan": None if plan is None else {"schedule": plan.schedule, "groups": plan.groups,
+                                               "predicted": plan.predicted_seconds},
+            "log": log, "identical": all(r["identical"] for r in log),
+            "workload": None if opt.workload is None else list(opt.workload.names),
+            "cost_model_world": None if opt.cost_model is None else opt.cost_model.world_size}
+
+
+# --- merged schedules give what layerwise gives ---------------------------------------------------
+def equivalence(world) -> dict:
+    """none / fp16 / top-k at ratio 1 are elementwise exact with 2 ranks, so every grouping must
+    give the layerwise parameters bit for bit."""
+    out = {}
+    for spec in EXACT_SPECS:
+        ref_model, ref_opt, _ = train(spec, "layerwise")
+        ref, order = _flat(ref_model), order_of(ref_opt)
+        cm = hand_model(world, spec)
+        runs = {"single": dict(schedule="single"), SIZE: dict(schedule=SIZE),
+                "explicit": dict(schedule=[order[:2], order[2:5], order[5:]], cost_model=cm,
+                                 profile_steps=PROFILE_STEPS),
+                "auto": dict(schedule="auto", cost_model=cm, profile_steps=PROFILE_STEPS),
+                "mgs": dict(schedule="mgs", cost_model=cm, profile_steps=PROFILE_STEPS)}
+        res = {"order": order, "layerwise": summary(ref_opt, [])}
+        for label, kw in runs.items():
+            model, opt, log = train(spec, **kw)
+            res[label] = dict(summary(opt, log), equal=bool(torch.equal(_flat(model), ref)))
+        out[spec] = res
+    return out
+
+
+def profiled(cache_dir) -> dict:
+    """"auto" without a cost model: the real ``load_or_profile`` runs (the cache is empty) and the
+    plan it makes still gives the layerwise parameters."""
+    os.environ["HVDCOMPRESS_CACHE"] = cache_dir
+    before = sorted(os.listdir(cache_dir))
+    ref_model, _, _ = train("none", "layerwise", steps=4)
+    model, opt, log = train("none", "auto", steps=4, profile_steps=1)
+    return dict(summary(opt, log), equal=bool(torch.equal(_flat(model), _flat(ref_model))),
+                cache_before=before, cache_after=sorted(os.listdir(cache_dir)),
+                model_has_none=opt.cost_model.has_compress_fit("none"))
+
+
+def all_specs(world) -> dict:
+    """Every compressor under a merged schedule: ranks identical after every step, and trains."""
+    out = {}
+    start = _flat(_model())
+    for i, spec in enumerate(TRAIN_SPECS):
+        schedule = "single" if i % 2 == 0 else SIZE
+        model, opt, log = train(spec, schedule, steps=4)
+        out[spec] = dict(summary(opt, log), moved=float((_flat(model) - start).abs().max()),
+                         each_step=[r["identical"] for r in log])
+    # DGC under a cost-model schedule too (a hand fit for the spec the optimizer ends up with)
+    spec = "dgc:ratio=0.05,warmup_epochs=2,min_sparse_numel=256"
+    _, probe = make(spec, "layerwise")
+    model, opt, log = train(spec, "auto", steps=5, cost_model=hand_model(world, str(probe.compression)),
+                            profile_steps=PROFILE_STEPS)
+    out["dgc/auto"] = dict(summary(opt, log), moved=float((_flat(model) - start).abs().max()),
+                           each_step=[r["identical"] for r in log])
+    return out
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+def _state(opt):
+    return {n: {k: t.clone() for k, t in st.items()} for n, st in opt.state_dict()["hvdcompress"]["state"].items()}
+
+
+def _same_state(a, b) -> bool:
+    return a.keys() == b.keys() and all(a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k])
+                                                                            for k in a[n]) for n in a)
+
+
+def _resume_case(spec, world, **kw) -> dict:
+    import copy
+    model, opt, _ = train(spec, steps=3, **kw)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    groups_at_save, plan_at_save = opt.groups, summary(opt, [])["plan"]
+    straight = run_steps(model, opt, 3, 6)
+    model2, opt2 = make(spec, **kw)
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    groups_after_load = opt2.groups
+    resumed = run_steps(model2, opt2, 3, 6)
+    hv = saved_opt["hvdcompress"]
+    return {"equal": bool(torch.equal(_flat(model), _flat(model2))), "groups_at_save": groups_at_save,
+            "groups_after_load": groups_after_load, "groups_end": opt2.groups,
+            "identical": all(r["identical"] for r in straight + resumed),
+            "state_keys": sorted(hv["state"]), "names": sorted(n for n, _ in model.named_parameters()),
+            "state_entries": sorted({k for st in hv["state"].values() for k in st}),
+            "saved_plan": hv["plan"], "plan_at_save": plan_at_save, "plan_after": summary(opt2, [])["plan"],
+            "workload_after": opt2.workload is not None}
+
+
+def resume(world) -> dict:
+    """A merged plan is saved and restored: the continuation is bit-identical; state is saved per
+    parameter, so checkpoints move between groupings."""
+    out = {}
+    topk = "topk:ratio=0.05"
+    cm = hand_model(world, topk)
+    out["topk/auto"] = _resume_case(topk, world, schedule="auto", cost_model=cm, profile_steps=1)
+    out["topk/size"] = _resume_case(topk, world, schedule=SIZE)
+    out["dgc/single"] = _resume_case("dgc:ratio=0.05,warmup_epochs=3,min_sparse_numel=256", world,
+                                     schedule="single")
+
+    # a layerwise checkpoint loads into a merged optimizer (and a merged one into a layerwise one)
+    _, lw, _ = train(topk, "layerwise", steps=3)
+    _, merged, _ = train(topk, "single", steps=3)
+    cross = {}
+    for label, src, schedule in (("layerwise->single", lw, "single"), ("single->layerwise", merged, "layerwise"),
+                                 ("layerwise->size", lw, SIZE)):
+        model, opt = make(topk, schedule)
+        opt.load_state_dict(src.state_dict())
+        loaded = _same_state(_state(opt), _state(src))
+        log = run_steps(model, opt, 3, 6)
+        cross[label] = {"loaded": loaded, "groups": opt.groups, "identical": all(r["identical"] for r in log),
+                        "step": opt.state_dict()["hvdcompress"]["step"]}
+    out["cross"] = cross
+
+    # explicit groups are part of the schedule: a checkpoint saved under other groups keeps its
+    # state but not its plan
+    order = order_of(lw)
+    _, a, _ = train(topk, [order[:3], order[3:]], steps=2)
+    model, b = make(topk, [order[:1], order[1:]])
+    b.load_state_dict(a.state_dict())
+    loaded = _same_state(_state(b), _state(a))
+    run_steps(model, b, 2, 3)
+    out["explicit_other_groups"] = {"groups": b.groups, "asked": [order[:1], order[1:]],
+                                    "saved": a.groups, "loaded": loaded}
+    return out
+
+
+# --- no gradient, accumulation ----------------------------------------------------------------
+class Branchy(nn.Module):
+    """The test model, a layer no rank uses, and a head only rank 0 uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _model()
+        self.unused = nn.Linear(20, 8)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import horovod.torch as hvd
+        y = self.body(x)
+        return self.head(y) if hvd.rank() == 0 else y
+
+
+def no_gradient(world) -> dict:
+    """Merged groups holding parameters without a gradient (on every rank, or on some) are sent
+    at synchronize with zeros: nothing hangs, ranks stay identical, as under layerwise."""
+    out = {}
+    for spec in ("none", "topk:ratio=0.5"):
+        ref = None
+        for schedule in ("layerwise", "single", SIZE):
+            torch.manual_seed(3)
+            model, opt = make(spec, schedule, model=Branchy(), momentum=0.0)
+            unused = _flat(model.unused).clone()
+            log = run_steps(model, opt, 0, 4)
+            flat = _flat(model)
+            ref = flat if ref is None else ref
+            out[f"{spec}/{schedule}"] = dict(summary(opt, log), order=order_of(opt),
+                                             unused_unchanged=bool(torch.equal(_flat(model.unused), unused)),
+                                             equal_to_layerwise=bool(torch.equal(flat, ref)))
+    return out
+
+
+def accumulation(world) -> dict:
+    """backward_passes_per_step=2 with merged groups: the accumulated gradients, exchanged once."""
+    out = {}
+    for spec in ("none", "fp16"):
+        ref, _, _ = train(spec, "layerwise", steps=4, bpps=2)
+        for schedule in ("single", SIZE):
+            model, opt, log = train(spec, schedule, steps=4, bpps=2)
+            out[f"{spec}/{schedule}"] = dict(summary(opt, log), equal=bool(torch.equal(_flat(model), _flat(ref))))
+    return out
+
+
+# --- bad arguments ----------------------------------------------------------------------------
+def bad_arguments(world) -> dict:
+    """Bad schedule / profile_steps / cost_model raise ValueError on every rank before any
+    collective; groups that are not consecutive in backward order, and a cost model without the
+    fit "mgs" needs, raise on every rank when the plan is made; a collective works afterwards."""
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+    cases = {
+        "unknown": dict(schedule="fastest"),
+        "type": dict(schedule=3),
+        "size": dict(schedule="size:-4"),
+        "explicit_type": dict(schedule=[[names[0], 7]]),
+        "explicit_unknown": dict(schedule=[names + ["nope"]]),
+        "explicit_missing": dict(schedule=[names[:-1]]),
+        "explicit_twice": dict(schedule=[names, names[:1]]),
+        "explicit_empty": dict(schedule=[names, []]),
+        "profile_steps": dict(profile_steps=0),
+        "profile_steps_type": dict(profile_steps=2.5),
+        "cost_model": dict(cost_model={"world_size": world}),
+    }
+    errors = {}
+    for label, kwargs in cases.items():
+        try:
+            hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), compression="topk:ratio=0.1",
+                                     **kwargs)
+            errors[label] = None
+        except ValueError as e:
+            errors[label] = str(e)
+
+    _, lw, _ = train("none", "layerwise", steps=1)
+    order = order_of(lw)
+    late = {"not_consecutive": ("none", dict(schedule=[[order[0], order[2]], [order[1]], order[3:]])),
+            "mgs_without_fit": ("topk:ratio=0.1", dict(schedule="mgs", cost_model=hand_model(world),
+                                                       profile_steps=1))}
+    raised_at = {}
+    for label, (spec, kw) in late.items():
+        model, opt = make(spec, **kw)
+        errors[label], raised_at[label] = None, None
+        try:
+            run_steps(model, opt, 0, 3)
+        except ValueError as e:
+            errors[label], raised_at[label] = str(e), opt.state_dict()["hvdcompress"]["step"]
+    after = hvd.allreduce(torch.ones(1), name="check.after.schedules", op=hvd.Sum)
+    return {"errors": errors, "raised_at": raised_at, "after": float(after)}
+
+
+def everything(world_expected: int, cache_dir: str) -> dict:
+    import horovod.torch as hvd
+    hvd.init()
+    assert hvd.size() == world_expected
+    out = {}
+    for name, fn, args in (("equivalence", equivalence, (world_expected,)), ("profiled", profiled, (cache_dir,)),
+                           ("all_specs", all_specs, (world_expected,)), ("resume", resume, (world_expected,)),
+                           ("no_gradient", no_gradient, (world_expected,)),
+                           ("accumulation", accumulation, (world_expected,)),
+                           ("bad", bad_arguments, (world_expected,))):
+        try:
+            out[name] = fn(*args)
+        except Exception:  # report, do not hang the other parts on a worker traceback
+            out[name] = {"error": traceback.format_exc()}
+    hvd.shutdown()
+    return out
+
+
+def merged_training(world_expected: int) -> dict:
+    import horovod.torch as hvd
+    hvd.init()
+    assert hvd.size() == world_expected
+    try:
+        out = all_specs(world_expected)
+    except Exception:
+        out = {"error": traceback.format_exc()}
+    hvd.shutdown()
+    return out

@@ -1,0 +1,235 @@
+"""Layer merging (``DistributedOptimizer(schedule=...)``) on real Horovod: Gloo CPU workers.
+
+Two launches: every scenario of tests/mp_schedule_scenarios.py on 2 workers (a module fixture;
+each test checks one part of what it returned), and every compressor under merged schedules on
+3 workers.
+"""
+
+import math
+
+import pytest
+
+from hvdcompress import planner, search
+
+hvd_runner = pytest.importorskip("horovod.runner")
+
+import mp_schedule_scenarios as sc  # noqa: E402
+from mp_scenarios import TRAIN_SPECS  # noqa: E402
+from test_multiprocess import _run  # noqa: E402
+
+WORLD = 2
+SIZES = {"0.weight": 2560, "0.bias": 128, "2.weight": 4096, "2.bias": 128, "4.weight": 512, "4.bias": 16}
+TIMING_KEYS = ("iteration_seconds", "forward_seconds", "backward_seconds", "hook_seconds",
+               "synchronize_seconds", "update_seconds")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("profile-cache")  # empty: "auto" without a model must profile
+    out = _run(sc.everything, WORLD, WORLD, str(cache))
+    assert len(out) == WORLD
+    return out
+
+
+def _part(results, name):
+    for r in results:
+        assert "error" not in r[name], r[name].get("error")
+    return [r[name] for r in results]
+
+
+def _merged(groups):
+    return any(len(g) > 1 for g in groups)
+
+
+def _check_timings(run, planned_from):
+    """Every step's timings are sane; the prediction appears once the plan exists."""
+    for i, rec in enumerate(run["log"]):
+        t = rec["timings"]
+        assert t["step"] == i
+        for key in TIMING_KEYS:
+            if i == 0 and key in ("iteration_seconds", "forward_seconds"):
+                assert t[key] is None  # no previous step to measure from
+            else:
+                assert isinstance(t[key], float) and 0.0 <= t[key] < 60.0, (i, key, t[key])
+        assert t["iteration_seconds"] is None or t["iteration_seconds"] >= t["update_seconds"]
+        if planned_from is not None:
+            if i >= planned_from:
+                assert isinstance(t["predicted_seconds"], float) and t["predicted_seconds"] > 0, (i, t)
+            else:
+                assert t["predicted_seconds"] is None, (i, t)
+
+
+# --- merged schedules give the layerwise parameters bit for bit -----------------------------------
+@pytest.mark.parametrize("spec", sc.EXACT_SPECS)
+def test_merged_schedules_are_bit_identical_to_layerwise(results, spec):
+    for r in _part(results, "equivalence"):
+        res = r[spec]
+        assert all(len(g) == 1 for g in res["layerwise"]["groups"])
+        for label in ("single", sc.SIZE, "explicit", "auto", "mgs"):
+            run = res[label]
+            assert run["equal"], f"{spec} under {label} differs from layerwise"
+            assert run["identical"], label
+            assert _merged(run["groups"]), (label, run["groups"])
+            assert sorted(n for g in run["groups"] for n in g) == sorted(res["order"])
+
+
+def test_fixed_schedules_make_the_groups_they_name(results):
+    for r in _part(results, "equivalence"):
+        for spec in sc.EXACT_SPECS:
+            res, order = r[spec], r[spec]["order"]
+            assert res["single"]["groups"] == [order]
+            by_size = search.by_size([SIZES[n] for n in order], 0.004 * planner.MIB)
+            assert res[sc.SIZE]["groups"] == [[order[i] for i in g] for g in by_size]
+            assert res["explicit"]["groups"] == [order[:2], order[2:5], order[5:]]
+            assert res["single"]["plan"] == {"schedule": "single", "groups": [list(range(6))], "predicted": None}
+            assert res["explicit"]["plan"]["schedule"] == "explicit"
+            for label in ("single", sc.SIZE):  # fixed, no cost model: regrouped after step 0, nothing measured
+                assert [rec["groups_after"] for rec in res[label]["log"]] == [len(res[label]["groups"])] * sc.STEPS
+                assert res[label]["workload"] is None and res[label]["cost_model_world"] is None
+
+
+def test_cost_model_schedules_plan_after_profile_steps_with_a_prediction(results):
+    for r in _part(results, "equivalence"):
+        for spec in sc.EXACT_SPECS:
+            res = r[spec]
+            for label in ("auto", "mgs", "explicit"):
+                run = res[label]
+                plan = run["plan"]
+                assert isinstance(plan["predicted"], float) and math.isfinite(plan["predicted"]), (label, plan)
+                assert 0 < plan["predicted"] < 60, (label, plan)
+                assert run["workload"] == res["order"] and run["cost_model_world"] == WORLD
+                _check_timings(run, planned_from=sc.PROFILE_STEPS + 1)
+                if label != "explicit":  # layerwise while measuring, merged from step PROFILE_STEPS + 1
+                    counts = [rec["groups_after"] for rec in run["log"]]
+                    assert counts[:sc.PROFILE_STEPS] == [6] * sc.PROFILE_STEPS, counts
+                    assert all(c < 6 for c in counts[sc.PROFILE_STEPS:]), counts
+            assert res["auto"]["plan"]["schedule"] == ("mgs" if spec.startswith("topk") else "mgwfbp")
+            assert res["mgs"]["plan"]["schedule"] == "mgs"
+            for label in ("single", sc.SIZE):
+                _check_timings(res[label], planned_from=None)
+
+
+def test_auto_without_a_cost_model_profiles_once_and_still_matches_layerwise(results):
+    ranks = _part(results, "profiled")
+    for r in ranks:
+        assert r["equal"] and r["identical"]
+        assert r["cache_before"] == []
+        assert len(r["cache_after"]) == 1 and r["cache_after"][0].startswith(f"costmodel-n{WORLD}-")
+        assert r["cost_model_world"] == WORLD and r["model_has_none"]
+        assert r["plan"]["schedule"] == "mgwfbp" and r["plan"]["predicted"] > 0
+        assert r["workload"] is not None and len(r["workload"]) == 6
+        _check_timings(r, planned_from=2)  # profile_steps=1: planned at the end of step 1
+    assert ranks[0]["plan"] == ranks[1]["plan"]  # rank 0 plans, every rank uses its plan
+
+
+# --- every compressor -----------------------------------------------------------------------------
+def _check_all_specs(out):
+    for spec in TRAIN_SPECS + ["dgc/auto"]:
+        run = out[spec]
+        assert all(run["each_step"]), (spec, run["each_step"])
+        assert run["moved"] > 0, f"{spec} did not train"
+        assert _merged(run["groups"]), (spec, run["groups"])
+    assert out["dgc/auto"]["plan"]["schedule"] == "mgs" and out["dgc/auto"]["plan"]["predicted"] > 0
+
+
+def test_every_compressor_keeps_ranks_identical_after_every_step_under_merged_groups(results):
+    for out in _part(results, "all_specs"):
+        _check_all_specs(out)
+
+
+def test_every_compressor_under_merged_groups_on_3_workers():
+    out = _run(sc.merged_training, 3, 3)
+    assert len(out) == 3
+    for r in out:
+        assert "error" not in r, r.get("error")
+        _check_all_specs(r)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["topk/auto", "topk/size", "dgc/single"])
+def test_checkpoint_resume_under_a_merged_plan_is_bit_identical(results, case):
+    for r in _part(results, "resume"):
+        res = r[case]
+        assert res["equal"] and res["identical"], case
+        assert _merged(res["groups_at_save"])
+        assert res["groups_after_load"] == res["groups_at_save"] == res["groups_end"]  # the plan came back
+        saved = res["saved_plan"]
+        assert res["plan_after"] == res["plan_at_save"]  # the plan came back as it was, "auto" resolved
+        assert (saved["groups"], saved["predicted_seconds"]) == (res["plan_at_save"]["groups"],
+                                                                 res["plan_at_save"]["predicted"])
+        assert res["state_keys"] == res["names"]  # per parameter, whatever the grouping
+        assert "residual" in res["state_entries"] or "u" in res["state_entries"]
+        assert not res["workload_after"]  # nothing measured again after loading a finished plan
+    auto = results[0]["resume"]["topk/auto"]
+    assert auto["saved_plan"]["schedule"] == "auto" and auto["saved_plan"]["predicted_seconds"] > 0
+
+
+def test_checkpoints_move_between_layerwise_and_merged_optimizers(results):
+    for r in _part(results, "resume"):
+        cross = r["cross"]
+        for label, res in cross.items():
+            assert res["loaded"], f"{label}: the state did not come back per parameter"
+            assert res["identical"] and res["step"] == 6, label
+        assert len(cross["layerwise->single"]["groups"]) == 1
+        assert all(len(g) == 1 for g in cross["single->layerwise"]["groups"])
+        assert len(cross["layerwise->size"]["groups"]) == 3
+
+
+def test_a_checkpoint_of_other_explicit_groups_does_not_impose_its_groups(results):
+    for r in _part(results, "resume"):
+        res = r["explicit_other_groups"]
+        assert res["loaded"]
+        assert res["saved"] != res["asked"]
+        assert res["groups"] == res["asked"]
+
+
+# --- no gradient, accumulation --------------------------------------------------------------------
+def test_parameters_without_gradient_in_merged_groups_do_not_hang(results):
+    for r in _part(results, "no_gradient"):
+        for spec in ("none", "topk:ratio=0.5"):
+            for schedule in ("layerwise", "single", sc.SIZE):
+                run = r[f"{spec}/{schedule}"]
+                assert run["identical"] and run["unused_unchanged"], (spec, schedule)
+                assert sorted(run["order"][:2]) == ["head.bias", "head.weight"]  # rank 0's backward order
+                assert sorted(run["order"][-2:]) == ["unused.bias", "unused.weight"]  # no gradient: last
+            assert len(r[f"{spec}/single"]["groups"]) == 1
+            size_groups = r[f"{spec}/{sc.SIZE}"]["groups"]
+            assert any("head.weight" in g and len(g) > 2 for g in size_groups)  # rank 1 never computes it
+            assert any("unused.weight" in g and len(g) > 2 for g in size_groups)
+            if spec == "none":
+                assert r["none/single"]["equal_to_layerwise"] and r[f"none/{sc.SIZE}"]["equal_to_layerwise"]
+
+
+def test_backward_passes_per_step_with_merged_groups(results):
+    for r in _part(results, "accumulation"):
+        for spec in ("none", "fp16"):
+            for schedule in ("single", sc.SIZE):
+                run = r[f"{spec}/{schedule}"]
+                assert run["equal"] and run["identical"] and _merged(run["groups"]), (spec, schedule)
+                _check_timings(run, planned_from=None)
+
+
+# --- bad arguments --------------------------------------------------------------------------------
+def test_bad_schedule_arguments_raise_on_every_rank(results):
+    expected = {
+        "unknown": "schedule: unknown schedule 'fastest'",
+        "type": "schedule: expected a string; got 3",
+        "size": "schedule: 'size:<MB>' needs a finite number of MiB >= 0",
+        "explicit_type": "schedule: explicit groups must be lists of parameter names",
+        "explicit_unknown": "schedule: group 0 names 'nope', which is not a parameter",
+        "explicit_missing": "schedule: every parameter must be in a group; missing: 4.bias",
+        "explicit_twice": "schedule: parameter '0.weight' is in groups 0 and 1",
+        "explicit_empty": "schedule: group 1 is empty",
+        "profile_steps": "profile_steps: must be an int in [1, 1000]; got 0",
+        "profile_steps_type": "profile_steps: must be an int in [1, 1000]; got 2.5",
+        "cost_model": "cost_model: expected an hvdcompress.costmodel.CostModel or None",
+        "not_consecutive": "schedule: explicit groups must hold parameters that are consecutive in backward order",
+        "mgs_without_fit": "schedule 'mgs' needs the compression time of 'topk:ratio=0.1",
+    }
+    ranks = _part(results, "bad")
+    for r in ranks:
+        assert r["after"] == float(WORLD)  # a collective still works: no rank was left inside one
+        for label, needle in expected.items():
+            assert r["errors"][label] is not None and needle in r["errors"][label], (label, r["errors"][label])
+        assert r["raised_at"] == {"not_consecutive": 1, "mgs_without_fit": 2}  # end of step 0 / of profiling
+    assert ranks[0]["errors"] == ranks[1]["errors"]  # the same error on every rank
