@@ -3,6 +3,7 @@
 One object per model (per list of variables), created once, outside the training step::
 
     compression = hvc.GradientCompression("topk:ratio=0.01")
+    compression = hvc.GradientCompression("topk:ratio=0.01", schedule="size:4")   # merged groups
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt, compression=compression)
 
 It is a ``tf.Module``; what it tracks is what a checkpoint saves and restores:
@@ -18,7 +19,17 @@ state whatever its variables are called. State variables are created, zero, the 
 gradient is seen (lifted out of any ``tf.function`` with ``tf.init_scope``, as Keras creates optimizer
 slots); a checkpoint restored before that is applied when they are created.
 
-``exchange`` builds, for every gradient, the compressor's exchange generator and drives them all
+``schedule`` says which gradients are compressed and exchanged together (``tf_ops.grouping``:
+"layerwise", the default, "single", "size:<MB>", "mgs"/"mgwfbp" planned with a cost model, or
+explicit groups of positions). The groups are chosen once per gradient signature, when the
+exchange is traced. A merged group is one flat tensor (the members concatenated in reverse list
+order); its state is joined from the members' slots into group-sized working variables before
+the exchange and assigned back slice by slice after it, so the checkpointed state stays per
+position and a checkpoint restores under any schedule. (A member keeps the slots it needs alone
+and those its group needs: a 1-D gradient merged into a DGC group that is sparsified also keeps a
+``v``, unused should it later be exchanged alone.)
+
+``exchange`` builds, for every group, the compressor's exchange generator and drives them all
 (``tf_ops.collectives.run_exchanges``). Called eagerly, it runs the exchange as a ``tf.function``
 (traced once per gradient signature) so the collectives are issued together, as Horovod does.
 The bytes handed to the collectives and the dense size are counted per step (``stats``).
@@ -35,6 +46,9 @@ from hvdcompress.stats import WireStats
 
 from .collectives import HorovodDriver, run_exchanges
 from .compressors import ExchangeContext, build_compressor
+from .grouping import (Group, cached_cost_model, check_cost_model, check_plannable, check_schedule, flatten,
+                       join_state, make_groups, member_slots, needs_cost_model, schedule_text, split,
+                       split_state)
 
 
 class _Local:
@@ -43,6 +57,9 @@ class _Local:
     def __init__(self):
         self.functions: Dict[tuple, tf.types.experimental.GenericFunction] = {}
         self.drivers: Dict[int, object] = {}
+        self.plans: Dict[tuple, tuple] = {}  # gradient signature -> (groups, planner Plan or None)
+        self.scratch: Dict[tuple, tf.Variable] = {}  # merged groups' working state (not checkpointed)
+        self.last: Optional[tuple] = None  # (groups, plan) of the latest traced exchange
         with tf.init_scope():
             def counter(name):
                 return tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
@@ -62,13 +79,32 @@ class GradientCompression(tf.Module):
             two objects used in the same step different names.
         driver: the communicator carrying out collective requests (default: Horovod's, on the
             process set the wrapper passes).
+        schedule: which gradients are exchanged together (``tf_ops.grouping``): "layerwise"
+            (default; None means the same), "single", "size:<MB>", "mgs", "mgwfbp" (":greedy"),
+            "auto", or explicit groups of gradient positions ``[[0, 1], [2, 3]]``.
+        cost_model: an ``hvdcompress.costmodel.CostModel`` for "mgs"/"mgwfbp"/"auto" (None: the
+            cached one for the world size and host set, found at the first exchange or by
+            ``prepare``; a ValueError if there is none). With a fixed schedule it only gives
+            ``plan.predicted_seconds``.
+
+    A bad schedule or cost model raises ValueError here, before any collective.
     """
 
-    def __init__(self, compression=None, name: str = "hvc", driver=None):
+    def __init__(self, compression=None, name: str = "hvc", driver=None, schedule="layerwise", cost_model=None):
         spec = resolve(compression)
+        sched = check_schedule(schedule)
+        model = check_cost_model(cost_model)
+        compressor = build_compressor(spec)
+        if schedule_text(sched) != "layerwise" and not compressor.elementwise_state:
+            raise ValueError(f"schedule: compression '{spec}' keeps state that is not elementwise, so its "
+                             "tensors cannot be merged; use schedule='layerwise'")
+        if model is not None:
+            check_plannable(sched, model, spec)
         super().__init__(name=name)
         self._spec = spec
-        self._compressor = build_compressor(spec)
+        self._compressor = compressor
+        self._schedule = sched
+        self._cost_model = model
         self._driver = driver
         self._local = _Local()
         with tf.init_scope():
@@ -88,6 +124,45 @@ class GradientCompression(tf.Module):
     @property
     def compressor(self):
         return self._compressor
+
+    @property
+    def schedule(self) -> str:
+        """The schedule asked for ("layerwise", "size:64", "mgs", ..., or "explicit")."""
+        return schedule_text(self._schedule)
+
+    @property
+    def parsed_schedule(self):
+        """The schedule as ``grouping.check_schedule`` parsed it (a planner ``Schedule`` or a tuple
+        of tuples of positions)."""
+        return self._schedule
+
+    @property
+    def cost_model(self):
+        """The cost model planning uses (given, or found by ``prepare``), or None."""
+        return self._cost_model
+
+    @property
+    def groups(self) -> Optional[List[List[int]]]:
+        """The groups of gradient positions (each in concatenation order) of the latest traced
+        exchange, in the order they are exchanged; None before the first exchange."""
+        return None if self._local.last is None else [list(g.positions) for g in self._local.last[0]]
+
+    @property
+    def plan(self):
+        """The ``hvdcompress.planner.Plan`` of the latest traced exchange (its groups index the
+        present gradients in reverse list order; ``predicted_seconds`` is compression plus exchange
+        time when there is a cost model); None for explicit groups or before the first exchange."""
+        return None if self._local.last is None else self._local.last[1]
+
+    def prepare(self, world_size: int, process_set=None):
+        """Find the cost model now (the wrappers call this when they are made): for a schedule
+        that needs one and was given none, the cached one for ``world_size`` ranks and this host
+        set, else a ValueError on every rank (``grouping.cached_cost_model``). Returns the model."""
+        if self._cost_model is None and needs_cost_model(self._schedule):
+            model = cached_cost_model(world_size, process_set, use_horovod=self._driver is None)
+            check_plannable(self._schedule, model, self._spec)
+            self._cost_model = model
+        return self._cost_model
 
     @property
     def stateful(self) -> bool:
@@ -161,55 +236,98 @@ class GradientCompression(tf.Module):
             drv = self._local.drivers[id(process_set)] = HorovodDriver(process_set)
         return drv
 
-    def _ensure_slots(self, grads) -> None:
-        for i, g in enumerate(grads):
-            if i == len(self.slots):
-                self.slots.append({})
-            if g is None:
-                continue
-            shape = tuple(g.shape)
-            if not g.shape.is_fully_defined():
-                raise ValueError(f"gradient {i} has shape {shape}, not fully known when traced; "
-                                 "compressed exchange needs static shapes")
-            numel = g.shape.num_elements()
-            slots = self.slots[i]
-            for name in self._compressor.state_slots(shape):
-                var = slots.get(name)
-                if var is None:
-                    slots[name] = self._compressor.make_slot(name, numel, g.dtype, f"{self.name}_{i}_{name}")
-                elif tuple(var.shape) != (numel,) or var.dtype != g.dtype:
-                    raise ValueError(
-                        f"compression state: gradient {i} has {numel} elements of {g.dtype.name}, its "
-                        f"state '{name}' has {var.shape.num_elements()} of {var.dtype.name}; one "
-                        "GradientCompression serves one list of variables (a checkpoint of another model?)")
+    def _ensure_slots(self, grads, groups: Sequence[Group]) -> None:
+        for i in range(len(self.slots), len(grads)):
+            self.slots.append({})
+        for group in groups:
+            for i in group.positions:
+                g = grads[i]
+                shape = tuple(g.shape)
+                numel = g.shape.num_elements()
+                slots = self.slots[i]
+                for name in member_slots(self._compressor, group, shape):
+                    var = slots.get(name)
+                    if var is None:
+                        slots[name] = self._compressor.make_slot(name, numel, g.dtype, f"{self.name}_{i}_{name}")
+                    elif tuple(var.shape) != (numel,) or var.dtype != g.dtype:
+                        raise ValueError(
+                            f"compression state: gradient {i} has {numel} elements of {g.dtype.name}, its "
+                            f"state '{name}' has {var.shape.num_elements()} of {var.dtype.name}; one "
+                            "GradientCompression serves one list of variables (a checkpoint of another model?)")
 
-    def _exchange(self, grads, world_size, scale, prescale, process_set):
-        self._ensure_slots(grads)
+    def _groups(self, grads, world_size: int, process_set) -> List[Group]:
+        signature = (world_size, tuple(None if g is None else (tuple(g.shape), g.dtype.name) for g in grads))
+        found = self._local.plans.get(signature)
+        if found is None:
+            model = self.prepare(world_size, process_set) if needs_cost_model(self._schedule) else self._cost_model
+            found = self._local.plans[signature] = make_groups(self._schedule, grads, self._spec, world_size, model)
+        self._local.last = found
+        return found[0]
+
+    def _group_state(self, group: Group) -> Dict[str, tf.Variable]:
+        """The state the compressor works on: the member's slots for a group of one; for a merged
+        group, group-sized working variables joined from the members' slots (``grouping``)."""
+        if len(group.positions) == 1:
+            return self.slots[group.positions[0]]
+        names = self._compressor.state_slots(group.shape)
+        dtype = self.slots[group.positions[0]][names[0]].dtype if names else None
+        scratch = {}
+        for name in names:
+            key = (group.key, name, group.numel, dtype)
+            if key not in self._local.scratch:
+                self._local.scratch[key] = self._compressor.make_slot(
+                    name, group.numel, dtype, f"{self.name}_group_{group.op_name}_{name}")
+            scratch[name] = self._local.scratch[key]
+        return join_state(group, [self.slots[i] for i in group.positions], names, scratch)
+
+    def start_exchange(self, grads: Sequence[Optional[tf.Tensor]], *, world_size: int, scale: float,
+                       prescale: float = 1.0, process_set=None) -> "PendingExchange":
+        """One step's exchanges, not yet run: a generator and an op name per group, and
+        ``finish(results, sent)`` that splits the groups' results back into gradients, saves the
+        groups' state into the per-position slots and counts the step. ``exchange`` runs them with
+        Horovod; a driver that runs the collectives itself (a lockstep test world) may drive them."""
+        grads = list(grads)
+        for i, g in enumerate(grads):
+            if g is not None and not g.shape.is_fully_defined():
+                raise ValueError(f"gradient {i} has shape {tuple(g.shape)}, not fully known when traced; "
+                                 "compressed exchange needs static shapes")
+        groups = self._groups(grads, world_size, process_set)
+        self._ensure_slots(grads, groups)
         check = tf.debugging.assert_equal(
             self.spec_text, str(self._spec),
             message=f"compression state was saved with another compression spec; this object uses "
                     f"'{self._spec}' (restore a checkpoint made with the same spec)")
         step = self.step.read_value()
         density = None if self._density is None else self._density.read_value()
-        gens, names, present = [], [], []
-        dense_bytes = 0
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
+        gens, names, states = [], [], []
+        for group in groups:
             with tf.control_dependencies([check]):
-                x = tf.reshape(g, [-1])
+                x = flatten([grads[i] for i in group.positions])
             if prescale != 1.0:
                 x = x * tf.cast(prescale, x.dtype)
-            ctx = ExchangeContext(str(i), step, world_size, scale, self.slots[i], tuple(g.shape),
-                                  0, density)
+            state = self._group_state(group)
+            ctx = ExchangeContext(group.key, step, world_size, scale, state, group.shape, 0, density)
             gens.append(self._compressor.exchange(x, ctx))
-            names.append(f"{self.name}.{i}")
-            present.append(i)
-            dense_bytes += g.shape.num_elements() * g.dtype.size
-        results, sent = run_exchanges(gens, names, self._driver_for(process_set))
+            names.append(f"{self.name}.{group.op_name}")
+            states.append(state)
+        return PendingExchange(self, grads, groups, states, gens, names)
+
+    def _exchange(self, grads, world_size, scale, prescale, process_set):
+        pending = self.start_exchange(grads, world_size=world_size, scale=scale, prescale=prescale,
+                                      process_set=process_set)
+        results, sent = run_exchanges(pending.generators, pending.names, self._driver_for(process_set))
+        return pending.finish(results, sent)
+
+    def _finish(self, pending: "PendingExchange", results, sent) -> List[Optional[tf.Tensor]]:
+        grads = pending.grads
         out: List[Optional[tf.Tensor]] = [None] * len(grads)
-        for i, r in zip(present, results):
-            out[i] = tf.reshape(tf.cast(r, grads[i].dtype), tf.shape(grads[i]))
+        dense_bytes = 0
+        for group, state, r in zip(pending.groups, pending.states, results):
+            for i, t in zip(group.positions, split(r, group)):
+                out[i] = tf.cast(t, grads[i].dtype)
+                dense_bytes += grads[i].shape.num_elements() * grads[i].dtype.size
+            if len(group.positions) > 1:
+                split_state(group, [self.slots[i] for i in group.positions], state)
         self.step.assign_add(1)
         loc = self._local
         loc.steps.assign_add(1)
@@ -220,5 +338,19 @@ class GradientCompression(tf.Module):
         return out
 
     def __repr__(self) -> str:
-        return f"GradientCompression('{self._spec}', name={self.name!r})"
+        return f"GradientCompression('{self._spec}', name={self.name!r}, schedule={self.schedule!r})"
+
+
+class PendingExchange:
+    """What ``GradientCompression.start_exchange`` returns (see there)."""
+
+    def __init__(self, owner: GradientCompression, grads, groups, states, generators, names):
+        self._owner = owner
+        self.grads, self.groups, self.states = grads, groups, states
+        self.generators, self.names = generators, names
+
+    def finish(self, results: Sequence[tf.Tensor], sent) -> List[Optional[tf.Tensor]]:
+        """``results``: each generator's return value, in order; ``sent``: bytes this rank handed
+        to the collectives (int or int64 tensor). Returns the gradients (None stays None)."""
+        return self._owner._finish(self, results, sent)
 

@@ -9,8 +9,15 @@ same ``ValueError`` (naming the argument) everywhere and no rank is left waiting
     op=Sum:      result = sum_r C(g_r)
 
 ``device_dense`` / ``device_sparse`` are accepted for compatibility and ignored (the collectives
-run where Horovod places them). ``num_groups`` / ``groups`` (explicit grouping) are refused:
-each gradient is exchanged on its own and Horovod's tensor fusion merges the small ones.
+run where Horovod places them). ``num_groups`` / ``groups`` (Horovod's explicit grouping) are
+refused with a pointer to ``schedule=``: Horovod's groups negotiate separate tensors together
+(any variables, each still its own tensor), while a merged group here is compressed as *one*
+tensor (top-k of the group), so the same argument would not keep its meaning.
+
+``schedule`` / ``cost_model`` (hvdcompress's own, see ``tf_ops.grouping``) are handed to the
+``GradientCompression`` a wrapper builds from a spec; one given as ``compression=`` carries its
+own, and a different one passed beside it is refused. A schedule that needs a cost model and was
+given none finds the cached one when the wrapper is made, so a missing model raises there.
 Sparse gradients (``tf.IndexedSlices``, e.g. from embeddings) are densified with a warning
 (``sparse_as_dense=True`` silences it): compressors work on dense tensors.
 """
@@ -27,6 +34,7 @@ from hvdcompress.spec import resolve
 
 from .compression import GradientCompression
 from .compressors import build_compressor
+from .grouping import check_cost_model, check_schedule
 
 _STATELESS_CACHE: Dict[str, GradientCompression] = {}
 
@@ -73,9 +81,20 @@ def _check_factor(value, op_is_average: bool) -> float:
     return factor
 
 
+def _check_carried(compression: GradientCompression, sched, cost_model) -> None:
+    """A GradientCompression carries its schedule and cost model; refuse different ones beside it."""
+    if sched is not None and sched != compression.parsed_schedule:
+        raise ValueError(f"schedule: the GradientCompression given as compression= has schedule "
+                         f"'{compression.schedule}'; it carries its own: pass schedule= to "
+                         "hvc.GradientCompression(spec, schedule=...) and leave it out here")
+    if cost_model is not None and cost_model is not compression.cost_model:
+        raise ValueError("cost_model: the GradientCompression given as compression= carries its own; pass "
+                         "cost_model= to hvc.GradientCompression(spec, schedule=..., cost_model=...)")
+
+
 def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as_dense, op,
                    gradient_predivide_factor, num_groups, groups, process_set, persistent_only: bool,
-                   name: str = "hvc") -> Exchanger:
+                   name: str = "hvc", schedule=None, cost_model=None) -> Exchanger:
     """Check the Horovod-style arguments and build the exchanger (see module doc).
 
     ``persistent_only``: the wrapper lives for one step (a tape), so a compressor that keeps state
@@ -83,15 +102,20 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
     """
     import horovod.tensorflow as hvd
 
+    sched = None if schedule is None else check_schedule(schedule)  # bad values raise here, on every rank
+    check_cost_model(cost_model)
     spec = None
     if not isinstance(compression, GradientCompression):
         spec = resolve(compression)  # a bad spec raises here, naming the parameter
         if persistent_only and build_compressor(spec).stateful:
+            extra = "" if schedule is None else f", schedule={schedule!r}"
             raise ValueError(
                 f"compression: '{spec}' keeps state between steps (residuals, momenta or the step "
                 f"counter), and a {who} lives for one step; create it once, outside the training "
-                f"step, as hvc.GradientCompression('{spec}'), pass that object as compression= "
+                f"step, as hvc.GradientCompression('{spec}'{extra}), pass that object as compression= "
                 "every step, and checkpoint it with the model")
+    else:
+        _check_carried(compression, sched, cost_model)
     for arg, value in (("device_dense", device_dense), ("device_sparse", device_sparse)):
         if not isinstance(value, str):
             raise ValueError(f"{arg}: expected a device string (accepted and ignored); got {value!r}")
@@ -104,21 +128,24 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
         raise ValueError(f"op: accepted values are hvd.Average and hvd.Sum; got {op!r}")
     factor = _check_factor(gradient_predivide_factor, op == hvd.Average)
     if num_groups != 0 or groups is not None:
-        raise ValueError("num_groups/groups: explicit grouping is not supported with compression; each "
-                         "gradient is exchanged on its own and Horovod's tensor fusion merges small ones. "
-                         "Leave num_groups=0 and groups=None.")
+        raise ValueError("num_groups/groups: explicit grouping is not supported with compression (Horovod's "
+                         "groups negotiate separate tensors together; a compressed group is one merged "
+                         "tensor). Leave num_groups=0 and groups=None and ask for merged groups with "
+                         "schedule=: 'single', 'size:<MB>', 'mgs'/'mgwfbp' (with a cost model) or explicit "
+                         "groups of gradient positions such as [[0, 1], [2, 3]].")
     process_set = hvd.global_process_set if process_set is None else process_set
     if not isinstance(process_set, hvd.ProcessSet):
         raise ValueError(f"process_set: expected a horovod ProcessSet; got {process_set!r}")
     if not hvd.is_initialized():
         raise ValueError(f"horovod is not initialized: call hvd.init() before {who}")
     if spec is not None and persistent_only:  # stateless: one shared object per spec, no new variables per step
-        key = f"{name}:{spec}"
+        key = f"{name}:{spec}:{sched!r}:{id(cost_model)}"  # the cached object keeps cost_model alive
         if key not in _STATELESS_CACHE:
-            _STATELESS_CACHE[key] = GradientCompression(spec, name=name)
+            _STATELESS_CACHE[key] = GradientCompression(spec, name=name, schedule=sched, cost_model=cost_model)
         compression = _STATELESS_CACHE[key]
     elif spec is not None:
-        compression = GradientCompression(spec, name=name)
+        compression = GradientCompression(spec, name=name, schedule=sched, cost_model=cost_model)
     world = process_set.size()
+    compression.prepare(world, process_set)  # a missing cost model raises now, on every rank
     scale = factor / world if op == hvd.Average else 1.0
     return Exchanger(compression, world, scale, 1.0 / factor, process_set, sparse_as_dense, who)

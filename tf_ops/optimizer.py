@@ -14,6 +14,13 @@ so ``tf.train.Checkpoint(optimizer=...)`` and ``model.save_weights`` (TensorFlow
 format) save and restore it with the optimizer. Residuals differ per rank: to resume exactly,
 every rank saves and restores its own checkpoint.
 
+``schedule=`` / ``cost_model=`` (hvdcompress's own; ``tf_ops.grouping``) choose which gradients are
+compressed and exchanged as one merged tensor: "layerwise" (default: Keras hands over every
+gradient at once, so there is no backward pass to overlap and merging only saves start-ups and
+per-tensor overhead), "single", "size:<MB>", "mgs"/"mgwfbp" planned with a cost model, or explicit
+groups of positions in the optimizer's variable list. Positions are those of the gradients the
+optimizer computes (``model.trainable_variables`` order for ``model.fit``).
+
 DGC keeps the momentum in its memory, so the optimizer must not apply its own: an optimizer whose
 config has ``momentum`` > 0 (SGD) is rebuilt with momentum 0 and that momentum (and ``nesterov``)
 moves into the DGC spec, with a warning when they differ from the spec's.
@@ -121,7 +128,7 @@ def _adopt_momentum(spec: CompressionSpec, config: dict):
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
                          backward_passes_per_step=1, average_aggregated_gradients=False,
-                         num_groups=0, groups=None, process_set=None):
+                         num_groups=0, groups=None, process_set=None, schedule=None, cost_model=None):
     """Wrap a Keras optimizer so the gradients it computes are compressed, exchanged and averaged.
 
     Args mirror ``horovod.tensorflow.keras.DistributedOptimizer``:
@@ -136,8 +143,15 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         backward_passes_per_step: passes accumulated locally before each exchange (>= 1).
         average_aggregated_gradients: divide the accumulated sum by backward_passes_per_step.
-        num_groups, groups: must stay 0 / None (explicit grouping is not supported).
+        num_groups, groups: must stay 0 / None (Horovod's explicit grouping; use ``schedule``).
         process_set: a Horovod process set (default: all ranks).
+
+    hvdcompress's own:
+        schedule: for a spec given as ``compression``: which gradients are exchanged together
+            ("layerwise" when None, "single", "size:<MB>", "mgs", "mgwfbp", "auto" or explicit
+            groups of positions; see ``tf_ops.grouping``). A ``GradientCompression`` carries its own.
+        cost_model: an ``hvdcompress.costmodel.CostModel`` for the cost-model schedules (None:
+            the cached one; a ValueError here if there is none).
 
     Every argument is checked here, on every rank, before any collective.
     """
@@ -164,7 +178,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         compression, config = _adopt_momentum(resolve(compression), config)
     exchanger = make_exchanger("DistributedOptimizer", compression, device_dense, device_sparse,
                                sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
-                               process_set, persistent_only=False, name=name)
+                               process_set, persistent_only=False, name=name, schedule=schedule,
+                               cost_model=cost_model)
     mixin = _LegacyOptimizerMixin if isinstance(optimizer, legacy_base) else _OptimizerMixin
     cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
     opt = cls.from_config(config)

@@ -18,6 +18,13 @@ A tape lives for one step, so compressors with state between steps (error feedba
 step counter, DGC's momenta) need the ``GradientCompression`` object made once; stateless specs
 (``none``, ``fp16``, ``bf16``) may be given as a string. Gradients that are None stay None (every
 rank has the same graph, so every rank skips the same ones).
+
+Merged groups (``tf_ops.grouping``): ``schedule=`` goes to the ``GradientCompression`` made from a
+stateless spec (``DistributedGradientTape(tape, compression="fp16", schedule="single")``); a
+``GradientCompression`` object carries its own (``GradientCompression("topk:ratio=0.01",
+schedule="size:4")``). The default is "layerwise": the tape hands over every gradient at once, so
+merging saves start-ups and per-tensor overhead only. Positions are those of the flattened
+``sources`` given to ``gradient``.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ class _TapeMixin:
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
                             sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
-                            num_groups=0, groups=None, process_set=None):
+                            num_groups=0, groups=None, process_set=None, schedule=None, cost_model=None):
     """Wrap ``gradtape`` so ``gradient()`` returns compressed, exchanged, averaged gradients.
 
     Args mirror ``horovod.tensorflow.DistributedGradientTape``:
@@ -58,8 +65,15 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         gradient_predivide_factor: with Average, divide by this before the sum and by
             size/factor after (> 0).
-        num_groups, groups: must stay 0 / None (explicit grouping is not supported).
+        num_groups, groups: must stay 0 / None (Horovod's explicit grouping; use ``schedule``).
         process_set: a Horovod process set (default: all ranks).
+
+    hvdcompress's own:
+        schedule: for a spec given as ``compression``: which gradients are exchanged together
+            ("layerwise" when None, "single", "size:<MB>", "mgs", "mgwfbp", "auto" or explicit
+            groups of positions; see ``tf_ops.grouping``).
+        cost_model: an ``hvdcompress.costmodel.CostModel`` for the cost-model schedules (None:
+            the cached one; a ValueError here if there is none).
 
     Every argument is checked here, on every rank, before any collective.
     """
@@ -67,7 +81,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         raise ValueError(f"gradtape: expected a tf.GradientTape; got {type(gradtape).__name__}")
     exchanger = make_exchanger("DistributedGradientTape", compression, device_dense, device_sparse,
                                sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
-                               process_set, persistent_only=True)
+                               process_set, persistent_only=True, schedule=schedule, cost_model=cost_model)
     base = type(gradtape)
     cls = type(base.__name__, (_TapeMixin, base), {})
     tape = cls(persistent=gradtape._persistent,

@@ -80,6 +80,10 @@ class Compressor(ABC):
 
     summed: bool = True
     uses_step: bool = False  # True: the result depends on ctx.step (seeded selections)
+    # Every state variable has one entry per element of the tensor (residuals, momenta), so
+    # tensors may be merged into one group with their state concatenated (tf_ops.grouping). A
+    # compressor with other state (e.g. low-rank factors) sets False: layerwise schedules only.
+    elementwise_state: bool = True
     has_schedule: bool = False  # True: the spec sets the density per epoch (warm-up)
 
     def __init__(self, spec: CompressionSpec):

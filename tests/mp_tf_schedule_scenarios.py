@@ -1,0 +1,133 @@
+"""Merged-group schedules in real Horovod worker processes, TF backend (launched by
+tests/test_tf_schedules_multiprocess.py). One launch runs every scenario and returns plain Python
+data; parameters are compared across ranks bit for bit by allgathering them (``mp_tf_scenarios``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+from mp_tf_scenarios import _batch, _flat, _identical, _loss, _model  # noqa: E402
+
+STEPS = 4
+DGC = "dgc:ratio=0.05,min_sparse_numel=256,warmup_epochs=0"
+
+
+def _keras_fit(spec, steps=STEPS, bpps=1, **kw):
+    """``model.fit`` over ``steps`` batches of this rank's data (one epoch, batch 16)."""
+    import hvdcompress.keras as hvc
+    import numpy as np
+    import tensorflow as tf
+    model = _model()
+    opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=spec,
+                                   backward_passes_per_step=bpps, **kw)
+    model.compile(optimizer=opt, loss=_loss())
+    xs, ys = zip(*(_batch(hvc.rank(), s) for s in range(steps)))
+    model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return model, opt
+
+
+def _tape_loop(compression, steps=STEPS, **kw):
+    import hvdcompress.tensorflow as hvc
+    import tensorflow as tf
+    model = _model()
+    opt = tf.keras.optimizers.SGD(0.1)
+    loss_fn = _loss()
+    used = []
+
+    @tf.function
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvc.DistributedGradientTape(tape, compression=compression, **kw)
+        used.append(tape.compression)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    for step in range(steps):
+        step_fn(*_batch(hvc.rank(), step))
+    return model, used[0]
+
+
+def dense_merged_equals_layerwise() -> dict:
+    """``none`` with merged schedules leaves the parameters layerwise leaves, on every rank."""
+    import numpy as np
+    from hvdcompress.costmodel import CostModel
+    out = {"identical": {}, "equal": {}, "groups": {}}
+    base_fit = _flat(_keras_fit("none")[0]).numpy()
+    base_tape = _flat(_tape_loop("none")[0]).numpy()
+    link = CostModel.from_link(2, gbit_per_s=10.0, latency_s=5e-3)
+    for label, run in (
+            ("fit single", lambda: _keras_fit("none", schedule="single")),
+            ("fit mgwfbp", lambda: _keras_fit("none", schedule="mgwfbp", cost_model=link)),
+            ("tape size", lambda: _tape_loop("none", schedule="size:0.005")),
+            ("tape explicit", lambda: _tape_loop("none", schedule=[[0, 1], [4, 5]]))):
+        model, used = run()
+        comp = used.gradient_compression if hasattr(used, "gradient_compression") else used
+        out["identical"][label] = _identical(model)
+        out["equal"][label] = bool(np.array_equal(_flat(model).numpy(), base_tape if "tape" in label else base_fit))
+        out["groups"][label] = comp.groups
+    return out
+
+
+def sparse_merged_stays_identical() -> dict:
+    """DGC and top-k with merged groups: every rank applies the same update."""
+    import hvdcompress.tensorflow as hvc
+    out = {"identical": {}, "groups": {}, "state": {}}
+    comp = hvc.GradientCompression(DGC, schedule="size:0.005")
+    model, _ = _tape_loop(comp)
+    out["identical"]["tape dgc size"] = _identical(model)
+    out["groups"]["tape dgc size"] = comp.groups
+    out["state"]["tape dgc size"] = [sorted(s) for s in comp.slots]
+    for label, kwargs in (("fit dgc single", dict(spec=DGC, schedule="single")),
+                          ("fit topk single bpps2", dict(spec="topk:ratio=0.05", schedule="single", bpps=2))):
+        model, opt = _keras_fit(**kwargs)
+        out["identical"][label] = _identical(model)
+        out["groups"][label] = opt.gradient_compression.groups
+    return out
+
+
+def bad_schedules() -> dict:
+    """A bad schedule, or a cost-model schedule with no model cached, raises on every rank before
+    any collective; a collective still works after."""
+    import horovod.tensorflow as hvd
+    import hvdcompress.keras as hvc
+    import tensorflow as tf
+    errors = {}
+    cases = {
+        "unknown": lambda: hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), schedule="fastest"),
+        "explicit": lambda: hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), schedule=[[0], [0, 1]]),
+        "no_model": lambda: hvc.DistributedGradientTape(tf.GradientTape(), compression="fp16", schedule="mgs"),
+        "no_model_gc": lambda: _tape_loop(hvc.GradientCompression("topk:ratio=0.1", schedule="auto"), steps=1),
+    }
+    for label, make in cases.items():
+        try:
+            make()
+            errors[label] = None
+        except ValueError as e:
+            errors[label] = str(e)
+    after = hvd.allreduce(tf.ones([1]), name="check_after_schedules", op=hvd.Sum)
+    return {"errors": errors, "after": float(after.numpy()[0])}
+
+
+def everything(world_expected: int) -> dict:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    hvd.init()
+    assert hvd.size() == world_expected
+    out = {}
+    for name, fn in (("dense", dense_merged_equals_layerwise), ("sparse", sparse_merged_stays_identical),
+                     ("bad", bad_schedules)):
+        start = time.perf_counter()
+        try:
+            out[name] = fn()
+        except Exception:  # report, do not hang the test on a worker traceback
+            out[name] = {"error": traceback.format_exc()}
+        out.setdefault("seconds", {})[name] = time.perf_counter() - start
+    hvd.shutdown()
+    return out
