@@ -17,7 +17,7 @@ test: install
 
 # Single-process tests only (no Horovod processes).
 test-fast:
-	$(PYTHON) -m pytest tests -q --ignore=tests/test_multiprocess.py --ignore=tests/test_tf_multiprocess.py --ignore=tests/test_tf_schedules_multiprocess.py --ignore=tests/test_bench.py
+	$(PYTHON) -m pytest tests -q --ignore=tests/test_multiprocess.py --ignore=tests/test_tf_multiprocess.py --ignore=tests/test_tf_schedules_multiprocess.py --ignore=tests/test_multiprocess_schedules.py --ignore=tests/test_bench.py
 
 # The emulated-network benchmark of README "Benchmark: emulated network" (root; ~15 minutes on
 # 2 cores). Without root: make bench BENCH_ARGS="--loopback -n 2 --steps 4".
