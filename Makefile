@@ -3,7 +3,7 @@ PYTHON ?= python3
 NP ?= 2
 COMPRESSION ?= topk:ratio=0.01
 
-.PHONY: install digits test test-fast bench
+.PHONY: install digits test test-fast bench bench-schedules
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install.sh
@@ -22,6 +22,14 @@ test-fast:
 # The emulated-network benchmark of README "Benchmark: emulated network" (root; ~15 minutes on
 # 2 cores). Without root: make bench BENCH_ARGS="--loopback -n 2 --steps 4".
 BENCH_ARGS ?= -n 4 -b 10mbit,100mbit,1gbit,10gbit,unlimited -c none fp16 topk:ratio=0.001 dgc:ratio=0.001 \
-	--model vgg --batch 32 --steps 6 --warmup 1 --phase-budget-s 30 --out benchmarks/results/vgg-4workers
+	-s layerwise --no-profile --model vgg --batch 32 --steps 6 --warmup 1 --phase-budget-s 30 \
+	--out benchmarks/results/vgg-4workers
 bench: install
 	$(PYTHON) -m hvdcompress.bench $(BENCH_ARGS)
+
+# The merge-schedule comparison of README "Layer-merging scheduler" (root; ~5 minutes): Horovod's own
+# tensor fusion off, so every group of a schedule is one collective.
+bench-schedules: install
+	HOROVOD_FUSION_THRESHOLD=0 $(PYTHON) -m hvdcompress.bench --model deep -n 2 -b 100mbit,1gbit \
+	-c topk:ratio=0.01 none -s layerwise,single,size:0.25,auto --steps 20 --warmup 14 --profile-steps 8 \
+	--out benchmarks/results/schedules-deep

@@ -113,9 +113,12 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
         _positive("warmup", args.warmup, 0)
         _positive("profile-steps", args.profile_steps, 1)
         _positive("profile-max-mib", args.profile_max_mib, 0.01)
-        if args.warmup <= args.profile_steps:
+        kinds = {parse_schedule(x).kind for x in args.schedule_list}
+        if (args.profile or kinds & {"auto", "mgs", "mgwfbp"}) and args.warmup <= args.profile_steps:
             raise ValueError(f"warmup: must exceed --profile-steps ({args.profile_steps}) so every plan is made "
                              f"before timing; got {args.warmup}")
+        if kinds - {"layerwise"} and args.warmup < 1:
+            raise ValueError("warmup: merged schedules need >= 1 warm-up step (step 0 learns the backward order)")
         _positive("epoch", args.epoch, 0)
         if args.phase_budget_s is not None:
             _positive("phase-budget-s", args.phase_budget_s, 1)
