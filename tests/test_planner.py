@@ -307,3 +307,28 @@ def test_simulation_predicts_efficiency_and_compares_with_measurements(tmp_path,
     assert "PREDICTIONS" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown schedule"):
         simulate.main(["--link", "1,50", "--synthetic", "3,1,1,1", "--schedule", "fast", "--out", str(out)])
+
+
+def test_decompression_runs_after_backward_in_group_order():
+    # two groups of 10 bytes; backward 1 + 1 s; t_s 0; t_c 1 s each; t_d 0.5 s each
+    tl = predict([[0], [1]], [10, 10], [1.0, 1.0], lambda b: 0 * b, lambda b: 0 * b + 1.0, "shared",
+                 lambda b: 0 * b + 0.5)
+    # exchanges end at 2 and 3; backward ends at 2; finish = max(2, 2) + .5 = 2.5, max(2.5, 3) + .5 = 3.5
+    assert tl.comm_end.tolist() == [2.0, 3.0] and tl.finish_end == 3.5 and tl.end == 3.5
+
+
+def test_cost_model_decompression_and_launch_terms_round_trip():
+    fit = ComputeFit("linear", 1e-9, 1e-5)
+    model = CostModel.from_link(2, 1.0, 50e-6)
+    model = CostModel(2, model.allreduce, model.allgather, {"topk:ratio=0.01": fit}, (), {},
+                      {"topk:ratio=0.01": fit}, 2e-5)
+    again = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again == model and "launch: 20.0 us" in describe(again)
+    # top-k hands two collectives to Horovod per group: compression + 2 launches
+    assert again.group_cpu_seconds("topk:ratio=0.01", 4000.0) == pytest.approx(1e-5 + 1e-9 * 1000 + 4e-5)
+    assert again.decompress_seconds("topk:ratio=0.01", 4000.0) == pytest.approx(1e-5 + 1e-6)
+    assert again.decompress_seconds("none", 4000.0) == 0.0
+    plan = make_plan("single", [4000.0], [0.001], again, "topk:ratio=0.01", 2)
+    assert plan.timeline.finish_end is not None and plan.predicted_seconds == pytest.approx(plan.timeline.finish_end)
+    with pytest.raises(ValueError, match="launch_seconds"):
+        CostModel(2, model.allreduce, model.allgather, launch_seconds=-1.0)
