@@ -285,6 +285,15 @@ class CostModel:
         d = np.asarray(dense_bytes, dtype=float)
         return fit(d / itemsize) if fit is not None else np.zeros_like(d)
 
+    def scaled(self, compress: float = 1.0, decompress: float = 1.0) -> "CostModel":
+        """This model with every compression fit and the launch cost times ``compress``, every
+        decompression fit times ``decompress``: a calibration to what a training step measured."""
+        def times(fits, k):
+            return {name: ComputeFit(f.form, f.a * k, f.b * k, f.errors) for name, f in fits.items()}
+        meta = dict(self.meta, calibration={"compress": compress, "decompress": decompress})
+        return CostModel(self.world_size, self.allreduce, self.allgather, times(self.compress, compress), self.hosts,
+                         meta, times(self.decompress, decompress), self.launch_seconds * compress)
+
     # -- other worlds --------------------------------------------------------------------------
     def for_world_size(self, world_size: int, gbit_per_s: Optional[float] = None,
                        latency_s: Optional[float] = None) -> "CostModel":

@@ -78,7 +78,8 @@ class HorovodDriver:
 class PendingExchange:
     """One exchange in flight: its generator, the current round's handles, and its byte count."""
 
-    __slots__ = ("gen", "name", "driver", "handles", "round", "bytes_sent", "result", "compute_seconds")
+    __slots__ = ("gen", "name", "driver", "handles", "round", "bytes_sent", "result", "compute_seconds",
+                 "first_seconds")
 
     def __init__(self, gen: Exchange, name: str, driver: HorovodDriver):
         self.gen, self.name, self.driver = gen, name, driver
@@ -88,6 +89,7 @@ class PendingExchange:
         self.compute_seconds = 0.0  # time spent in the exchange's own code (compress, decompress)
         self.result: Optional[torch.Tensor] = None
         self._advance(None)
+        self.first_seconds = self.compute_seconds  # the compress step, before the first round
 
     def _advance(self, results) -> None:
         start = time.perf_counter()

@@ -109,7 +109,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def plan(self) -> Optional[Plan]:
         """The plan in use (``hvdcompress.planner.Plan``: groups as indices in backward order,
-        ``predicted_seconds``), or None while the first steps run layerwise."""
+        ``predicted_seconds``, ``notes``), or None until the scheduler has decided."""
         return self._hvc_scheduler.plan
 
     @property
@@ -140,8 +140,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pending = self._hvc_pending
         with torch.no_grad():
             finish_all(list(pending.values()))
+            scattered = now()
             for gi, ex in pending.items():
                 scatter(ex.result, [self._hvc_by_name[n].grad for n in self._hvc_groups[gi].names])
+        self._hvc_clock.finish = now() - scattered + sum(ex.compute_seconds - ex.first_seconds
+                                                         for ex in pending.values())
         dense = sum(p.numel() * p.element_size() for p in self._hvc_params)
         self.stats.record(sum(ex.bytes_sent for ex in pending.values()), dense,
                           sum(ex.compute_seconds for ex in pending.values()))
@@ -400,7 +403,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             predicted step times with the others); default: the cached fit for this world and
             host set, else profiled on the live transport at first use (a few seconds).
         profile_steps: steps measured (after the first) before a cost-model plan is made; until
-            then gradients are exchanged layerwise (int in [1, 1000]).
+            then gradients are exchanged as one group (int in [1, 1000]).
 
     Every argument is validated here, before any collective, identically on every rank.
     """

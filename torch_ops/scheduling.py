@@ -7,12 +7,14 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
 
 * step 0 always runs layerwise; its gradient hooks give the backward order (rank 0's is used);
 * fixed schedules ("layerwise", "single", "size:<MB>", explicit groups) take effect from step 1;
-* cost-model schedules ("mgs", "mgwfbp", "auto") keep running layerwise while they measure
-  ``profile_steps`` more steps (steps 1..profile_steps): per-parameter backward times t_b from the
-  hooks' clocks, the time before backward (data, forward) and the wrapped optimizer's update.
+* cost-model schedules ("mgs", "mgwfbp", "auto") exchange everything as one group while they
+  measure ``profile_steps`` more steps (steps 1..profile_steps), so no exchange competes with the
+  backward pass being timed: per-parameter backward times t_b from the hooks' clocks, the time
+  before backward (data, forward) and the wrapped optimizer's update.
   At the end of step ``profile_steps`` the cost model is taken (the one given, else the cached
   fit for this world and host set, else a few seconds of profiling on the live transport,
-  ``torch_ops.profiling.load_or_profile``) and the plan is made.
+  ``torch_ops.profiling.load_or_profile``), calibrated to the profiled steps (``_calibrate``),
+  and the plan is made.
 
 Rank 0 makes the plan and broadcasts it, so every rank exchanges the same groups, and a failure
 there is raised on every rank. A fixed schedule given a ``cost_model`` also gets a predicted step
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -71,6 +74,7 @@ class StepClock:
         self.hooks: List[Tuple[str, float, float]] = []  # (name, entered, left), in firing order
         self.sync = (0.0, 0.0)
         self.update = (0.0, 0.0)
+        self.finish = 0.0  # in synchronize: the exchanges' code after their collectives, and the scatter
 
     def timings(self, step: int, predicted: Optional[float]) -> Dict[str, Optional[float]]:
         """What the step measured (seconds); ``None`` where there is nothing to measure."""
@@ -115,8 +119,10 @@ class Scheduler:
                              "tensors cannot be merged; use schedule='layerwise'")
         self.plan: Optional[Plan] = None
         self.workload: Optional[Workload] = None
+        self.calibration: Optional[Dict[str, float]] = None  # factors applied to the cost model (_calibrate)
         self.order: Optional[List[str]] = None
         self._runs: List[StepClock] = []
+        self._profiled_groups: List[List[int]] = []  # the groups exchanged while profiling (indices)
 
     @property
     def text(self) -> str:
@@ -146,9 +152,11 @@ class Scheduler:
             return None
         if self.order is None:  # the first step: learn the backward order
             self.order = _broadcast(self._order(clock), "hvc.plan.order")
-            if self.needs_model:
-                return None
+            if self.needs_model:  # measure with one group: no exchange competes with backward
+                self._profiled_groups = [list(range(len(self.order)))]
+                return [list(self.order)]
             self.plan = _broadcast_result(self._fixed_plan, "hvc.plan.fixed")
+            self._profiled_groups = self.plan.groups
             return self._names(self.plan)
         self._runs.append(clock)
         if len(self._runs) < self.profile_steps:
@@ -158,7 +166,10 @@ class Scheduler:
         if model is None:
             from .profiling import load_or_profile
             model = self.cost_model = load_or_profile([self.spec], max_bytes=sum(self.sizes.values()))
-        plan = _broadcast_result(lambda: self._model_plan(model), "hvc.plan.model")
+        calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
+        plan = _broadcast_result(lambda: self._model_plan(calibrated), "hvc.plan.model")
+        plan = replace(plan, notes=plan.notes + ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
+                                                 "decompression x{decompress:.3g}".format(**self.calibration),))
         changed = self.plan is None or plan.groups != self.plan.groups
         self.plan = plan
         self._runs = []
@@ -189,18 +200,40 @@ class Scheduler:
         return self.workload.plan(self.schedule, model, self.spec, self.world)
 
     def _workload(self) -> Workload:
-        """Medians over the profiled steps, then the slowest rank: a group's exchange starts when
-        its last gradient is ready on *every* rank, so the ready times (cumulative backward) are
-        the maximum over ranks, and so are the forward and update times."""
-        gaps = [c.backward_gaps() for c in self._runs]
-        t_b = [statistics.median(g.get(n, 0.0) for g in gaps) for n in self.order]
-        fwd = statistics.median(c.hooks[0][1] - c.prev_end if c.hooks else 0.0 for c in self._runs)
-        upd = statistics.median(c.update[1] - c.update[0] for c in self._runs)
-        ranks = _hvd().allgather_object((t_b, fwd, upd), name="hvc.plan.workload")
-        ready = np.max([np.cumsum(r[0]) for r in ranks], axis=0)
-        t_b = np.diff(ready, prepend=0.0).clip(min=0.0).tolist()
-        fwd, upd = max(r[1] for r in ranks), max(r[2] for r in ranks)
+        """Per profiled step, the slowest rank -- a group's exchange starts when its last gradient
+        is ready on *every* rank, so a step's ready times (cumulative backward) are the maximum over
+        ranks, and so are its forward and update times -- then the median over the steps. Also
+        keeps, the same way, the time the hooks spent (compression, launches) and the time
+        ``synchronize()`` spent in the exchanges' own code and the scatter, for ``_calibrate``."""
+        mine = []
+        for c in self._runs:
+            gaps = c.backward_gaps()
+            fwd = c.hooks[0][1] - c.prev_end if c.hooks else 0.0
+            hooks = sum(b - a for _, a, b in c.hooks)
+            mine.append((np.cumsum([gaps.get(n, 0.0) for n in self.order]).tolist(), fwd,
+                         c.update[1] - c.update[0], hooks, c.finish))
+        ranks = _hvd().allgather_object(mine, name="hvc.plan.workload")
+        steps = [[r[s] for r in ranks] for s in range(len(mine))]
+        ready = np.median([np.max([r[0] for r in step], axis=0) for step in steps], axis=0)
+        fwd, upd, self._hook_seconds, self._finish_seconds = (
+            float(np.median([max(r[k] for r in step) for step in steps])) for k in (1, 2, 3, 4))
+        t_b = np.diff(np.maximum.accumulate(ready), prepend=0.0).clip(min=0.0).tolist()
         return Workload(tuple(self.order), tuple(self.sizes[n] for n in self.order), tuple(t_b), fwd, upd)
+
+    def _calibrate(self, model: CostModel) -> CostModel:
+        """Scale the model's compression (and launch) and decompression times so that, for the
+        groups the profiled steps ran with, they add up to what those steps measured (slowest rank,
+        median step): isolated micro-benchmarks miss cache effects, the other ranks' threads
+        competing for the cores and rank skew. Factors outside [0.25, 10] are clipped."""
+        groups = self._profiled_groups
+        sizes = np.array([sum(self.sizes[self.order[i]] for i in g) for g in groups])
+        factors = []
+        for measured, modelled in ((self._hook_seconds, model.group_cpu_seconds(self.spec, sizes)),
+                                   (self._finish_seconds, model.decompress_seconds(self.spec, sizes))):
+            total = float(np.sum(modelled))
+            factors.append(min(10.0, max(0.25, measured / total)) if total > 0 and measured > 0 else 1.0)
+        self.calibration = {"compress": factors[0], "decompress": factors[1]}
+        return model.scaled(*factors)
 
     def _names(self, plan: Plan) -> List[List[str]]:
         return [[self.order[i] for i in g] for g in plan.groups]
