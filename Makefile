@@ -27,7 +27,7 @@ BENCH_ARGS ?= -n 4 -b 10mbit,100mbit,1gbit,10gbit,unlimited -c none fp16 topk:ra
 bench: install
 	$(PYTHON) -m hvdcompress.bench $(BENCH_ARGS)
 
-# The merge-schedule comparison of README "Layer-merging scheduler" (root; ~5 minutes): Horovod's own
+# The merge-schedule comparison of README "Layer-merging scheduler" (root; ~3 minutes): Horovod's own
 # tensor fusion off, so every group of a schedule is one collective.
 bench-schedules: install
 	HOROVOD_FUSION_THRESHOLD=0 $(PYTHON) -m hvdcompress.bench --model deep -n 2 -b 100mbit,1gbit \
