@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import tensorflow as tf
 
 from hvdcompress.costmodel import CostModel, cache_path
+from hvdcompress.groups import merged_shape, numel
 from hvdcompress.planner import COST_MODEL_SCHEDULES, Plan, Schedule, make_plan, parse_schedule
 
 ACCEPTED = ("'layerwise' (default), 'single', 'size:<MB>' (e.g. 'size:64'), 'mgs' or 'mgwfbp' (either "
@@ -174,13 +175,7 @@ class Group:
 
     @property
     def numels(self) -> Tuple[int, ...]:
-        out = []
-        for s in self.shapes:
-            n = 1
-            for d in s:
-                n *= int(d)
-            out.append(n)
-        return tuple(out)
+        return tuple(numel(s) for s in self.shapes)
 
     @property
     def numel(self) -> int:
@@ -188,12 +183,8 @@ class Group:
 
     @property
     def shape(self) -> Tuple[int, ...]:
-        """What the compressor is told the tensor's shape is (module doc)."""
-        if len(self.shapes) == 1:
-            return self.shapes[0]
-        if all(len(s) <= 1 for s in self.shapes):
-            return (self.numel,)
-        return (1, self.numel)
+        """What the compressor is told the tensor's shape is (``hvdcompress.groups.merged_shape``)."""
+        return merged_shape(self.shapes)
 
 
 def make_groups(schedule: ScheduleArg, grads: Sequence[Optional[tf.Tensor]], spec, world_size: int,

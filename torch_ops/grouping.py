@@ -26,6 +26,8 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
+from hvdcompress.groups import merged_shape, numel
+
 State = Dict[str, torch.Tensor]
 
 
@@ -46,7 +48,7 @@ class Group:
 
     @property
     def numels(self) -> Tuple[int, ...]:
-        return tuple(_numel(s) for s in self.shapes)
+        return tuple(numel(s) for s in self.shapes)
 
     @property
     def numel(self) -> int:
@@ -54,19 +56,8 @@ class Group:
 
     @property
     def shape(self) -> Tuple[int, ...]:
-        """What the compressor is told the tensor's shape is (module doc)."""
-        if len(self.shapes) == 1:
-            return self.shapes[0]
-        if all(len(s) <= 1 for s in self.shapes):
-            return (self.numel,)
-        return (1, self.numel)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+        """What the compressor is told the tensor's shape is (``hvdcompress.groups.merged_shape``)."""
+        return merged_shape(self.shapes)
 
 
 def make_groups(groups: Sequence[Sequence[str]], shapes: Mapping[str, Tuple[int, ...]]) -> List[Group]:

@@ -29,7 +29,6 @@ last layer) is the plan's ``forward_seconds``.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import replace
 
