@@ -8,6 +8,7 @@ holding a weight matrix is treated as a matrix, its biases included.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence, Tuple
 
 
@@ -26,3 +27,33 @@ def merged_shape(shapes: Sequence[Sequence[int]]) -> Tuple[int, ...]:
         return shapes[0]
     total = sum(numel(s) for s in shapes)
     return (total,) if all(len(s) <= 1 for s in shapes) else (1, total)
+
+
+@dataclass(frozen=True)
+class MergedGroup:
+    """Tensors exchanged as one flat tensor, in concatenation order: ``members`` name them
+    (parameter names in PyTorch, gradient positions in TensorFlow), ``shapes`` are theirs."""
+
+    members: Tuple
+    shapes: Tuple[Tuple[int, ...], ...]
+
+    @property
+    def key(self) -> str:
+        """The exchange's name, identical on all ranks (it seeds random-k and DGC's sampling): the
+        member for a group of one, else ``<first>+<n-1>`` (groups are disjoint: keys are unique)."""
+        if len(self.members) == 1:
+            return str(self.members[0])
+        return f"{self.members[0]}+{len(self.members) - 1}"
+
+    @property
+    def numels(self) -> Tuple[int, ...]:
+        return tuple(numel(s) for s in self.shapes)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """What the compressor is told the tensor's shape is (``merged_shape``)."""
+        return merged_shape(self.shapes)

@@ -40,13 +40,12 @@ from __future__ import annotations
 
 import operator
 import socket
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
 from hvdcompress.costmodel import CostModel, cache_path
-from hvdcompress.groups import merged_shape, numel
+from hvdcompress.groups import MergedGroup
 from hvdcompress.planner import COST_MODEL_SCHEDULES, Plan, Schedule, make_plan, parse_schedule
 
 ACCEPTED = ("'layerwise' (default), 'single', 'size:<MB>' (e.g. 'size:64'), 'mgs' or 'mgwfbp' (either "
@@ -153,38 +152,18 @@ def cached_cost_model(world_size: int, process_set=None, use_horovod: bool = Tru
 
 
 # --- groups -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Group:
-    """Gradient positions exchanged as one flat tensor, in concatenation order."""
-
-    positions: Tuple[int, ...]
-    shapes: Tuple[Tuple[int, ...], ...]
+class Group(MergedGroup):
+    """Gradient positions exchanged as one flat tensor, in concatenation order; ``key`` is the
+    position for a group of one, else ``<first>+<n-1>``."""
 
     @property
-    def key(self) -> str:
-        """The exchange's name, identical on all ranks (it seeds random-k and DGC's sampling): the
-        position for a group of one, else ``<first>+<n-1>`` (groups are disjoint: unique)."""
-        if len(self.positions) == 1:
-            return str(self.positions[0])
-        return f"{self.positions[0]}+{len(self.positions) - 1}"
+    def positions(self) -> Tuple[int, ...]:
+        return self.members
 
     @property
     def op_name(self) -> str:
         """``key`` as a TensorFlow op name may spell it."""
         return self.key.replace("+", "-")
-
-    @property
-    def numels(self) -> Tuple[int, ...]:
-        return tuple(numel(s) for s in self.shapes)
-
-    @property
-    def numel(self) -> int:
-        return sum(self.numels)
-
-    @property
-    def shape(self) -> Tuple[int, ...]:
-        """What the compressor is told the tensor's shape is (``hvdcompress.groups.merged_shape``)."""
-        return merged_shape(self.shapes)
 
 
 def make_groups(schedule: ScheduleArg, grads: Sequence[Optional[tf.Tensor]], spec, world_size: int,

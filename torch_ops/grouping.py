@@ -21,43 +21,22 @@ group as a whole: a merged group holding a weight matrix is sparsified, biases i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
-from hvdcompress.groups import merged_shape, numel
+from hvdcompress.groups import MergedGroup
 
 State = Dict[str, torch.Tensor]
 
 
-@dataclass(frozen=True)
-class Group:
-    """Consecutive parameters (backward order) exchanged as one flat tensor."""
-
-    names: Tuple[str, ...]
-    shapes: Tuple[Tuple[int, ...], ...]
+class Group(MergedGroup):
+    """Consecutive parameters (backward order) exchanged as one flat tensor; ``key`` is the
+    parameter's name for a group of one, else ``<first name>+<n-1>``."""
 
     @property
-    def key(self) -> str:
-        """The exchange's name, identical on all ranks: the parameter's name for a group of one,
-        else ``<first>+<n-1>`` (groups are disjoint and consecutive, so keys are unique)."""
-        if len(self.names) == 1:
-            return self.names[0]
-        return f"{self.names[0]}+{len(self.names) - 1}"
-
-    @property
-    def numels(self) -> Tuple[int, ...]:
-        return tuple(numel(s) for s in self.shapes)
-
-    @property
-    def numel(self) -> int:
-        return sum(self.numels)
-
-    @property
-    def shape(self) -> Tuple[int, ...]:
-        """What the compressor is told the tensor's shape is (``hvdcompress.groups.merged_shape``)."""
-        return merged_shape(self.shapes)
+    def names(self) -> Tuple[str, ...]:
+        return self.members
 
 
 def make_groups(groups: Sequence[Sequence[str]], shapes: Mapping[str, Tuple[int, ...]]) -> List[Group]:
