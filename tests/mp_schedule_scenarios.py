@@ -240,13 +240,18 @@ def no_gradient(world) -> dict:
 
 
 def accumulation(world) -> dict:
-    """backward_passes_per_step=2 with merged groups: the accumulated gradients, exchanged once."""
+    """backward_passes_per_step=2 with merged groups: the accumulated gradients, exchanged once;
+    and gradient_predivide_factor with a merged group."""
     out = {}
     for spec in ("none", "fp16"):
         ref, _, _ = train(spec, "layerwise", steps=4, bpps=2)
         for schedule in ("single", SIZE):
             model, opt, log = train(spec, schedule, steps=4, bpps=2)
             out[f"{spec}/{schedule}"] = dict(summary(opt, log), equal=bool(torch.equal(_flat(model), _flat(ref))))
+    # gradient_predivide_factor scales a merged group's own buffer in place: same result as layerwise
+    ref, _, _ = train("none", "layerwise", steps=3, gradient_predivide_factor=2.0)
+    model, opt, log = train("none", "single", steps=3, gradient_predivide_factor=2.0)
+    out["none/single/predivide"] = dict(summary(opt, log), equal=bool(torch.equal(_flat(model), _flat(ref))))
     return out
 
 

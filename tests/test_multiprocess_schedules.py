@@ -200,13 +200,15 @@ def test_parameters_without_gradient_in_merged_groups_do_not_hang(results):
                 assert r["none/single"]["equal_to_layerwise"] and r[f"none/{sc.SIZE}"]["equal_to_layerwise"]
 
 
-def test_backward_passes_per_step_with_merged_groups(results):
+def test_backward_passes_per_step_and_predivide_with_merged_groups(results):
     for r in _part(results, "accumulation"):
         for spec in ("none", "fp16"):
             for schedule in ("single", sc.SIZE):
                 run = r[f"{spec}/{schedule}"]
                 assert run["equal"] and run["identical"] and _merged(run["groups"]), (spec, schedule)
                 _check_timings(run, planned_from=None)
+        run = r["none/single/predivide"]
+        assert run["equal"] and run["identical"] and _merged(run["groups"])
 
 
 # --- bad arguments --------------------------------------------------------------------------------

@@ -299,8 +299,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads.append(p.grad)
         with torch.no_grad():
             x = flatten(grads)
-            if self._hvc_prescale != 1.0:
-                x = x * self._hvc_prescale
+            if self._hvc_prescale != 1.0:  # a merged group's buffer is ours; a lone gradient is not
+                x = x.mul_(self._hvc_prescale) if len(grads) > 1 else x * self._hvc_prescale
             ctx = ExchangeContext(group.key, self._hvc_step, self._hvc_world, self._hvc_scale,
                                   self._hvc_state[group.key], group.shape, self._hvc_epoch)
             self._hvc_pending[gi] = PendingExchange(self._hvc_compressor.exchange(x, ctx),
