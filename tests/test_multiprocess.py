@@ -1,41 +1,16 @@
 """Real Horovod: 2 and 3 worker processes on the Gloo CPU backend (horovod.runner.run)."""
 
-import os
-import tempfile
-
 import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
 import mp_scenarios  # noqa: E402
+from launch import run_workers  # noqa: E402
 from mp_scenarios import TRAIN_SPECS  # noqa: E402
 
 
-def worker_cache_dir() -> str:
-    """The cost-model cache the workers use: $HVDCOMPRESS_CACHE as the test session set it
-    (conftest.py: a temporary directory per session; a test may set its own), else a temporary
-    one made here -- never the user's ~/.cache/hvdcompress."""
-    if not os.environ.get("HVDCOMPRESS_CACHE"):
-        os.environ["HVDCOMPRESS_CACHE"] = tempfile.mkdtemp(prefix="hvdcompress-test-cache-")
-    return os.environ["HVDCOMPRESS_CACHE"]
-
-
 def _run(fn, np_, *args):
-    """Run ``fn(*args)`` on ``np_`` local Gloo workers; returns each rank's result, rank order.
-    The workers inherit this process's environment."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    cache = worker_cache_dir()
-    saved = dict(os.environ)
-    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), saved.get("PYTHONPATH", "")])
-    os.environ["HVDCOMPRESS_CACHE"] = cache
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["HOROVOD_CYCLE_TIME"] = "1"  # ms; these runs are latency bound
-    try:
-        return hvd_runner.run(fn, args=args, num_proc=np_, hosts=f"localhost:{np_}", use_gloo=True,
-                              start_timeout=60)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return run_workers(fn, np_, *args)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2workers", "3workers"])

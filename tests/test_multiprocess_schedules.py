@@ -15,7 +15,7 @@ hvd_runner = pytest.importorskip("horovod.runner")
 
 import mp_schedule_scenarios as sc  # noqa: E402
 from mp_scenarios import TRAIN_SPECS  # noqa: E402
-from test_multiprocess import _run  # noqa: E402
+from launch import part as _part, run_workers as _run  # noqa: E402
 
 WORLD = 2
 SIZES = {"0.weight": 2560, "0.bias": 128, "2.weight": 4096, "2.bias": 128, "4.weight": 512, "4.bias": 16}
@@ -29,12 +29,6 @@ def results(tmp_path_factory):
     out = _run(sc.everything, WORLD, WORLD, str(cache))
     assert len(out) == WORLD
     return out
-
-
-def _part(results, name):
-    for r in results:
-        assert "error" not in r[name], r[name].get("error")
-    return [r[name] for r in results]
 
 
 def _merged(groups):

@@ -4,14 +4,13 @@ TensorFlow takes seconds to import in every worker, so one launch (a module fixt
 scenarios of tests/mp_tf_scenarios.py; each test below checks one part of what it returned.
 """
 
-import os
 
 import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
 import mp_tf_scenarios  # noqa: E402
-from test_multiprocess import worker_cache_dir  # noqa: E402
+from launch import part as _part, run_workers  # noqa: E402
 from mp_tf_scenarios import TAPE_SPECS  # noqa: E402
 
 WORLD = 2
@@ -20,31 +19,13 @@ DIGITS_EPOCHS = 20
 
 @pytest.fixture(scope="module")
 def results():
-    here = os.path.dirname(os.path.abspath(__file__))
-    saved = dict(os.environ)
-    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), saved.get("PYTHONPATH", "")])
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["TF_USE_LEGACY_KERAS"] = "1"
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    os.environ["HOROVOD_CYCLE_TIME"] = "1"  # ms; these runs are latency bound
-    os.environ["HVDCOMPRESS_CACHE"] = worker_cache_dir()  # never the user's cost-model cache
-    try:
-        out = hvd_runner.run(mp_tf_scenarios.everything, args=(WORLD, DIGITS_EPOCHS), num_proc=WORLD,
-                             hosts=f"localhost:{WORLD}", use_gloo=True, start_timeout=120)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    out = run_workers(mp_tf_scenarios.everything, WORLD, WORLD, DIGITS_EPOCHS, start_timeout=120,
+                      env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert len(out) == WORLD
     print("scenario seconds (wall, cpu) per rank:", [r["seconds"] for r in out])
     print("digits:", {k: (v["test_accuracy"], v["bytes_per_step_last_epoch"]) for k, v in out[0]["digits"].items()}
           if "error" not in out[0]["digits"] else out[0]["digits"])
     return out
-
-
-def _part(results, name):
-    for r in results:
-        assert "error" not in r[name], r[name].get("error")
-    return [r[name] for r in results]
 
 
 def test_keras_fit_leaves_identical_parameters_on_all_ranks(results):

@@ -3,42 +3,25 @@ run tests/mp_tf_schedule_scenarios.py once; each test checks one part of what it
 workers get an empty HVDCOMPRESS_CACHE, so no cost model is cached for them.
 """
 
-import os
 
 import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
 import mp_tf_schedule_scenarios  # noqa: E402
+from launch import part as _part, run_workers  # noqa: E402
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    here = os.path.dirname(os.path.abspath(__file__))
-    saved = dict(os.environ)
-    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), saved.get("PYTHONPATH", "")])
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["TF_USE_LEGACY_KERAS"] = "1"
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    os.environ["HOROVOD_CYCLE_TIME"] = "1"  # ms; these runs are latency bound
-    os.environ["HVDCOMPRESS_CACHE"] = str(tmp_path_factory.mktemp("hvc-cache"))
-    try:
-        out = hvd_runner.run(mp_tf_schedule_scenarios.everything, args=(WORLD,), num_proc=WORLD,
-                             hosts=f"localhost:{WORLD}", use_gloo=True, start_timeout=120)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    out = run_workers(mp_tf_schedule_scenarios.everything, WORLD, WORLD, start_timeout=120,
+                      env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
+                           "HVDCOMPRESS_CACHE": str(tmp_path_factory.mktemp("hvc-cache"))})
     assert len(out) == WORLD
     print("scenario seconds per rank:", [r["seconds"] for r in out])
     return out
-
-
-def _part(results, name):
-    for r in results:
-        assert "error" not in r[name], r[name].get("error")
-    return [r[name] for r in results]
 
 
 def test_dense_merged_schedules_leave_the_parameters_layerwise_leaves(results):
