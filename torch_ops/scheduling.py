@@ -167,8 +167,9 @@ class Scheduler:
             model = self.cost_model = load_or_profile([self.spec], max_bytes=sum(self.sizes.values()))
         calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
         plan = _broadcast_result(lambda: self._model_plan(calibrated), "hvc.plan.model")
-        plan = replace(plan, notes=plan.notes + ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
-                                                 "decompression x{decompress:.3g}".format(**self.calibration),))
+        note = ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
+                "decompression x{decompress:.3g}".format(**self.calibration))
+        plan = replace(plan, notes=plan.notes + (note,))
         changed = self.plan is None or plan.groups != self.plan.groups
         self.plan = plan
         self._runs = []
