@@ -8,8 +8,8 @@ Communication (alpha-beta, per worker count N, fitted on the real transport)::
 An exchange of a (merged) tensor of d elements issues one or more collectives; its time is the
 sum over them (``comm_seconds``). Top-k sends an int32-index allgather and a float32-value
 allgather of k = ceil(ratio * d) entries each, so t_c = 2 * (a_N + b_N * 4 * N * k), as in
-DESIGN.md. Which collectives a compressor issues is told by ``PAYLOADS`` (by name), or, for a
-name not there, by its spec: ``exchange`` and a ``ratio`` parameter if it has one.
+docs/design.md. Which collectives a compressor issues, in how many rounds, is what its
+registration declares (``spec.register(..., wire=)``; ``rounds`` below).
 
 Compression (per compressor spec) ``t_s(d) = a * f(d) + b`` with ``f(d) = d * log2(d)``
 ("dlogd", sort-like selection) or ``f(d) = d`` ("linear"); both forms are fitted and the one with
@@ -135,50 +135,21 @@ def fit_compute(d: Sequence[float], t: Sequence[float], forms: Iterable[str] = F
 
 
 # --- what a compressor puts on the wire ---------------------------------------------------------
-# A payload rule maps (spec, d elements as an array, itemsize, density) to (collective kind,
-# number of collectives, total bytes this rank contributes).
-PayloadRule = Callable[[CompressionSpec, np.ndarray, int, Optional[float]], Tuple[str, int, np.ndarray]]
+# Every algorithm declares its rounds (``spec.register(..., wire=)``, in its oracle module); the
+# model sums the rounds' start-ups and transfers.
 
 
-def _selected(fraction: float, d: np.ndarray) -> np.ndarray:
-    """k = ceil(fraction * d) (at least 1 of a non-empty tensor), as in ``spec.num_selected``."""
-    x = fraction * d
-    k = np.ceil(x - 1e-9 * x)
-    return np.where(d > 0, np.clip(k, 1, d), 0)
-
-
-def _index_bytes(d: np.ndarray) -> np.ndarray:
-    return np.where(d <= np.iinfo(np.int32).max, 4, 8)
-
-
-def _sparse_gathered(spec, d, itemsize, density):
-    frac = spec.params["ratio"] if "ratio" in spec.params else (1.0 if density is None else density)
-    k = _selected(frac, d)
-    return GATHERED, 2, k * (itemsize + _index_bytes(d))
-
-
-PAYLOADS: Dict[str, PayloadRule] = {
-    "none": lambda spec, d, item, dens: (SUMMED, 1, d * item),
-    "fp16": lambda spec, d, item, dens: (SUMMED, 1, d * 2.0),
-    "bf16": lambda spec, d, item, dens: (GATHERED, 1, d * 2.0),
-    "topk": _sparse_gathered,
-    "threshold": _sparse_gathered,  # density: measured fraction sent; unknown -> 1 (an upper bound)
-    "randomk": lambda spec, d, item, dens: (SUMMED, 1, _selected(spec["ratio"], d) * item),
-}
+def rounds(spec, d, itemsize: int = 4, density: Optional[float] = None, world_size: int = 1):
+    """The ``spec.Round`` s of one exchange of d-element tensors (array ok)."""
+    spec = resolve(spec)
+    return spec.info.rounds(spec.params, np.asarray(d, dtype=float), itemsize, world_size, density)
 
 
 def payload(spec, d, itemsize: int = 4, density: Optional[float] = None) -> Tuple[str, int, np.ndarray]:
-    """(collective kind, collectives per exchange, bytes this rank sends) for d-element tensors."""
-    spec = resolve(spec)
-    d = np.asarray(d, dtype=float)
-    rule = PAYLOADS.get(spec.name)
-    if rule is not None:
-        return rule(spec, d, itemsize, density)
-    if "ratio" in spec.params:  # a sparsifier this table does not know: values (+ indices if gathered)
-        if spec.exchange == GATHERED:
-            return _sparse_gathered(spec, d, itemsize, density)
-        return SUMMED, 1, _selected(spec["ratio"], d) * itemsize
-    return spec.exchange, 1, d * itemsize
+    """(kind of the first round, collectives per exchange over all rounds, bytes this rank sends
+    over all rounds) for d-element tensors."""
+    rs = rounds(spec, d, itemsize, density)
+    return rs[0].kind, sum(r.collectives for r in rs), sum(r.nbytes for r in rs)
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -245,11 +216,13 @@ class CostModel:
                      density: Optional[float] = None):
         """t_c: seconds to exchange tensors of ``dense_bytes`` (array ok) compressed by ``spec``."""
         d = np.asarray(dense_bytes, dtype=float) / itemsize
-        kind, ops, nbytes = payload(spec, d, itemsize, density)
         model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
-        fit = model.allgather if kind == GATHERED else model.allreduce
-        scale = model.world_size if kind == GATHERED else 1
-        return ops * fit.alpha + fit.beta * scale * nbytes
+        total = np.zeros_like(d)
+        for r in rounds(spec, d, itemsize, density, model.world_size):  # rounds run one after another
+            fit = model.allgather if r.kind == GATHERED else model.allreduce
+            scale = model.world_size if r.kind == GATHERED else 1
+            total = total + r.collectives * fit.alpha + fit.beta * scale * r.nbytes
+        return total
 
     def has_compress_fit(self, spec) -> bool:
         spec = resolve(spec)

@@ -93,15 +93,52 @@ def _coerce(where: str, kind: type, value: Any, accepted: str) -> Any:
         raise ValueError(f"{where} must be {accepted}; got {value!r}") from None
 
 
+# How a compressor's tensors may be merged into one exchange (``schedule=``):
+ELEMENTWISE = "elementwise"  # every state tensor has one entry per element; merging tensors does
+#                              not change their results (a flat buffer is exchanged)
+PER_MEMBER = "per-member"    # merged groups are fine: the compressor applies its per-tensor rules
+#                              to each member of the group (``ExchangeContext.members``)
+LAYERWISE = "layerwise"      # one exchange per tensor only (state shaped by the tensor, e.g.
+#                              low-rank factors): "auto" resolves to "layerwise"
+MERGE_POLICIES = (ELEMENTWISE, PER_MEMBER, LAYERWISE)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of an exchange as the cost model sees it: the collective kind, how many
+    collectives of that kind, and the bytes this rank contributes (an array over tensor sizes)."""
+
+    kind: str  # SUMMED or GATHERED
+    collectives: int
+    nbytes: Any
+
+
+# wire(params, d, itemsize, world, density) -> rounds; d is an array of element counts, density
+# the measured fraction sent (None: the spec's own value). Vectorised over d.
+WireRule = Callable[[Mapping[str, Any], Any, int, int, Optional[float]], Tuple[Round, ...]]
+
+
 @dataclass(frozen=True)
 class CompressorInfo:
-    """Registry entry: what a compressor is called, what it takes, how its payload travels."""
+    """Registry entry: one algorithm, declared once (``register``) in its oracle module.
+
+    name      spec name (``"topk"``); the factory ``Compression.<name>`` is generated from it
+    exchange  SUMMED or GATHERED: how its first round travels
+    params    validated parameters (``Param``)
+    doc       what it does, one sentence (the factory's docstring starts with it)
+    check     cross-parameter validation; may fill derived values (ValueError names the parameter)
+    wire      per-round wire cost for the cost model and planner (``WireRule``); None: one round
+              of ``exchange`` carrying the dense tensor
+    merge     ELEMENTWISE, PER_MEMBER or LAYERWISE (see above)
+    """
 
     name: str
-    exchange: str  # SUMMED or GATHERED (the first round, for multi-round compressors)
+    exchange: str
     params: Tuple[Param, ...]
     doc: str
-    check: Optional[Callable[[Dict[str, Any]], None]] = None  # cross-parameter validation
+    check: Optional[Callable[[Dict[str, Any]], None]] = None
+    wire: Optional[WireRule] = None
+    merge: str = ELEMENTWISE
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -110,75 +147,40 @@ class CompressorInfo:
         accepted = ", ".join(p.name for p in self.params) or "none"
         raise ValueError(f"{self.name}: unknown parameter '{name}'; accepted parameters: {accepted}")
 
+    def rounds(self, params: Mapping[str, Any], d, itemsize: int = 4, world: int = 1,
+               density: Optional[float] = None) -> Tuple[Round, ...]:
+        """The wire cost per round for tensors of ``d`` elements (array ok)."""
+        import numpy as np
+
+        d = np.asarray(d, dtype=float)
+        if self.wire is None:
+            return (Round(self.exchange, 1, d * itemsize),)
+        return tuple(self.wire(params, d, itemsize, world, density))
+
 
 REGISTRY: Dict[str, CompressorInfo] = {}
 
 
 def register(name: str, exchange: str, doc: str, *params: Param,
-             check: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
-    REGISTRY[name] = CompressorInfo(name, exchange, tuple(params), doc, check)
+             check: Optional[Callable[[Dict[str, Any]], None]] = None, wire: Optional[WireRule] = None,
+             merge: str = ELEMENTWISE) -> CompressorInfo:
+    """Declare an algorithm: spec name, parameters, wire cost, merge policy. Called once, when
+    its oracle module (``hvdcompress.reference.<module>``) is imported; a backend implements it by
+    subclassing its ``Compressor`` with ``name = "<name>"`` (see docs/design.md)."""
+    if exchange not in (SUMMED, GATHERED):
+        raise ValueError(f"register {name!r}: exchange must be {SUMMED!r} or {GATHERED!r}; got {exchange!r}")
+    if merge not in MERGE_POLICIES:
+        raise ValueError(f"register {name!r}: merge must be one of {MERGE_POLICIES}; got {merge!r}")
+    info = REGISTRY[name] = CompressorInfo(name, exchange, tuple(params), doc, check, wire, merge)
+    return info
 
 
-def _residual(default: bool) -> Param:
+def residual_param(default: bool) -> Param:
     return Param("residual", bool, default,
                  "error feedback: keep what was not sent and add it to the next step's gradient")
 
 
-_RATIO = dict(low=0.0, high=1.0, low_open=True)
-
-register("none", SUMMED, "dense allreduce, no compression (what Horovod does by default)")
-register("fp16", SUMMED, "cast to IEEE half precision, allreduce in fp16, cast back",
-         _residual(False))
-register("bf16", GATHERED, "round to bfloat16 (nearest even), allgather the 16-bit codes, sum in fp32",
-         _residual(False))
-register("topk", GATHERED, "send the k = ceil(ratio * numel) largest-magnitude entries "
-         "(ties to the lower index) as (indices, values)",
-         Param("ratio", float, 0.01, "fraction of entries sent", **_RATIO), _residual(True))
-register("randomk", SUMMED, "send k = ceil(ratio * numel) entries at indices drawn from a seed shared "
-         "by all ranks, so the values can be allreduced",
-         Param("ratio", float, 0.01, "fraction of entries sent", **_RATIO),
-         Param("seed", int, 0, "seed shared by all ranks", low=0, high=2**63 - 1),
-         _residual(True))
-register("threshold", GATHERED, "send every entry with |x| >= threshold as (indices, values)",
-         Param("threshold", float, 1e-3, "magnitude threshold", low=0.0, low_open=True),
-         _residual(True))
-
-
-
-def _check_dgc(p: Dict[str, Any]) -> None:
-    from .warmup import warmup_densities
-
-    if p["warmup_schedule"]:  # an explicit schedule sets the warm-up length
-        p["warmup_epochs"] = len(p["warmup_schedule"])
-    try:
-        warmup_densities(p["ratio"], p["warmup_epochs"], p["warmup_schedule"])
-    except ValueError as e:
-        raise ValueError(f"dgc: {e}".replace("warm-up: ", "")) from None
-
-
-register("dgc", GATHERED, "Deep Gradient Compression (Lin et al., ICLR 2018): top-k by a sampled "
-         "threshold on the accumulated velocity, with momentum correction, local gradient clipping, "
-         "momentum factor masking and sparsity warm-up; small and 1-D tensors are sent dense",
-         Param("ratio", float, 0.001, "target density (fraction of entries sent)", **_RATIO),
-         Param("momentum", float, 0.9, "momentum, applied in the compressor memory", low=0.0, high=1.0,
-               high_open=True),
-         Param("nesterov", bool, False, "Nesterov momentum"),
-         Param("momentum_correction", bool, True, "accumulate velocity (u = m*u + g; v += u) instead of "
-               "gradients; off: accumulate gradients, apply momentum to the exchanged average"),
-         Param("clip_norm", float, None, "local clipping: each tensor's gradient norm is clipped to "
-               "clip_norm / sqrt(world size) before accumulation", low=0.0, low_open=True, optional=True),
-         Param("momentum_masking", bool, True, "zero the momentum u where an entry was sent"),
-         Param("warmup_epochs", int, 4, "epochs of exponentially falling density", low=0),
-         Param("warmup_schedule", tuple, (), "explicit warm-up densities, one per epoch, decreasing "
-               "(sets warmup_epochs to its length); empty: exponential from 1 to ratio"),
-         Param("sample_ratio", float, 0.01, "fraction of |v| sampled to estimate the threshold", **_RATIO),
-         Param("adapt_iters", int, 4, "times the threshold may be lowered (x0.8) when fewer than 0.8k "
-               "entries pass it", low=0, high=32),
-         Param("min_sparse_numel", int, 1024, "tensors with fewer elements (and 1-D tensors) are sent "
-               "dense", low=1),
-         Param("fp16_values", bool, False, "send the selected values as fp16"),
-         Param("seed", int, 0, "seed of the sampling offset, shared by all ranks", low=0, high=2**63 - 1),
-         check=_check_dgc)
+RATIO_RANGE = dict(low=0.0, high=1.0, low_open=True)
 
 
 @dataclass(frozen=True)
@@ -224,9 +226,10 @@ class CompressionSpec:
         args = ",".join(f"{k}={_fmt(v)}" for k, v in self.params.items())
         return f"{self.name}:{args}"
 
-    def __call__(self) -> "CompressionSpec":
-        # ``Compression.fp16`` and ``Compression.fp16()`` both work, as in Horovod.
-        return self
+    def __call__(self, **params: Any) -> "CompressionSpec":
+        """This spec with ``params`` changed: ``Compression.topk(ratio=0.01)``. Uncalled and
+        called without arguments are the same spec (``Compression.fp16`` as in Horovod)."""
+        return CompressionSpec(self.name, {**self.params, **params}) if params else self
 
 
 def _fmt(v: Any) -> str:
@@ -237,7 +240,14 @@ def _fmt(v: Any) -> str:
     return repr(v) if isinstance(v, float) else str(v)
 
 
+def _load_builtins() -> None:
+    """Import the built-in algorithms' oracle modules, which register them (idempotent)."""
+    from . import reference  # noqa: F401  (each algorithm module calls ``register``)
+
+
 def info_for(name: str) -> CompressorInfo:
+    if not isinstance(name, str) or name not in REGISTRY:
+        _load_builtins()
     if not isinstance(name, str) or name not in REGISTRY:
         known = ", ".join(sorted(REGISTRY))
         raise ValueError(f"compression: unknown compressor {name!r}; known compressors: {known}")
@@ -259,31 +269,36 @@ def parse_spec(text: str) -> CompressionSpec:
     return CompressionSpec(name.strip(), params)
 
 
-def _factory(name: str) -> Callable[..., CompressionSpec]:
-    info = REGISTRY[name]
+class _Factories(type):
+    """``Compression.<name>`` for every registered algorithm, made from the registry."""
 
-    def make(**params: Any) -> CompressionSpec:
-        return CompressionSpec(name, params)
+    def __getattr__(cls, name: str) -> "CompressionSpec":
+        if name.startswith("_"):
+            raise AttributeError(name)
+        _load_builtins()
+        if name not in REGISTRY:
+            raise AttributeError(f"Compression has no compressor {name!r}; known: {', '.join(sorted(REGISTRY))}")
+        return CompressionSpec(name)
 
-    make.__name__ = name
-    make.__doc__ = info.doc + "".join(
-        f"\n\n{p.name} ({p.range_text()}, default {p.default!r}): {p.doc}" for p in info.params)
-    return make
+    def __dir__(cls):
+        _load_builtins()
+        return sorted(set(super().__dir__()) | set(REGISTRY))
 
 
-class Compression:
-    """Factories for every compressor, mirroring ``horovod.torch.Compression``.
+class Compression(metaclass=_Factories):
+    """Factories for every registered compressor, mirroring ``horovod.torch.Compression``.
 
-    ``Compression.none`` and ``Compression.fp16`` may be passed uncalled, as in Horovod.
+    ``Compression.<name>`` is the spec with its defaults, and calling it sets parameters:
+    ``Compression.topk(ratio=0.01)``. Uncalled values work too (``Compression.fp16``), as in
+    Horovod. ``describe(name)`` lists an algorithm's parameters and ranges.
     """
 
-    none = CompressionSpec("none")
-    fp16 = CompressionSpec("fp16")
-    bf16 = staticmethod(_factory("bf16"))
-    topk = staticmethod(_factory("topk"))
-    randomk = staticmethod(_factory("randomk"))
-    threshold = staticmethod(_factory("threshold"))
-    dgc = staticmethod(_factory("dgc"))
+
+def describe(name: str) -> str:
+    """An algorithm's one-line doc and its parameters with their ranges and defaults."""
+    info = info_for(name)
+    return info.doc + "".join(f"\n  {p.name} ({p.range_text()}, default {p.default!r}): {p.doc}"
+                              for p in info.params)
 
 
 _HOROVOD_NAMES = {"NoneCompressor": "none", "FP16Compressor": "fp16"}
@@ -308,27 +323,16 @@ def resolve(compression: Any) -> CompressionSpec:
                      f"or Horovod's Compression.none/fp16; got {compression!r}")
 
 
-def build_from(table: Mapping[str, Callable[[CompressionSpec], Any]], spec: CompressionSpec, backend: str):
-    """A backend's compressor for ``spec`` from its name table; ValueError if it has none."""
+def build_from(table: Mapping[str, Callable[[CompressionSpec], Any]], spec: CompressionSpec, backend: str,
+               make: bool = True):
+    """A backend's compressor for ``spec`` from its name table (or its class, ``make=False``);
+    ValueError if it has none."""
     try:
         cls = table[spec.name]
     except KeyError:
         raise ValueError(f"compression: {spec.name!r} has no {backend} implementation; "
                          f"available: {', '.join(sorted(table))}") from None
-    return cls(spec)
-
-
-def dgc_density(spec: CompressionSpec, epoch: int) -> float:
-    """DGC's density during ``epoch``: its warm-up schedule, then the target ratio."""
-    from .warmup import density_at
-
-    p = spec.params
-    return density_at(epoch, p["ratio"], p["warmup_epochs"], p["warmup_schedule"])
-
-
-def dgc_sends_dense(spec: CompressionSpec, shape: Tuple[int, ...]) -> bool:
-    """DGC exchanges 1-D tensors and tensors under ``min_sparse_numel`` elements dense."""
-    return len(shape) <= 1 or math.prod(shape) < spec["min_sparse_numel"]
+    return cls(spec) if make else cls
 
 
 def num_selected(ratio: float, numel: int) -> int:

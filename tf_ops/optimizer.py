@@ -21,8 +21,9 @@ per-tensor overhead), "single", "size:<MB>", "mgs"/"mgwfbp" planned with a cost 
 groups of positions in the optimizer's variable list. Positions are those of the gradients the
 optimizer computes (``model.trainable_variables`` order for ``model.fit``).
 
-DGC keeps the momentum in its memory, so the optimizer must not apply its own: an optimizer whose
-config has ``momentum`` > 0 (SGD) is rebuilt with momentum 0 and that momentum (and ``nesterov``)
+A compressor may take settings over from the optimizer (``Compressor.adapt_optimizer``): DGC keeps
+the momentum in its memory, so an optimizer whose config has ``momentum`` > 0 (SGD) is rebuilt
+with momentum 0 and that momentum (and ``nesterov``)
 moves into the DGC spec, with a warning when they differ from the spec's.
 """
 
@@ -36,6 +37,7 @@ from hvdcompress.spec import CompressionSpec, resolve
 
 from .accumulate import LocalAccumulator
 from .compression import GradientCompression
+from .compressors import compressor_class
 from .exchanger import make_exchanger
 
 
@@ -109,22 +111,6 @@ def _keras_bases():
     return new, legacy
 
 
-def _adopt_momentum(spec: CompressionSpec, config: dict):
-    """DGC: move the optimizer's momentum into the spec; the optimizer runs with momentum 0."""
-    momentum = config.get("momentum", 0.0)
-    if spec.name != "dgc" or not isinstance(momentum, (int, float)) or momentum == 0:
-        return spec, config
-    nesterov = bool(config.get("nesterov", False))
-    if (float(momentum), nesterov) != (spec["momentum"], spec["nesterov"]):
-        warnings.warn(f"compression 'dgc': taking over the optimizer's momentum={momentum}, "
-                      f"nesterov={nesterov} (the spec said momentum={spec['momentum']}, "
-                      f"nesterov={spec['nesterov']}); the optimizer itself now runs with momentum=0")
-    config = dict(config, momentum=0.0)
-    if "nesterov" in config:
-        config["nesterov"] = False
-    return CompressionSpec("dgc", dict(spec.params, momentum=float(momentum), nesterov=nesterov)), config
-
-
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
                          backward_passes_per_step=1, average_aggregated_gradients=False,
@@ -170,12 +156,18 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          f"got {average_aggregated_gradients!r}")
     config = optimizer.get_config()
     if isinstance(compression, GradientCompression):
-        if compression.compression.name == "dgc" and config.get("momentum", 0):
-            raise ValueError("compression: DGC applies the momentum in its memory; give the optimizer "
-                             "momentum=0 (set it in the spec: dgc:momentum=...) or pass the spec instead "
-                             "of a GradientCompression so it is taken over")
+        spec = compression.compression
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, adapted = compressor_class(spec).adapt_optimizer(spec, config)
+        if adapted != config:
+            changed = ", ".join(f"{k}={config.get(k)!r}" for k in sorted(adapted) if adapted[k] != config.get(k))
+            raise ValueError(f"compression: '{spec.name}' takes over the optimizer's {changed} (e.g. DGC applies "
+                             "the momentum in its memory); give the optimizer the neutral value (set it in the "
+                             "spec instead) or pass the spec instead of a GradientCompression so it is taken over")
     else:
-        compression, config = _adopt_momentum(resolve(compression), config)
+        spec = resolve(compression)
+        compression, config = compressor_class(spec).adapt_optimizer(spec, config)
     exchanger = make_exchanger("DistributedOptimizer", compression, device_dense, device_sparse,
                                sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
                                process_set, persistent_only=False, name=name, schedule=schedule,

@@ -43,8 +43,7 @@ from hvdcompress.stats import WireStats
 from hvdcompress.planner import Plan
 
 from .collectives import HorovodDriver, PendingExchange, finish_all
-from .compressors import ExchangeContext, build_compressor
-from .compressors.dgc import adopt_momentum
+from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
 from .scheduling import Scheduler, StepClock, check_cost_model, check_profile_steps, check_schedule, now
 
@@ -215,10 +214,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is not None:
             self._hvc_check_state(ours)  # before anything is loaded: no half-restored optimizer
         super(self.__class__, self).load_state_dict(state_dict)
-        if self._hvc_spec.name == "dgc":  # a loaded param_group must not bring momentum back
-            for g in self.param_groups:
-                if "momentum" in g:
-                    g["momentum"] = 0.0
+        self._hvc_compressor.after_load(self.param_groups)
         if ours is None:
             warnings.warn("load_state_dict: the state dict has no compression state (saved by a "
                           "plain optimizer?); residuals start from zero.")
@@ -436,8 +432,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     check_schedule(schedule)
     check_profile_steps(profile_steps)
     check_cost_model(cost_model)
-    if spec.name == "dgc":  # DGC's momentum lives in its memory: take the optimizer's over
-        spec = adopt_momentum(spec, optimizer.param_groups)
+    spec = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)  # e.g. DGC takes momentum over
     if not hvd.is_initialized():
         raise ValueError("horovod is not initialized: call hvd.init() before DistributedOptimizer")
 

@@ -1,16 +1,20 @@
-"""numpy reference implementations: the oracle both backends are tested against.
+"""numpy reference implementations: the oracle both backends are tested against, and the place
+where every algorithm is declared (``spec.register``) -- one module per algorithm family.
 
-Written for clarity, not speed: each function follows the published definition step by step.
-``payloads`` holds the per-worker encodings (what one rank puts on the wire); ``exchange``
-simulates N workers exchanging them, with error feedback, the way the backends' pipelines do.
+Written for clarity, not speed: each module follows the published definition step by step. An
+oracle is a per-rank exchange generator (``oracle.Oracle``), simulated over N ranks by
+``oracle.simulate``; ``exchange`` keeps the one-round helpers the tests call by name.
 """
 
+from . import dense, dgc, sparse  # noqa: F401  (importing registers the built-in algorithms)
 from .codecs import bf16_decode, bf16_encode, fp16_decode, fp16_encode
-from .exchange import reference_exchange, reference_payload, reference_decompress
+from .exchange import reference_decompress, reference_exchange, reference_payload
+from .oracle import ORACLES, Member, Oracle, OracleContext, oracle_for, simulate
 from .selection import threshold_indices, topk_indices
 
 __all__ = [
     "bf16_decode", "bf16_encode", "fp16_decode", "fp16_encode",
     "reference_exchange", "reference_payload", "reference_decompress",
-    "threshold_indices", "topk_indices",
+    "threshold_indices", "topk_indices", "ORACLES", "Member", "Oracle", "OracleContext", "oracle_for",
+    "simulate",
 ]

@@ -20,14 +20,17 @@ so the PyTorch and TensorFlow implementations can match it bit for bit.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import math
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from ..sampling import (ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, index_dtype, sample_k,
                         sample_offset, sample_stride)
-from ..spec import CompressionSpec, num_selected
+from ..spec import GATHERED, RATIO_RANGE, CompressionSpec, Param, num_selected, register
 from ..warmup import density_at
+from ..wire import sparse_gathered
+from .oracle import Allgather, Allreduce, Oracle, OracleContext, simulate
 from .selection import topk_indices
 
 F32 = np.float32
@@ -65,55 +68,110 @@ def is_dense(spec: CompressionSpec, shape: Tuple[int, ...]) -> bool:
     return len(shape) <= 1 or int(np.prod(shape)) < spec["min_sparse_numel"]
 
 
-def dgc_exchange(spec: CompressionSpec, grads: Sequence[np.ndarray], states: List[Dict[str, np.ndarray]],
-                 shape: Tuple[int, ...], key: str = "", step: int = 0, epoch: int = 0, scale=None
-                 ) -> Tuple[np.ndarray, List[Dict[str, np.ndarray]]]:
-    """One DGC exchange among len(grads) workers. ``states[r]`` holds "u" and "v" (created as
-    zeros); updated in place. Returns (result on every rank, payload per rank)."""
+def dgc_density(spec: CompressionSpec, epoch: int) -> float:
+    """DGC's density during ``epoch``: its warm-up schedule, then the target ratio."""
     p = spec.params
-    world = len(grads)
-    scale = F32(1.0 / world if scale is None else scale)
-    m = F32(p["momentum"])
-    dense = is_dense(spec, shape)
-    payloads, parts = [], []
-    for g, st in zip(grads, states):
-        g = _clip(np.asarray(g, dtype=F32).reshape(-1), p["clip_norm"], world)
+    return density_at(epoch, p["ratio"], p["warmup_epochs"], p["warmup_schedule"])
+
+
+def dgc_sends_dense(spec: CompressionSpec, shape: Tuple[int, ...]) -> bool:
+    """DGC exchanges 1-D tensors and tensors under ``min_sparse_numel`` elements dense."""
+    return len(shape) <= 1 or math.prod(shape) < spec["min_sparse_numel"]
+
+
+class DGCOracle(Oracle):
+    """One rank's DGC exchange (the module doc, in order); state "u", "v" in ``ctx.state``."""
+
+    name = "dgc"
+
+    def exchange(self, x, ctx: OracleContext):
+        p = self.spec.params
+        world = ctx.world_size
+        scale = F32(ctx.scale)
+        m = F32(p["momentum"])
+        st = ctx.state
+        g = _clip(np.asarray(x, dtype=F32).reshape(-1), p["clip_norm"], world)
         u = st.setdefault("u", np.zeros_like(g))
-        if dense:
+        if is_dense(self.spec, ctx.shape):
             if p["momentum_correction"]:
                 u[:] = u * m + g
                 send = g + u * m if p["nesterov"] else u.copy()
             else:
                 send = g.copy()
-            payloads.append({"values": send})
-            parts.append(send)
-            continue
-        v = st.setdefault("v", np.zeros_like(g))
-        if p["momentum_correction"]:
-            u[:] = u * m + g
-            v[:] = v + ((g + u * m) if p["nesterov"] else u)
+            (total,) = yield (Allreduce(send),)
         else:
-            v[:] = v + g
-        k = num_selected(density_at(epoch, p["ratio"], p["warmup_epochs"], p["warmup_schedule"]), v.size)
-        stride = sample_stride(p["sample_ratio"])
-        idx = sampled_threshold_select(v, k, p["sample_ratio"], p["adapt_iters"],
-                                       sample_offset(stride, v.size, p["seed"], step, key))
-        values = v[idx].astype(np.float16) if p["fp16_values"] else v[idx].copy()
-        v[idx] = 0
-        if p["momentum_masking"] and p["momentum_correction"]:
-            u[idx] = 0
-        payloads.append({"indices": idx, "values": values})
-        part = np.zeros_like(g)
-        np.add.at(part, idx.astype(np.int64), values.astype(F32))
-        parts.append(part)
-    total = np.zeros_like(parts[0])
-    for part in parts:  # rank order
-        total = total + part
-    total = total * scale
-    if not p["momentum_correction"]:
-        for st in states:  # identical on every rank: applied to the exchanged average
-            u = st["u"]
+            v = st.setdefault("v", np.zeros_like(g))
+            if p["momentum_correction"]:
+                u[:] = u * m + g
+                v[:] = v + ((g + u * m) if p["nesterov"] else u)
+            else:
+                v[:] = v + g
+            k = num_selected(dgc_density(self.spec, ctx.epoch), v.size)
+            stride = sample_stride(p["sample_ratio"])
+            idx = sampled_threshold_select(v, k, p["sample_ratio"], p["adapt_iters"],
+                                           sample_offset(stride, v.size, p["seed"], ctx.step, ctx.key))
+            values = v[idx].astype(np.float16) if p["fp16_values"] else v[idx].copy()
+            v[idx] = 0
+            if p["momentum_masking"] and p["momentum_correction"]:
+                u[idx] = 0
+            indices, gathered = yield (Allgather(idx), Allgather(values))
+            total = np.zeros_like(g)
+            np.add.at(total, indices.astype(np.int64), gathered.astype(F32))  # rank order
+        total = total * scale
+        if not p["momentum_correction"]:  # identical on every rank: applied to the exchanged average
             u[:] = u * m + total
-        u = states[0]["u"]
-        total = total + u * m if p["nesterov"] else u.copy()
-    return total, payloads
+            total = total + u * m if p["nesterov"] else u.copy()
+        return total
+
+
+def dgc_exchange(spec: CompressionSpec, grads: Sequence[np.ndarray], states: List[Dict[str, np.ndarray]],
+                 shape: Tuple[int, ...], key: str = "", step: int = 0, epoch: int = 0, scale=None
+                 ) -> Tuple[np.ndarray, List[Dict[str, np.ndarray]]]:
+    """One DGC exchange among len(grads) workers. ``states[r]`` holds "u" and "v" (created as
+    zeros); updated in place. Returns (result on every rank, payload per rank)."""
+    total, _, sent = simulate(spec, [np.asarray(g, dtype=F32).reshape(-1) for g in grads], states, key, step,
+                              scale, tuple(shape), epoch)
+    fields = ("values",) if is_dense(spec, tuple(shape)) else ("indices", "values")
+    return total, [dict(zip(fields, rounds[0])) for rounds in sent]
+
+
+def _wire(params, d, itemsize, world, density):
+    """Sparse tensors: (indices, values) gathered at the spec's ratio (or the measured density);
+    fp16_values halves the value bytes. (Dense 1-D / small tensors are not told apart here.)"""
+    return sparse_gathered(params, d, itemsize, world, density, 2 if params["fp16_values"] else None)
+
+
+def _check_dgc(p: Dict[str, Any]) -> None:
+    from ..warmup import warmup_densities
+
+    if p["warmup_schedule"]:  # an explicit schedule sets the warm-up length
+        p["warmup_epochs"] = len(p["warmup_schedule"])
+    try:
+        warmup_densities(p["ratio"], p["warmup_epochs"], p["warmup_schedule"])
+    except ValueError as e:
+        raise ValueError(f"dgc: {e}".replace("warm-up: ", "")) from None
+
+
+register("dgc", GATHERED, "Deep Gradient Compression (Lin et al., ICLR 2018): top-k by a sampled "
+         "threshold on the accumulated velocity, with momentum correction, local gradient clipping, "
+         "momentum factor masking and sparsity warm-up; small and 1-D tensors are sent dense",
+         Param("ratio", float, 0.001, "target density (fraction of entries sent)", **RATIO_RANGE),
+         Param("momentum", float, 0.9, "momentum, applied in the compressor memory", low=0.0, high=1.0,
+               high_open=True),
+         Param("nesterov", bool, False, "Nesterov momentum"),
+         Param("momentum_correction", bool, True, "accumulate velocity (u = m*u + g; v += u) instead of "
+               "gradients; off: accumulate gradients, apply momentum to the exchanged average"),
+         Param("clip_norm", float, None, "local clipping: each tensor's gradient norm is clipped to "
+               "clip_norm / sqrt(world size) before accumulation", low=0.0, low_open=True, optional=True),
+         Param("momentum_masking", bool, True, "zero the momentum u where an entry was sent"),
+         Param("warmup_epochs", int, 4, "epochs of exponentially falling density", low=0),
+         Param("warmup_schedule", tuple, (), "explicit warm-up densities, one per epoch, decreasing "
+               "(sets warmup_epochs to its length); empty: exponential from 1 to ratio"),
+         Param("sample_ratio", float, 0.01, "fraction of |v| sampled to estimate the threshold", **RATIO_RANGE),
+         Param("adapt_iters", int, 4, "times the threshold may be lowered (x0.8) when fewer than 0.8k "
+               "entries pass it", low=0, high=32),
+         Param("min_sparse_numel", int, 1024, "tensors with fewer elements (and 1-D tensors) are sent "
+               "dense", low=1),
+         Param("fp16_values", bool, False, "send the selected values as fp16"),
+         Param("seed", int, 0, "seed of the sampling offset, shared by all ranks", low=0, high=2**63 - 1),
+         check=_check_dgc, wire=_wire)

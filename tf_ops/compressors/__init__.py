@@ -1,31 +1,25 @@
-"""TensorFlow compressors, one class per registered spec name (see ``hvdcompress.spec``)."""
+"""TensorFlow compressors: one module per algorithm family, one class per registered algorithm
+(``name = "topk"`` registers it; the algorithm is declared in ``hvdcompress.reference``)."""
 
-from hvdcompress.spec import REGISTRY, CompressionSpec, build_from
+from hvdcompress.spec import CompressionSpec, build_from
 
-from .base import Compressor, ExchangeContext, OneRoundCompressor, selected_count
+from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor, selected_count
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor
 from .dgc import DGCCompressor
 from .selection import random_selection, sampled_threshold_select, threshold_indices, topk_indices
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 
-COMPRESSORS = {
-    "none": NoneCompressor,
-    "fp16": FP16Compressor,
-    "bf16": BF16Compressor,
-    "topk": TopKCompressor,
-    "randomk": RandomKCompressor,
-    "threshold": ThresholdCompressor,
-    "dgc": DGCCompressor,
-}
+def compressor_class(spec: CompressionSpec):
+    """The TensorFlow class implementing ``spec`` (ValueError if none does)."""
+    return build_from(COMPRESSORS, spec, "TensorFlow", make=False)
 
 
 def build_compressor(spec: CompressionSpec) -> Compressor:
     """The TensorFlow compressor for a validated spec."""
     return build_from(COMPRESSORS, spec, "TensorFlow")
 
-assert set(COMPRESSORS) <= set(REGISTRY), "every TensorFlow compressor needs a spec in hvdcompress.spec"
 
-__all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "COMPRESSORS", "build_compressor",
+__all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "COMPRESSORS", "build_compressor", "compressor_class",
            "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
            "ThresholdCompressor", "TopKCompressor", "DGCCompressor", "selected_count", "topk_indices",
            "threshold_indices", "random_selection", "sampled_threshold_select"]

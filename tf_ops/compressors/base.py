@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import tensorflow as tf
 
-from hvdcompress.spec import CompressionSpec, num_selected
+from hvdcompress.reference.oracle import Member
+from hvdcompress.spec import ELEMENTWISE, CompressionSpec, info_for, num_selected
 
 from ..collectives import Allgather, Allreduce, Exchange
 from ..memory import Memory, memory_for
@@ -50,6 +51,9 @@ class ExchangeContext:
     epoch       the training epoch (drives warm-up schedules when ``density`` is not given)
     density     the fraction of entries a ratio-based sparsifier sends this step (float or float64
                 tensor); None: the spec's value for ``epoch``
+    rank        this rank's index in the process set
+    members     the tensors of the exchange (name, shape, offset into x), as in torch_ops: one
+                member at offset 0 when not merged. TF names members by gradient position.
     """
 
     key: str
@@ -60,6 +64,16 @@ class ExchangeContext:
     shape: Tuple[int, ...] = ()
     epoch: int = 0
     density: Optional[Scalar] = None
+    rank: int = 0
+    members: Tuple[Member, ...] = ()
+
+    def member_views(self, x: tf.Tensor) -> List[Tuple[Member, tf.Tensor]]:
+        """(member, its slice of the flat ``x`` reshaped to its shape) for every member."""
+        members = self.members or (Member(self.key, tuple(self.shape) or tuple(x.shape), 0),)
+        return [(m, tf.reshape(x[m.offset:m.offset + m.numel], m.shape)) for m in members]
+
+
+COMPRESSORS: Dict[str, Type["Compressor"]] = {}
 
 
 def selected_count(density: Scalar, numel: int) -> Scalar:
@@ -76,18 +90,48 @@ def selected_count(density: Scalar, numel: int) -> Scalar:
 
 
 class Compressor(ABC):
-    """Base of every compressor: holds the validated spec; subclasses define ``exchange``."""
+    """Base of every compressor: holds the validated spec; subclasses define ``exchange``.
 
+    As in ``torch_ops``: a subclass names the registered algorithm it implements (``name =
+    "topk"``) and is registered by doing so; the optimizers call the hooks below generically.
+    TF-only members, forced by graph mode and by Keras: ``uses_step`` / ``stateful`` (whether a
+    step counter and variables must exist before tracing), ``has_schedule`` / ``scheduled_density``
+    (the density is a variable the warm-up callback moves), ``state_slots`` / ``make_slot`` (state
+    is flat variables created outside ``tf.function``).
+    """
+
+    name: Optional[str] = None
     summed: bool = True
     uses_step: bool = False  # True: the result depends on ctx.step (seeded selections)
-    # Every state variable has one entry per element of the tensor (residuals, momenta), so
-    # tensors may be merged into one group with their state concatenated (tf_ops.grouping). A
-    # compressor with other state (e.g. low-rank factors) sets False: layerwise schedules only.
-    elementwise_state: bool = True
     has_schedule: bool = False  # True: the spec sets the density per epoch (warm-up)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        name = cls.__dict__.get("name")
+        if name:
+            info_for(name)  # the algorithm must be declared (ValueError otherwise)
+            COMPRESSORS[name] = cls
 
     def __init__(self, spec: CompressionSpec):
         self.spec = spec
+
+    @property
+    def merge(self) -> str:
+        """How its tensors may be merged (``hvdcompress.spec`` ELEMENTWISE / PER_MEMBER / LAYERWISE)."""
+        return self.spec.info.merge
+
+    @property
+    def elementwise_state(self) -> bool:
+        """Every state variable has one entry per element, so merged groups join the members'
+        state and split it back (``tf_ops.grouping``)."""
+        return self.merge == ELEMENTWISE
+
+    @classmethod
+    def adapt_optimizer(cls, spec: CompressionSpec, config: Dict[str, Any]) -> Tuple[CompressionSpec, Dict[str, Any]]:
+        """Called once when a Keras optimizer is wrapped, with its ``get_config()``: may take
+        settings over (DGC takes SGD's momentum) and returns (spec, config to rebuild it from).
+        Raises ValueError for what cannot be honoured. Default: nothing to adapt."""
+        return spec, config
 
     @property
     def has_density(self) -> bool:

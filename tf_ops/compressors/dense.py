@@ -15,6 +15,7 @@ from .base import OneRoundCompressor
 
 
 class NoneCompressor(OneRoundCompressor):
+    name = "none"
     summed = True
 
     def compress(self, a, sel, ctx):
@@ -28,6 +29,7 @@ class NoneCompressor(OneRoundCompressor):
 
 
 class FP16Compressor(OneRoundCompressor):
+    name = "fp16"
     summed = True
 
     def compress(self, a, sel, ctx):
@@ -41,6 +43,7 @@ class FP16Compressor(OneRoundCompressor):
 
 
 class BF16Compressor(OneRoundCompressor):
+    name = "bf16"
     summed = False
 
     def compress(self, a, sel, ctx):

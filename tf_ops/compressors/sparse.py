@@ -46,16 +46,21 @@ class _GatheredSparse(OneRoundCompressor):
 
 
 class TopKCompressor(_GatheredSparse):
+    name = "topk"
+
     def select(self, a, ctx):
         return topk_indices(a, selected_count(self.density(ctx), int(a.shape[0])))
 
 
 class ThresholdCompressor(_GatheredSparse):
+    name = "threshold"
+
     def select(self, a, ctx):
         return threshold_indices(a, self.spec["threshold"])
 
 
 class RandomKCompressor(OneRoundCompressor):
+    name = "randomk"
     summed = True
     uses_step = True
 

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 
-from hvdcompress.spec import CompressionSpec
+from hvdcompress.reference.oracle import Member
+from hvdcompress.spec import ELEMENTWISE, CompressionSpec, info_for
 
 from ..collectives import Allgather, Allreduce, Exchange
 from ..memory import Memory, memory_for
@@ -50,8 +51,13 @@ class ExchangeContext:
     world_size  number of ranks taking part
     scale       factor for the summed result: 1/world_size for op=Average, 1 for Sum
     state       this key's persistent tensors (residual, momenta, ...), saved with the optimizer
-    shape       the tensor's original shape (x arrives flattened)
+    shape       the tensor's original shape (x arrives flattened); a merged group's shape is
+                ``hvdcompress.groups`` 's rule ((n,) when every member is 1-D, else (1, n))
     epoch       the training epoch set by the user (drives warm-up schedules)
+    rank        this rank's index in the process set
+    members     the tensors of the exchange (name, shape, offset into x), as DDP's GradBucket
+                tells them: per-tensor rules (dense 1-D tensors, per-tensor scales, matrix
+                shapes) apply to each member. One member, at offset 0, when not merged.
     """
 
     key: str
@@ -61,19 +67,61 @@ class ExchangeContext:
     state: Dict[str, torch.Tensor] = field(default_factory=dict)
     shape: Tuple[int, ...] = ()
     epoch: int = 0
+    rank: int = 0
+    members: Tuple[Member, ...] = ()
+
+    def member_views(self, x: torch.Tensor) -> List[Tuple[Member, torch.Tensor]]:
+        """(member, its slice of the flat ``x`` reshaped to its shape) for every member."""
+        members = self.members or (Member(self.key, tuple(self.shape) or tuple(x.shape), 0),)
+        return [(m, x[m.offset:m.offset + m.numel].view(m.shape)) for m in members]
+
+
+COMPRESSORS: Dict[str, Type["Compressor"]] = {}
 
 
 class Compressor(ABC):
-    """Base of every compressor: holds the validated spec; subclasses define ``exchange``."""
+    """Base of every compressor: holds the validated spec; subclasses define ``exchange``.
 
+    A subclass implements the registered algorithm it names (``name = "topk"``; the algorithm is
+    declared in its oracle module, ``hvdcompress.reference``) and registers itself by doing so.
+    The optimizer calls the hooks below for every compressor alike; none is special-cased.
+    """
+
+    name: Optional[str] = None
     summed: bool = True
-    # Every state tensor has one entry per element of the tensor (residuals, momenta), so the
-    # optimizer may merge tensors into one group and concatenate their state (torch_ops.grouping).
-    # A compressor with other state (e.g. low-rank factors) sets False: layerwise schedules only.
-    elementwise_state: bool = True
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        name = cls.__dict__.get("name")
+        if name:
+            info_for(name)  # the algorithm must be declared (ValueError otherwise)
+            COMPRESSORS[name] = cls
 
     def __init__(self, spec: CompressionSpec):
         self.spec = spec
+
+    @property
+    def merge(self) -> str:
+        """How its tensors may be merged (``hvdcompress.spec`` ELEMENTWISE / PER_MEMBER / LAYERWISE)."""
+        return self.spec.info.merge
+
+    @property
+    def elementwise_state(self) -> bool:
+        """Every state tensor has one entry per element, so merged groups concatenate the members'
+        state and split it back (``torch_ops.grouping``)."""
+        return self.merge == ELEMENTWISE
+
+    # -- hooks the optimizer calls generically --------------------------------------------------
+    @classmethod
+    def adapt_optimizer(cls, spec: CompressionSpec, param_groups: List[Dict[str, Any]]) -> CompressionSpec:
+        """Called once when the optimizer is wrapped: may take settings over from the wrapped
+        optimizer's parameter groups (DGC takes SGD's momentum) and returns the spec to use.
+        Raises ValueError for what cannot be honoured. Default: nothing to adapt."""
+        return spec
+
+    def after_load(self, param_groups: List[Dict[str, Any]]) -> None:
+        """Called after ``load_state_dict`` restored the wrapped optimizer's parameter groups
+        (e.g. so a loaded group does not bring back momentum the compressor took over)."""
 
     @abstractmethod
     def exchange(self, x: torch.Tensor, ctx: ExchangeContext) -> Exchange:

@@ -14,6 +14,7 @@ from .base import ExchangeContext, OneRoundCompressor
 
 
 class NoneCompressor(OneRoundCompressor):
+    name = "none"
     summed = True
 
     def compress(self, a, ctx):
@@ -27,6 +28,7 @@ class NoneCompressor(OneRoundCompressor):
 
 
 class FP16Compressor(OneRoundCompressor):
+    name = "fp16"
     summed = True
 
     def compress(self, a, ctx):
@@ -40,6 +42,7 @@ class FP16Compressor(OneRoundCompressor):
 
 
 class BF16Compressor(OneRoundCompressor):
+    name = "bf16"
     summed = False
 
     def compress(self, a, ctx):

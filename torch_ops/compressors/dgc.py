@@ -25,7 +25,8 @@ import warnings
 import torch
 
 from hvdcompress.sampling import sample_offset, sample_stride
-from hvdcompress.spec import CompressionSpec, dgc_density, dgc_sends_dense, num_selected
+from hvdcompress.reference.dgc import dgc_density, dgc_sends_dense
+from hvdcompress.spec import CompressionSpec, num_selected
 
 from ..collectives import Allgather, Allreduce
 from .base import Compressor, ExchangeContext
@@ -33,6 +34,7 @@ from .selection import sampled_threshold_select
 
 
 class DGCCompressor(Compressor):
+    name = "dgc"
     summed = False
 
     def __init__(self, spec: CompressionSpec):
@@ -43,6 +45,15 @@ class DGCCompressor(Compressor):
         self.correction = p["momentum_correction"]
         self.masking = p["momentum_masking"] and p["momentum_correction"]
         self.clip_norm = p["clip_norm"]
+
+    @classmethod
+    def adapt_optimizer(cls, spec, param_groups):
+        return adopt_momentum(spec, param_groups)
+
+    def after_load(self, param_groups):
+        for g in param_groups:  # a loaded param_group must not bring the momentum back
+            if "momentum" in g:
+                g["momentum"] = 0.0
 
     def density(self, epoch: int) -> float:
         return dgc_density(self.spec, epoch)

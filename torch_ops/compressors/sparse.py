@@ -55,16 +55,21 @@ class _GatheredSparse(OneRoundCompressor):
 
 
 class TopKCompressor(_GatheredSparse):
+    name = "topk"
+
     def select(self, a):
         return topk_indices(a, num_selected(self.spec["ratio"], a.numel()))
 
 
 class ThresholdCompressor(_GatheredSparse):
+    name = "threshold"
+
     def select(self, a):
         return torch.nonzero(a.abs() >= self.spec["threshold"]).view(-1)
 
 
 class RandomKCompressor(OneRoundCompressor):
+    name = "randomk"
     summed = True
 
     _cached = (None, None)

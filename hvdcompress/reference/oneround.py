@@ -1,0 +1,44 @@
+"""One-round oracles with optional error feedback: the numpy twin of the backends'
+``OneRoundCompressor``.
+
+    a = g + r (when the spec's ``residual`` is on and a residual exists)
+    payload = C(a);  r = a - D(C(a))
+    result = aggregate(collective results) * scale
+
+Subclasses define ``payload`` (a dict of arrays, in wire order), ``decompress`` (own payload ->
+dense) and ``aggregate`` (the collective results -> the dense sum over ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import numpy as np
+
+from .oracle import Allgather, Allreduce, Oracle, OracleContext
+
+
+class OneRoundOracle(Oracle):
+    summed = True
+    fields: Tuple[str, ...] = ()  # the payload dict's keys, in wire order
+
+    def payload(self, a: np.ndarray, ctx: OracleContext) -> Dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def decompress(self, payload: Dict[str, np.ndarray], numel: int, dtype, ctx: OracleContext) -> np.ndarray:
+        raise NotImplementedError
+
+    def aggregate(self, results, numel: int, dtype, ctx: OracleContext) -> np.ndarray:
+        raise NotImplementedError
+
+    def exchange(self, x, ctx):
+        use_residual = bool(self.spec.params.get("residual", False))
+        r = ctx.state.get("residual")
+        a = x + r if (use_residual and r is not None) else x
+        p = self.payload(a, ctx)
+        if use_residual:
+            ctx.state["residual"] = a - self.decompress(p, a.size, a.dtype, ctx)
+        request = Allreduce if self.summed else Allgather
+        results = yield tuple(request(t) for t in p.values())
+        total = self.aggregate(results, a.size, a.dtype, ctx)
+        return (total * np.float32(ctx.scale)).astype(np.float32)

@@ -1,0 +1,88 @@
+"""Sparsifiers, declared and defined in numpy: topk, threshold, randomk.
+
+    topk       {"indices": int32, "values": a[i]}  the k = ceil(ratio*n) largest |a|, ties to the
+               lower index; gathered, scatter-added in rank order
+    threshold  {"indices": int32, "values": a[i]}  every |a| >= threshold (possibly none); gathered
+    randomk    {"values": a[i]}                    i from ``hvdcompress.sampling`` (seed, step, key
+               shared by all ranks); allreduced, scattered at the shared indices
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sampling import random_indices
+from ..spec import GATHERED, RATIO_RANGE, SUMMED, Param, num_selected, register, residual_param
+from ..wire import sparse_gathered, sparse_summed
+from .oneround import OneRoundOracle
+from .selection import threshold_indices, topk_indices
+
+register("topk", GATHERED, "send the k = ceil(ratio * numel) largest-magnitude entries "
+         "(ties to the lower index) as (indices, values)",
+         Param("ratio", float, 0.01, "fraction of entries sent", **RATIO_RANGE), residual_param(True),
+         wire=sparse_gathered)
+register("randomk", SUMMED, "send k = ceil(ratio * numel) entries at indices drawn from a seed shared "
+         "by all ranks, so the values can be allreduced",
+         Param("ratio", float, 0.01, "fraction of entries sent", **RATIO_RANGE),
+         Param("seed", int, 0, "seed shared by all ranks", low=0, high=2**63 - 1),
+         residual_param(True), wire=sparse_summed)
+register("threshold", GATHERED, "send every entry with |x| >= threshold as (indices, values)",
+         Param("threshold", float, 1e-3, "magnitude threshold", low=0.0, low_open=True),
+         residual_param(True), wire=sparse_gathered)
+
+
+class _GatheredSparseOracle(OneRoundOracle):
+    summed = False
+    fields = ("indices", "values")
+
+    def select(self, a: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def payload(self, a, ctx):
+        idx = self.select(a)
+        return {"indices": idx, "values": a[idx]}
+
+    def decompress(self, payload, numel, dtype, ctx):
+        out = np.zeros(numel, dtype=dtype)
+        np.add.at(out, payload["indices"].astype(np.int64), payload["values"].astype(dtype))
+        return out
+
+    def aggregate(self, results, numel, dtype, ctx):
+        indices, values = results  # rank order: every index sums its ranks' values in that order
+        out = np.zeros(numel, dtype=dtype)
+        np.add.at(out, indices.astype(np.int64), values.astype(dtype))
+        return out
+
+
+class TopKOracle(_GatheredSparseOracle):
+    name = "topk"
+
+    def select(self, a):
+        return topk_indices(a, num_selected(self.spec["ratio"], a.size))
+
+
+class ThresholdOracle(_GatheredSparseOracle):
+    name = "threshold"
+
+    def select(self, a):
+        return threshold_indices(a, self.spec["threshold"])
+
+
+class RandomKOracle(OneRoundOracle):
+    name = "randomk"
+    summed = True
+    fields = ("values",)
+
+    def _indices(self, numel, ctx):
+        return random_indices(numel, num_selected(self.spec["ratio"], numel), self.spec["seed"], ctx.step, ctx.key)
+
+    def payload(self, a, ctx):
+        return {"values": a[self._indices(a.size, ctx)]}
+
+    def decompress(self, payload, numel, dtype, ctx):
+        out = np.zeros(numel, dtype=dtype)
+        out[self._indices(numel, ctx)] = payload["values"]
+        return out
+
+    def aggregate(self, results, numel, dtype, ctx):
+        return self.decompress({"values": results[0]}, numel, dtype, ctx)
