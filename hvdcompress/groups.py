@@ -57,3 +57,19 @@ class MergedGroup:
     def shape(self) -> Tuple[int, ...]:
         """What the compressor is told the tensor's shape is (``merged_shape``)."""
         return merged_shape(self.shapes)
+
+
+def check_mergeable(schedule_text: str, spec) -> bool:
+    """Whether ``spec`` 's tensors may be merged under a schedule (its text, "explicit" for explicit
+    groups). A compressor declared ``merge=LAYERWISE`` is exchanged one tensor at a time: "auto"
+    then means "layerwise" (returns False: use layerwise), any other merging schedule is a
+    ValueError naming ``schedule``. True: schedule as asked."""
+    from .spec import LAYERWISE
+
+    if spec.info.merge != LAYERWISE or schedule_text == "layerwise":
+        return True
+    if schedule_text == "auto":
+        return False
+    raise ValueError(f"schedule: compression '{spec.name}' keeps per-tensor state that is not elementwise "
+                     f"(merge policy {LAYERWISE!r}), so its tensors cannot be merged; use schedule='layerwise' "
+                     f"or 'auto'; got {schedule_text!r}")

@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from hvdcompress.groups import check_mergeable
 from hvdcompress.spec import CompressionSpec, resolve
 from hvdcompress.stats import WireStats
 
@@ -95,9 +96,8 @@ class GradientCompression(tf.Module):
         sched = check_schedule(schedule)
         model = check_cost_model(cost_model)
         compressor = build_compressor(spec)
-        if schedule_text(sched) != "layerwise" and not compressor.elementwise_state:
-            raise ValueError(f"schedule: compression '{spec}' keeps state that is not elementwise, so its "
-                             "tensors cannot be merged; use schedule='layerwise'")
+        if not check_mergeable(schedule_text(sched), spec):  # cannot merge: "auto" -> layerwise
+            sched = check_schedule("layerwise")
         if model is not None:
             check_plannable(sched, model, spec)
         super().__init__(name=name)
@@ -243,15 +243,15 @@ class GradientCompression(tf.Module):
             for i in group.positions:
                 g = grads[i]
                 shape = tuple(g.shape)
-                numel = g.shape.num_elements()
                 slots = self.slots[i]
                 for name in member_slots(self._compressor, group, shape):
                     var = slots.get(name)
+                    numel = self._compressor.slot_numel(name, shape)
                     if var is None:
                         slots[name] = self._compressor.make_slot(name, numel, g.dtype, f"{self.name}_{i}_{name}")
                     elif tuple(var.shape) != (numel,) or var.dtype != g.dtype:
                         raise ValueError(
-                            f"compression state: gradient {i} has {numel} elements of {g.dtype.name}, its "
+                            f"compression state: gradient {i} needs {numel} elements of {g.dtype.name}, its "
                             f"state '{name}' has {var.shape.num_elements()} of {var.dtype.name}; one "
                             "GradientCompression serves one list of variables (a checkpoint of another model?)")
 

@@ -71,7 +71,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_scheduler = Scheduler(
             schedule, spec, cost_model, profile_steps,
             {n: float(p.numel() * p.element_size()) for n, p in self._hvc_by_name.items()},
-            self._hvc_world, self._hvc_compressor.elementwise_state)
+            self._hvc_world)
         self._hvc_driver = driver if driver is not None else HorovodDriver(process_set)
         average = op == hvd.Average
         self._hvc_prescale = 1.0 / gradient_predivide_factor

@@ -36,6 +36,7 @@ import numpy as np
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from hvdcompress.costmodel import CostModel
+from hvdcompress.groups import check_mergeable
 from hvdcompress.planner import Plan, Schedule, Workload, make_plan, parse_schedule
 from hvdcompress.spec import CompressionSpec
 from hvdcompress.timeline import check_partition, predict
@@ -103,8 +104,10 @@ class Scheduler:
     """Holds the schedule, collects the profiled steps and makes the plan (see the module doc)."""
 
     def __init__(self, schedule, spec: CompressionSpec, cost_model: Optional[CostModel], profile_steps: int,
-                 sizes_bytes: Dict[str, float], world_size: int, elementwise_state: bool):
+                 sizes_bytes: Dict[str, float], world_size: int):
         self.schedule = check_schedule(schedule)
+        if not check_mergeable(self.text, spec):  # a compressor that cannot merge: auto -> layerwise
+            self.schedule = parse_schedule("layerwise")
         self.spec = spec
         self.cost_model = check_cost_model(cost_model)
         self.profile_steps = check_profile_steps(profile_steps)
@@ -113,9 +116,6 @@ class Scheduler:
         if isinstance(self.schedule, list):
             from .grouping import make_groups
             make_groups(self.schedule, {n: (1,) for n in self.sizes})  # names checked now, on every rank
-        if not elementwise_state and str(self.schedule) != "layerwise":
-            raise ValueError(f"schedule: compression '{spec}' keeps state that is not elementwise, so its "
-                             "tensors cannot be merged; use schedule='layerwise'")
         self.plan: Optional[Plan] = None
         self.workload: Optional[Workload] = None
         self.calibration: Optional[Dict[str, float]] = None  # factors applied to the cost model (_calibrate)

@@ -153,6 +153,15 @@ class Compressor(ABC):
         """The value every entry of state variable ``slot`` starts at."""
         return 0.0
 
+    def slot_numel(self, slot: str, shape: Tuple[int, ...]) -> int:
+        """Entries of flat state variable ``slot`` for a tensor of ``shape``: the tensor's size for
+        elementwise state (residuals, momenta); a compressor with other state (a low-rank factor,
+        a sketch table) says its size here (and declares merge=PER_MEMBER or LAYERWISE)."""
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        return numel
+
     def make_slot(self, slot: str, numel: int, dtype: Any, name: Optional[str] = None) -> tf.Variable:
         """One zero-initialised (see ``initial_value``) flat state variable, created eagerly."""
         with tf.init_scope():
@@ -166,10 +175,8 @@ class Compressor(ABC):
 
     def new_state(self, shape: Tuple[int, ...], dtype: Any) -> Dict[str, tf.Variable]:
         """Zero variables for a tensor of ``shape`` (created eagerly, outside any tf.function)."""
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        return {name: self.make_slot(name, numel, dtype) for name in self.state_slots(tuple(shape))}
+        return {name: self.make_slot(name, self.slot_numel(name, tuple(shape)), dtype)
+                for name in self.state_slots(tuple(shape))}
 
     @abstractmethod
     def exchange(self, x: tf.Tensor, ctx: ExchangeContext) -> Exchange:
