@@ -6,6 +6,7 @@ from hvdcompress.spec import CompressionSpec, build_from
 from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor, selected_count
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor
 from .dgc import DGCCompressor
+from .sketch import SketchCompressor  # noqa: F401  (Sketched-SGD)
 from .selection import random_selection, sampled_threshold_select, threshold_indices, topk_indices
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 

@@ -9,6 +9,7 @@ from hvdcompress.spec import CompressionSpec, build_from
 from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor
 from .dgc import DGCCompressor
+from .sketch import SketchCompressor  # noqa: F401  (Sketched-SGD)
 from .selection import sampled_threshold_select, topk_indices
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 

@@ -1,0 +1,182 @@
+"""Sketched-SGD (Ivkin et al., NeurIPS 2019) for PyTorch: count sketch + heavy-hitter second round.
+
+The math and the order of operations are the numpy oracle's (``hvdcompress.reference.sketch``):
+
+    u <- m*u + g;  v <- v + u
+    round 1: Allreduce of the r x c count sketch of v     (r*c floats)
+    est = lower median over rows of s_j(i) * S[j, h_j(i)];  C = top P*k |est| (ties: lower index)
+    round 2: Allreduce of v[C]                             (P*k floats)
+    I = top k of |summed v[C]|;  result[I] = summed * scale;  u[I] = v[I] = 0
+
+Tensors under ``min_sketch_numel`` entries, or whose sketch is not smaller than they are, are
+sent dense (Allreduce of u: momentum SGD). The momentum lives here, so the wrapped SGD's momentum
+is taken over (``adapt_optimizer``), as DGC does.
+
+Speed and memory: the hashes h_j, s_j (``hvdcompress.hashing``) are recomputed from the indices
+in chunks of ``CHUNK`` entries (int64 work buffers of that size, reused), once to build the sketch
+and once to estimate -- nothing of size r x d is ever held. The estimates (d floats) are the only
+dense temporary besides the state.
+
+Bit-exactness: the table is built with ``index_add_``, which on CPU adds a 1-D source into its
+destination serially, in index order, chunk after chunk into the same table -- the oracle's order
+(``np.add.at``); tests check the table, candidates, selected indices, results and state bit for
+bit. On a GPU ``index_add_`` adds with atomics in no fixed order: the table (and therefore, in
+near ties, the candidates) may differ from the oracle's in the last bits there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Tuple
+
+import torch
+
+from hvdcompress.hashing import C1, C2, M32, SHIFTS, row_keys
+from hvdcompress.reference.sketch import geometry
+from hvdcompress.spec import CompressionSpec
+
+from ..collectives import Allreduce
+from .base import Compressor, ExchangeContext
+from .selection import topk_indices
+
+CHUNK = 1 << 16
+
+
+class _Hasher:
+    """Computes (bucket, sign) of a chunk of indices for one row into reused int64 buffers."""
+
+    def __init__(self, n: int, device):
+        self.x = torch.empty(n, dtype=torch.int64, device=device)
+        self.tmp = torch.empty(n, dtype=torch.int64, device=device)
+        self.sign = torch.empty(n, dtype=torch.float32, device=device)
+
+    def __call__(self, idx: torch.Tensor, rowkey: int, cols: int, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        n = idx.numel()
+        x, tmp = self.x[:n], self.tmp[:n]
+        torch.bitwise_xor(idx, rowkey, out=x)  # idx < 2**32 (tensors of fewer than 4G entries)
+        torch.bitwise_right_shift(x, SHIFTS[0], out=tmp)
+        x.bitwise_xor_(tmp).mul_(C1).bitwise_and_(M32)
+        torch.bitwise_right_shift(x, SHIFTS[1], out=tmp)
+        x.bitwise_xor_(tmp).mul_(C2).bitwise_and_(M32)
+        torch.bitwise_right_shift(x, SHIFTS[2], out=tmp)
+        x.bitwise_xor_(tmp)
+        # sign = 1 - 2*(x & 1); bucket = ((x >> 1) * cols) >> 31
+        sign = self.sign[:n] if dtype == torch.float32 else torch.empty(n, dtype=dtype, device=x.device)
+        torch.bitwise_and(x, 1, out=tmp)
+        sign.copy_(tmp).mul_(-2.0).add_(1.0)
+        x.bitwise_right_shift_(1).mul_(cols).bitwise_right_shift_(31)
+        return x, sign
+
+
+def sketch_table(v: torch.Tensor, keys, cols: int, chunk: int = CHUNK) -> torch.Tensor:
+    """The r x c count sketch of flat v (cells added in index order, as the oracle)."""
+    d = v.numel()
+    table = torch.zeros(len(keys), cols, dtype=v.dtype, device=v.device)
+    h = _Hasher(min(chunk, max(d, 1)), v.device)
+    w = torch.empty(min(chunk, max(d, 1)), dtype=v.dtype, device=v.device)
+    for start in range(0, d, chunk):
+        stop = min(d, start + chunk)
+        idx = torch.arange(start, stop, dtype=torch.int64, device=v.device)
+        vc = v[start:stop]
+        for j, rk in enumerate(keys):
+            bucket, sign = h(idx, rk, cols, v.dtype)
+            torch.mul(vc, sign, out=w[:stop - start])
+            table[j].index_add_(0, bucket, w[:stop - start])
+    return table
+
+
+def estimates(table: torch.Tensor, keys, d: int, chunk: int = CHUNK) -> torch.Tensor:
+    """Lower median over rows of s_j(i) * S[j, h_j(i)] for every i < d."""
+    rows, cols = table.shape
+    out = torch.empty(d, dtype=table.dtype, device=table.device)
+    h = _Hasher(min(chunk, max(d, 1)), table.device)
+    per_row = torch.empty(rows, min(chunk, max(d, 1)), dtype=table.dtype, device=table.device)
+    kth = (rows - 1) // 2 + 1
+    for start in range(0, d, chunk):
+        stop = min(d, start + chunk)
+        n = stop - start
+        idx = torch.arange(start, stop, dtype=torch.int64, device=table.device)
+        pr = per_row[:, :n]
+        for j, rk in enumerate(keys):
+            bucket, sign = h(idx, rk, cols, table.dtype)
+            torch.index_select(table[j], 0, bucket, out=pr[j])
+            pr[j].mul_(sign)
+        if rows == 1:
+            out[start:stop] = pr[0]
+        else:
+            out[start:stop] = torch.kthvalue(pr, kth, dim=0).values
+    return out
+
+
+class SketchCompressor(Compressor):
+    name = "sketch"
+    summed = True
+
+    def __init__(self, spec: CompressionSpec):
+        super().__init__(spec)
+        self.m = spec["momentum"]
+
+    @classmethod
+    def adapt_optimizer(cls, spec, param_groups):
+        return adopt_momentum(spec, param_groups)
+
+    def after_load(self, param_groups):
+        for g in param_groups:  # a loaded param_group must not bring the momentum back
+            if "momentum" in g:
+                g["momentum"] = 0.0
+
+    def _state(self, ctx: ExchangeContext, name: str, like: torch.Tensor) -> torch.Tensor:
+        t = ctx.state.get(name)
+        if t is None:
+            t = ctx.state[name] = torch.zeros_like(like)
+        return t
+
+    def exchange(self, x: torch.Tensor, ctx: ExchangeContext):
+        p = self.spec.params
+        u = self._state(ctx, "u", x)
+        v = self._state(ctx, "v", x)
+        geo = geometry(p, x.numel())
+        u.mul_(self.m).add_(x)
+        if geo.dense:
+            (total,) = yield (Allreduce(u.clone()),)
+            return total.mul_(ctx.scale)
+        v.add_(u)
+        keys = row_keys(p["seed"], ctx.key, geo.rows)
+        table = sketch_table(v, keys, geo.cols)
+        (summed,) = yield (Allreduce(table.view(-1)),)
+        est = estimates(summed.view(geo.rows, geo.cols), keys, geo.d)
+        cand = topk_indices(est, geo.candidates)
+        del est
+        (w,) = yield (Allreduce(v[cand]),)
+        pos = topk_indices(w, geo.k)
+        sel = cand[pos]
+        total = torch.zeros_like(v)
+        total[sel] = w[pos]
+        u[sel] = 0
+        v[sel] = 0
+        return total.mul_(ctx.scale)
+
+
+def adopt_momentum(spec: CompressionSpec, param_groups) -> CompressionSpec:
+    """Move an SGD-style optimizer's momentum into the sketch spec (applied once, in u).
+
+    As DGC's ``adopt_momentum``: groups with momentum > 0 give their value to the spec and run with
+    momentum 0; different momenta across groups, or Nesterov, raise ValueError (the sketch keeps
+    one plain momentum)."""
+    momenta = {(float(g.get("momentum", 0.0)), bool(g.get("nesterov", False))) for g in param_groups}
+    nonzero = {mn for mn in momenta if mn[0] > 0.0}
+    if not nonzero:
+        return spec
+    if len(momenta) > 1:
+        raise ValueError("compression 'sketch': the optimizer's parameter groups use different momenta "
+                         f"{sorted(momenta)}; the sketch applies one momentum in its memory. Give every "
+                         "group the same momentum, or momentum=0 and set it in the spec (sketch:momentum=...)")
+    (m, nesterov), = nonzero
+    if nesterov:
+        raise ValueError("compression 'sketch': Nesterov momentum is not supported; use nesterov=False")
+    if m != spec["momentum"]:
+        warnings.warn(f"compression 'sketch': taking over the optimizer's momentum={m} (the spec said "
+                      f"momentum={spec['momentum']}); the optimizer itself now runs with momentum=0")
+    for g in param_groups:
+        g["momentum"] = 0.0
+    return CompressionSpec(spec.name, dict(spec.params, momentum=m))
