@@ -95,3 +95,260 @@ def test_generator_streams_differ_and_look_uniform():
                   rng.uniform(a.size, 0, 0, "v"), rng.uniform(a.size, 0, 0, "w", 1)):
         assert abs(np.corrcoef(a, other)[0, 1]) < 0.01
         assert (a != other).mean() > 0.99
+
+
+# -- compressors vs the oracle ---------------------------------------------------------------------
+from hvdcompress import parse_spec  # noqa: E402
+from hvdcompress.reference import Member, simulate  # noqa: E402
+from hvdcompress.reference.quantizers import payload_bytes  # noqa: E402
+from local_world import run_lockstep  # noqa: E402
+from tf_ops import compressors as tfc  # noqa: E402
+from torch_ops import compressors as tc  # noqa: E402
+
+QUANT_SPECS = ["signsgd", "efsignsgd", "efsignsgd:residual=false", "onebit", "terngrad",
+               "terngrad:bucket=7,seed=3", "terngrad:residual=true", "qsgd", "qsgd:levels=1,bucket=0",
+               "qsgd:levels=3,bucket=5,seed=11", "qsgd:levels=100,bucket=64,residual=true"]
+KEY = "layer.w"
+STEPS = 4
+
+
+def _grads(text, world, shape, steps=STEPS):
+    g = np.random.default_rng(abs(hash((text, world, shape))) % 2 ** 32)
+    out = []
+    for _ in range(steps):
+        step = [np.round(g.standard_t(3, size=shape), 3).astype(np.float32) for _ in range(world)]
+        step[0].reshape(-1)[:3] = 0.0  # zeros: sign of 0, empty buckets of terngrad
+        out.append(step)
+    return out
+
+
+def _tap(gen, sink, clone):
+    """Pass an exchange through, recording every round's payload tensors."""
+    rounds = []
+    sink.append(rounds)
+    reqs = next(gen)
+    while True:
+        rounds.append([clone(r.tensor) for r in reqs])
+        result = yield reqs
+        try:
+            reqs = gen.send(result)
+        except StopIteration as stop:
+            return stop.value
+
+
+def run_oracle(spec, steps, world, shape, members=()):
+    states = [{} for _ in range(world)]
+    for step, grads in enumerate(steps):
+        total, _, sent = simulate(spec, grads, states, key=KEY, step=step, shape=shape, members=members)
+        yield total, sent, [{k: v.copy() for k, v in st.items()} for st in states]
+
+
+def run_torch(spec, steps, world, shape, members=()):
+    comp = tc.build_compressor(spec)
+    states = [{} for _ in range(world)]
+    for step, grads in enumerate(steps):
+        sent = []
+        gens = [_tap(comp.exchange(torch.from_numpy(g.reshape(-1).copy()),
+                                   tc.ExchangeContext(KEY, step, world, 1.0 / world, st, shape, 0, r, members)),
+                     sent, lambda t: t.clone().numpy())
+                for r, (g, st) in enumerate(zip(grads, states))]
+        results, nbytes = run_lockstep(gens)
+        yield [x.numpy() for x in results], sent, nbytes, [{k: v.numpy().copy() for k, v in st.items()} for st in states]
+
+
+def run_tf(spec, steps, world, shape, members=(), graph=False):
+    comp = tfc.build_compressor(spec)
+    states = [comp.new_state(shape, tf.float32) for _ in range(world)]
+
+    def one_step(step, *grads):
+        sent = []
+        gens = [_tap(comp.exchange(tf.reshape(g, [-1]),
+                                   tfc.ExchangeContext(KEY, step, world, 1.0 / world, st, shape, 0, None, r, members)),
+                     sent, tf.identity)
+                for r, (g, st) in enumerate(zip(grads, states))]
+        results, nbytes = run_lockstep(gens)
+        return results, sent, nbytes
+
+    fn = tf.function(one_step) if graph else one_step
+    for step, grads in enumerate(steps):
+        s = tf.constant(step, tf.int64) if graph else step
+        results, sent, nbytes = fn(s, *[tf.constant(g) for g in grads])
+        yield ([x.numpy() for x in results], [[[t.numpy() for t in rnd] for rnd in rounds] for rounds in sent],
+               [int(b) for b in nbytes], [{k: v.numpy().copy() for k, v in st.items()} for st in states])
+
+
+def compare(text, world, shape, members=(), graph=False, rtol=0.0, atol=0.0, steps=None):
+    """Oracle, torch and TF over several steps: payloads, results, state, bytes."""
+    spec = parse_spec(text)
+    steps = steps or _grads(text, world, shape)
+    impls = [("torch", run_torch(spec, steps, world, shape, members)),
+             ("tf", run_tf(spec, steps, world, shape, members, graph))]
+    exact = rtol == 0.0 and atol == 0.0
+    for step, want in enumerate(run_oracle(spec, steps, world, shape, members)):
+        total, sent, states = want
+        for impl, it in impls:
+            results, got_sent, nbytes, got_states = next(it)
+            for r in range(world):
+                label = f"{impl} {text} world={world} step={step} rank={r}"
+                assert len(got_sent[r]) == len(sent[r]), label
+                for want_round, got_round in zip(sent[r], got_sent[r]):
+                    for w, g in zip(want_round, got_round):
+                        assert g.dtype == w.dtype and g.shape == w.shape, label
+                        if exact or w.dtype == np.uint8:
+                            np.testing.assert_array_equal(g, w, err_msg=label)
+                        else:
+                            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=label)
+                assert nbytes[r] == sum(w.nbytes for rnd in sent[r] for w in rnd), label
+                if exact:
+                    np.testing.assert_array_equal(results[r], total, err_msg=label)
+                else:
+                    np.testing.assert_allclose(results[r], total, rtol=rtol, atol=atol, err_msg=label)
+                for name, arr in states[r].items():
+                    got = got_states[r][name].reshape(arr.shape)
+                    if exact:
+                        np.testing.assert_array_equal(got, arr, err_msg=f"{label} state {name}")
+                    else:
+                        np.testing.assert_allclose(got, arr, rtol=rtol, atol=atol, err_msg=f"{label} state {name}")
+
+
+@pytest.mark.parametrize("shape", [(37, 11), (64,), (1,)], ids=["2d", "1d", "one"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("text", QUANT_SPECS)
+def test_quantizers_torch_and_tf_match_the_oracle_bit_for_bit(text, world, shape):
+    compare(text, world, shape)
+
+
+@pytest.mark.parametrize("text", ["signsgd", "efsignsgd", "onebit", "terngrad:bucket=7", "qsgd:levels=3,bucket=5"])
+def test_quantizers_in_tf_function_match_the_oracle(text):
+    compare(text, 2, (37, 11), graph=True)
+
+
+MEMBERS = (Member("a", (5, 7), 0), Member("b", (7,), 35), Member("c", (2, 3), 42))
+
+
+@pytest.mark.parametrize("text", ["signsgd", "efsignsgd", "onebit", "terngrad", "terngrad:bucket=4", "qsgd:bucket=6"])
+def test_merged_group_keeps_per_member_scales(text):
+    """PER_MEMBER: a merged group's scales (and buckets) are those of each member alone; for the
+    deterministic quantizers the whole result equals the members exchanged alone."""
+    spec = parse_spec(text)
+    compare(text, 2, (1, 48), members=MEMBERS)
+    steps = _grads(text, 2, (48,), steps=2)
+    for step, grads in enumerate(steps):
+        merged, _, sent = simulate(spec, grads, key=KEY, step=step, shape=(1, 48), members=MEMBERS)
+        # scales per member, the codes of the whole group packed back to back
+        bits = {"signsgd": 1, "efsignsgd": 1, "onebit": 1, "terngrad": 2}.get(spec.name) or \
+            packing.bits_for_levels(2 * spec.params.get("levels", 0) + 1)
+        merged_bytes = payload_bytes(spec.name, spec.params, 48, MEMBERS)
+        assert sent[0][0][0].nbytes == merged_bytes
+        assert merged_bytes - packing.packed_size(48, bits) == sum(
+            payload_bytes(spec.name, spec.params, m.numel) - packing.packed_size(m.numel, bits) for m in MEMBERS)
+        alone = [simulate(spec, [g[m.offset:m.offset + m.numel] for g in grads], key=m.name, step=step,
+                          shape=m.shape) for m in MEMBERS]
+        head = {"efsignsgd": 1, "onebit": 2}.get(spec.name, 0)
+        if head:
+            np.testing.assert_array_equal(merged, np.concatenate([a[0] for a in alone]))
+        if spec.name in ("terngrad", "qsgd"):
+            from hvdcompress.reference.quantizers import layout_for
+            nseg = layout_for(MEMBERS, 48, spec["bucket"]).segments
+            scales = sent[0][0][0][:4 * nseg].view(np.float32)
+            want = np.concatenate([a[2][0][0][0][:4 * layout_for((), m.numel, spec["bucket"]).segments].view(np.float32)
+                                   for a, m in zip(alone, MEMBERS)])
+            np.testing.assert_array_equal(scales, want)
+        if spec.name == "signsgd":
+            np.testing.assert_array_equal(merged, np.concatenate([a[0] for a in alone]))
+
+
+# -- oracle properties ------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["terngrad", "terngrad:bucket=16", "qsgd:levels=1,bucket=0", "qsgd:levels=4,bucket=32"])
+def test_stochastic_quantizers_are_unbiased_over_seeds(text):
+    """E[decoded] = g: the mean over K seeds is within 6 standard errors of g, entry by entry, with
+    the variance the algorithm implies (TernGrad: s|g| - g^2; QSGD: (v/s)^2 p(1-p))."""
+    base = parse_spec(text)
+    g = np.random.default_rng(0).standard_normal(200).astype(np.float32)
+    g[:5] = 0.0
+    K = 300
+    outs = np.stack([simulate(base(seed=k), [g], key=KEY, step=3)[0] for k in range(K)])
+    mean = outs.mean(axis=0, dtype=np.float64)
+    a = np.abs(g.astype(np.float64))
+    bucket = base.params["bucket"] or g.size
+    seg = np.repeat(np.arange(-(-g.size // bucket)), bucket)[:g.size]
+    if base.name == "terngrad":
+        s = np.array([a[seg == i].max() for i in range(seg.max() + 1)])[seg]
+        var = s * a - a ** 2
+        step = s
+    else:
+        lv = base["levels"]
+        v = np.array([np.sqrt((a[seg == i] ** 2).sum()) for i in range(seg.max() + 1)])[seg]
+        r = a * lv / v
+        p = r - np.floor(r)
+        step = v / lv
+        var = step ** 2 * p * (1 - p)
+    err = np.abs(mean - g)
+    assert (err <= 6 * np.sqrt(var / K) + step / K + 1e-6).all(), (err.max(), text)
+    assert np.array_equal(outs[:, :5], np.zeros((K, 5)))  # zeros stay zeros
+    assert len({o.tobytes() for o in outs[:10]}) == 10  # seeds draw differently
+
+
+@pytest.mark.parametrize("text", ["efsignsgd", "onebit", "terngrad:residual=true", "qsgd:levels=2,residual=true"])
+def test_error_feedback_conserves_the_sum(text):
+    """Over T steps on every rank: what was delivered plus what the residuals still hold is what
+    the workers computed (a = g + e, e' = a - decoded)."""
+    spec = parse_spec(text)
+    world, T = 3, 5
+    steps = _grads(text, world, (50,), steps=T)
+    states = [{} for _ in range(world)]
+    delivered = np.zeros(50, np.float64)
+    for step, grads in enumerate(steps):
+        total, _, _ = simulate(spec, grads, states, key=KEY, step=step, scale=1.0)
+        delivered += total
+    computed = sum(g.astype(np.float64) for grads in steps for g in grads)
+    held = sum(st["residual"].astype(np.float64) for st in states)
+    np.testing.assert_allclose(delivered + held, computed, rtol=0, atol=1e-4)
+    assert np.abs(held).max() > 0
+
+
+def test_signsgd_majority_vote_and_its_tie_rule():
+    """The result is sign(sum of the ranks' signs) (times world*scale, so +-1 for op=Average); a
+    tie -- an even number of ranks split evenly -- gives 0; a zero gradient votes +1."""
+    spec = parse_spec("signsgd")
+    x = lambda *v: np.array(v, np.float32)  # noqa: E731
+    total, _, sent = simulate(spec, [x(1, -1, 0, -2, 3), x(-1, -1, 5, 2, 1)], key=KEY)
+    np.testing.assert_array_equal(total, x(0, -1, 1, 0, 1))  # ties -> 0; 0 votes +1
+    assert sent[0][0][0].tolist() == [0b10101] and sent[0][0][0].dtype == np.uint8
+    four = [x(1, 1, -1), x(1, -1, -1), x(-1, 1, -1), x(-1, -1, 1)]
+    np.testing.assert_array_equal(simulate(spec, four, key=KEY)[0], x(0, 0, -1))
+    np.testing.assert_array_equal(simulate(spec, four[:3], key=KEY)[0], x(1, 1, -1))
+    np.testing.assert_array_equal(simulate(spec, four[:3], key=KEY, scale=1.0)[0], x(3, 3, -3))
+    for impl in (run_torch, run_tf):
+        results = next(impl(spec, [[x(1, -1, 0, -2, 3), x(-1, -1, 5, 2, 1)]], 2, (5,)))[0]
+        np.testing.assert_array_equal(results[1], x(0, -1, 1, 0, 1))
+
+
+def test_declared_wire_bytes_are_the_packed_bytes():
+    """spec.info.rounds(...) (the cost model's view) equals what the oracle puts on the wire."""
+    for text in QUANT_SPECS:
+        spec = parse_spec(text)
+        for n in (1, 7, 64, 1000, 4097):
+            _, _, sent = simulate(spec, [np.linspace(-1, 1, n, dtype=np.float32)], key=KEY)
+            (rnd,) = spec.info.rounds(spec.params, [n])
+            assert rnd.kind == "allgather" and rnd.collectives == 1
+            assert float(rnd.nbytes[0]) == sent[0][0][0].nbytes == payload_bytes(spec.name, spec.params, n), (text, n)
+    bits = {t: parse_spec(t).info.rounds(parse_spec(t).params, [8 * 10 ** 6])[0].nbytes[0] * 8 / 8e6
+            for t in ("signsgd", "terngrad", "qsgd:levels=1", "qsgd:levels=2", "qsgd:levels=7", "qsgd:levels=127")}
+    assert [round(b) for b in bits.values()] == [1, 2, 2, 3, 4, 8]
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("qsgd:levels=0", "qsgd: parameter 'levels' must be int in [1, 127]"),
+    ("qsgd:levels=128", "qsgd: parameter 'levels' must be int in [1, 127]"),
+    ("qsgd:bucket=-1", "qsgd: parameter 'bucket' must be int in [0, 2147483647]"),
+    ("terngrad:seed=-1", "terngrad: parameter 'seed' must be int in [0, 4294967295]"),
+    ("terngrad:bucket=1.5", "terngrad: parameter 'bucket' must be int"),
+    ("efsignsgd:residual=maybe", "efsignsgd: parameter 'residual' must be true or false"),
+    ("signsgd:residual=true", "signsgd: unknown parameter 'residual'"),
+    ("onebit:levels=2", "onebit: unknown parameter 'levels'"),
+])
+def test_bad_parameters_raise_naming_the_parameter(text, needle):
+    with pytest.raises(ValueError) as err:
+        parse_spec(text)
+    assert needle in str(err.value)

@@ -1,0 +1,329 @@
+"""Quantizers with real bit packing, declared and defined in numpy: the oracle.
+
+Every quantizer sends ONE gathered uint8 buffer per exchange (``hvdcompress.packing`` layout)::
+
+    packed = [float32 scales, little-endian bytes | codes packed ``bits`` per entry]
+
+and every rank decodes the gathered buffers rank by rank and sums them in rank order, in float32.
+
+    signsgd    Bernstein et al. 2018, majority vote. 1 bit: 1 iff a >= 0 (a zero votes +1, one bit
+               cannot say 0). Result = sign(sum over ranks of +-1) * world * scale, i.e. the sign of
+               the vote for op=Average. Tie (an even number of ranks split evenly): 0, no update.
+    efsignsgd  Karimireddy et al. 2019. a = g + e; send scale = mean|a| (one float32 per tensor)
+               and sign bits; decoded = +-scale; e = a - decoded.
+    onebit     Seide et al. 2014. a = g + e; bits a >= 0; two float32 reconstruction values per
+               tensor, the mean of a over the 1-bits and over the 0-bits (0 when a part is
+               empty); e = a - decoded.
+    terngrad   Wen et al. 2017. s = max|a| per tensor (``bucket=0``) or per bucket of ``bucket``
+               entries; b = (u < |a| / s); code 0 (zero), 1 (+s), 2 (-s), 2 bits; unbiased.
+    qsgd       Alistarh et al. 2017. v = ||a||_2 per bucket; r = |a| * (s / v); level = floor(r)
+               + (u < r - floor(r)), at most s; code = sign * level + s in [0, 2s], packed in
+               ceil(log2(2s+1)) bits (fixed width, not the paper's Elias code); decoded = (code -
+               s) * (v * float32(1/s)) (a product: graph compilers may turn a division by a
+               constant into one anyway); unbiased.
+
+``u`` is ``hvdcompress.rng.uniform(numel, seed, step, key, rank)`` (the entry's index in the
+exchanged flat tensor). Reductions (means, norms) are summed in float64 and rounded once to
+float32, so that the order in which a framework adds does not change the float32 result (except
+with probability ~2**-29 per value); max is exact in any order. All other arithmetic is float32,
+one IEEE operation at a time, so torch and TensorFlow reproduce this module bit for bit.
+
+Scales are per tensor: in a merged group (``merge=PER_MEMBER``) each member of ``ctx.members``
+gets its own scale(s) and buckets, so merging changes nothing; an exchange given no members
+treats the flat tensor as one member (one scale for the whole group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from ..packing import bits_for_levels, pack, packed_size, unpack
+from ..rng import uniform
+from ..spec import GATHERED, PER_MEMBER, Param, Round, register, residual_param
+from .oneround import OneRoundOracle
+
+F32 = np.float32
+SCALE_BYTES = 4
+
+
+# -- declarations ----------------------------------------------------------------------------------
+def _levels(p) -> int:
+    return 2 * p["levels"] + 1
+
+
+def _codes_bits(name: str, p) -> int:
+    return {"signsgd": 1, "efsignsgd": 1, "onebit": 1, "terngrad": 2}.get(name) or bits_for_levels(_levels(p))
+
+
+def _scales_per_tensor(name: str, p, d):
+    """float32 scales sent per tensor of d entries (array): bucket counts for terngrad/qsgd."""
+    if name == "signsgd":
+        return np.zeros_like(d)
+    if name in ("efsignsgd", "onebit"):
+        return np.where(d > 0, 1 if name == "efsignsgd" else 2, 0)
+    bucket = p["bucket"]
+    return np.where(d > 0, np.ceil(d / bucket) if bucket else 1, 0)
+
+
+def _wire_for(name: str):
+    def rule(params, d, itemsize, world, density):
+        bits = _codes_bits(name, params)
+        return (Round(GATHERED, 1, np.ceil(d * bits / 8) + SCALE_BYTES * _scales_per_tensor(name, params, d)),)
+    return rule
+
+
+BUCKET = dict(low=0, high=2 ** 31 - 1)
+SEED = Param("seed", int, 0, "seed of the stochastic rounding (with step, tensor name, rank)", low=0, high=2 ** 32 - 1)
+
+register("signsgd", GATHERED, "signSGD with majority vote: 1 bit per entry (packed 8 per byte), the "
+         "result is the sign of the vote (0 on a tie)", wire=_wire_for("signsgd"), merge=PER_MEMBER)
+register("efsignsgd", GATHERED, "error-feedback signSGD: sign bits (packed 8 per byte) times mean|a| "
+         "per tensor", residual_param(True), wire=_wire_for("efsignsgd"), merge=PER_MEMBER)
+register("onebit", GATHERED, "1-bit SGD: sign bits (packed 8 per byte) and two reconstruction values "
+         "per tensor (the means of the two parts), with error feedback", residual_param(True),
+         wire=_wire_for("onebit"), merge=PER_MEMBER)
+register("terngrad", GATHERED, "TernGrad: stochastic ternary {-s, 0, s}, s = max|a| per tensor or per "
+         "bucket, 2-bit codes packed 4 per byte",
+         Param("bucket", int, 0, "entries per scale (0: one scale per tensor)", **BUCKET), SEED,
+         residual_param(False), wire=_wire_for("terngrad"), merge=PER_MEMBER)
+register("qsgd", GATHERED, "QSGD: s levels, stochastic rounding, scaled by the bucket's L2 norm; codes "
+         "of ceil(log2(2s+1)) bits packed (fixed width)",
+         Param("levels", int, 7, "s, the quantization levels per sign (codes in [-s, s])", low=1, high=127),
+         Param("bucket", int, 512, "entries per norm (0: one norm per tensor)", **BUCKET), SEED,
+         residual_param(False), wire=_wire_for("qsgd"), merge=PER_MEMBER)
+
+
+# -- layout shared by the backends -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Where the scales of an exchange sit: one segment per bucket of each member, in order.
+
+    spans   (offset, numel) of each member in the flat tensor
+    counts  entries of each segment (Python ints; a member of n entries and bucket b has
+            ceil(n / b) segments, the last one shorter; bucket 0: one segment per member)
+    """
+
+    spans: Tuple[Tuple[int, int], ...]
+    bucket: int
+    counts: Tuple[int, ...]
+
+    @property
+    def segments(self) -> int:
+        return len(self.counts)
+
+    def member_segments(self) -> List[Tuple[int, int, int]]:
+        """(offset, numel, segments) per member."""
+        out = []
+        for off, n in self.spans:
+            out.append((off, n, 0 if n == 0 else (-(-n // self.bucket) if self.bucket else 1)))
+        return out
+
+
+def member_spans(members: Sequence, numel: int) -> Tuple[Tuple[int, int], ...]:
+    """(offset, numel) per member; the whole flat tensor when no members are given."""
+    if not members:
+        return ((0, int(numel)),)
+    return tuple((int(m.offset), int(m.numel)) for m in members)
+
+
+def layout_for(members: Sequence, numel: int, bucket: int = 0) -> Layout:
+    spans = member_spans(members, numel)
+    counts: List[int] = []
+    for off, n in spans:
+        if n == 0:
+            continue
+        if bucket:
+            counts.extend([bucket] * (n // bucket) + ([n % bucket] if n % bucket else []))
+        else:
+            counts.append(n)
+    return Layout(spans, int(bucket), tuple(counts))
+
+
+def bucket_reduce(v: np.ndarray, lay: Layout, op: str) -> np.ndarray:
+    """Per segment: "max" (of v, >= 0) or "sum" (in v's dtype), zero-padded buckets."""
+    out = []
+    for off, n, nb in lay.member_segments():
+        if nb == 0:
+            continue
+        part = v[off:off + n]
+        width = lay.bucket if lay.bucket else n
+        grid = np.zeros(nb * width, dtype=v.dtype)
+        grid[:n] = part
+        grid = grid.reshape(nb, width)
+        out.append(grid.max(axis=1) if op == "max" else grid.sum(axis=1))
+    return np.concatenate(out) if out else np.zeros(0, dtype=v.dtype)
+
+
+def expand(scales: np.ndarray, lay: Layout) -> np.ndarray:
+    """Every entry's segment value (entries outside every member get 0)."""
+    total = sum(n for _, n in lay.spans)
+    if lay.spans == ((0, total),):
+        return np.repeat(scales, lay.counts)
+    out = np.zeros(max((o + n for o, n in lay.spans), default=0), dtype=scales.dtype)
+    i = 0
+    for off, n, nb in lay.member_segments():
+        out[off:off + n] = np.repeat(scales[i:i + nb], lay.counts[i:i + nb])
+        i += nb
+    return out
+
+
+def _join(scales: np.ndarray, packed: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.ascontiguousarray(scales, dtype=F32).view(np.uint8), packed])
+
+
+def _split(buf: np.ndarray, nscales: int) -> Tuple[np.ndarray, np.ndarray]:
+    head = SCALE_BYTES * nscales
+    return np.ascontiguousarray(buf[:head]).view(F32), buf[head:]
+
+
+def payload_bytes(name: str, params, numel: int, members: Sequence = ()) -> int:
+    """Bytes one rank sends for an exchange of ``numel`` entries (what the backends allgather)."""
+    nscales = {"signsgd": 0, "efsignsgd": 1, "onebit": 2}
+    lay = layout_for(members, numel, params.get("bucket", 0))
+    per = nscales.get(name)
+    scales = lay.segments * (1 if per is None else per)
+    return SCALE_BYTES * scales + packed_size(numel, _codes_bits(name, params))
+
+
+# -- oracles ---------------------------------------------------------------------------------------
+class _PackedOracle(OneRoundOracle):
+    summed = False
+    fields = ("packed",)
+    bits = 1
+    scales_per_segment = 0
+
+    def layout(self, numel, ctx) -> Layout:
+        return layout_for(ctx.members, numel, self.spec.params.get("bucket", 0))
+
+    def encode(self, a, lay, ctx) -> Tuple[np.ndarray, np.ndarray]:
+        """(float32 scales, uint8 codes)."""
+        raise NotImplementedError
+
+    def decode(self, scales, codes, lay, numel, ctx) -> np.ndarray:
+        raise NotImplementedError
+
+    def payload(self, a, ctx):
+        lay = self.layout(a.size, ctx)
+        scales, codes = self.encode(a.astype(F32), lay, ctx)
+        return {"packed": _join(scales, pack(codes, self.bits))}
+
+    def _decode_buffer(self, buf, numel, ctx):
+        lay = self.layout(numel, ctx)
+        scales, packed = _split(buf, lay.segments * self.scales_per_segment)
+        return self.decode(scales, unpack(packed, self.bits, numel), lay, numel, ctx)
+
+    def decompress(self, payload, numel, dtype, ctx):
+        return self._decode_buffer(payload["packed"], numel, ctx).astype(dtype)
+
+    def aggregate(self, results, numel, dtype, ctx):
+        parts = results[0].reshape(ctx.world_size, -1)
+        total = self._decode_buffer(parts[0], numel, ctx)
+        for part in parts[1:]:  # rank order
+            total = total + self._decode_buffer(part, numel, ctx)
+        return total.astype(dtype)
+
+
+def sign_bits(a: np.ndarray) -> np.ndarray:
+    return (a >= 0).astype(np.uint8)
+
+
+class SignSGDOracle(_PackedOracle):
+    name = "signsgd"
+
+    def encode(self, a, lay, ctx):
+        return np.zeros(0, F32), sign_bits(a)
+
+    def aggregate(self, results, numel, dtype, ctx):
+        parts = results[0].reshape(ctx.world_size, -1)
+        votes = np.zeros(numel, dtype=np.int32)
+        for part in parts:
+            votes += 2 * unpack(part, 1, numel).astype(np.int32) - 1
+        return (np.sign(votes).astype(F32) * F32(ctx.world_size)).astype(dtype)
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        return codes.astype(F32) * F32(2) - F32(1)
+
+
+class EFSignSGDOracle(_PackedOracle):
+    name = "efsignsgd"
+    scales_per_segment = 1
+
+    def encode(self, a, lay, ctx):
+        sums = bucket_reduce(np.abs(a).astype(np.float64), lay, "sum")
+        return (sums / np.asarray(lay.counts, np.float64)).astype(F32), sign_bits(a)
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        s = expand(scales, lay)
+        return np.where(codes == 1, s, -s)
+
+
+class OneBitOracle(_PackedOracle):
+    name = "onebit"
+    scales_per_segment = 2
+
+    def encode(self, a, lay, ctx):
+        bits = sign_bits(a)
+        a64 = a.astype(np.float64)
+        pos_sum = bucket_reduce(np.where(bits == 1, a64, 0.0), lay, "sum")
+        pos_n = bucket_reduce(bits.astype(np.float64), lay, "sum")
+        neg_sum = bucket_reduce(np.where(bits == 1, 0.0, a64), lay, "sum")
+        neg_n = np.asarray(lay.counts, np.float64) - pos_n
+        with np.errstate(invalid="ignore", divide="ignore"):
+            pos = np.where(pos_n > 0, pos_sum / pos_n, 0.0).astype(F32)
+            neg = np.where(neg_n > 0, neg_sum / neg_n, 0.0).astype(F32)
+        return np.stack([pos, neg], axis=1).reshape(-1), bits  # (pos, neg) per tensor
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        pn = scales.reshape(-1, 2)
+        return np.where(codes == 1, expand(pn[:, 0].copy(), lay), expand(pn[:, 1].copy(), lay))
+
+
+class TernGradOracle(_PackedOracle):
+    name = "terngrad"
+    bits = 2
+    scales_per_segment = 1
+
+    def encode(self, a, lay, ctx):
+        mag = np.abs(a)
+        s = bucket_reduce(mag, lay, "max").astype(F32)
+        se = expand(s, lay)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            p = np.where(se > 0, mag / se, F32(0)).astype(F32)
+        u = uniform(a.size, self.spec["seed"], ctx.step, ctx.key, ctx.rank)
+        keep = u < p
+        codes = np.where(keep, np.where(a >= 0, 1, 2), 0).astype(np.uint8)
+        return s, codes
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        s = expand(scales, lay)
+        return np.where(codes == 1, s, np.where(codes == 2, -s, F32(0))).astype(F32)
+
+
+class QSGDOracle(_PackedOracle):
+    name = "qsgd"
+    scales_per_segment = 1
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.bits = bits_for_levels(_levels(spec.params))
+
+    def encode(self, a, lay, ctx):
+        s = self.spec["levels"]
+        sq = bucket_reduce(a.astype(np.float64) ** 2, lay, "sum")
+        v = np.sqrt(sq).astype(F32)
+        with np.errstate(divide="ignore"):
+            f = np.where(v > 0, F32(s) / v, F32(0)).astype(F32)
+        r = (np.abs(a) * expand(f, lay)).astype(F32)
+        low = np.floor(r)
+        u = uniform(a.size, self.spec["seed"], ctx.step, ctx.key, ctx.rank)
+        level = np.minimum(low + (u < (r - low)).astype(F32), F32(s))
+        signed = np.where(a >= 0, level, -level)
+        return v, (signed + F32(s)).astype(np.uint8)
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        s = self.spec["levels"]
+        w = (scales * F32(1.0 / s)).astype(F32)
+        return ((codes.astype(F32) - F32(s)) * expand(w, lay)).astype(F32)

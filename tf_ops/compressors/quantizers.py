@@ -1,0 +1,189 @@
+"""Quantizers with real bit packing in TensorFlow ops: signsgd, efsignsgd, onebit, terngrad, qsgd.
+
+A translation of ``torch_ops.compressors.quantizers`` (same payload: one gathered uint8 tensor,
+``[float32 scales as bytes | packed codes]``), following the numpy oracle
+``hvdcompress.reference.quantizers`` operation for operation, eagerly and inside ``tf.function``
+(the step may be a tensor: it seeds the stochastic rounding of terngrad and qsgd).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from hvdcompress.packing import bits_for_levels
+from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, layout_for
+
+from .base import OneRoundCompressor
+from .packing import pack, uniform, unpack
+
+
+def bucket_reduce(v: tf.Tensor, lay: Layout, op: str) -> tf.Tensor:
+    """Per segment: "max" (of v >= 0) or "sum" (in v's dtype), zero-padded buckets."""
+    out = []
+    for off, n, nb in lay.member_segments():
+        if nb == 0:
+            continue
+        width = lay.bucket if lay.bucket else n
+        grid = tf.reshape(tf.pad(v[off:off + n], [[0, nb * width - n]]), [nb, width])
+        out.append(tf.reduce_max(grid, axis=1) if op == "max" else tf.reduce_sum(grid, axis=1))
+    return tf.concat(out, 0) if out else tf.zeros([0], v.dtype)
+
+
+def expand(scales: tf.Tensor, lay: Layout, numel: int) -> tf.Tensor:
+    """Every entry's segment value (entries outside every member get 0)."""
+    if lay.spans == ((0, numel),):
+        return tf.repeat(scales, list(lay.counts))
+    pieces, pos, i = [], 0, 0
+    for off, n, nb in lay.member_segments():
+        if off > pos:
+            pieces.append(tf.zeros([off - pos], scales.dtype))
+        pieces.append(tf.repeat(scales[i:i + nb], list(lay.counts[i:i + nb])) if nb else tf.zeros([0], scales.dtype))
+        pos, i = off + n, i + nb
+    if numel > pos:
+        pieces.append(tf.zeros([numel - pos], scales.dtype))
+    return tf.concat(pieces, 0)
+
+
+def sign_bits(a: tf.Tensor) -> tf.Tensor:
+    return tf.cast(a >= 0, tf.uint8)
+
+
+class _Packed(OneRoundCompressor):
+    summed = False
+    bits = 1
+    scales_per_segment = 0
+
+    def layout(self, numel: int, ctx) -> Layout:
+        return layout_for(ctx.members, numel, self.spec.params.get("bucket", 0))
+
+    def encode(self, a, lay, ctx):
+        """(float32 scales, uint8 codes)."""
+        raise NotImplementedError
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        raise NotImplementedError
+
+    def compress(self, a, sel, ctx):
+        numel = int(a.shape[0])
+        lay = self.layout(numel, ctx)
+        scales, codes = self.encode(tf.cast(a, tf.float32), lay, ctx)
+        head = tf.reshape(tf.bitcast(scales, tf.uint8), [-1])
+        return (tf.concat([head, pack(codes, self.bits)], 0),)
+
+    def _decode_buffer(self, buf, numel, ctx):
+        lay = self.layout(numel, ctx)
+        head = SCALE_BYTES * lay.segments * self.scales_per_segment
+        scales = tf.reshape(tf.bitcast(tf.reshape(buf[:head], [-1, SCALE_BYTES]), tf.float32), [-1])
+        return self.decode(scales, unpack(buf[head:], self.bits, numel), lay, numel, ctx)
+
+    def decompress(self, payload, like, sel, ctx):
+        return tf.cast(self._decode_buffer(payload[0], int(like.shape[0]), ctx), like.dtype)
+
+    def aggregate(self, results, like, sel, ctx):
+        numel = int(like.shape[0])
+        parts = tf.reshape(results[0], [ctx.world_size, -1])
+        total = self._decode_buffer(parts[0], numel, ctx)
+        for r in range(1, ctx.world_size):  # rank order
+            total = total + self._decode_buffer(parts[r], numel, ctx)
+        return tf.cast(total, like.dtype)
+
+
+class SignSGDCompressor(_Packed):
+    name = "signsgd"
+
+    def encode(self, a, lay, ctx):
+        return tf.zeros([0], tf.float32), sign_bits(a)
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        return tf.cast(codes, tf.float32) * 2.0 - 1.0
+
+    def aggregate(self, results, like, sel, ctx):
+        numel = int(like.shape[0])
+        parts = tf.reshape(results[0], [ctx.world_size, -1])
+        votes = tf.zeros([numel], tf.int32)
+        for r in range(ctx.world_size):
+            votes += tf.cast(unpack(parts[r], 1, numel), tf.int32) * 2 - 1
+        return tf.cast(tf.cast(tf.sign(votes), tf.float32) * float(ctx.world_size), like.dtype)
+
+
+class EFSignSGDCompressor(_Packed):
+    name = "efsignsgd"
+    scales_per_segment = 1
+
+    def encode(self, a, lay, ctx):
+        sums = bucket_reduce(tf.cast(tf.abs(a), tf.float64), lay, "sum")
+        return tf.cast(sums / tf.constant(lay.counts, tf.float64), tf.float32), sign_bits(a)
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        s = expand(scales, lay, numel)
+        return tf.where(codes == 1, s, -s)
+
+
+class OneBitCompressor(_Packed):
+    name = "onebit"
+    scales_per_segment = 2
+
+    def encode(self, a, lay, ctx):
+        bits = sign_bits(a)
+        one = bits == 1
+        a64 = tf.cast(a, tf.float64)
+        zero = tf.zeros_like(a64)
+        pos_sum = bucket_reduce(tf.where(one, a64, zero), lay, "sum")
+        pos_n = bucket_reduce(tf.cast(bits, tf.float64), lay, "sum")
+        neg_sum = bucket_reduce(tf.where(one, zero, a64), lay, "sum")
+        neg_n = tf.constant(lay.counts, tf.float64) - pos_n
+        pos = tf.cast(tf.math.divide_no_nan(pos_sum, pos_n), tf.float32)
+        neg = tf.cast(tf.math.divide_no_nan(neg_sum, neg_n), tf.float32)
+        return tf.reshape(tf.stack([pos, neg], axis=1), [-1]), bits
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        pn = tf.reshape(scales, [-1, 2])
+        return tf.where(codes == 1, expand(pn[:, 0], lay, numel), expand(pn[:, 1], lay, numel))
+
+
+class TernGradCompressor(_Packed):
+    name = "terngrad"
+    bits = 2
+    scales_per_segment = 1
+    uses_step = True
+
+    def encode(self, a, lay, ctx):
+        numel = int(a.shape[0])
+        mag = tf.abs(a)
+        s = bucket_reduce(mag, lay, "max")
+        p = tf.math.divide_no_nan(mag, expand(s, lay, numel))
+        keep = uniform(numel, self.spec["seed"], ctx.step, ctx.key, ctx.rank) < p
+        codes = tf.where(keep, tf.where(a >= 0, tf.constant(1, tf.uint8), tf.constant(2, tf.uint8)),
+                         tf.constant(0, tf.uint8))
+        return s, codes
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        s = expand(scales, lay, numel)
+        return tf.where(codes == 1, s, tf.where(codes == 2, -s, tf.zeros_like(s)))
+
+
+class QSGDCompressor(_Packed):
+    name = "qsgd"
+    scales_per_segment = 1
+    uses_step = True
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.bits = bits_for_levels(2 * spec["levels"] + 1)
+
+    def encode(self, a, lay, ctx):
+        numel = int(a.shape[0])
+        s = tf.constant(float(self.spec["levels"]), tf.float32)
+        v = tf.cast(tf.sqrt(bucket_reduce(tf.square(tf.cast(a, tf.float64)), lay, "sum")), tf.float32)
+        f = tf.math.divide_no_nan(tf.fill(tf.shape(v), s), v)
+        r = tf.abs(a) * expand(f, lay, numel)
+        low = tf.floor(r)
+        u = uniform(numel, self.spec["seed"], ctx.step, ctx.key, ctx.rank)
+        level = tf.minimum(low + tf.cast(u < (r - low), tf.float32), s)
+        signed = tf.where(a >= 0, level, -level)
+        return v, tf.cast(signed + s, tf.uint8)
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        s = tf.constant(float(self.spec["levels"]), tf.float32)
+        w = scales * tf.constant(1.0 / self.spec["levels"], tf.float32)
+        return (tf.cast(codes, tf.float32) - s) * expand(w, lay, numel)

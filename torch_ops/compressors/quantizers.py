@@ -1,0 +1,191 @@
+"""Quantizers with real bit packing in PyTorch: signsgd, efsignsgd, onebit, terngrad, qsgd.
+
+Each sends one gathered uint8 tensor, ``[float32 scales as bytes | packed codes]``, and decodes
+the gathered buffers rank by rank, summing in rank order. The numpy oracle
+``hvdcompress.reference.quantizers`` defines every operation and its order; this module follows it
+operation for operation (reductions in float64 rounded once to float32, float32 elsewhere), so the
+payload bytes, results and residuals agree bit for bit. Scales are per member of ``ctx.members``
+(``merge=PER_MEMBER``); per bucket of ``bucket`` entries for terngrad and qsgd.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from hvdcompress.packing import bits_for_levels
+from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, layout_for
+
+from .base import OneRoundCompressor
+from .packing import pack, uniform, unpack
+
+
+def bucket_reduce(v: torch.Tensor, lay: Layout, op: str) -> torch.Tensor:
+    """Per segment: "max" (of v >= 0) or "sum" (in v's dtype), zero-padded buckets."""
+    out = []
+    for off, n, nb in lay.member_segments():
+        if nb == 0:
+            continue
+        width = lay.bucket if lay.bucket else n
+        grid = v.new_zeros(nb * width)
+        grid[:n] = v[off:off + n]
+        grid = grid.view(nb, width)
+        out.append(grid.amax(dim=1) if op == "max" else grid.sum(dim=1))
+    return torch.cat(out) if out else v.new_zeros(0)
+
+
+def expand(scales: torch.Tensor, lay: Layout, numel: int) -> torch.Tensor:
+    """Every entry's segment value (entries outside every member get 0)."""
+    counts = torch.tensor(lay.counts, dtype=torch.int64, device=scales.device)
+    if lay.spans == ((0, numel),):
+        return torch.repeat_interleave(scales, counts, output_size=numel)
+    out = scales.new_zeros(numel)
+    i = 0
+    for off, n, nb in lay.member_segments():
+        out[off:off + n] = torch.repeat_interleave(scales[i:i + nb], counts[i:i + nb], output_size=n)
+        i += nb
+    return out
+
+
+def sign_bits(a: torch.Tensor) -> torch.Tensor:
+    return (a >= 0).to(torch.uint8)
+
+
+class _Packed(OneRoundCompressor):
+    summed = False
+    bits = 1
+    scales_per_segment = 0
+
+    def layout(self, numel: int, ctx) -> Layout:
+        return layout_for(ctx.members, numel, self.spec.params.get("bucket", 0))
+
+    def encode(self, a: torch.Tensor, lay: Layout, ctx) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(float32 scales, uint8 codes)."""
+        raise NotImplementedError
+
+    def decode(self, scales, codes, lay, numel, ctx) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compress(self, a, ctx):
+        lay = self.layout(a.numel(), ctx)
+        scales, codes = self.encode(a.to(torch.float32), lay, ctx)
+        return (torch.cat([scales.contiguous().view(torch.uint8), pack(codes, self.bits)]),)
+
+    def _decode_buffer(self, buf, numel, ctx):
+        lay = self.layout(numel, ctx)
+        head = SCALE_BYTES * lay.segments * self.scales_per_segment
+        scales = buf[:head].clone().view(torch.float32)
+        return self.decode(scales, unpack(buf[head:], self.bits, numel), lay, numel, ctx)
+
+    def decompress(self, payload, like, ctx):
+        return self._decode_buffer(payload[0], like.numel(), ctx).to(like.dtype)
+
+    def aggregate(self, results, like, ctx):
+        parts = results[0].view(ctx.world_size, -1)
+        total = self._decode_buffer(parts[0], like.numel(), ctx)
+        for part in parts[1:]:  # rank order
+            total += self._decode_buffer(part, like.numel(), ctx)
+        return total.to(like.dtype)
+
+
+class SignSGDCompressor(_Packed):
+    name = "signsgd"
+
+    def encode(self, a, lay, ctx):
+        return a.new_zeros(0), sign_bits(a)
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        return codes.to(torch.float32) * 2.0 - 1.0
+
+    def aggregate(self, results, like, ctx):
+        numel = like.numel()
+        parts = results[0].view(ctx.world_size, -1)
+        votes = torch.zeros(numel, dtype=torch.int32, device=like.device)
+        for part in parts:
+            votes += unpack(part, 1, numel).to(torch.int32) * 2 - 1
+        return (torch.sign(votes).to(torch.float32) * float(ctx.world_size)).to(like.dtype)
+
+
+class EFSignSGDCompressor(_Packed):
+    name = "efsignsgd"
+    scales_per_segment = 1
+
+    def encode(self, a, lay, ctx):
+        sums = bucket_reduce(a.abs().to(torch.float64), lay, "sum")
+        counts = torch.tensor(lay.counts, dtype=torch.float64, device=a.device)
+        return (sums / counts).to(torch.float32), sign_bits(a)
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        s = expand(scales, lay, numel)
+        return torch.where(codes == 1, s, -s)
+
+
+class OneBitCompressor(_Packed):
+    name = "onebit"
+    scales_per_segment = 2
+
+    def encode(self, a, lay, ctx):
+        bits = sign_bits(a)
+        one = bits == 1
+        a64 = a.to(torch.float64)
+        zero = a64.new_zeros(())
+        pos_sum = bucket_reduce(torch.where(one, a64, zero), lay, "sum")
+        pos_n = bucket_reduce(bits.to(torch.float64), lay, "sum")
+        neg_sum = bucket_reduce(torch.where(one, zero, a64), lay, "sum")
+        neg_n = torch.tensor(lay.counts, dtype=torch.float64, device=a.device) - pos_n
+        pos = torch.where(pos_n > 0, pos_sum / pos_n, zero).to(torch.float32)
+        neg = torch.where(neg_n > 0, neg_sum / neg_n, zero).to(torch.float32)
+        return torch.stack([pos, neg], dim=1).reshape(-1), bits
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        pn = scales.view(-1, 2)
+        return torch.where(codes == 1, expand(pn[:, 0].contiguous(), lay, numel),
+                           expand(pn[:, 1].contiguous(), lay, numel))
+
+
+class TernGradCompressor(_Packed):
+    name = "terngrad"
+    bits = 2
+    scales_per_segment = 1
+
+    def encode(self, a, lay, ctx):
+        mag = a.abs()
+        s = bucket_reduce(mag, lay, "max")
+        se = expand(s, lay, a.numel())
+        p = torch.where(se > 0, mag / se, mag.new_zeros(()))
+        u = uniform(a.numel(), self.spec["seed"], ctx.step, ctx.key, ctx.rank, device=a.device)
+        keep = u < p
+        codes = torch.where(a >= 0, 1, 2).to(torch.uint8) * keep.to(torch.uint8)
+        return s, codes
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        s = expand(scales, lay, numel)
+        zero = s.new_zeros(())
+        return torch.where(codes == 1, s, torch.where(codes == 2, -s, zero))
+
+
+class QSGDCompressor(_Packed):
+    name = "qsgd"
+    scales_per_segment = 1
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.bits = bits_for_levels(2 * spec["levels"] + 1)
+
+    def encode(self, a, lay, ctx):
+        s = float(self.spec["levels"])
+        sq = bucket_reduce(a.to(torch.float64).square(), lay, "sum")
+        v = sq.sqrt().to(torch.float32)
+        f = torch.where(v > 0, torch.full_like(v, s) / v, v.new_zeros(()))
+        r = a.abs() * expand(f, lay, a.numel())
+        low = torch.floor(r)
+        u = uniform(a.numel(), self.spec["seed"], ctx.step, ctx.key, ctx.rank, device=a.device)
+        level = torch.clamp_max(low + (u < (r - low)).to(torch.float32), s)
+        signed = torch.where(a >= 0, level, -level)
+        return v, (signed + s).to(torch.uint8)
+
+    def decode(self, scales, codes, lay, numel, ctx):
+        s = float(self.spec["levels"])
+        w = scales * torch.tensor(1.0 / s, dtype=torch.float32)
+        return (codes.to(torch.float32) - s) * expand(w, lay, numel)
