@@ -1,0 +1,322 @@
+"""Sketched-SGD ("sketch"): the numpy oracle's properties, and PyTorch / TensorFlow against it.
+
+Single process. The ranks are simulated: ``hvdcompress.reference.simulate`` for the oracle,
+``local_world.run_lockstep`` for torch and TF (sums in rank order, as the oracle). On CPU every
+implementation adds each sketch cell's entries in index order, so tables, candidates, selected
+indices, results and state are compared bit for bit.
+"""
+
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import torch  # noqa: E402
+
+from hvdcompress import hashing  # noqa: E402
+from hvdcompress.reference import simulate  # noqa: E402
+from hvdcompress.reference import sketch as ref  # noqa: E402
+from hvdcompress.spec import Compression, CompressionSpec, parse_spec  # noqa: E402
+from local_world import run_lockstep  # noqa: E402
+from tf_ops import compressors as tfc  # noqa: E402
+from tf_ops.compressors import sketch as tf_sketch  # noqa: E402
+from torch_ops import compressors as tc  # noqa: E402
+from torch_ops.compressors import sketch as torch_sketch  # noqa: E402
+
+KEY = "block.0.weight"
+SPECS = ["sketch:ratio=0.01",
+         "sketch:ratio=0.02,rows=4,cols_ratio=0.03,p2=2,momentum=0.5,seed=7",
+         "sketch:k=9,rows=3,cols=80,p2=3,momentum=0.0,seed=123456789012,min_sketch_numel=16",
+         "sketch:ratio=0.05,rows=1,cols_ratio=0.1,p2=1"]
+
+
+def _grads(world, d, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[(rng.standard_normal(d) * rng.lognormal(0, 1.5, d)).astype(np.float32) for _ in range(world)]
+            for _ in range(steps)]
+
+
+# --- parameters -------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, name", [
+    ("sketch:rows=0", "rows"), ("sketch:rows=33", "rows"), ("sketch:p2=0", "p2"), ("sketch:ratio=0", "ratio"),
+    ("sketch:ratio=1.5", "ratio"), ("sketch:k=0", "k"), ("sketch:k=2.5", "k"), ("sketch:cols=0", "cols"),
+    ("sketch:cols_ratio=0", "cols_ratio"), ("sketch:momentum=1.0", "momentum"), ("sketch:momentum=-0.1", "momentum"),
+    ("sketch:seed=-1", "seed"), ("sketch:min_sketch_numel=0", "min_sketch_numel"), ("sketch:rows=x", "rows"),
+    ("sketch:cols=4294967296", "cols")])
+def test_bad_parameters_raise_naming_the_parameter(text, name):
+    with pytest.raises(ValueError, match=f"sketch: parameter '{name}'"):
+        parse_spec(text)
+
+
+def test_unknown_parameter_lists_the_accepted_ones():
+    with pytest.raises(ValueError, match="unknown parameter 'colums'.*cols_ratio"):
+        parse_spec("sketch:colums=3")
+
+
+def test_defaults_and_factory():
+    spec = Compression.sketch(k=100, cols=2000)
+    assert spec.params == parse_spec("sketch:k=100,cols=2000").params
+    p = parse_spec("sketch").params
+    assert (p["ratio"], p["k"], p["rows"], p["cols"], p["cols_ratio"], p["p2"], p["momentum"], p["seed"],
+            p["min_sketch_numel"]) == (0.01, None, 5, None, 0.02, 4, 0.9, 0, 1024)
+
+
+def test_geometry_and_the_dense_rule():
+    p = parse_spec("sketch").params
+    g = ref.geometry(p, 1_000_000)
+    assert (g.k, g.rows, g.cols, g.candidates, g.dense) == (10_000, 5, 20_000, 40_000, False)
+    assert ref.geometry(p, 1023).dense  # under min_sketch_numel
+    q = parse_spec("sketch:k=10,cols=100,min_sketch_numel=1").params
+    assert ref.geometry(q, 540).dense and not ref.geometry(q, 541).dense  # 5*100 + 4*10 >= d
+    assert ref.geometry(parse_spec("sketch:k=50").params, 2000).k == 50
+    assert ref.geometry(parse_spec("sketch:k=5000,min_sketch_numel=1").params, 2000).k == 2000
+
+
+def test_wire_rule_matches_what_the_oracle_sends():
+    for text in SPECS + ["sketch"]:
+        spec = parse_spec(text)
+        for d in (10, 100, 600, 2000, 30_000):
+            _, _, sent = simulate(spec, _grads(2, d, 1)[0], key=KEY)
+            r1, r2 = spec.info.rounds(spec.params, np.array([d]))
+            got = [sum(t.nbytes for t in rnd) for rnd in sent[0]]
+            assert got[0] == r1.nbytes[0], (text, d)
+            assert (got[1] if len(got) > 1 else 0) == r2.nbytes[0] and r2.collectives[0] == len(got) - 1
+            g = ref.geometry(spec.params, d)
+            assert len(got) == (1 if g.dense else 2)
+            if not g.dense:
+                assert got == [4 * g.rows * g.cols, 4 * g.candidates] and sum(got) < 4 * d
+
+
+# --- hashing ----------------------------------------------------------------------------------
+def test_hash_is_the_same_in_numpy_torch_and_tensorflow():
+    idx = np.concatenate([np.arange(200_000), np.arange(2**32 - 1000, 2**32), [2**31 - 1, 2**31]]).astype(np.int64)
+    for seed, key, cols in ((0, "a", 1), (3, KEY, 1000), (2**63 - 1, "x" * 50, 2**31 - 1), (5, "é", 7)):
+        keys = hashing.row_keys(seed, key, 3)
+        assert len(set(keys)) == 3
+        h = torch_sketch._Hasher(idx.size, "cpu")
+        for rk in keys:
+            b, s = hashing.bucket_sign(idx, rk, cols)
+            assert b.min() >= 0 and b.max() < cols and set(np.unique(s)) <= {-1.0, 1.0}
+            assert np.array_equal(hashing.mix32_array(idx[:50], rk), [hashing.mix32((int(i) & hashing.M32) ^ rk)
+                                                                      for i in idx[:50]])
+            tb, ts = h(torch.from_numpy(idx), rk, cols, torch.float32)
+            assert np.array_equal(tb.numpy(), b) and np.array_equal(ts.numpy(), s)
+            fb, fs = tf_sketch.bucket_sign(tf.constant(idx), rk, cols, tf.float32)
+            assert np.array_equal(fb.numpy(), b) and np.array_equal(fs.numpy(), s)
+
+
+def test_hashes_are_spread_and_rows_keys_differ():
+    idx = np.arange(100_000, dtype=np.int64)
+    b0, s0 = hashing.bucket_sign(idx, hashing.row_key(0, KEY, 0), 100)
+    b1, _ = hashing.bucket_sign(idx, hashing.row_key(0, KEY, 1), 100)
+    b2, _ = hashing.bucket_sign(idx, hashing.row_key(0, "other", 0), 100)
+    b3, _ = hashing.bucket_sign(idx, hashing.row_key(1, KEY, 0), 100)
+    counts = np.bincount(b0, minlength=100)
+    assert counts.min() > 850 and counts.max() < 1150  # 1000 expected per bucket
+    assert abs(s0.mean()) < 0.02
+    for other in (b1, b2, b3):
+        assert np.mean(other == b0) < 0.02  # independent rows/keys/seeds collide ~1/100
+
+
+# --- oracle properties ------------------------------------------------------------------------
+def test_the_sketch_is_linear():
+    rng = np.random.default_rng(0)
+    keys = hashing.row_keys(0, KEY, 5)
+    a, b = rng.standard_normal((2, 50_000)).astype(np.float32)
+    sa, sb, sab = (ref.sketch_table(x, keys, 700) for x in (a, b, a + b))
+    np.testing.assert_allclose(sa + sb, sab, rtol=0, atol=1e-4)
+    ia, ib = rng.integers(-1000, 1000, (2, 50_000)).astype(np.float32)  # integers: exact
+    assert np.array_equal(ref.sketch_table(ia, keys, 700) + ref.sketch_table(ib, keys, 700),
+                          ref.sketch_table(ia + ib, keys, 700))
+
+
+def test_estimates_are_exact_without_collisions_and_median_is_the_lower_one():
+    keys = hashing.row_keys(0, KEY, 4)
+    v = np.zeros(5000, np.float32)
+    v[[7, 4000]] = [3.0, -5.0]
+    est = ref.estimates(ref.sketch_table(v, keys, 1000), keys, v.size)
+    assert est[7] == 3.0 and est[4000] == -5.0
+    assert np.array_equal(ref.lower_median(np.array([[4.0, 1], [1, 2], [3, 3], [2, 9]], np.float32)), [2.0, 2.0])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_planted_heavy_hitters_are_recovered(world):
+    rng = np.random.default_rng(world)
+    d, k = 100_000, 50
+    heavy = np.sort(rng.choice(d, k, replace=False))
+    spec = parse_spec(f"sketch:k={k},momentum=0.0,cols=2000")
+    signs = np.where(rng.random(k) < 0.5, -1, 1)  # the same direction on every rank
+    grads = []
+    for _ in range(world):
+        g = (0.01 * rng.standard_normal(d)).astype(np.float32)
+        g[heavy] += signs * (5 + rng.random(k)).astype(np.float32)
+        grads.append(g)
+    states = [{} for _ in range(world)]
+    total, states, sent = simulate(spec, grads, states, key=KEY)
+    assert np.array_equal(np.flatnonzero(total), heavy)
+    want = np.sum(np.stack(grads), axis=0, dtype=np.float32)[heavy] / world
+    np.testing.assert_allclose(total[heavy], want, rtol=1e-5)
+    for st in states:  # selected coordinates zeroed, the rest kept
+        assert not st["v"][heavy].any() and not st["u"][heavy].any() and st["v"].any()
+    assert sum(t.nbytes for rnd in sent[0] for t in rnd) == 4 * (5 * 2000 + 4 * k)
+
+
+def test_nothing_is_lost_error_accumulates_until_sent():
+    """With momentum 0: what was applied plus what every rank still holds in v is the sum of all
+    gradients (up to float rounding)."""
+    spec = parse_spec("sketch:ratio=0.01,momentum=0.0,min_sketch_numel=1")
+    world, d = 2, 5000
+    steps = _grads(world, d, 6, seed=3)
+    states = [{} for _ in range(world)]
+    applied = np.zeros(d, np.float64)
+    for grads in steps:
+        total, states, _ = simulate(spec, grads, states, key=KEY, scale=1.0)
+        applied += total
+    held = sum(st["v"].astype(np.float64) for st in states)
+    np.testing.assert_allclose(applied + held, np.sum([g for s in steps for g in s], axis=0, dtype=np.float64),
+                               atol=1e-3)
+
+
+def test_tiny_tensors_are_sent_dense_as_momentum_sgd():
+    spec = parse_spec("sketch:momentum=0.5")
+    grads = [np.arange(10, dtype=np.float32), np.ones(10, np.float32)]
+    states = [{}, {}]
+    total, states, sent = simulate(spec, grads, states, key="b", shape=(10,))
+    np.testing.assert_array_equal(total, (grads[0] + grads[1]) / 2)
+    assert [[t.size for t in rnd] for rnd in sent[0]] == [[10]]
+    total2, states, _ = simulate(spec, grads, states, key="b", shape=(10,))
+    np.testing.assert_array_equal(total2, (grads[0] * np.float32(1.5) + grads[1] * np.float32(1.5)) / 2)
+    assert not states[0]["v"].any()
+
+
+# --- PyTorch and TensorFlow against the oracle -------------------------------------------------
+def _oracle_run(spec, steps, shape):
+    world = len(steps[0])
+    states = [{} for _ in range(world)]
+    for step, grads in enumerate(steps):
+        total, states, sent = simulate(spec, grads, states, key=KEY, step=step, shape=shape)
+        yield total, [{k: v.copy() for k, v in st.items()} for st in states], sent
+
+
+def _torch_run(spec, steps, shape):
+    comp = tc.build_compressor(spec)
+    world = len(steps[0])
+    states = [{} for _ in range(world)]
+    for step, grads in enumerate(steps):
+        gens = [comp.exchange(torch.from_numpy(g.copy()), tc.ExchangeContext(KEY, step, world, 1.0 / world, st, shape))
+                for g, st in zip(grads, states)]
+        results, sent = run_lockstep(gens)
+        yield [r.numpy() for r in results], [{k: v.numpy().copy() for k, v in st.items()} for st in states], sent
+
+
+def _tf_run(spec, steps, shape, graph):
+    comp = tfc.build_compressor(spec)
+    world = len(steps[0])
+    states = [comp.new_state(shape, tf.float32) for _ in range(world)]
+
+    def exchange(grads, step):
+        return run_lockstep([comp.exchange(g, tfc.ExchangeContext(KEY, step, world, 1.0 / world, st, shape))
+                             for g, st in zip(grads, states)])
+
+    fn = tf.function(exchange) if graph else exchange
+    for step, grads in enumerate(steps):
+        results, sent = fn([tf.constant(g) for g in grads], tf.constant(step, tf.int64) if graph else step)
+        yield [r.numpy() for r in results], [{k: v.numpy() for k, v in st.items()} for st in states], sent
+    if graph:
+        assert fn.experimental_get_tracing_count() == 1
+
+
+def _compare(want_iter, got_iter, label):
+    for step, ((total, states, sent), (results, got_states, got_sent)) in enumerate(zip(want_iter, got_iter)):
+        for r, res in enumerate(results):
+            np.testing.assert_array_equal(res, total, err_msg=f"{label} step {step} rank {r}")
+            for name in ("u", "v"):
+                want = states[r].get(name, np.zeros_like(total))
+                np.testing.assert_array_equal(got_states[r][name], want, err_msg=f"{label} {name} step {step} rank {r}")
+            assert int(got_sent[r]) == sum(t.nbytes for rnd in sent[r] for t in rnd)
+
+
+@pytest.mark.parametrize("shape", [(60, 100), (3000,), (20,)], ids=["2d", "1d", "tiny"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("text", SPECS)
+def test_torch_matches_the_oracle_bit_for_bit(text, world, shape):
+    spec = parse_spec(text)
+    steps = _grads(world, int(np.prod(shape)), 4, seed=world)
+    _compare(_oracle_run(spec, steps, shape), _torch_run(spec, steps, shape), f"torch {text} world={world}")
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("text", SPECS)
+def test_tensorflow_matches_the_oracle_bit_for_bit(text, world, graph):
+    spec, shape = parse_spec(text), (60, 100)
+    steps = _grads(world, 6000, 3, seed=world)
+    _compare(_oracle_run(spec, steps, shape), _tf_run(spec, steps, shape, graph), f"tf {text} world={world}")
+
+
+def test_tensorflow_dense_path_matches_the_oracle():
+    spec, shape = parse_spec(SPECS[0]), (20,)
+    steps = _grads(2, 20, 3)
+    for graph in (False, True):
+        _compare(_oracle_run(spec, steps, shape), _tf_run(spec, steps, shape, graph), f"tf dense graph={graph}")
+
+
+def test_tables_and_estimates_agree_across_chunks_and_frameworks():
+    """The torch port hashes in chunks; chunk boundaries must not change a bit."""
+    rng = np.random.default_rng(5)
+    v = (rng.standard_normal(70_001) * rng.lognormal(0, 2, 70_001)).astype(np.float32)
+    keys = hashing.row_keys(11, KEY, 5)
+    table = ref.sketch_table(v, keys, 997)
+    est = ref.estimates(table, keys, v.size)
+    for chunk in (1000, 4096, torch_sketch.CHUNK, 1 << 20):
+        t = torch_sketch.sketch_table(torch.from_numpy(v), keys, 997, chunk=chunk)
+        assert np.array_equal(t.numpy(), table), chunk
+        e = torch_sketch.estimates(torch.from_numpy(table), keys, v.size, chunk=chunk)
+        assert np.array_equal(np.abs(e.numpy()), np.abs(est)), chunk
+    assert np.array_equal(tf_sketch.sketch_table(tf.constant(v), keys, 997).numpy(), table)
+    assert np.array_equal(np.abs(tf_sketch.estimates(tf.constant(table), keys, v.size).numpy()), np.abs(est))
+
+
+def test_merged_group_is_sketched_as_one_vector():
+    """ELEMENTWISE merge: a group's state is its members' state joined; the group is sketched as
+    one vector (its own k, c, and hashes of the group key), not member by member."""
+    spec = parse_spec("sketch:ratio=0.02,min_sketch_numel=1")
+    assert spec.info.merge == "elementwise"
+    grads = _grads(2, 3000, 1)[0]
+    from hvdcompress.reference import Member
+    members = (Member("a", (1000,), 0), Member("b", (2000,), 1000))
+    merged, _, _ = simulate(spec, grads, key="group", shape=(3000,), members=members)
+    flat, _, _ = simulate(spec, grads, key="group", shape=(3000,))
+    assert np.array_equal(merged, flat) and np.count_nonzero(merged) == 60
+
+
+# --- the optimizer hooks ----------------------------------------------------------------------
+def test_torch_takes_the_sgd_momentum_over():
+    spec = parse_spec("sketch")
+    groups = [{"momentum": 0.8, "nesterov": False}, {"momentum": 0.8}]
+    with pytest.warns(UserWarning, match="taking over"):
+        out = tc.compressor_class(spec).adapt_optimizer(spec, groups)
+    assert out["momentum"] == 0.8 and all(g["momentum"] == 0.0 for g in groups)
+    assert tc.compressor_class(spec).adapt_optimizer(spec, [{"momentum": 0.0}]) is spec
+    with pytest.raises(ValueError, match="Nesterov"):
+        tc.compressor_class(spec).adapt_optimizer(spec, [{"momentum": 0.9, "nesterov": True}])
+    with pytest.raises(ValueError, match="different momenta"):
+        tc.compressor_class(spec).adapt_optimizer(spec, [{"momentum": 0.9}, {"momentum": 0.5}])
+
+
+def test_tensorflow_takes_the_sgd_momentum_over():
+    spec = parse_spec("sketch")
+    new, config = tfc.compressor_class(spec).adapt_optimizer(spec, {"momentum": 0.9, "nesterov": False})
+    assert new["momentum"] == 0.9 and config["momentum"] == 0.0
+    assert tfc.compressor_class(spec).adapt_optimizer(spec, {"momentum": 0.0})[0] is spec
+    with pytest.raises(ValueError, match="Nesterov"):
+        tfc.compressor_class(spec).adapt_optimizer(spec, {"momentum": 0.9, "nesterov": True})
+    comp = tfc.build_compressor(spec)
+    assert comp.state_slots((10, 10)) == ("u", "v") and not comp.has_density and comp.stateful
+
+
+def test_spec_round_trips():
+    spec = parse_spec("sketch:k=12,cols=300,seed=4")
+    assert CompressionSpec.from_dict(spec.to_dict()) == spec == parse_spec(str(spec))
