@@ -58,6 +58,18 @@ class MergedGroup:
         """What the compressor is told the tensor's shape is (``merged_shape``)."""
         return merged_shape(self.shapes)
 
+    @property
+    def layout(self):
+        """The members as ``hvdcompress.reference.oracle.Member`` s (name, shape, offset): what an
+        exchange is told in ``ExchangeContext.members``."""
+        from .reference.oracle import Member
+
+        out, offset = [], 0
+        for name, shape, n in zip(self.members, self.shapes, self.numels):
+            out.append(Member(str(name), tuple(shape), offset))
+            offset += n
+        return tuple(out)
+
 
 def check_mergeable(schedule_text: str, spec) -> bool:
     """Whether ``spec`` 's tensors may be merged under a schedule (its text, "explicit" for explicit
@@ -73,3 +85,21 @@ def check_mergeable(schedule_text: str, spec) -> bool:
     raise ValueError(f"schedule: compression '{spec.name}' keeps per-tensor state that is not elementwise "
                      f"(merge policy {LAYERWISE!r}), so its tensors cannot be merged; use schedule='layerwise' "
                      f"or 'auto'; got {schedule_text!r}")
+
+
+def process_set_size(process_set, timeout_s: float = 30.0) -> int:
+    """``process_set.size()``, waiting for Horovod to finish registering a static process set.
+
+    Horovod 0.28.1 registers the sets given to ``hvd.init(process_sets=...)`` in its background
+    thread; ``size()`` right after ``init`` may raise "Process set does not exist or has not been
+    registered" for a moment (seen with TensorFlow). Retried for up to ``timeout_s`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return process_set.size()
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)

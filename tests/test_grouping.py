@@ -237,8 +237,8 @@ def test_check_cost_model():
 SIZES = {n: 4.0 * torch.Size(s).numel() for n, s in SHAPES.items()}
 
 
-def _scheduler(schedule, cost_model=None, elementwise=True, profile_steps=5, spec="topk:ratio=0.5"):
-    return Scheduler(schedule, resolve(spec), cost_model, profile_steps, SIZES, 2, elementwise)
+def _scheduler(schedule, cost_model=None, profile_steps=5, spec="topk:ratio=0.5"):
+    return Scheduler(schedule, resolve(spec), cost_model, profile_steps, SIZES, 2)
 
 
 def test_scheduler_text_and_whether_it_needs_a_model():
@@ -259,9 +259,12 @@ def test_scheduler_checks_explicit_names_at_construction():
 
 
 def test_scheduler_refuses_merging_state_that_is_not_elementwise():
+    import toy_algorithm.reference_toy  # noqa: F401  (declares "toysign", merge=LAYERWISE)
+
     with pytest.raises(ValueError, match="schedule: compression .* not elementwise.*schedule='layerwise'"):
-        _scheduler("single", elementwise=False)
-    assert _scheduler("layerwise", elementwise=False).text == "layerwise"
+        _scheduler("single", spec="toysign")
+    assert _scheduler("layerwise", spec="toysign").text == "layerwise"
+    assert _scheduler("auto", spec="toysign").text == "layerwise"  # auto respects the merge policy
 
 
 def test_scheduler_checks_its_other_arguments():

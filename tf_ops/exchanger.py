@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 
 import tensorflow as tf
 
+from hvdcompress.groups import process_set_size
 from hvdcompress.spec import resolve
 
 from .compression import GradientCompression
@@ -145,7 +146,7 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
         compression = _STATELESS_CACHE[key]
     elif spec is not None:
         compression = GradientCompression(spec, name=name, schedule=sched, cost_model=cost_model)
-    world = process_set.size()
+    world = process_set_size(process_set)
     compression.prepare(world, process_set)  # a missing cost model raises now, on every rank
     scale = factor / world if op == hvd.Average else 1.0
     return Exchanger(compression, world, scale, 1.0 / factor, process_set, sparse_as_dense, who)

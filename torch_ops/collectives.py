@@ -3,20 +3,26 @@
 The compressor contract (see ``torch_ops.compressors.base``) keeps compressors free of Horovod:
 an exchange is a generator that *yields* a tuple of requests and is *sent* their results.
 
-    Allreduce(t)  -- sum ``t`` over all ranks, in place; the result is ``t`` itself.
-    Allgather(t)  -- concatenate every rank's ``t`` along dim 0, in rank order; sizes may differ
-                     (an empty ``t`` on some rank is fine).
+    Allreduce(t)        -- sum ``t`` over all ranks, in place; the result is ``t`` itself.
+    Allgather(t)        -- concatenate every rank's ``t`` along dim 0, in rank order; sizes may
+                           differ (an empty ``t`` on some rank is fine).
+    Alltoall(t, splits) -- send ``splits[r]`` rows of ``t`` to rank r (in order); the result is
+                           what every rank sent to this one, in rank order (Horovod's alltoall).
 
-``HorovodDriver`` turns requests into ``horovod.torch`` async handles from outside Horovod
-(``allreduce_async_`` / ``allgather_async`` / ``synchronize``) and counts the bytes each rank hands
-to the transport, so compression ratios are measured from the real payload tensors, not claimed.
+``Communicator`` is the one object through which the project makes collectives of any kind, on
+the user's process set: the exchanges' async requests (``launch`` / ``poll`` / ``wait``, from
+outside Horovod: ``allreduce_async_``, ``allgather_async``, ``alltoall_async``, ``synchronize``),
+and the scheduler's and profiler's object broadcasts, gathers, barriers and timed collectives.
+``PendingExchange`` counts the bytes each rank hands to the transport, so compression ratios are
+measured from the real payload tensors, not claimed. ``PendingQueue`` keeps exchanges in flight
+across hooks and steps, advancing them by polling.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +37,13 @@ class Allgather:
     tensor: torch.Tensor
 
 
-Request = Any  # Allreduce | Allgather
+@dataclass(frozen=True)
+class Alltoall:
+    tensor: torch.Tensor
+    splits: Tuple[int, ...]  # rows of ``tensor`` for each rank, in rank order
+
+
+Request = Any  # Allreduce | Allgather | Alltoall
 Exchange = Generator[Tuple[Request, ...], Tuple[torch.Tensor, ...], torch.Tensor]
 
 
@@ -40,19 +52,39 @@ def request_bytes(requests: Sequence[Request]) -> int:
     return sum(r.tensor.numel() * r.tensor.element_size() for r in requests)
 
 
-class HorovodDriver:
-    """Launches requests as Horovod async ops and waits for them.
+class Communicator:
+    """Every collective hvdcompress makes, on one Horovod process set (default: all ranks).
 
-    ``name`` prefixes every collective's Horovod name, so concurrent exchanges never collide and
-    every rank names the same operation the same way (Horovod matches ops across ranks by name).
+    The optimizer builds one from its ``process_set`` and hands it to the exchanges, the scheduler
+    and the profiler, so no collective ever runs on a set of ranks other than the user's (one
+    that did would hang: ranks outside the set never join it). ``rank``/``size`` are this
+    process's index in the set and the set's size. A subclass may change how requests complete
+    (``injected_latency.LatencyDriver`` delays them): ``DistributedOptimizer(driver=...)``.
+
+    Op names: ``launch`` appends the request's position to the name it is given; the optimizer
+    names each exchange by group key, step and round, so ops stay unique across steps when
+    exchanges span steps (Horovod matches ops across ranks by name).
     """
 
     def __init__(self, process_set=None):
         import horovod.torch as hvd  # imported here: compressors and planning never need it
 
         self._hvd = hvd
-        self._process_set = process_set if process_set is not None else hvd.global_process_set
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self._ps = self.process_set  # older name, kept for subclasses
 
+    # -- who --------------------------------------------------------------------------------------
+    def rank(self) -> int:
+        return self.process_set.rank()
+
+    def size(self) -> int:
+        from hvdcompress.groups import process_set_size
+        return process_set_size(self.process_set)
+
+    def included(self) -> bool:
+        return bool(self.process_set.included())
+
+    # -- async requests (the exchanges) -------------------------------------------------------------
     def launch(self, requests: Sequence[Request], name: str) -> List[Any]:
         hvd = self._hvd
         handles = []
@@ -60,19 +92,57 @@ class HorovodDriver:
             op_name = f"{name}.{i}"
             if isinstance(req, Allreduce):
                 handles.append(hvd.allreduce_async_(req.tensor, name=op_name, op=hvd.Sum,
-                                                    process_set=self._process_set))
+                                                    process_set=self.process_set))
             elif isinstance(req, Allgather):
-                handles.append(hvd.allgather_async(req.tensor, name=op_name,
-                                                   process_set=self._process_set))
+                handles.append(hvd.allgather_async(req.tensor, name=op_name, process_set=self.process_set))
+            elif isinstance(req, Alltoall):
+                splits = torch.tensor(list(req.splits), dtype=torch.int32)
+                handles.append(hvd.alltoall_async(req.tensor, splits=splits, name=op_name,
+                                                  process_set=self.process_set))
             else:
-                raise TypeError(f"exchange yielded {req!r}; expected Allreduce or Allgather requests")
+                raise TypeError(f"exchange yielded {req!r}; expected Allreduce, Allgather or Alltoall requests")
         return handles
 
     def wait(self, handles: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
-        return tuple(self._hvd.synchronize(h) for h in handles)
+        out = []
+        for h in handles:
+            r = self._hvd.synchronize(h)
+            out.append(r[0] if isinstance(r, tuple) else r)  # alltoall: (output, received splits)
+        return tuple(out)
 
     def poll(self, handles: Sequence[Any]) -> bool:
         return all(self._hvd.poll(h) for h in handles)
+
+    # -- blocking collectives (scheduler, profiler) ------------------------------------------------
+    def allreduce_(self, t: torch.Tensor, name: str, average: bool = False) -> torch.Tensor:
+        hvd = self._hvd
+        return hvd.allreduce_(t, op=hvd.Average if average else hvd.Sum, name=name, process_set=self.process_set)
+
+    def allgather(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return self._hvd.allgather(t, name=name, process_set=self.process_set)
+
+    def barrier(self) -> None:
+        self._hvd.barrier(process_set=self.process_set)
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every rank's ``obj``, in rank order (pickled; two allgathers on the process set)."""
+        import cloudpickle
+
+        data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.allgather(torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.sizes")
+        blob = self.allgather(data, name=f"{name}.data")
+        out, offset = [], 0
+        for n in sizes.tolist():
+            out.append(cloudpickle.loads(blob[offset:offset + n].numpy().tobytes()))
+            offset += n
+        return out
+
+    def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
+        """``obj`` of the rank with index ``root`` in the process set, on every rank of the set."""
+        return self.allgather_object(obj if self.rank() == root else None, name)[root]
+
+
+HorovodDriver = Communicator  # the name used before the communicator also carried object collectives
 
 
 class PendingExchange:
@@ -81,7 +151,7 @@ class PendingExchange:
     __slots__ = ("gen", "name", "driver", "handles", "round", "bytes_sent", "result", "compute_seconds",
                  "first_seconds")
 
-    def __init__(self, gen: Exchange, name: str, driver: HorovodDriver):
+    def __init__(self, gen: Exchange, name: str, driver: Communicator):
         self.gen, self.name, self.driver = gen, name, driver
         self.handles: Optional[List[Any]] = None
         self.round = 0
@@ -113,6 +183,51 @@ class PendingExchange:
         if not self.done:
             self._advance(self.driver.wait(self.handles))
         return self.done
+
+    def poll(self) -> bool:
+        """Without blocking: while the current round has completed, feed its results and launch
+        the next. True when finished."""
+        while not self.done and self.driver.poll(self.handles):
+            self._advance(self.driver.wait(self.handles))
+        return self.done
+
+
+class PendingQueue:
+    """Exchanges in flight, in launch order, each due at a step.
+
+    ``add`` puts a launched exchange in; ``poll`` (called from later gradient hooks, cheap and
+    non-blocking) moves every exchange whose round has completed on to its next round, so a
+    multi-round exchange does not wait for ``synchronize()`` to launch round two; ``finish(step)``
+    drives the exchanges due by ``step`` to completion (round-robin) and hands them out. An
+    exchange may be due steps after it was launched (delayed averaging), so the queue outlives
+    ``synchronize()``.
+    """
+
+    def __init__(self):
+        self._items: List[Tuple[Any, int, PendingExchange]] = []  # (key, due step, exchange)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def add(self, key: Any, exchange: PendingExchange, due: int) -> None:
+        self._items.append((key, due, exchange))
+
+    def keys(self, due: Optional[int] = None) -> List[Any]:
+        return [k for k, d, _ in self._items if due is None or d <= due]
+
+    def poll(self) -> None:
+        for _, _, ex in self._items:
+            ex.poll()
+
+    def finish(self, due: Optional[int] = None) -> Dict[Any, PendingExchange]:
+        """Complete and remove the exchanges due by ``due`` (all with None); {key: exchange}."""
+        mine = [(k, ex) for k, d, ex in self._items if due is None or d <= due]
+        self._items = [(k, d, ex) for k, d, ex in self._items if not (due is None or d <= due)]
+        finish_all([ex for _, ex in mine])
+        return dict(mine)
 
 
 def finish_all(pending: Sequence[PendingExchange]) -> None:

@@ -42,7 +42,7 @@ from hvdcompress.stats import WireStats
 
 from hvdcompress.planner import Plan
 
-from .collectives import HorovodDriver, PendingExchange, finish_all
+from .collectives import Communicator, PendingExchange, PendingQueue
 from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
 from .scheduling import Scheduler, StepClock, check_cost_model, check_profile_steps, check_schedule, now
@@ -67,18 +67,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_by_name: Dict[str, torch.Tensor] = {self._hvc_names[p]: p for p in self._hvc_params}
         import horovod.torch as hvd
 
-        self._hvc_world = (process_set or hvd.global_process_set).size()
+        # one communicator for every collective: exchanges, scheduler, profiler (the user's process set)
+        self._hvc_driver = driver if driver is not None else Communicator(process_set)
+        self._hvc_world = self._hvc_driver.size()
         self._hvc_scheduler = Scheduler(
             schedule, spec, cost_model, profile_steps,
             {n: float(p.numel() * p.element_size()) for n, p in self._hvc_by_name.items()},
-            self._hvc_world)
-        self._hvc_driver = driver if driver is not None else HorovodDriver(process_set)
+            self._hvc_world, self._hvc_driver)
         average = op == hvd.Average
         self._hvc_prescale = 1.0 / gradient_predivide_factor
         self._hvc_scale = gradient_predivide_factor / self._hvc_world if average else 1.0
         self._hvc_passes = backward_passes_per_step
         self._hvc_passes_left: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._hvc_params}
-        self._hvc_pending: Dict[int, PendingExchange] = {}
+        self._hvc_pending = PendingQueue()  # exchanges in flight (keyed by group index)
         self._hvc_state: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in self._hvc_by_name}
         self._hvc_groups: List[Group] = []
         self._hvc_group_of: Dict[torch.Tensor, int] = {}
@@ -129,16 +130,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self):
         """Finish every gradient exchange of this step and write the results into ``p.grad``."""
         start = now()
+        launched = set(self._hvc_pending.keys())
         for gi, group in enumerate(self._hvc_groups):
-            if gi not in self._hvc_pending:
+            if gi not in launched:
                 for name in group.names:
                     p = self._hvc_by_name[name]
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 self._hvc_launch(gi)
-        pending = self._hvc_pending
         with torch.no_grad():
-            finish_all(list(pending.values()))
+            pending = self._hvc_pending.finish(self._hvc_step)
             scattered = now()
             for gi, ex in pending.items():
                 scatter(ex.result, [self._hvc_by_name[n].grad for n in self._hvc_groups[gi].names])
@@ -147,7 +148,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dense = sum(p.numel() * p.element_size() for p in self._hvc_params)
         self.stats.record(sum(ex.bytes_sent for ex in pending.values()), dense,
                           sum(ex.compute_seconds for ex in pending.values()))
-        self._hvc_pending = {}
         self._hvc_passes_left = {p: self._hvc_passes for p in self._hvc_params}
         self._hvc_waiting = [len(g.names) for g in self._hvc_groups]
         self._hvc_step += 1
@@ -298,9 +298,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._hvc_prescale != 1.0:  # a merged group's buffer is ours; a lone gradient is not
                 x = x.mul_(self._hvc_prescale) if len(grads) > 1 else x * self._hvc_prescale
             ctx = ExchangeContext(group.key, self._hvc_step, self._hvc_world, self._hvc_scale,
-                                  self._hvc_state[group.key], group.shape, self._hvc_epoch)
-            self._hvc_pending[gi] = PendingExchange(self._hvc_compressor.exchange(x, ctx),
-                                                    f"hvc.{group.key}", self._hvc_driver)
+                                  self._hvc_state[group.key], group.shape, self._hvc_epoch,
+                                  self._hvc_driver.rank(), group.layout)
+            self._hvc_pending.poll()  # earlier groups' next rounds go out as soon as they can
+            self._hvc_pending.add(gi, PendingExchange(self._hvc_compressor.exchange(x, ctx),
+                                                      f"hvc.{group.key}", self._hvc_driver), self._hvc_step)
         self._synchronized = False
 
     def _hvc_end_of_step(self) -> None:
@@ -386,8 +388,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         sparse_as_dense: sparse gradients are always exchanged densified; this only silences the
             warning.
         process_set: a Horovod process set (default: all ranks).
-        driver: the communicator that carries out collective requests (default
-            ``HorovodDriver(process_set)``); benchmarks pass one that injects latency.
+        driver: the ``torch_ops.collectives.Communicator`` every collective goes through (default
+            ``Communicator(process_set)``); an extension point: a subclass may change how rounds
+            complete (``hvdcompress.bench.injected_latency.LatencyDriver`` delays them).
 
     Layer merging (``torch_ops.scheduling`` has the details):
         schedule: how gradients are grouped into exchanges: "auto" (default: the cost-model

@@ -51,11 +51,20 @@ def _hvd():
     return hvd
 
 
-def _rank_mean(values: Sequence[float], name: str) -> List[float]:
-    """Element-wise mean over ranks (identical on every rank)."""
-    hvd = _hvd()
+def _comm(comm=None):
+    """The communicator the measurements run on: the one given (the optimizer's, on its process
+    set), else all ranks."""
+    if comm is not None:
+        return comm
+    _hvd()
+    from .collectives import Communicator
+    return Communicator()
+
+
+def _rank_mean(values: Sequence[float], name: str, comm=None) -> List[float]:
+    """Element-wise mean over the process set's ranks (identical on every rank)."""
     t = torch.tensor(list(values), dtype=torch.float64)
-    return hvd.allreduce(t, op=hvd.Average, name=name).tolist()
+    return _comm(comm).allreduce_(t, name, average=True).tolist()
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int, warmup: int,
@@ -76,10 +85,10 @@ def _median_seconds(fn: Callable[[], None], repeats: int, warmup: int,
 
 def time_collectives(kinds: Iterable[str] = ("allreduce", "allgather"),
                      sizes_bytes: Sequence[int] = DEFAULT_COMM_BYTES, repeats: int = 5,
-                     warmup: int = 2) -> Dict[str, List[Tuple[int, float]]]:
+                     warmup: int = 2, comm=None) -> Dict[str, List[Tuple[int, float]]]:
     """{kind: [(bytes each rank sends, median seconds over repeats, mean over ranks)]} for float32
     tensors; a barrier before each timed call lines the ranks up."""
-    hvd = _hvd()
+    comm = _comm(comm)
     out: Dict[str, List[Tuple[int, float]]] = {}
     for kind in kinds:
         if kind not in ("allreduce", "allgather"):
@@ -91,12 +100,12 @@ def time_collectives(kinds: Iterable[str] = ("allreduce", "allgather"),
             # serves a training loop's exchanges (same names every step)
             if kind == "allreduce":
                 def call():
-                    hvd.allreduce_(x, op=hvd.Sum, name=f"hvc.profile.ar.{nbytes}")
+                    comm.allreduce_(x, f"hvc.profile.ar.{nbytes}")
             else:
                 def call():
-                    hvd.allgather(x, name=f"hvc.profile.ag.{nbytes}")
-            medians.append(_median_seconds(call, repeats, warmup, before=hvd.barrier))
-        out[kind] = list(zip((int(b) for b in sizes_bytes), _rank_mean(medians, f"hvc.profile.{kind}")))
+                    comm.allgather(x, f"hvc.profile.ag.{nbytes}")
+            medians.append(_median_seconds(call, repeats, warmup, before=comm.barrier))
+        out[kind] = list(zip((int(b) for b in sizes_bytes), _rank_mean(medians, f"hvc.profile.{kind}", comm)))
     return out
 
 
@@ -168,49 +177,48 @@ def decompress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, 
 
 
 def time_decompression(spec, sizes: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
-                       warmup: int = 1, average: bool = True) -> List[Tuple[int, float]]:
+                       warmup: int = 1, average: bool = True, comm=None) -> List[Tuple[int, float]]:
     """[(elements, median seconds)] of ``decompress_seconds``; averaged over ranks if ``average``."""
-    world = _hvd().size() if average else 1
+    world = _comm(comm).size() if average else 1
     secs = [decompress_seconds(spec, int(d), world, repeats, warmup) for d in sizes]
     if average:
-        secs = _rank_mean(secs, f"hvc.profile.decompress.{resolve(spec)}")
+        secs = _rank_mean(secs, f"hvc.profile.decompress.{resolve(spec)}", comm)
     return list(zip((int(d) for d in sizes), secs))
 
 
-def time_launch(repeats: int = 20, warmup: int = 3) -> float:
+def time_launch(repeats: int = 20, warmup: int = 3, comm=None) -> float:
     """Median CPU seconds of handing one small collective to Horovod (the ``*_async`` call alone,
     which runs on the training thread), over allreduce and allgather, mean over ranks."""
-    hvd = _hvd()
+    from .collectives import Allgather, Allreduce
+
+    comm = _comm(comm)
     x = torch.ones(256)
     times = []
     for i in range(warmup + repeats):
-        for kind in ("ar", "ag"):
+        for kind, req in (("ar", Allreduce(x)), ("ag", Allgather(x))):
             start = time.perf_counter()
-            if kind == "ar":
-                handle = hvd.allreduce_async_(x, op=hvd.Sum, name="hvc.profile.launch.ar")
-            else:
-                handle = hvd.allgather_async(x, name="hvc.profile.launch.ag")
+            handles = comm.launch((req,), f"hvc.profile.launch.{kind}")
             elapsed = time.perf_counter() - start
-            hvd.synchronize(handle)
+            comm.wait(handles)
             if i >= warmup:
                 times.append(elapsed)
-    return _rank_mean([statistics.median(times)], "hvc.profile.launch")[0]
+    return _rank_mean([statistics.median(times)], "hvc.profile.launch", comm)[0]
 
 
 def time_compression(spec, sizes: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
-                     warmup: int = 1, average: bool = True) -> List[Tuple[int, float]]:
+                     warmup: int = 1, average: bool = True, comm=None) -> List[Tuple[int, float]]:
     """[(elements, median seconds)] of ``spec``'s compress step; averaged over ranks if ``average``
     (needs Horovod), else this process's own times."""
-    world = _hvd().size() if average else 1
+    world = _comm(comm).size() if average else 1
     secs = [compress_seconds(spec, int(d), world, repeats, warmup) for d in sizes]
     if average:
-        secs = _rank_mean(secs, f"hvc.profile.compress.{resolve(spec)}")
+        secs = _rank_mean(secs, f"hvc.profile.compress.{resolve(spec)}", comm)
     return list(zip((int(d) for d in sizes), secs))
 
 
 def profile_workload(model: torch.nn.Module, closure: Callable[[], torch.Tensor], iters: int = 5,
                      warmup: int = 2, optimizer: Optional[torch.optim.Optimizer] = None,
-                     average: bool = True) -> Workload:
+                     average: bool = True, comm=None) -> Workload:
     """Per-parameter backward times of ``model``: ``closure()`` runs the forward pass and returns
     the loss; its ``backward()`` is timed with a hook on every parameter (called when the
     parameter's gradient is complete). t_b[i] is the time from the previous hook (or from the
@@ -248,45 +256,52 @@ def profile_workload(model: torch.nn.Module, closure: Callable[[], torch.Tensor]
     order = runs[0][0]
     order = order + [n for n, _ in named if n not in order]
     if average:
-        order = _hvd().broadcast_object(order, root_rank=0, name="hvc.profile.order")
+        order = _comm(comm).broadcast_object(order, "hvc.profile.order")
     t_b = [statistics.median(r[1].get(n, 0.0) for r in runs) for n in order]
     forward = statistics.median(r[2] for r in runs)
     update = statistics.median(r[3] for r in runs)
     if average:
-        *t_b, forward, update = _rank_mean(t_b + [forward, update], "hvc.profile.workload")
+        *t_b, forward, update = _rank_mean(t_b + [forward, update], "hvc.profile.workload", comm)
     by_name = dict(named)
     sizes = [float(by_name[n].numel() * by_name[n].element_size()) for n in order]
     return Workload(tuple(order), tuple(sizes), tuple(max(0.0, t) for t in t_b), forward, update)
 
 
-def hosts() -> Tuple[str, ...]:
-    """Every rank's host name (the host set a cached model is keyed by)."""
-    return tuple(_hvd().allgather_object(socket.gethostname(), name="hvc.profile.hosts"))
+def hosts(comm=None) -> Tuple[str, ...]:
+    """Every rank's host name (the host set a cached model is keyed by), in process-set order."""
+    return tuple(_comm(comm).allgather_object(socket.gethostname(), "hvc.profile.hosts"))
+
+
+def _host_leader(names: Sequence[str], comm) -> bool:
+    """Whether this rank is the first of the process set on its host (the one that writes the
+    host's cache file)."""
+    return names.index(socket.gethostname()) == comm.rank() if socket.gethostname() in names else False
 
 
 def profile_cost_model(specs: Iterable = ("none",), comm_bytes: Sequence[int] = DEFAULT_COMM_BYTES,
                        compress_elements: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
-                       save: bool = True, path: Optional[str] = None) -> CostModel:
+                       save: bool = True, path: Optional[str] = None, comm=None) -> CostModel:
     """Time the collectives and every spec's compression, fit a ``CostModel`` (identical on all
-    ranks) and, with ``save``, write it to the cache (local rank 0 of each host) and to ``path``
-    (rank 0)."""
-    hvd = _hvd()
+    ranks) and, with ``save``, write it to the cache (the first rank of each host) and to ``path``
+    (rank 0 of the process set)."""
+    com = _comm(comm)
     started = time.perf_counter()
-    comm = time_collectives(sizes_bytes=comm_bytes, repeats=repeats)
-    launch = time_launch()
-    compress = {str(resolve(s)): time_compression(s, compress_elements, repeats) for s in specs}
-    decompress = {str(resolve(s)): time_decompression(s, compress_elements, repeats) for s in specs}
-    elapsed = _rank_mean([time.perf_counter() - started], "hvc.profile.elapsed")[0]
+    comm = time_collectives(sizes_bytes=comm_bytes, repeats=repeats, comm=com)
+    launch = time_launch(comm=com)
+    compress = {str(resolve(s)): time_compression(s, compress_elements, repeats, comm=com) for s in specs}
+    decompress = {str(resolve(s)): time_decompression(s, compress_elements, repeats, comm=com) for s in specs}
+    elapsed = _rank_mean([time.perf_counter() - started], "hvc.profile.elapsed", com)[0]
     meta = {"source": "torch_ops.profiling", "torch": torch.__version__,
             "horovod": __import__("horovod").__version__, "profile_seconds": round(elapsed, 3),
             "samples": {"allreduce": comm["allreduce"], "allgather": comm["allgather"], "compress": compress,
                         "decompress": decompress}}
-    model = fit_cost_model(hvd.size(), comm["allreduce"], comm["allgather"], compress, hosts(),
+    names = hosts(com)
+    model = fit_cost_model(com.size(), comm["allreduce"], comm["allgather"], compress, names,
                            meta=json.loads(json.dumps(meta)),  # as it reads back from the cache
                            decompress_samples=decompress, launch_seconds=launch)
-    if save and hvd.local_rank() == 0:
+    if save and _host_leader(names, com):
         model.save()
-    if save and path and hvd.rank() == 0:
+    if save and path and com.rank() == 0:
         model.save(path)
     return model
 
@@ -306,18 +321,18 @@ def load_or_profile(specs: Iterable = ("none",), max_bytes: Optional[float] = No
     """The cached model of this world size and host set, with a compression fit for every spec
     (fits missing from the cache are timed and added); else profile (a few seconds), timing
     collectives up to ``max_bytes`` per rank. Rank 0 decides and its model is broadcast, so
-    all ranks agree. Call on every rank."""
-    hvd = _hvd()
+    all ranks agree. Call on every rank of the process set (``comm``; default all ranks)."""
+    comm = _comm(kwargs.pop("comm", None))
     specs = [resolve(s) for s in specs]
-    names = hosts()
+    names = hosts(comm)
     cached = None
-    if hvd.rank() == 0:
-        model = CostModel.cached(hvd.size(), names)
+    if comm.rank() == 0:
+        model = CostModel.cached(comm.size(), names)
         cached = model.to_dict() if model is not None else None
-    cached = hvd.broadcast_object(cached, root_rank=0, name="hvc.profile.cached")
+    cached = comm.broadcast_object(cached, "hvc.profile.cached")
     if cached is None:
         kwargs.setdefault("comm_bytes", comm_sizes_up_to(max_bytes))
-        return profile_cost_model(specs, **kwargs)
+        return profile_cost_model(specs, comm=comm, **kwargs)
     model = CostModel.from_dict(cached)
     missing = [s for s in specs if not (model.has_compress_fit(s) and model.has_decompress_fit(s))]
     if not missing:
@@ -326,10 +341,10 @@ def load_or_profile(specs: Iterable = ("none",), max_bytes: Optional[float] = No
     sizes = kwargs.get("compress_elements", DEFAULT_COMPRESS_ELEMENTS)
     for s in missing:
         for table, timer in ((compress, time_compression), (decompress, time_decompression)):
-            samples = timer(s, sizes)
+            samples = timer(s, sizes, comm=comm)
             table[str(s)] = fit_compute([d for d, _ in samples], [t for _, t in samples])
     model = replace(model, compress=compress, decompress=decompress)
-    if kwargs.get("save", True) and hvd.local_rank() == 0:
+    if kwargs.get("save", True) and _host_leader(names, comm):
         model.save()
     return model
 

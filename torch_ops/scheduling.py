@@ -104,7 +104,8 @@ class Scheduler:
     """Holds the schedule, collects the profiled steps and makes the plan (see the module doc)."""
 
     def __init__(self, schedule, spec: CompressionSpec, cost_model: Optional[CostModel], profile_steps: int,
-                 sizes_bytes: Dict[str, float], world_size: int):
+                 sizes_bytes: Dict[str, float], world_size: int, comm=None):
+        self.comm = comm  # the optimizer's Communicator: every collective here runs on its process set
         self.schedule = check_schedule(schedule)
         if not check_mergeable(self.text, spec):  # a compressor that cannot merge: auto -> layerwise
             self.schedule = parse_schedule("layerwise")
@@ -150,11 +151,11 @@ class Scheduler:
         if self.done:
             return None
         if self.order is None:  # the first step: learn the backward order
-            self.order = _broadcast(self._order(clock), "hvc.plan.order")
+            self.order = self._comm().broadcast_object(self._order(clock), "hvc.plan.order")
             if self.needs_model:  # measure with one group: no exchange competes with backward
                 self._profiled_groups = [list(range(len(self.order)))]
                 return [list(self.order)]
-            self.plan = _broadcast_result(self._fixed_plan, "hvc.plan.fixed")
+            self.plan = _broadcast_result(self._comm(), self._fixed_plan, "hvc.plan.fixed")
             self._profiled_groups = self.plan.groups
             return self._names(self.plan)
         self._runs.append(clock)
@@ -164,9 +165,10 @@ class Scheduler:
         model = self.cost_model
         if model is None:
             from .profiling import load_or_profile
-            model = self.cost_model = load_or_profile([self.spec], max_bytes=sum(self.sizes.values()))
+            model = self.cost_model = load_or_profile([self.spec], max_bytes=sum(self.sizes.values()),
+                                                      comm=self._comm())
         calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
-        plan = _broadcast_result(lambda: self._model_plan(calibrated), "hvc.plan.model")
+        plan = _broadcast_result(self._comm(), lambda: self._model_plan(calibrated), "hvc.plan.model")
         note = ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
                 "decompression x{decompress:.3g}".format(**self.calibration))
         plan = replace(plan, notes=plan.notes + (note,))
@@ -176,6 +178,12 @@ class Scheduler:
         return self._names(plan) if changed else None
 
     # -- internals -------------------------------------------------------------------------------
+    def _comm(self):
+        if self.comm is None:  # a scheduler made without an optimizer: all ranks
+            from .collectives import Communicator
+            self.comm = Communicator()
+        return self.comm
+
     def _order(self, clock: StepClock) -> List[str]:
         fired = [name for name, _, _ in clock.hooks]
         seen = set(fired)
@@ -212,7 +220,7 @@ class Scheduler:
             hooks = sum(b - a for _, a, b in c.hooks)
             mine.append((np.cumsum([gaps.get(n, 0.0) for n in self.order]).tolist(), fwd,
                          c.update[1] - c.update[0], hooks, c.finish))
-        ranks = _hvd().allgather_object(mine, name="hvc.plan.workload")
+        ranks = self._comm().allgather_object(mine, "hvc.plan.workload")
         steps = [[r[s] for r in ranks] for s in range(len(mine))]
         ready = np.median([np.max([r[0] for r in step], axis=0) for step in steps], axis=0)
         fwd, upd, self._hook_seconds, self._finish_seconds = (
@@ -248,25 +256,16 @@ def predict_explicit(plan_groups, workload: Workload, model: CostModel, spec, wo
                 workload.update_seconds, tl, "shared")
 
 
-def _hvd():
-    import horovod.torch as hvd
-    return hvd
-
-
-def _broadcast(obj, name: str):
-    return _hvd().broadcast_object(obj, root_rank=0, name=name)
-
-
-def _broadcast_result(fn, name: str):
-    """Rank 0 computes ``fn()``; every rank gets its value, or raises its error (no rank hangs)."""
-    hvd = _hvd()
+def _broadcast_result(comm, fn, name: str):
+    """Rank 0 of the process set computes ``fn()``; every rank gets its value, or raises its error
+    (no rank hangs)."""
     value = error = None
-    if hvd.rank() == 0:
+    if comm.rank() == 0:
         try:
             value = fn()
         except ValueError as exc:
             error = str(exc)
-    value, error = hvd.broadcast_object((value, error), root_rank=0, name=name)
+    value, error = comm.broadcast_object((value, error), name)
     if error is not None:
         raise ValueError(error)
     return value

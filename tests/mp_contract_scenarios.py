@@ -1,0 +1,174 @@
+"""Worker code for tests/test_contract.py: the toy algorithm trained through the real optimizer,
+and every collective on a process set smaller than the job (the hang of issue 10)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+
+
+def _torch_model():
+    import torch
+    import torch.nn as nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _torch_batch(rank, step):
+    import torch
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x = torch.randn(8, 12, generator=g)
+    return x, x[:, :3].argmax(1)
+
+
+def _flat(model):
+    import torch
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _identical(model, process_set=None):
+    import horovod.torch as hvd
+    import torch
+    kw = {} if process_set is None else {"process_set": process_set}
+    rows = hvd.allgather(_flat(model).unsqueeze(0), name="check.params", **kw)
+    return bool(all(torch.equal(rows[0], r) for r in rows))
+
+
+def _torch_train(spec, steps, schedule="auto", process_set=None, model=None, opt=None, first=0, **kw):
+    import horovod.torch as hvd
+    import torch
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    if model is None:
+        model = _torch_model()
+        opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression=spec,
+                                       schedule=schedule, process_set=process_set, **kw)
+        if process_set is None:  # (Horovod 0.28's broadcast_parameters has no process_set; the
+            hvc.broadcast_parameters(model.state_dict(), root_rank=0)  # seeded model is the same anyway)
+    identical = []
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        x, y = _torch_batch(hvd.rank(), step)
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        identical.append(_identical(model, process_set))
+    return model, opt, identical
+
+
+def toy_training() -> dict:
+    """The toy algorithm (tests/toy_algorithm: oracle + one module per backend, nothing else)
+    through the real DistributedOptimizer with its default schedule."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+    import toy_algorithm.torch_toy  # noqa: F401  (registers the PyTorch implementation)
+    hvd.init()
+    try:
+        model, opt, identical = _torch_train(hvc.Compression.toysign(gain=0.5), 4)
+        saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        _, _, _ = _torch_train(None, 2, model=model, opt=opt, first=4)
+        straight = _flat(model)
+        model2 = _torch_model()
+        opt2 = hvc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9),
+                                        named_parameters=model2.named_parameters(), compression="toysign:gain=0.5")
+        model2.load_state_dict(saved[0])
+        opt2.load_state_dict(saved[1])
+        _torch_train(None, 2, model=model2, opt=opt2, first=4)
+        out = {"identical": identical, "groups": opt.groups, "stats": opt.stats.as_dict(),
+               "calls": {k: float(v["calls"]) for k, v in opt.state_dict()["hvdcompress"]["state"].items()},
+               "resumed_equal": bool(torch.equal(straight, _flat(model2)))}
+    except Exception:
+        out = {"error": traceback.format_exc()}
+    hvd.shutdown()
+    return out
+
+
+def process_set_torch() -> dict:
+    """3 ranks, the optimizer on ProcessSet([0, 1]); rank 2 takes no part. Layerwise, then a
+    cost-model schedule that profiles the transport (fresh cache) and plans."""
+    import horovod.torch as hvd
+    ps = hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[ps])
+    out = {}
+    try:
+        if ps.included():
+            _, opt, ident = _torch_train("topk:ratio=0.3", 3, schedule="layerwise", process_set=ps)
+            out["layerwise"] = ident
+            _, opt, ident = _torch_train("topk:ratio=0.3", 6, schedule="mgs", process_set=ps, profile_steps=2)
+            out["mgs"] = ident
+            out["plan"] = None if opt.plan is None else opt.plan.schedule
+            out["world"] = opt.cost_model.world_size if opt.cost_model is not None else None
+        hvd.barrier()  # all three ranks meet again: nothing hung
+        out["done"] = True
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out
+
+
+
+def process_set_tf() -> dict:
+    """The same on TensorFlow: a tape and a Keras optimizer on ProcessSet([0, 1]) of 3 ranks."""
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+    import hvdcompress.tensorflow as hvc
+    from hvdcompress.costmodel import CostModel
+    ps = hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[ps])
+    out = {}
+    try:
+        if ps.included():
+            tf.random.set_seed(0)
+            model = tf.keras.Sequential([tf.keras.layers.Dense(16, activation="relu", input_shape=(12,)),
+                                         tf.keras.layers.Dense(3)])
+            init = np.random.default_rng(0)  # the same initial weights on every rank
+            model.set_weights([(init.standard_normal(w.shape) * 0.3).astype(np.float32) for w in model.get_weights()])
+            opt = tf.keras.optimizers.SGD(0.05)
+            results = {}
+            for schedule, kw in (("layerwise", {}), ("single", {}),
+                                 ("mgwfbp", {"cost_model": CostModel.from_link(2, gbit_per_s=1.0, latency_s=5e-5)})):
+                comp = hvc.GradientCompression("topk:ratio=0.3", name=f"ps_{schedule}", schedule=schedule, **kw)
+                same = []
+                for step in range(3):
+                    rng = np.random.default_rng(100 * hvd.rank() + step)
+                    x = tf.constant(rng.standard_normal((8, 12)), tf.float32)
+                    y = tf.argmax(x[:, :3], axis=1)
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                            y, model(x), from_logits=True))
+                    tape = hvc.DistributedGradientTape(tape, compression=comp, process_set=ps)
+                    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                            model.trainable_variables))
+                    flat = tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
+                    rows = hvd.allgather(flat[None], name=f"check.{schedule}.{step}", process_set=ps)
+                    same.append(bool(np.array_equal(rows[0].numpy(), rows[1].numpy())))
+                results[schedule] = same
+            out.update(results)
+        hvd.allreduce(tf.zeros(1), name="meet.again")  # all three ranks meet again: nothing hung
+        out["done"] = True
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out
+
+
+if __name__ == "__main__":  # under horovodrun: python mp_contract_scenarios.py <scenario> <out dir>
+    import json
+    import sys
+    result = globals()[sys.argv[1]]()
+    import horovod.tensorflow as _hvd  # noqa: F401  (rank from the environment horovodrun set)
+    with open(os.path.join(sys.argv[2], f"rank{os.environ.get('HOROVOD_RANK', '0')}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":  # under horovodrun: python mp_contract_scenarios.py <scenario> <out dir>
+    import json
+    import sys
+    result = globals()[sys.argv[1]]()
+    import horovod.tensorflow as _hvd  # noqa: F401  (rank from the environment horovodrun set)
+    with open(os.path.join(sys.argv[2], f"rank{os.environ.get('HOROVOD_RANK', '0')}.json"), "w") as f:
+        json.dump(result, f)
