@@ -1,9 +1,11 @@
 """hvdcompress: communication-efficient distributed training on top of Horovod.
 
-This package is the framework-agnostic core (it imports neither torch nor TensorFlow):
-compression specs and their validation, the seeded index scheme, wire statistics and the numpy
-reference implementations. The backends are ``hvdcompress.torch`` (PyTorch) and, later,
-``hvdcompress.keras`` / ``hvdcompress.tensorflow``.
+This package is the framework-agnostic core (it imports neither torch nor TensorFlow): the
+algorithm registry and spec validation (``spec``), the numpy oracles that declare and define every
+algorithm (``reference``), the seeded schemes the backends reproduce, the cost model and merge
+planner, wire statistics and the benchmark harness (``bench``). The backends are
+``hvdcompress.torch`` (PyTorch), ``hvdcompress.keras`` and ``hvdcompress.tensorflow``.
+See docs/design.md.
 """
 
 from .spec import Compression, CompressionSpec, parse_spec, resolve

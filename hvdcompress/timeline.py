@@ -15,7 +15,7 @@ layers after it. With ``R_i = t_b[0] + ... + t_b[i]`` and groups g = 1..G ending
     compress_end[g] = R_{e_g} + t_s(1) + ... + t_s(g)          (backward and compression in turn)
     comm_end[g]     = max(comm_end[g-1], compress_end[g]) + t_c(g)
 
-``"parallel"`` (DESIGN.md's formula, tau_s[l] = tau_b[l] + t_b[l]; tau_c[l] = max(tau_c[l+1] +
+``"parallel"`` (docs/design.md's formula, tau_s[l] = tau_b[l] + t_b[l]; tau_c[l] = max(tau_c[l+1] +
 t_c[l+1], tau_s[l] + t_s[l])): compression of a group starts as soon as its last gradient is
 ready and runs beside backward and beside other groups' compression::
 

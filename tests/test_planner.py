@@ -120,7 +120,7 @@ def test_timeline_by_hand_parallel_and_design_formula():
     sizes, t_b, t_s, t_c = _hand()
     tl = predict([[0], [1], [2]], sizes, t_b, t_s, t_c, "parallel")
     assert tl.comm_start.tolist() == [2, 5, 9] and tl.end == 13
-    # DESIGN.md, layers l = L..1 in backward order: tau_b[L] = 0, tau_b[l] = tau_b[l+1] + t_b[l+1],
+    # docs/design.md, layers l = L..1 in backward order: tau_b[L] = 0, tau_b[l] = tau_b[l+1] + t_b[l+1],
     # tau_s[l] = tau_b[l] + t_b[l]; tau_c[L] = tau_s[L] + t_s[L];
     # tau_c[l] = max(tau_c[l+1] + t_c[l+1], tau_s[l] + t_s[l]); end = tau_c[1] + t_c[1]
     rng = np.random.default_rng(3)

@@ -7,6 +7,8 @@ tuple of requests and is *sent* their results.
                      immutable, so "in place" does not apply).
     Allgather(t)  -- concatenate every rank's ``t`` along dim 0, in rank order; sizes may differ
                      per rank (an empty ``t`` on some rank is fine).
+    Alltoall(t, splits) -- send ``splits[r]`` rows of ``t`` to rank r; receive, in rank order,
+                     what every rank sent to this one (Horovod's alltoall).
 
 Inside ``tf.function`` the generators run while the function is traced: each round's requests
 become ``horovod.tensorflow`` ops (``allreduce(op=Sum)`` / ``allgather``) in the graph, their
@@ -36,7 +38,13 @@ class Allgather:
     tensor: tf.Tensor
 
 
-Request = Any  # Allreduce | Allgather
+@dataclass(frozen=True)
+class Alltoall:
+    tensor: tf.Tensor
+    splits: Tuple[int, ...]
+
+
+Request = Any  # Allreduce | Allgather | Alltoall
 Exchange = Generator[Tuple[Request, ...], Tuple[tf.Tensor, ...], tf.Tensor]
 
 
@@ -48,8 +56,11 @@ def request_bytes(requests: Sequence[Request]) -> tf.Tensor:
     return total
 
 
-class HorovodDriver:
-    """Turns requests into ``horovod.tensorflow`` collectives on a process set.
+class Communicator:
+    """Turns requests into ``horovod.tensorflow`` collectives on one process set: the one object
+    every collective of a ``GradientCompression`` goes through (as ``torch_ops.collectives``'s
+    ``Communicator``; in graph mode a round is a set of graph ops rather than async handles, so
+    this one has ``run`` where the PyTorch one has ``launch``/``poll``/``wait``).
 
     ``name`` prefixes every op: Horovod matches collectives across ranks by name, and every rank
     traces the same code, so every rank names the same operation the same way.
@@ -70,9 +81,16 @@ class HorovodDriver:
                 out.append(hvd.allreduce(req.tensor, op=hvd.Sum, name=op_name, process_set=self.process_set))
             elif isinstance(req, Allgather):
                 out.append(hvd.allgather(req.tensor, name=op_name, process_set=self.process_set))
+            elif isinstance(req, Alltoall):
+                received = hvd.alltoall(req.tensor, splits=tf.constant(list(req.splits), tf.int32), name=op_name,
+                                        process_set=self.process_set)
+                out.append(received[0] if isinstance(received, tuple) else received)
             else:
-                raise TypeError(f"exchange yielded {req!r}; expected Allreduce or Allgather requests")
+                raise TypeError(f"exchange yielded {req!r}; expected Allreduce, Allgather or Alltoall requests")
         return tuple(out)
+
+
+HorovodDriver = Communicator  # the earlier name
 
 
 def run_exchanges(gens: Sequence[Exchange], names: Sequence[str], driver) -> Tuple[List[tf.Tensor], tf.Tensor]:

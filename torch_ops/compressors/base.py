@@ -1,13 +1,15 @@
-"""The compressor contract.
+"""The compressor contract (v2; docs/design.md section 3 has the whole of it, with an example).
 
-Three roles, three small interfaces (after GRACE):
+Three roles, three small interfaces:
 
 * **Compressor** -- pure functions of (tensor, state): encode a flat tensor into a payload, say how
-  the payload travels, turn what comes back into a dense tensor. Never touches Horovod.
-* **Memory** (``torch_ops.memory``) -- holds what must survive between steps (the error-feedback
-  residual; DGC's momenta later), inside ``ExchangeContext.state``, which the optimizer saves in
-  its ``state_dict()``.
-* **Communicator** (``torch_ops.collectives``) -- carries out the requests an exchange yields.
+  the payload travels, turn what comes back into a dense tensor. Never touches Horovod. A class
+  implements the algorithm it names (``name = "topk"``), declared in ``hvdcompress.reference``.
+* **State** -- what must survive between steps (error-feedback residuals via ``torch_ops.memory``,
+  DGC's and the sketch's momenta, PowerSGD's Q), inside ``ExchangeContext.state``, which the
+  optimizer saves in its ``state_dict()``.
+* **Communicator** (``torch_ops.collectives``) -- carries out the requests an exchange yields, on
+  the optimizer's process set.
 
 An *exchange* is a generator::
 
@@ -21,7 +23,8 @@ Each ``yield`` is one round: a tuple of requests (``Allreduce`` sums in place, `
 concatenates in rank order; sizes may differ per rank and may be zero). The driver sends back
 the tuple of results. Nothing runs between rounds but the generator's own code, so the pipeline
 can keep many exchanges in flight (one per tensor or per merged group), interleave their rounds,
-or finish them steps later (delayed averaging) without threads. Every decision an exchange
+advance them by polling from later hooks and finish them at a later step (the optimizer's
+``PendingQueue``), without threads. Every decision an exchange
 makes from gathered or summed data is identical on all ranks, so all ranks apply the same update.
 
 ``summed`` (allreduce) vs gathered (allgather) is declared by the compressor for its first round.
