@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -23,10 +24,14 @@ class WireStats:
     total_dense_bytes: int = 0
     last_compute_seconds: float = 0.0
     total_compute_seconds: float = 0.0
+    density: Optional[float] = None  # the fraction of entries sent in the last step (ratio-based)
 
-    def record(self, bytes_sent: int, dense_bytes: int, compute_seconds: float = 0.0) -> None:
-        """One step: payload bytes, dense bytes, seconds spent compressing/decompressing."""
+    def record(self, bytes_sent: int, dense_bytes: int, compute_seconds: float = 0.0,
+               density: Optional[float] = None) -> None:
+        """One step: payload bytes, dense bytes, seconds spent compressing/decompressing, and the
+        density the compressor used (None when it has none)."""
         self.steps += 1
+        self.density = density
         self.last_bytes, self.last_dense_bytes = int(bytes_sent), int(dense_bytes)
         self.total_bytes += self.last_bytes
         self.total_dense_bytes += self.last_dense_bytes
@@ -44,5 +49,5 @@ class WireStats:
         return {"steps": self.steps, "bytes_per_step": per_step, "dense_bytes_per_step": dense_per_step,
                 "last_bytes": self.last_bytes, "last_dense_bytes": self.last_dense_bytes,
                 "total_bytes": self.total_bytes, "total_dense_bytes": self.total_dense_bytes,
-                "ratio": self.ratio,
+                "ratio": self.ratio, "density": self.density,
                 "compute_seconds_per_step": self.total_compute_seconds / self.steps if self.steps else 0.0}

@@ -48,3 +48,9 @@ def density_at(epoch: int, ratio: float, warmup_epochs: int,
         raise ValueError(f"warm-up: epoch must be >= 0; got {epoch!r}")
     densities = warmup_densities(ratio, warmup_epochs, schedule)
     return densities[epoch] if epoch < len(densities) else ratio
+
+
+def auto_epoch(step: int, epoch_steps: int) -> int:
+    """The warm-up epoch of exchange ``step`` when the training loop never tells the epoch
+    (``set_epoch`` never called): epochs of ``epoch_steps`` steps."""
+    return int(step) // int(epoch_steps)

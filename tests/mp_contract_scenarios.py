@@ -85,6 +85,40 @@ def toy_training() -> dict:
     return out
 
 
+def dgc_default_warmup() -> dict:
+    """The default DGC spec and no set_epoch call: the warm-up counts epochs of steps and reaches
+    the asked ratio; stats report the density in use."""
+    import warnings
+    import horovod.torch as hvd
+    import torch
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    hvd.init()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+        opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                       named_parameters=model.named_parameters(),
+                                       compression="dgc:ratio=0.01,warmup_epoch_steps=2,min_sparse_numel=256",
+                                       schedule="layerwise")
+        densities, sent = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(12):
+                opt.zero_grad()
+                x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * hvd.rank() + step))
+                nn.CrossEntropyLoss()(model(x), x[:, :3].argmax(1)).backward()
+                opt.step()
+                densities.append(opt.stats.as_dict()["density"])
+                sent.append(opt.stats.last_bytes)
+        out = {"densities": densities, "sent": sent, "epoch": opt.epoch, "identical": _identical(model),
+               "warnings": sum("set_epoch() was not called" in str(w.message) for w in caught)}
+    except Exception:
+        out = {"error": traceback.format_exc()}
+    hvd.shutdown()
+    return out
+
+
 def process_set_torch() -> dict:
     """3 ranks, the optimizer on ProcessSet([0, 1]); rank 2 takes no part. Layerwise, then a
     cost-model schedule that profiles the transport (fresh cache) and plans."""

@@ -124,6 +124,18 @@ def test_toy_algorithm_trains_through_the_real_optimizer():
         assert r["stats"]["bytes_per_step"] == sum(4 + 4 * n for n in (12 * 16, 16, 16 * 3, 3))
 
 
+def test_default_dgc_leaves_warmup_without_set_epoch():
+    from launch import run_workers
+    import mp_contract_scenarios
+    from hvdcompress.reference.dgc import dgc_density
+    for r in run_workers(mp_contract_scenarios.dgc_default_warmup, 2):
+        assert "error" not in r, r.get("error")
+        spec = Compression.dgc(ratio=0.01, warmup_epoch_steps=2)
+        assert r["densities"] == [dgc_density(spec, s // 2) for s in range(12)]
+        assert r["densities"][-1] == 0.01 and r["epoch"] == 6 and r["warnings"] == 1 and r["identical"]
+        assert r["sent"][0] > 10 * r["sent"][-1]  # 25% of the 64x64 weights at first, 1% at the end
+
+
 def test_every_collective_runs_on_the_process_set_torch(tmp_path):
     from launch import run_workers
     import mp_contract_scenarios

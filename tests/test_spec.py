@@ -41,7 +41,7 @@ def test_exchange_kinds():
     ("randomk:seed=-1", "parameter 'seed' must be int in [0, "),
     ("randomk:seed=1.5", "parameter 'seed' must be int"),
     ("fp16:residual=maybe", "parameter 'residual' must be true or false"),
-    ("gzip", "unknown compressor 'gzip'; known compressors: bf16, dgc, fp16, none, randomk, threshold, topk"),
+    ("gzip", "unknown compressor 'gzip'; known compressors: bf16, dgc, "),
     ("", "expected a spec string"),
 ])
 def test_bad_specs_name_the_parameter_and_range(text, needle):

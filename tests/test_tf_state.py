@@ -220,3 +220,25 @@ def test_keras_optimizer_arguments_are_checked(make, kwargs, needle):
     with pytest.raises(ValueError) as err:
         hvc.DistributedOptimizer(make(), **kwargs)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_dgc_warmup_reaches_its_ratio_without_set_epoch(graph):
+    """The default DGC spec must not stay in warm-up forever when nobody calls set_epoch: epochs
+    of warmup_epoch_steps exchanges are counted (with a warning), and density reports it."""
+    spec = "dgc:ratio=0.01,warmup_epochs=2,warmup_epoch_steps=2,min_sparse_numel=256"
+    comp = _compression(spec)
+    fn = tf.function(lambda gs: comp.exchange(gs, world_size=1, scale=1.0)) if graph else \
+        (lambda gs: comp.exchange(gs, world_size=1, scale=1.0))
+    densities, sent = [], []
+    with pytest.warns(UserWarning, match="epochs of 2 steps are counted"):
+        for step in range(6):
+            fn(_grads(step))
+            densities.append(comp.density)
+            sent.append(comp.stats.last_bytes)
+    want = [comp.compressor.scheduled_density(e) for e in (0, 0, 1, 1, 2, 2)]
+    assert densities == pytest.approx(want) and want[-1] == 0.01
+    assert sent[0] > sent[2] > sent[4]
+    comp.set_epoch(0)  # an explicit epoch takes over again
+    fn(_grads(6))
+    assert comp.density == pytest.approx(comp.compressor.scheduled_density(0))

@@ -37,6 +37,7 @@ The bytes handed to the collectives and the dense size are counted per step (``s
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
@@ -61,6 +62,7 @@ class _Local:
         self.plans: Dict[tuple, tuple] = {}  # gradient signature -> (groups, planner Plan or None)
         self.scratch: Dict[tuple, tf.Variable] = {}  # merged groups' working state (not checkpointed)
         self.last: Optional[tuple] = None  # (groups, plan) of the latest traced exchange
+        self.warned_epoch = False
         with tf.init_scope():
             def counter(name):
                 return tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
@@ -68,6 +70,17 @@ class _Local:
             self.steps = counter("stats_steps")
             self.last_bytes, self.total_bytes = counter("stats_last_bytes"), counter("stats_total_bytes")
             self.last_dense, self.total_dense = counter("stats_last_dense"), counter("stats_total_dense")
+
+
+def _rank_in(process_set) -> int:
+    """This process's index in ``process_set`` (0 without Horovod: lockstep tests set no set)."""
+    try:
+        import horovod.tensorflow as hvd
+        if not hvd.is_initialized():
+            return 0
+        return int((process_set if process_set is not None else hvd.global_process_set).rank())
+    except (ImportError, ValueError):
+        return 0
 
 
 class GradientCompression(tf.Module):
@@ -111,6 +124,8 @@ class GradientCompression(tf.Module):
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
             self.spec_text = tf.Variable(str(spec), dtype=tf.string, trainable=False, name="spec")
+            # set_epoch() called: the warm-up follows it; else it counts epochs of warmup_epoch_steps
+            self.epoch_set = tf.Variable(False, trainable=False, name="epoch_set")
             self._density = (tf.Variable(self._compressor.scheduled_density(0), dtype=tf.float64,
                                          trainable=False, name="density")
                              if self._compressor.has_density else None)
@@ -188,6 +203,7 @@ class GradientCompression(tf.Module):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"set_epoch: epoch must be an int >= 0; got {epoch!r}")
         self.epoch.assign(epoch)
+        self.epoch_set.assign(True)
         if self._density is not None and self._compressor.has_schedule:
             self._density.assign(self._compressor.scheduled_density(epoch))
 
@@ -298,7 +314,8 @@ class GradientCompression(tf.Module):
             message=f"compression state was saved with another compression spec; this object uses "
                     f"'{self._spec}' (restore a checkpoint made with the same spec)")
         step = self.step.read_value()
-        density = None if self._density is None else self._density.read_value()
+        density = self._step_density(step)
+        rank = _rank_in(process_set)
         gens, names, states = [], [], []
         for group in groups:
             with tf.control_dependencies([check]):
@@ -306,11 +323,35 @@ class GradientCompression(tf.Module):
             if prescale != 1.0:
                 x = x * tf.cast(prescale, x.dtype)
             state = self._group_state(group)
-            ctx = ExchangeContext(group.key, step, world_size, scale, state, group.shape, 0, density)
+            ctx = ExchangeContext(group.key, step, world_size, scale, state, group.shape, 0, density,
+                                  rank, group.layout)
             gens.append(self._compressor.exchange(x, ctx))
             names.append(f"{self.name}.{group.op_name}")
             states.append(state)
         return PendingExchange(self, grads, groups, states, gens, names)
+
+    def _step_density(self, step):
+        """The density of this exchange: the variable set_epoch / the warm-up callback move, or,
+        when set_epoch was never called and the compressor warms up, the warm-up's density for
+        epoch ``step // warmup_epoch_steps`` (also written to the variable, so ``density`` and the
+        stats callback report what is used)."""
+        if self._density is None:
+            return None
+        steps = self._compressor.warmup_epoch_steps
+        if steps is None:
+            return self._density.read_value()
+        warm = int(self._spec["warmup_epochs"])
+        if not self._local.warned_epoch and not bool(self.epoch_set.numpy() if tf.executing_eagerly()
+                                                     else False):
+            self._local.warned_epoch = True
+            warnings.warn(f"hvdcompress: compression '{self._spec.name}' warms its density up over epochs; "
+                          f"unless set_epoch() is called (SparsityWarmupCallback does it for fit), epochs of "
+                          f"{steps} steps are counted (the spec's warmup_epoch_steps)")
+        table = tf.constant([self._compressor.scheduled_density(e) for e in range(warm + 1)], tf.float64)
+        auto = tf.gather(table, tf.minimum(step // steps, warm))
+        density = tf.where(self.epoch_set.read_value(), self._density.read_value(), auto)
+        with tf.control_dependencies([self._density.assign(density)]):
+            return tf.identity(density)
 
     def _exchange(self, grads, world_size, scale, prescale, process_set):
         pending = self.start_exchange(grads, world_size=world_size, scale=scale, prescale=prescale,

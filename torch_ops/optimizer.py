@@ -39,6 +39,7 @@ import torch
 
 from hvdcompress.spec import CompressionSpec, resolve
 from hvdcompress.stats import WireStats
+from hvdcompress.warmup import auto_epoch
 
 from hvdcompress.planner import Plan
 
@@ -87,6 +88,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_regroup([[n] for n in self._hvc_by_name])  # layerwise until the scheduler decides
         self._hvc_step = 0
         self._hvc_epoch = 0
+        self._hvc_epoch_set = False  # set_epoch() called: warm-ups follow it, else count steps
+        self._hvc_warned_epoch = False
         self._hvc_sparse_as_dense = sparse_as_dense
         self._hvc_warned_sparse = False
         self._synchronized = False
@@ -147,7 +150,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                          for ex in pending.values())
         dense = sum(p.numel() * p.element_size() for p in self._hvc_params)
         self.stats.record(sum(ex.bytes_sent for ex in pending.values()), dense,
-                          sum(ex.compute_seconds for ex in pending.values()))
+                          sum(ex.compute_seconds for ex in pending.values()), self.density)
         self._hvc_passes_left = {p: self._hvc_passes for p in self._hvc_params}
         self._hvc_waiting = [len(g.names) for g in self._hvc_groups]
         self._hvc_step += 1
@@ -160,10 +163,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"set_epoch: epoch must be an int >= 0; got {epoch!r}")
         self._hvc_epoch = epoch
+        self._hvc_epoch_set = True
 
     @property
     def epoch(self) -> int:
-        return self._hvc_epoch
+        """The epoch the compressors use now: the last ``set_epoch``, else (for a compressor with
+        a warm-up) ``step // warmup_epoch_steps``."""
+        return self._hvc_current_epoch()
+
+    @property
+    def density(self) -> Optional[float]:
+        """The fraction of entries a ratio-based compressor sends now (DGC: its warm-up density)."""
+        return self._hvc_compressor.density(self._hvc_current_epoch())
+
+    def _hvc_current_epoch(self) -> int:
+        steps = self._hvc_compressor.warmup_epoch_steps
+        if self._hvc_epoch_set or steps is None:
+            return self._hvc_epoch
+        if not self._hvc_warned_epoch:
+            self._hvc_warned_epoch = True
+            warnings.warn(f"hvdcompress: compression '{self._hvc_spec.name}' warms its density up over epochs, and "
+                          f"set_epoch() was not called: counting epochs of {steps} steps (the spec's "
+                          "warmup_epoch_steps). Call optimizer.set_epoch(epoch) at the start of every epoch to "
+                          "follow your epochs instead.")
+        return auto_epoch(self._hvc_step, steps)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -203,6 +226,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "compression": self._hvc_spec.to_dict(),
             "step": self._hvc_step,
             "epoch": self._hvc_epoch,
+            "epoch_set": self._hvc_epoch_set,
             "state": self._hvc_param_state(),
             "plan": self._hvc_plan_dict(),
         }
@@ -221,6 +245,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         self._hvc_step = int(ours["step"])
         self._hvc_epoch = int(ours["epoch"])
+        self._hvc_epoch_set = bool(ours.get("epoch_set", True))
         by_name = self._hvc_by_name
         per = {n: {} for n in by_name}
         per.update({key: {k: t.detach().clone().to(by_name[key].device) for k, t in st.items()}
@@ -298,7 +323,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._hvc_prescale != 1.0:  # a merged group's buffer is ours; a lone gradient is not
                 x = x.mul_(self._hvc_prescale) if len(grads) > 1 else x * self._hvc_prescale
             ctx = ExchangeContext(group.key, self._hvc_step, self._hvc_world, self._hvc_scale,
-                                  self._hvc_state[group.key], group.shape, self._hvc_epoch,
+                                  self._hvc_state[group.key], group.shape, self._hvc_current_epoch(),
                                   self._hvc_driver.rank(), group.layout)
             self._hvc_pending.poll()  # earlier groups' next rounds go out as soon as they can
             self._hvc_pending.add(gi, PendingExchange(self._hvc_compressor.exchange(x, ctx),

@@ -167,6 +167,9 @@ register("dgc", GATHERED, "Deep Gradient Compression (Lin et al., ICLR 2018): to
          Param("warmup_epochs", int, 4, "epochs of exponentially falling density", low=0),
          Param("warmup_schedule", tuple, (), "explicit warm-up densities, one per epoch, decreasing "
                "(sets warmup_epochs to its length); empty: exponential from 1 to ratio"),
+         Param("warmup_epoch_steps", int, 100, "when set_epoch() is never called, the warm-up counts "
+               "epochs of this many steps (exchanges), so the target ratio is reached after "
+               "warmup_epochs * warmup_epoch_steps steps", low=1),
          Param("sample_ratio", float, 0.01, "fraction of |v| sampled to estimate the threshold", **RATIO_RANGE),
          Param("adapt_iters", int, 4, "times the threshold may be lowered (x0.8) when fewer than 0.8k "
                "entries pass it", low=0, high=32),

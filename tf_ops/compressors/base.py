@@ -126,6 +126,12 @@ class Compressor(ABC):
         state and split it back (``tf_ops.grouping``)."""
         return self.merge == ELEMENTWISE
 
+    @property
+    def warmup_epoch_steps(self) -> Optional[int]:
+        """For compressors whose density follows the epoch (a warm-up in the spec): the epoch
+        length, in steps, used when ``set_epoch`` is never called; None: no warm-up."""
+        return self.spec.params.get("warmup_epoch_steps") if self.has_schedule else None
+
     @classmethod
     def adapt_optimizer(cls, spec: CompressionSpec, config: Dict[str, Any]) -> Tuple[CompressionSpec, Dict[str, Any]]:
         """Called once when a Keras optimizer is wrapped, with its ``get_config()``: may take

@@ -126,6 +126,16 @@ class Compressor(ABC):
         """Called after ``load_state_dict`` restored the wrapped optimizer's parameter groups
         (e.g. so a loaded group does not bring back momentum the compressor took over)."""
 
+    @property
+    def warmup_epoch_steps(self) -> Optional[int]:
+        """For compressors whose density follows the epoch (a warm-up): the epoch length, in
+        steps, used when the training loop never calls ``set_epoch``; None: no warm-up."""
+        return self.spec.params.get("warmup_epoch_steps") if "warmup_epochs" in self.spec.params else None
+
+    def density(self, epoch: int) -> Optional[float]:
+        """The fraction of entries sent during ``epoch`` (ratio-based compressors), else None."""
+        return self.spec.params.get("ratio")
+
     @abstractmethod
     def exchange(self, x: torch.Tensor, ctx: ExchangeContext) -> Exchange:
         """Generator: yields rounds of requests, returns the dense result (see module doc)."""
