@@ -10,6 +10,7 @@ from .sketch import SketchCompressor  # noqa: F401  (Sketched-SGD)
 from .selection import random_selection, sampled_threshold_select, threshold_indices, topk_indices
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor  # noqa: F401
+from .powersgd import PowerSGDCompressor  # noqa: F401
 
 def compressor_class(spec: CompressionSpec):
     """The TensorFlow class implementing ``spec`` (ValueError if none does)."""

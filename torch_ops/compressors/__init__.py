@@ -13,6 +13,7 @@ from .sketch import SketchCompressor  # noqa: F401  (Sketched-SGD)
 from .selection import sampled_threshold_select, topk_indices
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor  # noqa: F401
+from .powersgd import PowerSGDCompressor  # noqa: F401
 
 
 def compressor_class(spec: CompressionSpec):
