@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import hvdcompress.torch as hvc
 from hvdcompress.datasets import load
-from torch_ops.models import for_dataset
+from hvdcompress.bench.example_models import for_dataset
 
 RATIO = 0.001
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 import hvdcompress.torch as hvc
 from hvdcompress.datasets import load_digits
-from torch_ops.models import DigitsCNN
+from hvdcompress.bench.example_models import DigitsCNN
 
 
 def load_data(seed: int):

@@ -138,7 +138,7 @@ def test_bad_arguments_are_refused(capsys):
 def test_latency_driver_delays_completion(monkeypatch):
     pytest.importorskip("horovod.torch")
     from torch_ops.collectives import HorovodDriver
-    from torch_ops.injected_latency import LatencyDriver
+    from hvdcompress.bench.injected_latency import LatencyDriver
 
     monkeypatch.setattr(HorovodDriver, "launch", lambda self, reqs, name: ["handle"])
     monkeypatch.setattr(HorovodDriver, "wait", lambda self, handles: ("result",))

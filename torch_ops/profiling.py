@@ -356,7 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--compression", action="append", default=None,
                     help="compressor spec to time (repeatable; default: none and topk:ratio=0.01)")
     ap.add_argument("--model", default=None, help="also profile this benchmark model's backward pass "
-                    "(torch_ops.bench_models: e.g. deep, mlp, vgg)")
+                    "(hvdcompress.bench.torch_models: e.g. deep, mlp, vgg)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-mib", type=float, default=16.0, help="largest collective timed, MiB per rank")
@@ -370,9 +370,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = profile_cost_model(specs, comm_bytes=comm_bytes, repeats=args.repeats)
     report = {"cost_model": model.to_dict(), "cache": cache_path(model.world_size, model.hosts)}
     if args.model:
-        from . import bench_models
-        net = bench_models.build(args.model)
-        x, y = bench_models.synthetic_batch(args.batch_size, seed=hvd.rank())
+        from hvdcompress.bench import torch_models
+        net = torch_models.build(args.model)
+        x, y = torch_models.synthetic_batch(args.batch_size, seed=hvd.rank())
         sgd = torch.optim.SGD(net.parameters(), lr=0.01)
         workload = profile_workload(net, lambda: torch.nn.functional.cross_entropy(net(x), y),
                                     optimizer=sgd)

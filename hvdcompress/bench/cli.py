@@ -3,7 +3,7 @@
 For every worker count and link bandwidth it builds the emulated network (or, with
 ``--loopback``, uses 127.0.0.1 with no rate limit), launches the Horovod workers once, and has them
 time the compute-only limit and every compression spec, interleaved step by step (so a load that
-drifts on a shared machine weighs on all of them alike; see ``torch_ops.bench_worker``). It
+drifts on a shared machine weighs on all of them alike; see ``hvdcompress.bench.torch_worker``). It
 writes ``OUT.json`` (every figure), ``OUT.png`` (step time vs bandwidth) and ``OUT.md`` (the README
 table, also printed). The JSON is rewritten after every launch, so an interrupted run keeps what
 it measured. Whatever happens -- a failed worker, a time limit, Ctrl-C, SIGTERM -- the workers are
@@ -32,7 +32,7 @@ from .signals import raise_on_sigterm
 MODELS = ("vgg", "mlp", "deep")
 # Horovod settings the workers inherit from this process that change what is measured
 HOROVOD_TUNING = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY",
-                  "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_DISABLE_GROUP_FUSION")  # defined in torch_ops/bench_models.py (not imported: no torch here)
+                  "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_DISABLE_GROUP_FUSION")  # defined in hvdcompress/bench/torch_models.py (not imported: no torch here)
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:

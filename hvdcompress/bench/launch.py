@@ -3,7 +3,7 @@
 A :class:`Placement` says where each rank runs: inside a network namespace of an
 :class:`~hvdcompress.bench.netns.EmulatedNetwork`, or (loopback mode) as a plain local process
 talking over 127.0.0.1. :func:`run_workers` starts the rendezvous server (in worker 0's
-namespace), then the N workers (``python -m torch_ops.bench_worker CONFIG``) with the Gloo
+namespace), then the N workers (``python -m hvdcompress.bench.torch_worker CONFIG``) with the Gloo
 environment horovodrun would give them, and supervises them: when one fails, or the time limit
 passes, or the harness is interrupted, every process it started is stopped (by process group,
 SIGTERM then SIGKILL) before the error goes up. Every wait has a time limit.
@@ -163,7 +163,7 @@ def run_workers(placement: Placement, config: dict, workdir: str, timeout_s: flo
             logs.append(log)
             with open(log, "w") as out, held_signals():
                 procs.append(subprocess.Popen(
-                    placement.prefixes[rank] + [sys.executable, "-m", "torch_ops.bench_worker", config_path],
+                    placement.prefixes[rank] + [sys.executable, "-m", "hvdcompress.bench.torch_worker", config_path],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                     env=_worker_env(placement, port, slot, config["threads"]), cwd=PROJECT_ROOT))
         _supervise(procs[1:], logs, timeout_s, on_output)

@@ -17,7 +17,7 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 
-from .collectives import HorovodDriver, Request
+from torch_ops.collectives import Communicator, Request
 
 
 class _LaunchedRound(list):
@@ -26,8 +26,8 @@ class _LaunchedRound(list):
     __slots__ = ("launched_at",)
 
 
-class LatencyDriver(HorovodDriver):
-    """``HorovodDriver`` that adds ``latency_s`` seconds to the completion of every round."""
+class LatencyDriver(Communicator):
+    """``Communicator`` that adds ``latency_s`` seconds to the completion of every round."""
 
     def __init__(self, latency_s: float, process_set=None):
         if not latency_s >= 0:

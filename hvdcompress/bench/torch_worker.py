@@ -1,4 +1,4 @@
-"""One benchmark worker: ``python -m torch_ops.bench_worker CONFIG.json``.
+"""One benchmark worker: ``python -m hvdcompress.bench.torch_worker CONFIG.json``.
 
 Started by the harness (``hvdcompress bench``, see ``hvdcompress.bench``) once per rank, with the
 Gloo environment already set (rank, size, rendezvous address, interface). It initialises Horovod,
@@ -46,10 +46,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .bench_models import build, count_parameters, synthetic_batch
-from .collectives import HorovodDriver
+from torch_ops.collectives import Communicator
+from torch_ops.optimizer import DistributedOptimizer
+
 from .injected_latency import LatencyDriver
-from .optimizer import DistributedOptimizer
+from .torch_models import build, count_parameters, synthetic_batch
 
 COMPUTE_ONLY = "compute-only"
 MIN_STEPS = 3  # timed rounds, whatever the time budget
@@ -82,7 +83,7 @@ class Phase:
         opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
         if spec is not None:
             latency_s = cfg["latency_ms"] / 1000.0
-            driver = LatencyDriver(latency_s) if latency_s > 0 else HorovodDriver()
+            driver = LatencyDriver(latency_s) if latency_s > 0 else Communicator()
             opt = DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
                                        compression=spec, driver=driver, schedule=schedule,
                                        cost_model=cost_model, profile_steps=cfg["profile_steps"])
@@ -174,7 +175,7 @@ def cost_model_for(cfg: dict, hvd):
     """The cost model fitted on this launch's link (None unless ``profile``); not cached."""
     if not cfg["profile"]:
         return None
-    from .profiling import comm_sizes_up_to, profile_cost_model
+    from torch_ops.profiling import comm_sizes_up_to, profile_cost_model
     specs = [s for s in cfg["specs"]]
     model = profile_cost_model(specs, comm_bytes=comm_sizes_up_to(cfg["profile_max_mib"] * (1 << 20)),
                                repeats=5, save=False)
@@ -225,7 +226,7 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m torch_ops.bench_worker CONFIG.json", file=sys.stderr)
+        print("usage: python -m hvdcompress.bench.torch_worker CONFIG.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         cfg = json.load(f)
