@@ -320,3 +320,31 @@ def test_tensorflow_takes_the_sgd_momentum_over():
 def test_spec_round_trips():
     spec = parse_spec("sketch:k=12,cols=300,seed=4")
     assert CompressionSpec.from_dict(spec.to_dict()) == spec == parse_spec(str(spec))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13])
+def test_sorting_network_median_equals_the_oracle(rows):
+    rng = np.random.default_rng(rows)
+    x = np.round(rng.standard_normal((rows, 5000)), 1).astype(np.float32)  # many ties
+    want = ref.lower_median(x)
+    got_torch = torch_sketch.lower_median_rows(torch.from_numpy(x.copy()), torch.empty(5000))
+    got_tf = tf_sketch.lower_median([tf.constant(r) for r in x])
+    np.testing.assert_array_equal(np.abs(got_torch.numpy()), np.abs(want))
+    np.testing.assert_array_equal(np.abs(got_tf.numpy()), np.abs(want))
+
+
+@pytest.mark.skipif(os.environ.get("HVDCOMPRESS_SKETCH_COMPILE", "0") in ("", "0"),
+                    reason="the torch.compile path takes ~30 s to compile; set HVDCOMPRESS_SKETCH_COMPILE=1")
+def test_compiled_path_gives_the_same_bits():
+    rng = np.random.default_rng(8)
+    v = (rng.standard_normal(300_001) * rng.lognormal(0, 2, 300_001)).astype(np.float32)
+    keys = hashing.row_keys(2, KEY, 5)
+    table = ref.sketch_table(v, keys, 3001)
+    est = ref.estimates(table, keys, v.size)
+    torch_sketch.use_compiled(True)
+    try:
+        assert np.array_equal(torch_sketch.sketch_table(torch.from_numpy(v), keys, 3001).numpy(), table)
+        got = torch_sketch.estimates(torch.from_numpy(table), keys, v.size).numpy()
+        assert np.array_equal(np.abs(got), np.abs(est))
+    finally:
+        torch_sketch.use_compiled(False)

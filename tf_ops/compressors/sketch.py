@@ -72,9 +72,18 @@ def estimates(table: tf.Tensor, keys, d: int) -> tf.Tensor:
     for j, rk in enumerate(keys):
         bucket, sign = bucket_sign(idx, rk, cols, table.dtype)
         per_row.append(tf.gather(table[j], bucket) * sign)
-    if len(per_row) == 1:
-        return per_row[0]
-    return tf.sort(tf.stack(per_row), axis=0)[(len(keys) - 1) // 2]
+    return lower_median(per_row)
+
+
+def lower_median(rows):
+    """Element (r-1)//2 of the r tensors sorted elementwise: an odd-even transposition network of
+    tf.minimum / tf.maximum (exactly the sorted values; only the sign of a zero may differ)."""
+    rows = list(rows)
+    r = len(rows)
+    for p in range(r):
+        for i in range(p % 2, r - 1, 2):
+            rows[i], rows[i + 1] = tf.minimum(rows[i], rows[i + 1]), tf.maximum(rows[i], rows[i + 1])
+    return rows[(r - 1) // 2]
 
 
 class SketchCompressor(Compressor):

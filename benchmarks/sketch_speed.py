@@ -1,0 +1,122 @@
+"""Speed of Sketched-SGD's compute side vs top-k selections, side by side in one run (PyTorch CPU).
+
+    python benchmarks/sketch_speed.py               # 1M and 25M float32, r = 5, ratio 1%
+
+For each size, on the same gradient-like tensor, alternating, ``--repeats`` times (median shown):
+
+    max pass     v.abs().max(): one read of the tensor, the floor for anything that looks at it
+    torch.topk   exact top-k of |v| (k = ratio * d), unsorted
+    DGC sampled  ``torch_ops.compressors.selection.sampled_threshold_select`` (sample 1%)
+    sketch       building the r x c count sketch of v (hashes computed, chunked; round 1 payload)
+    estimate     the median-of-rows estimate of every coordinate from a table
+    candidates   the P*k largest |estimate| (``topk_indices``, ties to the lower index)
+    sketch total sketch + estimate + candidates (what a worker computes besides the two allreduces)
+    (compiled)   the same with HVDCOMPRESS_SKETCH_COMPILE's torch.compile fused path (checked to
+                 give the same bits; its one-off compilation time is reported, not in the median)
+
+Single-threaded by default (``--threads``), so the figures do not depend on the other core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from hvdcompress.hashing import row_keys
+from hvdcompress.reference.sketch import geometry
+from hvdcompress.sampling import sample_offset, sample_stride
+from hvdcompress.spec import parse_spec
+from torch_ops.compressors import sketch as sk
+from torch_ops.compressors.selection import sampled_threshold_select, topk_indices
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=float, nargs="+", default=[1e6, 2.5e7])
+    p.add_argument("--spec", default="sketch:ratio=0.01,rows=5,cols_ratio=0.02,p2=4")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile fused path")
+    p.add_argument("--out", default="benchmarks/results/sketch_speed.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    spec = parse_spec(args.spec)
+    compiled = not args.no_compiled
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for size in map(int, args.sizes):
+        v = torch.randn(size, generator=gen) * torch.rand(size, generator=gen)  # gradient-like spread
+        geo = geometry(spec.params, size)
+        keys = row_keys(spec["seed"], "bench", geo.rows)
+        table = sk.sketch_table(v, keys, geo.cols)
+        steps = {
+            "max pass": lambda: v.abs().max(),
+            "torch.topk": lambda: torch.topk(v.abs(), geo.k, sorted=False),
+            "DGC sampled": lambda: sampled_threshold_select(v, geo.k, 0.01, 4,
+                                                            sample_offset(sample_stride(0.01), size, 0, 0, "b")),
+            "sketch": lambda: sk.sketch_table(v, keys, geo.cols),
+            "estimate": lambda: sk.estimates(table, keys, size),
+        }
+        est = sk.estimates(table, keys, size)
+        steps["candidates"] = lambda: topk_indices(est, geo.candidates)
+        if compiled:
+            def on(fn):
+                def run():
+                    sk.use_compiled(True)
+                    try:
+                        return fn()
+                    finally:
+                        sk.use_compiled(False)
+                return run
+            steps["sketch (compiled)"] = on(steps["sketch"])
+            steps["estimate (compiled)"] = on(steps["estimate"])
+            t0 = time.perf_counter()
+            same = (torch.equal(steps["sketch (compiled)"](), table)
+                    and torch.equal(steps["estimate (compiled)"]().abs(), est.abs()))
+            compile_s = time.perf_counter() - t0
+            assert same, "the compiled path changed a bit"
+        times = {name: [] for name in steps}
+        for rep in range(args.repeats + 1):
+            for name, fn in steps.items():
+                t0 = time.perf_counter()
+                fn()
+                if rep:  # the first round warms caches and the allocator
+                    times[name].append(time.perf_counter() - t0)
+        row = {"numel": size, "k": geo.k, "rows": geo.rows, "cols": geo.cols, "candidates": geo.candidates,
+               "wire_floats": geo.rows * geo.cols + geo.candidates,
+               "seconds": {name: statistics.median(t) for name, t in times.items()}}
+        row["seconds"]["sketch total"] = sum(row["seconds"][n] for n in ("sketch", "estimate", "candidates"))
+        if compiled:
+            row["seconds"]["total (compiled)"] = sum(row["seconds"][n] for n in ("sketch (compiled)",
+                                                                                 "estimate (compiled)", "candidates"))
+            row["compiled_bits_equal"] = True
+            row["first_call_with_compile_s"] = compile_s
+        rows.append(row)
+        print(f"numel {size:>11,}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in row["seconds"].items()),
+              flush=True)
+    names = list(rows[0]["seconds"])
+    print(f"\n{spec}; torch {torch.__version__}, {args.threads} thread(s), median of {args.repeats}\n")
+    print("| elements | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for r in rows:
+        base = r["seconds"]["max pass"]
+        print(f"| {r['numel'] / 1e6:g}M | " + " | ".join(f"{r['seconds'][n] * 1e3:.1f} ms ({r['seconds'][n] / base:.0f}x)"
+                                                       for n in names) + " |")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"spec": str(spec), "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
+                   "machine": platform.processor() or platform.machine(), "chunk": sk.CHUNK,
+                   "note": "(Nx) = multiples of one max pass over the tensor", "rows": rows}, f, indent=2)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
