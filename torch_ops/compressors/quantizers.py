@@ -28,15 +28,24 @@ def bucket_reduce(v: torch.Tensor, lay: Layout, op: str) -> torch.Tensor:
         if nb == 0:
             continue
         width = lay.bucket if lay.bucket else n
-        grid = v.new_zeros(nb * width)
-        grid[:n] = v[off:off + n]
-        grid = grid.view(nb, width)
+        if nb * width == n:  # no padding needed: a view
+            grid = v[off:off + n].view(nb, width)
+        else:
+            grid = v.new_zeros(nb * width)
+            grid[:n] = v[off:off + n]
+            grid = grid.view(nb, width)
         out.append(grid.amax(dim=1) if op == "max" else grid.sum(dim=1))
     return torch.cat(out) if out else v.new_zeros(0)
 
 
 def expand(scales: torch.Tensor, lay: Layout, numel: int) -> torch.Tensor:
-    """Every entry's segment value (entries outside every member get 0)."""
+    """Every entry's segment value (entries outside every member get 0); a broadcast view when
+    one segment covers the tensor, an expanded view when its buckets tile it exactly."""
+    if lay.spans == ((0, numel),):
+        if lay.segments == 1:
+            return scales.expand(numel)
+        if lay.bucket and numel % lay.bucket == 0:
+            return scales[:, None].expand(lay.segments, lay.bucket).reshape(-1)
     counts = torch.tensor(lay.counts, dtype=torch.int64, device=scales.device)
     if lay.spans == ((0, numel),):
         return torch.repeat_interleave(scales, counts, output_size=numel)
