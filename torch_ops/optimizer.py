@@ -44,6 +44,7 @@ from hvdcompress.warmup import auto_epoch
 from hvdcompress.planner import Plan
 
 from .collectives import Communicator, PendingExchange, PendingQueue
+from .delayed import DelayedAveraging, average_over_ranks, check_delay, check_sync_every
 from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
 from .scheduling import Scheduler, StepClock, check_cost_model, check_profile_steps, check_schedule, now
@@ -55,7 +56,7 @@ STATE_VERSION = 1
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, spec: CompressionSpec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source,
-                 schedule, cost_model, profile_steps):
+                 schedule, cost_model, profile_steps, delay=0, sync_every=1):
         super(self.__class__, self).__init__(params)
         self.defaults = dict(source.defaults)
         self.state.update(source.state)
@@ -80,7 +81,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_scale = gradient_predivide_factor / self._hvc_world if average else 1.0
         self._hvc_passes = backward_passes_per_step
         self._hvc_passes_left: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._hvc_params}
-        self._hvc_pending = PendingQueue()  # exchanges in flight (keyed by group index)
+        self._hvc_pending = PendingQueue()  # exchanges in flight, keyed by (step, group index)
+        # delay / sync_every (torch_ops.delayed); the local gradient in result units: x1 for Average, xN for Sum
+        self._hvc_delayed = DelayedAveraging(delay, sync_every, self._hvc_prescale * self._hvc_scale * self._hvc_world)
         self._hvc_state: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in self._hvc_by_name}
         self._hvc_groups: List[Group] = []
         self._hvc_group_of: Dict[torch.Tensor, int] = {}
@@ -131,21 +134,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._hvc_scheduler.cost_model
 
     def synchronize(self):
-        """Finish every gradient exchange of this step and write the results into ``p.grad``."""
+        """Finish the gradient exchanges due at this step and write the gradients into ``p.grad``
+        (synchronous: the exchanged averages; ``delay``/``sync_every``: see ``torch_ops.delayed``)."""
         start = now()
-        launched = set(self._hvc_pending.keys())
+        step, delayed = self._hvc_step, self._hvc_delayed
+        exchanging = delayed.exchanges_at(step)
+        launched = {gi for s, gi in self._hvc_pending.keys() if s == step}
         for gi, group in enumerate(self._hvc_groups):
-            if gi not in launched:
-                for name in group.names:
-                    p = self._hvc_by_name[name]
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
+            for name in group.names:
+                p = self._hvc_by_name[name]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if exchanging and gi not in launched:
                 self._hvc_launch(gi)
         with torch.no_grad():
-            pending = self._hvc_pending.finish(self._hvc_step)
+            pending = self._hvc_pending.finish(step)
             scattered = now()
-            for gi, ex in pending.items():
-                scatter(ex.result, [self._hvc_by_name[n].grad for n in self._hvc_groups[gi].names])
+            if not delayed.active:
+                for (_, gi), ex in pending.items():
+                    scatter(ex.result, [self._hvc_by_name[n].grad for n in self._hvc_groups[gi].names])
+            else:
+                for key, ex in pending.items():
+                    delayed.completed(key, ex.result)
+                if not exchanging:  # temporal sparsity: a local step; its gradient joins the next exchange
+                    for name, p in self._hvc_by_name.items():
+                        delayed.accumulate(name, p.grad)
+                delayed.apply(step, self._hvc_by_name)
         self._hvc_clock.finish = now() - scattered + sum(ex.compute_seconds - ex.first_seconds
                                                          for ex in pending.values())
         dense = sum(p.numel() * p.element_size() for p in self._hvc_params)
@@ -199,7 +213,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         if self._should_synchronize:
-            if self._synchronized and not self._hvc_pending:
+            if self._synchronized and not self._hvc_launched_now():
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
                               "after optimizer.synchronize(); the gradients were already exchanged, so "
                               "they are not exchanged (nor compressed) a second time.")
@@ -213,13 +227,66 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._hvc_pending:
+        if self._hvc_launched_now():
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it "
                                  "can cause a race condition.")
         return super(self.__class__, self).zero_grad(set_to_none)
 
+    def flush(self) -> None:
+        """Delayed averaging: complete every exchange in flight, apply the corrections not yet
+        applied (one step of the wrapped optimizer with them as the gradient; temporal sparsity's
+        accumulated local gradients are exchanged first), then average the parameters and the
+        optimizer's per-parameter state over the ranks, so every rank holds identical parameters.
+        Call it on every rank, between steps (before evaluating or comparing replicas). Nothing to
+        do when training is synchronous (delay=0, sync_every=1)."""
+        delayed = self._hvc_delayed
+        if not delayed.active:
+            return
+        if self._hvc_launched_now():
+            raise AssertionError("optimizer.flush() was called between backward() and step(); call it between steps")
+        with torch.no_grad():
+            self._hvc_complete_in_flight()
+            if delayed.accumulated:  # temporal sparsity: exchange what was only applied locally
+                for gi, group in enumerate(self._hvc_groups):
+                    for name in group.names:
+                        if self._hvc_by_name[name].grad is None:
+                            self._hvc_by_name[name].grad = torch.zeros_like(self._hvc_by_name[name])
+                        self._hvc_by_name[name].grad.zero_()
+                    self._hvc_launch(gi)
+                for (s, gi), ex in self._hvc_pending.finish(None).items():
+                    delayed.completed((s, gi), ex.result, due_step=s)
+            corrections = delayed.pending_corrections()
+            for name, p in self._hvc_by_name.items():
+                c = corrections.get(name)
+                p.grad = c.view_as(p).clone() if c is not None else torch.zeros_like(p)
+        super(self.__class__, self).step()
+        average_over_ranks(self._hvc_driver, self._hvc_params, self.state, "hvc.flush")
+        for p in self._hvc_params:
+            p.grad = None
+
+    @property
+    def delay(self) -> int:
+        return self._hvc_delayed.delay
+
+    @property
+    def sync_every(self) -> int:
+        return self._hvc_delayed.every
+
+    def _hvc_launched_now(self) -> bool:
+        """Exchanges of the current step were launched (backward ran) and not synchronized yet."""
+        return any(s == self._hvc_step for s, _ in self._hvc_pending.keys())
+
+    def _hvc_complete_in_flight(self) -> None:
+        """Delayed averaging: wait for every exchange in flight; their corrections stay due at
+        their steps (checkpoints and regrouping need no exchange in flight)."""
+        for key, ex in self._hvc_pending.finish(None).items():
+            self._hvc_delayed.completed(key, ex.result)
+
     def state_dict(self):
+        if self._hvc_delayed.active and not self._hvc_launched_now():
+            with torch.no_grad():
+                self._hvc_complete_in_flight()  # saved as corrections due at their steps: resume is exact
         sd = super(self.__class__, self).state_dict()
         sd[STATE_KEY] = {
             "version": STATE_VERSION,
@@ -229,6 +296,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "epoch_set": self._hvc_epoch_set,
             "state": self._hvc_param_state(),
             "plan": self._hvc_plan_dict(),
+            "delayed": self._hvc_delayed.state() if self._hvc_delayed.active else None,
         }
         return sd
 
@@ -258,6 +326,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvc_scheduler.adopt(plan, saved["order"])
             groups = [[saved["order"][i] for i in g] for g in plan.groups]
         self._hvc_state = {n: {} for n in by_name}
+        self._hvc_pending = PendingQueue()
+        self._hvc_delayed.load(ours.get("delayed"), lambda n: by_name[n].device)
         self._hvc_regroup(groups, per)
 
     # -- internals -------------------------------------------------------------------------------
@@ -302,7 +372,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._hvc_passes_left[p] == 0:
             gi = self._hvc_group_of[p]
             self._hvc_waiting[gi] -= 1
-            if self._hvc_waiting[gi] == 0:
+            if self._hvc_waiting[gi] == 0 and self._hvc_delayed.exchanges_at(self._hvc_step):
                 self._hvc_launch(gi)
             self._hvc_clock.hooks.append((self._hvc_names[p], entered, now()))
 
@@ -318,16 +388,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._hvc_warned_sparse = True
                 p.grad = p.grad.to_dense()
             grads.append(p.grad)
+        step, delayed = self._hvc_step, self._hvc_delayed
         with torch.no_grad():
             x = flatten(grads)
-            if self._hvc_prescale != 1.0:  # a merged group's buffer is ours; a lone gradient is not
+            name = f"hvc.{group.key}"
+            if delayed.active:  # the local gradient stays in .grad; the exchange gets its own copy
+                local = delayed.local_term(group, x)
+                delayed.remember(step, gi, group, local)
+                x = local * self._hvc_prescale if self._hvc_prescale != 1.0 else local.clone()
+                name = f"{name}.s{step % delayed.slots()}"  # unique among the exchanges in flight
+            elif self._hvc_prescale != 1.0:  # a merged group's buffer is ours; a lone gradient is not
                 x = x.mul_(self._hvc_prescale) if len(grads) > 1 else x * self._hvc_prescale
-            ctx = ExchangeContext(group.key, self._hvc_step, self._hvc_world, self._hvc_scale,
+            ctx = ExchangeContext(group.key, step, self._hvc_world, self._hvc_scale,
                                   self._hvc_state[group.key], group.shape, self._hvc_current_epoch(),
                                   self._hvc_driver.rank(), group.layout)
             self._hvc_pending.poll()  # earlier groups' next rounds go out as soon as they can
-            self._hvc_pending.add(gi, PendingExchange(self._hvc_compressor.exchange(x, ctx),
-                                                      f"hvc.{group.key}", self._hvc_driver), self._hvc_step)
+            self._hvc_pending.add((step, gi), PendingExchange(self._hvc_compressor.exchange(x, ctx), name,
+                                                              self._hvc_driver), step + delayed.delay)
         self._synchronized = False
 
     def _hvc_end_of_step(self) -> None:
@@ -336,6 +413,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.timings = self._hvc_clock.timings(self._hvc_step - 1, plan.predicted_seconds if plan else None)
         groups = self._hvc_scheduler.end_of_step(self._hvc_clock)
         if groups is not None:
+            with torch.no_grad():
+                self._hvc_complete_in_flight()  # delayed exchanges finish under the groups they began in
             self._hvc_regroup(groups)
         self._hvc_clock = StepClock(now())
 
@@ -397,7 +476,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          backward_passes_per_step: int = 1, op=None,
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                          process_set=None, driver=None, schedule="auto", cost_model=None,
-                         profile_steps: int = 5):
+                         profile_steps: int = 5, delay: int = 0, sync_every: int = 1):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -429,6 +508,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         profile_steps: steps measured (after the first) before a cost-model plan is made; until
             then gradients are exchanged as one group (int in [1, 1000]).
 
+    Training across high-latency links (``torch_ops.delayed`` states the math):
+        delay: steps between launching an exchange and applying its result (int >= 0; 0, the
+            default, is synchronous). Each step applies the local gradient at once and the
+            correction ``R - g_local`` of the exchange launched ``delay`` steps earlier.
+            ``opt.flush()`` completes what is in flight and makes the replicas identical.
+        sync_every: exchange once every this many steps, local steps in between (int >= 1).
+
     Every argument is validated here, before any collective, identically on every rank.
     """
     import horovod.torch as hvd
@@ -459,6 +545,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError("gradient_predivide_factor: values other than 1.0 require op=hvd.Average")
     check_schedule(schedule)
     check_profile_steps(profile_steps)
+    check_delay(delay)
+    check_sync_every(sync_every)
     check_cost_model(cost_model)
     spec = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)  # e.g. DGC takes momentum over
     if not hvd.is_initialized():
@@ -467,4 +555,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, spec, backward_passes_per_step, op, factor,
-               sparse_as_dense, process_set, driver, optimizer, schedule, cost_model, profile_steps)
+               sparse_as_dense, process_set, driver, optimizer, schedule, cost_model, profile_steps,
+               delay, sync_every)

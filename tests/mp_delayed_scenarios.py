@@ -1,0 +1,158 @@
+"""Worker code for tests/test_delayed.py (delayed gradient averaging, temporal sparsity)."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+FLUSH_SPECS = ["none", "fp16", "topk:ratio=0.1", "dgc:ratio=0.1,warmup_epochs=0,min_sparse_numel=16",
+               "randomk:ratio=0.2,seed=3"]
+
+
+def _model():
+    import torch
+    import torch.nn as nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(rank, step):
+    import torch
+    g = torch.Generator().manual_seed(97 * rank + step)
+    x = torch.randn(8, 10, generator=g)
+    return x, x[:, :3].argmax(1)
+
+
+def _flat(model):
+    import torch
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _identical(model, name):
+    import horovod.torch as hvd
+    import torch
+    rows = hvd.allgather(_flat(model).unsqueeze(0), name=name)
+    return bool(all(torch.equal(rows[0], r) for r in rows))
+
+
+def _opt(model, spec, **kw):
+    import torch
+    import hvdcompress.torch as hvc
+    momentum = kw.pop("momentum", 0.9)
+    return hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum),
+                                    named_parameters=model.named_parameters(), compression=spec,
+                                    schedule=kw.pop("schedule", "layerwise"), **kw)
+
+
+def _steps(model, opt, first, last):
+    import horovod.torch as hvd
+    import torch.nn as nn
+    for step in range(first, last):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+
+
+def unrolled_identity() -> dict:
+    """Plain SGD on a parameter whose gradient is a fixed vector per rank and step, so the whole
+    trajectory is known: w_n,j = w_0 - lr*sum_(t<n-D) mean_k c_t,k - lr*sum_(n-D<=t<n) c_t,j."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+    hvd.init()
+    out = {}
+    try:
+        for delay in (0, 1, 2, 3):
+            w = torch.nn.Parameter(torch.zeros(6))
+            opt = hvc.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)],
+                                           delay=delay, schedule="layerwise")
+            for step in range(7):
+                c = torch.from_numpy(_fixed(hvd.rank(), step))
+                opt.zero_grad()
+                (w * c).sum().backward()
+                opt.step()
+            out[delay] = w.detach().numpy().tolist()
+            opt.flush()
+            out[f"{delay}.flushed"] = w.detach().numpy().tolist()
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out
+
+
+def _fixed(rank, step):
+    import numpy as np
+    return np.random.default_rng(1000 * rank + step).standard_normal(6).astype(np.float32)
+
+
+def zero_delay_is_the_synchronous_optimizer() -> dict:
+    import horovod.torch as hvd
+    import torch
+    hvd.init()
+    out = {}
+    try:
+        for spec in FLUSH_SPECS:
+            a, b = _model(), _model()
+            oa, ob = _opt(a, spec), _opt(b, spec, delay=0, sync_every=1)
+            _steps(a, oa, 0, 5)
+            _steps(b, ob, 0, 5)
+            out[spec] = bool(torch.equal(_flat(a), _flat(b)))
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out
+
+
+def flush_makes_replicas_identical() -> dict:
+    import horovod.torch as hvd
+    hvd.init()
+    out = {}
+    try:
+        for spec in FLUSH_SPECS:
+            for delay, every in ((1, 1), (2, 1), (4, 1), (0, 2), (2, 3)):
+                model = _model()
+                opt = _opt(model, spec, delay=delay, sync_every=every)
+                _steps(model, opt, 0, 7)
+                before = _identical(model, f"before.{spec}.{delay}.{every}")
+                opt.flush()
+                after = _identical(model, f"after.{spec}.{delay}.{every}")
+                _steps(model, opt, 7, 9)  # training goes on after a flush
+                opt.flush()
+                out[f"{spec}|{delay}|{every}"] = (before, after, _identical(model, f"again.{spec}.{delay}.{every}"))
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out
+
+
+def resume_with_exchanges_in_flight() -> dict:
+    import horovod.torch as hvd
+    import torch
+    hvd.init()
+    out = {}
+    try:
+        for spec, delay, every in (("topk:ratio=0.2", 2, 1), ("dgc:ratio=0.1,warmup_epochs=0,min_sparse_numel=16", 3, 1),
+                                   ("none", 1, 2)):
+            model = _model()
+            opt = _opt(model, spec, delay=delay, sync_every=every)
+            _steps(model, opt, 0, 5)
+            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+            _steps(model, opt, 5, 9)
+            straight = _flat(model)
+            opt.state_dict()  # completes opt's exchanges in flight: opt2 reuses their Horovod op names
+            model2 = _model()
+            opt2 = _opt(model2, spec, delay=delay, sync_every=every)
+            model2.load_state_dict(saved[0])
+            opt2.load_state_dict(saved[1])
+            _steps(model2, opt2, 5, 9)
+            resumed = _flat(model2)
+            opt.flush()
+            opt2.flush()
+            out[spec] = (bool(torch.equal(straight, resumed)), bool(torch.equal(_flat(model), _flat(model2))),
+                         len(saved[1]["hvdcompress"]["delayed"]["corrections"])
+                         + len(saved[1]["hvdcompress"]["delayed"]["accumulated"]))  # in flight or unsent
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out

@@ -1,0 +1,65 @@
+"""Delayed gradient averaging and temporal sparsity (torch_ops.delayed) on real Horovod."""
+
+import numpy as np
+import pytest
+
+hvd_runner = pytest.importorskip("horovod.runner")
+
+import mp_delayed_scenarios as sc  # noqa: E402
+from launch import run_workers  # noqa: E402
+
+
+def _ok(results):
+    for r in results:
+        assert "error" not in r, r.get("error")
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unrolled_identity_for_plain_sgd(world):
+    results = _ok(run_workers(sc.unrolled_identity, world))
+    lr, n = np.float32(0.1), 7
+    c = {(j, t): sc._fixed(j, t) for j in range(world) for t in range(n)}
+    mean = {t: np.mean([c[(j, t)] for j in range(world)], axis=0) for t in range(n)}
+    for delay in (0, 1, 2, 3):
+        for j, r in enumerate(results):
+            want = -lr * (sum(mean[t] for t in range(n - delay)) + sum(c[(j, t)] for t in range(n - delay, n)))
+            np.testing.assert_allclose(r[str(delay)] if str(delay) in r else r[delay], want, rtol=0, atol=2e-6)
+            flushed = -lr * sum(mean[t] for t in range(n))
+            np.testing.assert_allclose(r[f"{delay}.flushed"], flushed, rtol=0, atol=2e-6)
+        assert all(r[f"{delay}.flushed"] == results[0][f"{delay}.flushed"] for r in results)
+    assert results[0]["1"] != results[1]["1"] if "1" in results[0] else results[0][1] != results[1][1]
+
+
+def test_zero_delay_is_bit_identical_to_the_synchronous_optimizer():
+    for r in _ok(run_workers(sc.zero_delay_is_the_synchronous_optimizer, 2)):
+        assert all(r[s] for s in sc.FLUSH_SPECS), r
+
+
+def test_flush_leaves_identical_parameters_for_every_compressor():
+    for r in _ok(run_workers(sc.flush_makes_replicas_identical, 2)):
+        for key, (before, after, again) in r.items():
+            assert after and again, key
+        assert not all(v[0] for v in r.values())  # replicas did differ before the flushes
+
+
+def test_resume_with_exchanges_in_flight_continues_exactly():
+    for r in _ok(run_workers(sc.resume_with_exchanges_in_flight, 2)):
+        for spec, (equal, equal_after_flush, in_flight) in r.items():
+            assert equal and equal_after_flush and in_flight >= 1, (spec, r[spec])
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(delay=-1), "delay: must be an int >= 0"),
+    (dict(delay=1.5), "delay: must be an int >= 0"),
+    (dict(delay=True), "delay: must be an int >= 0"),
+    (dict(sync_every=0), "sync_every: must be an int >= 1"),
+    (dict(sync_every="2"), "sync_every: must be an int >= 1"),
+])
+def test_bad_delay_arguments_raise_before_horovod(kwargs, needle):
+    import torch
+    import hvdcompress.torch as hvc
+    w = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError) as err:
+        hvc.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)], **kwargs)
+    assert needle in str(err.value)
