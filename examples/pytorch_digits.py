@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delay", type=int, default=0, help="delayed averaging: steps an exchange stays in flight")
+    p.add_argument("--sync-every", type=int, default=1, help="temporal sparsity: exchange every K steps")
     p.add_argument("--json", help="write the final figures to this file (rank 0)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     model = DigitsCNN()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     opt = hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
-                                   schedule=args.schedule)
+                                   schedule=args.schedule, delay=args.delay, sync_every=args.sync_every)
     hvc.broadcast_parameters(model.state_dict(), root_rank=0)
     hvc.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
             opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", test_acc=f"{evaluate(model, x_te, y_te):.3f}")
     elapsed = time.perf_counter() - start
-
+    opt.flush()  # delayed averaging: apply what is in flight; replicas identical again (no-op when synchronous)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     rows = hvc.allgather(flat.unsqueeze(0), name="final.params")
     identical = all(torch.equal(rows[0], r) for r in rows)
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
         "test_accuracy": evaluate(model, x_te, y_te), "bytes_per_step": stats["bytes_per_step"],
         "dense_bytes_per_step": stats["dense_bytes_per_step"], "compression_ratio": stats["ratio"],
         "steps": stats["steps"], "parameters_identical_across_ranks": identical, "seconds": elapsed,
-        "schedule": args.schedule, "groups": opt.groups,
+        "schedule": args.schedule, "groups": opt.groups, "delay": args.delay, "sync_every": args.sync_every,
         "predicted_step_seconds": opt.plan.predicted_seconds if opt.plan else None,
         "last_step_timings": opt.timings,
     }

@@ -151,11 +151,13 @@ def process_set_tf() -> dict:
     import tensorflow as tf
     import hvdcompress.tensorflow as hvc
     from hvdcompress.costmodel import CostModel
+    from hvdcompress.groups import process_set_size
     ps = hvd.ProcessSet([0, 1])
     hvd.init(process_sets=[ps])
     out = {}
     try:
         if ps.included():
+            process_set_size(ps)  # Horovod registers static sets in its background thread: wait for it
             tf.random.set_seed(0)
             model = tf.keras.Sequential([tf.keras.layers.Dense(16, activation="relu", input_shape=(12,)),
                                          tf.keras.layers.Dense(3)])
