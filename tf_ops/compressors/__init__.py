@@ -3,14 +3,16 @@
 
 from hvdcompress.spec import CompressionSpec, build_from
 
-from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor, selected_count
+from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor, TakesMomentum, selected_count
+# the built-in algorithm families (importing a module registers its classes)
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor
 from .dgc import DGCCompressor
-from .sketch import SketchCompressor  # noqa: F401  (Sketched-SGD)
+from .powersgd import PowerSGDCompressor
+from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor
 from .selection import random_selection, sampled_threshold_select, threshold_indices, topk_indices
+from .sketch import SketchCompressor
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
-from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor  # noqa: F401
-from .powersgd import PowerSGDCompressor  # noqa: F401
+
 
 def compressor_class(spec: CompressionSpec):
     """The TensorFlow class implementing ``spec`` (ValueError if none does)."""
@@ -22,7 +24,8 @@ def build_compressor(spec: CompressionSpec) -> Compressor:
     return build_from(COMPRESSORS, spec, "TensorFlow")
 
 
-__all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "COMPRESSORS", "build_compressor", "compressor_class",
-           "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
-           "ThresholdCompressor", "TopKCompressor", "DGCCompressor", "selected_count", "topk_indices",
-           "threshold_indices", "random_selection", "sampled_threshold_select"]
+__all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "TakesMomentum", "COMPRESSORS", "build_compressor",
+           "compressor_class", "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
+           "ThresholdCompressor", "TopKCompressor", "DGCCompressor", "SketchCompressor", "PowerSGDCompressor",
+           "EFSignSGDCompressor", "OneBitCompressor", "QSGDCompressor", "SignSGDCompressor", "TernGradCompressor",
+           "selected_count", "topk_indices", "threshold_indices", "random_selection", "sampled_threshold_select"]

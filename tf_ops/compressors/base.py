@@ -192,6 +192,25 @@ class Compressor(ABC):
         return f"{type(self).__name__}({self.spec})"
 
 
+class TakesMomentum:
+    """Mixin for compressors that keep the momentum in their memory (DGC, the count sketch): a
+    Keras SGD config's momentum moves into the spec (``hvdcompress.momentum``) and the optimizer
+    is rebuilt with momentum 0."""
+
+    @classmethod
+    def adapt_optimizer(cls, spec, config):
+        from hvdcompress.momentum import take_over_momentum
+
+        momentum = config.get("momentum", 0.0)
+        if not isinstance(momentum, (int, float)) or momentum == 0:
+            return spec, config
+        new = take_over_momentum(spec, [(momentum, config.get("nesterov", False))])
+        config = dict(config, momentum=0.0)
+        if "nesterov" in config:
+            config["nesterov"] = False
+        return new, config
+
+
 def scaled(total: tf.Tensor, scale: float) -> tf.Tensor:
     """total * scale, the scale rounded to the tensor's dtype first (as torch and numpy do)."""
     return total if scale == 1.0 else total * tf.cast(scale, total.dtype)

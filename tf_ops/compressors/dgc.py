@@ -21,7 +21,6 @@ or, when absent, from the spec's warm-up schedule for ``ctx.epoch``.
 from __future__ import annotations
 
 import math
-import warnings
 
 import tensorflow as tf
 
@@ -30,7 +29,7 @@ from hvdcompress.reference.dgc import dgc_density, dgc_sends_dense
 from hvdcompress.spec import CompressionSpec
 
 from ..collectives import Allgather, Allreduce
-from .base import Compressor, ExchangeContext, scaled, selected_count
+from .base import Compressor, ExchangeContext, scaled, selected_count, TakesMomentum
 from .selection import sampled_threshold_select, sampling_offset, wire_index_dtype
 from .sparse import scatter
 
@@ -44,7 +43,7 @@ def _grouped_add(a, b):
     return a + b
 
 
-class DGCCompressor(Compressor):
+class DGCCompressor(TakesMomentum, Compressor):
     name = "dgc"
     summed = False
     uses_step = True  # the sampling offset is drawn per step
@@ -58,23 +57,6 @@ class DGCCompressor(Compressor):
         self.correction = p["momentum_correction"]
         self.masking = p["momentum_masking"] and p["momentum_correction"]
         self.clip_norm = p["clip_norm"]
-
-    @classmethod
-    def adapt_optimizer(cls, spec, config):
-        """The momentum lives in DGC's memory: an SGD config's momentum (and nesterov) moves into
-        the spec and the optimizer is rebuilt with momentum 0."""
-        momentum = config.get("momentum", 0.0)
-        if not isinstance(momentum, (int, float)) or momentum == 0:
-            return spec, config
-        nesterov = bool(config.get("nesterov", False))
-        if (float(momentum), nesterov) != (spec["momentum"], spec["nesterov"]):
-            warnings.warn(f"compression 'dgc': taking over the optimizer's momentum={momentum}, "
-                          f"nesterov={nesterov} (the spec said momentum={spec['momentum']}, "
-                          f"nesterov={spec['nesterov']}); the optimizer itself now runs with momentum=0")
-        config = dict(config, momentum=0.0)
-        if "nesterov" in config:
-            config["nesterov"] = False
-        return CompressionSpec("dgc", dict(spec.params, momentum=float(momentum), nesterov=nesterov)), config
 
     def scheduled_density(self, epoch: int) -> float:
         return dgc_density(self.spec, epoch)

@@ -23,7 +23,6 @@ atomics add in no fixed order, so the table may differ in the last bits there.
 
 from __future__ import annotations
 
-import warnings
 
 import tensorflow as tf
 
@@ -32,7 +31,7 @@ from hvdcompress.reference.sketch import geometry
 from hvdcompress.spec import CompressionSpec
 
 from ..collectives import Allreduce
-from .base import Compressor, ExchangeContext, scaled
+from .base import Compressor, ExchangeContext, scaled, TakesMomentum
 from .selection import topk_indices
 
 
@@ -86,28 +85,13 @@ def lower_median(rows):
     return rows[(r - 1) // 2]
 
 
-class SketchCompressor(Compressor):
+class SketchCompressor(TakesMomentum, Compressor):
     name = "sketch"
     summed = True
 
     def __init__(self, spec: CompressionSpec):
         super().__init__(spec)
         self.m = spec["momentum"]
-
-    @classmethod
-    def adapt_optimizer(cls, spec, config):
-        """The momentum lives in the sketch's memory: an SGD config's momentum moves into the spec
-        and the optimizer is rebuilt with momentum 0 (Nesterov is refused)."""
-        momentum = config.get("momentum", 0.0)
-        if not isinstance(momentum, (int, float)) or momentum == 0:
-            return spec, config
-        if config.get("nesterov", False):
-            raise ValueError("compression 'sketch': Nesterov momentum is not supported; use nesterov=False")
-        if float(momentum) != spec["momentum"]:
-            warnings.warn(f"compression 'sketch': taking over the optimizer's momentum={momentum} (the spec "
-                          f"said momentum={spec['momentum']}); the optimizer itself now runs with momentum=0")
-        config = dict(config, momentum=0.0)
-        return CompressionSpec("sketch", dict(spec.params, momentum=float(momentum))), config
 
     @property
     def has_density(self) -> bool:

@@ -6,14 +6,15 @@ the algorithm itself (spec, parameters, wire cost, oracle) is declared in ``hvdc
 
 from hvdcompress.spec import CompressionSpec, build_from
 
-from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor
+from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor, TakesMomentum
+# the built-in algorithm families (importing a module registers its classes)
 from .dense import BF16Compressor, FP16Compressor, NoneCompressor
 from .dgc import DGCCompressor
-from .sketch import SketchCompressor  # noqa: F401  (Sketched-SGD)
+from .powersgd import PowerSGDCompressor
+from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor
 from .selection import sampled_threshold_select, topk_indices
+from .sketch import SketchCompressor
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
-from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor  # noqa: F401
-from .powersgd import PowerSGDCompressor  # noqa: F401
 
 
 def compressor_class(spec: CompressionSpec):
@@ -26,7 +27,8 @@ def build_compressor(spec: CompressionSpec) -> Compressor:
     return build_from(COMPRESSORS, spec, "PyTorch")
 
 
-__all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "COMPRESSORS", "build_compressor", "compressor_class",
-           "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
-           "ThresholdCompressor", "TopKCompressor", "DGCCompressor", "topk_indices",
-           "sampled_threshold_select"]
+__all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "TakesMomentum", "COMPRESSORS", "build_compressor",
+           "compressor_class", "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
+           "ThresholdCompressor", "TopKCompressor", "DGCCompressor", "SketchCompressor", "PowerSGDCompressor",
+           "EFSignSGDCompressor", "OneBitCompressor", "QSGDCompressor", "SignSGDCompressor", "TernGradCompressor",
+           "topk_indices", "sampled_threshold_select"]

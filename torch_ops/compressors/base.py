@@ -153,6 +153,29 @@ class Compressor(ABC):
         return f"{type(self).__name__}({self.spec})"
 
 
+class TakesMomentum:
+    """Mixin for compressors that keep the momentum in their memory (DGC, the count sketch): the
+    wrapped optimizer's momentum moves into the spec (``hvdcompress.momentum``) and its parameter
+    groups run with momentum 0, also after ``load_state_dict``."""
+
+    @classmethod
+    def adapt_optimizer(cls, spec: CompressionSpec, param_groups: List[Dict[str, Any]]) -> CompressionSpec:
+        from hvdcompress.momentum import take_over_momentum
+
+        new = take_over_momentum(spec, [(g.get("momentum", 0.0), g.get("nesterov", False)) for g in param_groups])
+        if new is not spec:
+            for g in param_groups:
+                g["momentum"] = 0.0
+                if "nesterov" in g:
+                    g["nesterov"] = False
+        return new
+
+    def after_load(self, param_groups: List[Dict[str, Any]]) -> None:
+        for g in param_groups:  # a loaded param_group must not bring the momentum back
+            if "momentum" in g:
+                g["momentum"] = 0.0
+
+
 class OneRoundCompressor(Compressor):
     """A compressor whose whole exchange is one round of one kind of collective.
 

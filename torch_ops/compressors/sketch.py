@@ -29,7 +29,6 @@ near ties, the candidates) may differ from the oracle's in the last bits there.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Tuple
 
 import torch
@@ -39,7 +38,7 @@ from hvdcompress.reference.sketch import geometry
 from hvdcompress.spec import CompressionSpec
 
 from ..collectives import Allreduce
-from .base import Compressor, ExchangeContext
+from .base import Compressor, ExchangeContext, TakesMomentum
 from .selection import topk_indices
 
 CHUNK = 1 << 17
@@ -194,22 +193,13 @@ def estimates(table: torch.Tensor, keys, d: int, chunk: int = CHUNK) -> torch.Te
     return out
 
 
-class SketchCompressor(Compressor):
+class SketchCompressor(TakesMomentum, Compressor):
     name = "sketch"
     summed = True
 
     def __init__(self, spec: CompressionSpec):
         super().__init__(spec)
         self.m = spec["momentum"]
-
-    @classmethod
-    def adapt_optimizer(cls, spec, param_groups):
-        return adopt_momentum(spec, param_groups)
-
-    def after_load(self, param_groups):
-        for g in param_groups:  # a loaded param_group must not bring the momentum back
-            if "momentum" in g:
-                g["momentum"] = 0.0
 
     def _state(self, ctx: ExchangeContext, name: str, like: torch.Tensor) -> torch.Tensor:
         t = ctx.state.get(name)
@@ -241,28 +231,3 @@ class SketchCompressor(Compressor):
         u[sel] = 0
         v[sel] = 0
         return total.mul_(ctx.scale)
-
-
-def adopt_momentum(spec: CompressionSpec, param_groups) -> CompressionSpec:
-    """Move an SGD-style optimizer's momentum into the sketch spec (applied once, in u).
-
-    As DGC's ``adopt_momentum``: groups with momentum > 0 give their value to the spec and run with
-    momentum 0; different momenta across groups, or Nesterov, raise ValueError (the sketch keeps
-    one plain momentum)."""
-    momenta = {(float(g.get("momentum", 0.0)), bool(g.get("nesterov", False))) for g in param_groups}
-    nonzero = {mn for mn in momenta if mn[0] > 0.0}
-    if not nonzero:
-        return spec
-    if len(momenta) > 1:
-        raise ValueError("compression 'sketch': the optimizer's parameter groups use different momenta "
-                         f"{sorted(momenta)}; the sketch applies one momentum in its memory. Give every "
-                         "group the same momentum, or momentum=0 and set it in the spec (sketch:momentum=...)")
-    (m, nesterov), = nonzero
-    if nesterov:
-        raise ValueError("compression 'sketch': Nesterov momentum is not supported; use nesterov=False")
-    if m != spec["momentum"]:
-        warnings.warn(f"compression 'sketch': taking over the optimizer's momentum={m} (the spec said "
-                      f"momentum={spec['momentum']}); the optimizer itself now runs with momentum=0")
-    for g in param_groups:
-        g["momentum"] = 0.0
-    return CompressionSpec(spec.name, dict(spec.params, momentum=m))
