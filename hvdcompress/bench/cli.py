@@ -13,6 +13,7 @@ stopped and the namespaces, links and /etc/netns entries removed before it exits
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -26,7 +27,7 @@ from hvdcompress.spec import parse_spec
 from . import netns
 from .figures import DEFINITIONS, add_relative, summarize
 from .launch import Placement, WorkerFailure, run_workers
-from .report import markdown_table, write_chart, write_json
+from .report import markdown_table, pipelining_table, write_chart, write_json, write_timeline_chart
 from .signals import raise_on_sigterm
 
 MODELS = ("vgg", "mlp", "deep")
@@ -58,6 +59,21 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     ap.add_argument("--workers", "-n", default="4", help="comma-separated worker counts")
     ap.add_argument("--model", choices=MODELS, default="vgg",
                     help="vgg: 6.4M-parameter CNN; mlp: 12.6M-parameter MLP; deep: 0.33M parameters in 100 tensors")
+    ap.add_argument("--compute", default="real",
+                    help="real: the --model's forward/backward run on the CPU; emulated:<profile>: GPU-like "
+                         "emulation (hvdcompress/bench/emulated.py): a model built from the profile (a shipped "
+                         "name such as resnet50-v100 or vgg16-v100, or a JSON path) with real parameters and "
+                         "gradients whose per-layer forward/backward time is spent waiting, so the cores stay "
+                         "free for compression and Horovod; --model is ignored, --batch is the profile's")
+    ap.add_argument("--emulated-scale", type=float, default=1.0,
+                    help="with --compute emulated: divide every parameter tensor's size by about this factor, "
+                         "times kept; compression then does 1/S of the full model's CPU work (a stand-in for "
+                         "compression on a GPU) and payloads are 1/S of the full model's. 1: full size, "
+                         "compression at real CPU speed")
+    ap.add_argument("--trace-steps", type=int, default=None,
+                    help="untimed steps per phase after the timed ones, traced per group (hook, launch and "
+                         "completion of every round) for the timeline figure (default: 1 with --compute "
+                         "emulated, else 0)")
     ap.add_argument("--batch", type=int, default=32, help="samples per worker per step")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
     ap.add_argument("--warmup", type=int, default=5,
@@ -125,10 +141,36 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
             if args.warmup < 1:
                 raise ValueError("phase-budget-s: needs --warmup >= 1 (the pace comes from a warm-up step)")
         _positive("latency-ms", args.latency_ms, 0)
+        _positive("emulated-scale", args.emulated_scale, 1)
+        args.emulated = None
+        if args.compute != "real":
+            if not args.compute.startswith("emulated:"):
+                raise ValueError(f"compute: 'real' or 'emulated:<profile>'; got {args.compute!r}")
+            args.emulated = _emulated_profile(args.compute.split(":", 1)[1])
+            args.model = args.compute
+            args.batch = int(args.emulated.get("batch") or args.batch)
+        if args.trace_steps is None:
+            args.trace_steps = 1 if args.emulated else 0
+        _positive("trace-steps", args.trace_steps, 0)
         _positive("launch-timeout", args.launch_timeout, 10)
     except ValueError as e:
         ap.error(str(e))
     return args
+
+
+def _emulated_profile(name: str) -> dict:
+    """The profile's JSON (read here without torch; the workers check it fully)."""
+    base = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+    path = name if (os.sep in name or name.endswith(".json")) else os.path.join(base, name + ".json")
+    if not os.path.isfile(path):
+        shipped = sorted(f[:-5] for f in os.listdir(base) if f.endswith(".json"))
+        raise ValueError(f"compute: no profile {name!r} (shipped: {', '.join(shipped)}; or give a JSON path)")
+    with open(path) as f:
+        prof = json.load(f)
+    if not prof.get("layers"):
+        raise ValueError(f"compute: profile {path} has no layers")
+    prof["path"] = os.path.abspath(path)
+    return prof
 
 
 def _without_bandwidths(argv: List[str]) -> List[str]:
@@ -195,6 +237,7 @@ def _new_report(args: argparse.Namespace, argv: List[str]) -> dict:
                         "one network namespace per worker, veth into a bridge, tbf on both directions "
                         "of each worker's link"),
             "model": args.model, "parameters": None, "parameter_tensors": None,
+            "compute": _compute_meta(args),
             "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
             "phase_budget_s": args.phase_budget_s,
             "threads_per_worker": args.threads, "epoch": args.epoch,
@@ -216,6 +259,24 @@ def _new_report(args: argparse.Namespace, argv: List[str]) -> dict:
     }
 
 
+def _compute_meta(args: argparse.Namespace) -> dict:
+    if not args.emulated:
+        return {"mode": "real", "note": "forward and backward computed on the CPU by the workers"}
+    p = args.emulated
+    return {"mode": "emulated", "profile": p.get("name"), "profile_path": p["path"], "device": p.get("device"),
+            "source": p.get("source"), "profile_batch": p.get("batch"),
+            "profile_parameters": p.get("parameters"), "layers": len(p["layers"]),
+            "forward_s": sum(l["forward_s"] for l in p["layers"]),
+            "backward_s": sum(l["backward_s"] for l in p["layers"]),
+            "scale": args.emulated_scale,
+            "note": "GPU-like compute EMULATED: each layer's forward/backward time (from the profile) is spent "
+                    "sleeping, so the CPU cores stay free for compression and Horovod; parameters, gradients "
+                    "(deterministic seeded patterns), compression and exchange are real. Tensors are about "
+                    f"{args.emulated_scale:g}x smaller than the profiled model's (times unchanged): compression "
+                    f"does 1/{args.emulated_scale:g} of the full model's CPU work and payloads are "
+                    f"1/{args.emulated_scale:g} of the full model's."}
+
+
 def _sweep(args: argparse.Namespace, report: dict) -> bool:
     """Every (worker count, bandwidth) launch in turn; returns False if any failed."""
     from tqdm import tqdm
@@ -233,7 +294,8 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
                       "specs": list(args.compression), "latency_ms": args.latency_ms, "epoch": args.epoch,
                       "phase_budget_s": args.phase_budget_s, "schedules": args.schedule_list,
                       "profile": args.profile, "profile_max_mib": args.profile_max_mib,
-                      "profile_steps": args.profile_steps}
+                      "profile_steps": args.profile_steps, "emulated_scale": args.emulated_scale,
+                      "trace_steps": args.trace_steps}
             workdir = os.path.join(tmp, f"launch{k}")
             try:
                 ranks = _launch(args, n, bw, k, config, workdir, bar.write)
@@ -283,4 +345,11 @@ def _finish(args: argparse.Namespace, report: dict) -> None:
     write_json(report, args.out + ".json")
     with open(args.out + ".md", "w") as f:
         f.write(markdown_table(report))
+        if args.emulated:
+            f.write("\n" + pipelining_table(report))
     write_chart(report, args.out + ".png")
+    if args.trace_steps:  # the cost-model plans' traced steps, predicted vs measured
+        rows = [r for r in report["results"] if r.get("status") == "ok" and r.get("traces_rank0")
+                and str(r.get("schedule")).startswith(("mgs", "mgwfbp", "auto")) and ":" not in str(r.get("schedule"))]
+        write_timeline_chart(rows, args.out + "-timeline.png",
+                             f"{report['meta']['model']}: one traced step per phase (rank 0), predicted vs measured")

@@ -64,8 +64,10 @@ DEFINITIONS = {
 def step_time(rank_phases: List[dict]) -> Dict[str, object]:
     """Median / min / max over steps of the slowest rank's step time, and the per-step series."""
     per_step = [max(ts) for ts in zip(*(p["step_times_s"] for p in rank_phases))]
+    q = statistics.quantiles(per_step, n=4) if len(per_step) >= 2 else [per_step[0]] * 3
     return {"step_time_s": statistics.median(per_step), "step_time_min_s": min(per_step),
-            "step_time_max_s": max(per_step), "step_times_s": per_step}
+            "step_time_max_s": max(per_step), "step_time_q1_s": q[0], "step_time_q3_s": q[2],
+            "step_times_s": per_step}
 
 
 def _mean(values: List[float]) -> float:
@@ -128,6 +130,9 @@ def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
                                      for i in range(steps))
             fig.update({"after_forward_s": rest, "predicted_after_forward_s": after,
                         "after_forward_prediction_error": after / rest - 1.0})
+        if first.get("traces"):  # rank 0's traced steps and the plan's predicted timeline
+            fig["traces_rank0"] = first["traces"]
+            fig["predicted_timeline"] = first.get("predicted_timeline")
         out["phases"].append(fig)
     return out
 

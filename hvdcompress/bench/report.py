@@ -187,3 +187,121 @@ def write_chart(report: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# -- emulated GPU compute: schedules side by side, and the timeline of one step ---------------------
+def _ms(v: Optional[float]) -> str:
+    return "–" if v is None else f"{v * 1e3:.1f}"
+
+
+def _config_rows(report: dict):
+    """(workers, link, compression) -> its ok rows, in run order."""
+    out: Dict[tuple, List[dict]] = {}
+    for r in report["results"]:
+        if r.get("status") == "ok":
+            out.setdefault((r["workers"], r["bandwidth"], r["compression"]), []).append(r)
+    return out
+
+
+FIXED = ("layerwise", "single")
+
+
+def pipelining_table(report: dict) -> str:
+    """Per (workers, link, compression): every schedule's median step (quartiles), prediction and
+    its error, and the ratio to the better of layerwise/single and to the best fixed schedule."""
+    meta = report["meta"]
+    lines = ["| workers | link | compression | schedule → plan (groups) | step time ms, median (q1–q3) | "
+             "predicted ms | error | vs better of layerwise/single | vs best fixed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    co = {(c["workers"], c["bandwidth"]): c for c in report["compute_only"]}
+    for (n, bw, spec), rows in sorted(_config_rows(report).items(), key=lambda kv: (kv[0][0], _bw_key(kv[0][1]))):
+        link = format_bandwidth(parse_bandwidth(bw))
+        if (n, bw) in co:
+            c = co.pop((n, bw))
+            lines.append(f"| {n} | {link} | compute-only | – | {_ms(c['step_time_s'])} "
+                         f"({_ms(c.get('step_time_q1_s'))}–{_ms(c.get('step_time_q3_s'))}) | – | – | – | – |")
+        by = {r.get("schedule"): r for r in rows}
+        base = [by[s]["step_time_s"] for s in FIXED if s in by]
+        fixed = [r["step_time_s"] for r in rows if not str(r.get("schedule", "")).startswith(("mgs", "mgwfbp", "auto"))]
+        for r in rows:
+            t = r["step_time_s"]
+            err = f"{r['prediction_error']:+.0%}" if r.get("prediction_error") is not None else "–"
+            vs = f"{t / min(base):.2f}x" if base else "–"
+            vf = f"{t / min(fixed):.2f}x" if fixed else "–"
+            lines.append(f"| {n} | {link} | `{spec}` | {_schedule(r)} | {_ms(t)} ({_ms(r.get('step_time_q1_s'))}–"
+                         f"{_ms(r.get('step_time_q3_s'))}) | {_ms(r.get('predicted_step_time_s'))} | {err} | {vs} | {vf} |")
+    note = meta.get("compute", {}).get("note")
+    return ("" if not note else f"Compute: {note}\n\n") + "\n".join(lines) + "\n"
+
+
+def measured_groups(trace: dict) -> List[dict]:
+    """Per group of a traced step (seconds from the first gradient hook): ready (its last
+    gradient's hook entered), compression (that hook's entry to exit: compression and launch),
+    exchange (first round launched to last round completed, by the tracing driver)."""
+    hooks = {n: (a, b) for n, a, b in trace["hooks"]}
+    out = []
+    for key, names in zip(trace["group_keys"], trace["groups"]):
+        last = max((hooks[n] for n in names if n in hooks), key=lambda ab: ab[0], default=None)
+        rounds = [v for k, v in trace["rounds"].items() if k.startswith(key + ".r")]
+        launched = [a for a, _ in rounds if a is not None]
+        done = [b for _, b in rounds if b is not None]
+        out.append({"ready": last[0] if last else None, "compress_start": last[0] if last else None,
+                    "compress_end": last[1] if last else None,
+                    "comm_start": min(launched) if launched else None, "comm_end": max(done) if done else None})
+    return out
+
+
+def write_timeline_chart(rows: List[dict], path: str, title: str = "") -> None:
+    """For each row (a phase with traces): the predicted timeline of its plan (top) and the traced
+    step (below): backward (between groups), compression and exchange per group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("traces_rank0") and r.get("predicted_timeline")]
+    if not rows:
+        return
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 2.9 * len(rows)), squeeze=False)
+    colors = ["tab:blue", "tab:orange"]
+    for ax, r in zip(axes[:, 0], rows):
+        tl = r["predicted_timeline"]
+        trace = min(r["traces_rank0"], key=lambda t: t["step_end"] - t["step_start"])  # the least disturbed
+        meas = measured_groups(trace)
+        pred = [{k: tl[k][g] for k in ("ready", "compress_start", "compress_end", "comm_start", "comm_end")}
+                for g in range(len(tl["groups"]))]
+        for y0, label, groups, end in ((3.0, "predicted", pred, tl.get("end")),
+                                       (0.0, "measured", meas, trace["synchronize"][1])):
+            prev = 0.0
+            for g, e in enumerate(groups):
+                c = colors[g % 2]
+                if e["ready"] is not None:
+                    ax.broken_barh([(prev, max(0.0, e["ready"] - prev))], (y0 + 2.0, 0.8), color="0.75",
+                                   edgecolor="0.4", linewidth=0.3)
+                if e["compress_start"] is not None and e["compress_end"] is not None:
+                    ax.broken_barh([(e["compress_start"], max(1e-4, e["compress_end"] - e["compress_start"]))],
+                                   (y0 + 1.0, 0.8), color=c)
+                    prev = e["compress_end"]
+                if e["comm_start"] is not None and e["comm_end"] is not None:
+                    ax.broken_barh([(e["comm_start"], max(1e-4, e["comm_end"] - e["comm_start"]))],
+                                   (y0, 0.8), color=c, alpha=0.7)
+            if end is not None:
+                ax.axvline(end, ymin=(y0 + 0.1) / 6.2, ymax=(y0 + 2.9) / 6.2, color="k", linestyle=":")
+        ax.set_yticks([0.4, 1.4, 2.4, 3.4, 4.4, 5.4])
+        ax.set_yticklabels(["measured: exchange", "measured: compress", "measured: backward",
+                            "predicted: exchange", "predicted: compress", "predicted: backward"], fontsize=7)
+        ax.set_ylim(-0.2, 6.0)
+        pl = r.get("plan") or {}
+        ax.set_title(f"{r['workers']} workers, {format_bandwidth(parse_bandwidth(r['bandwidth']))}, "
+                     f"{r['compression']} @ {r.get('schedule')} → {pl.get('schedule')} ({pl.get('groups')} groups): "
+                     f"predicted {_ms(r.get('predicted_step_time_s'))} ms, measured median "
+                     f"{_ms(r['step_time_s'])} ms per step", fontsize=8)
+        ax.set_xlabel("seconds from the first gradient hook (rank 0; dotted: backward + exchange + scatter done)",
+                      fontsize=8)
+        ax.grid(True, axis="x", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

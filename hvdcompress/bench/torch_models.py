@@ -68,8 +68,13 @@ MODELS: Dict[str, Callable[[], nn.Module]] = {"vgg": _vgg, "mlp": _mlp, "deep": 
 INPUT_SHAPE: Tuple[int, ...] = (3, 32, 32)
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """The model called ``name`` (one of :data:`MODELS`), initialised from ``seed``."""
+def build(name: str, seed: int = 0, scale: float = 1.0) -> nn.Module:
+    """The model called ``name`` (one of :data:`MODELS`), initialised from ``seed``; or, for
+    ``emulated:<profile>``, the GPU-like emulated model of that profile with tensors ``scale``
+    times smaller (``hvdcompress.bench.emulated``)."""
+    if name.startswith("emulated:"):
+        from .emulated import build_emulated
+        return build_emulated(name.split(":", 1)[1], seed=seed, scale=scale)
     if name not in MODELS:
         raise ValueError(f"model: unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
     torch.manual_seed(seed)

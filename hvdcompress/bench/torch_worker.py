@@ -56,7 +56,8 @@ COMPUTE_ONLY = "compute-only"
 MIN_STEPS = 3  # timed rounds, whatever the time budget
 REQUIRED = ("model", "batch", "steps", "warmup", "threads", "seed", "compute_only", "specs",
             "latency_ms", "epoch", "phase_budget_s", "iface", "out")
-OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3}
+OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3,
+            "emulated_scale": 1.0, "trace_steps": 0}
 TIMING_KEYS = ("backward_seconds", "hook_seconds", "synchronize_seconds", "update_seconds")
 
 
@@ -78,12 +79,16 @@ class Phase:
                  cost_model=None):
         self.spec = spec
         self.schedule = schedule
-        self.model = build(cfg["model"], seed=cfg["seed"])
+        self.model = build(cfg["model"], seed=cfg["seed"], scale=cfg["emulated_scale"])
         self.x, self.y = synthetic_batch(cfg["batch"], seed=cfg["seed"] + 1000 * (1 + rank))
         opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
         if spec is not None:
             latency_s = cfg["latency_ms"] / 1000.0
-            driver = LatencyDriver(latency_s) if latency_s > 0 else Communicator()
+            base = LatencyDriver if latency_s > 0 else Communicator
+            if cfg["trace_steps"]:  # records each round's launch and completion in trace_step()
+                from .emulated import tracing_driver
+                base = tracing_driver(base)
+            driver = base(latency_s) if latency_s > 0 else base()
             opt = DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
                                        compression=spec, driver=driver, schedule=schedule,
                                        cost_model=cost_model, profile_steps=cfg["profile_steps"])
@@ -96,6 +101,7 @@ class Phase:
         self.back_to_back: List[float] = []  # warm-up steps once the plan and its prediction are made
         self.timings: List[dict] = []
         self.wire = {"tx_bytes": 0, "rx_bytes": 0}
+        self.traces: List[dict] = []
         self._stats_before: Optional[Dict[str, float]] = None
 
     def step(self) -> float:
@@ -106,6 +112,32 @@ class Phase:
         loss.backward()
         self.opt.step()
         return time.perf_counter() - start
+
+    def trace_step(self) -> None:
+        """One untimed step with the driver tracing: per tensor the gradient hook's entry and exit,
+        per round of collectives its launch and completion (a polling thread), synchronize and
+        update -- seconds from the first hook (the predicted timeline's time 0)."""
+        driver = self.opt._hvc_driver
+        driver.start_trace()
+        start = time.perf_counter()
+        self.opt.zero_grad()
+        loss = F.cross_entropy(self.model(self.x), self.y)
+        bwd = time.perf_counter()
+        loss.backward()
+        clock = self.opt._hvc_clock  # this step's readings (bench side: read, never changed)
+        self.opt.step()
+        end = time.perf_counter()
+        rounds = driver.stop_trace()
+        t0 = clock.hooks[0][1] if clock.hooks else bwd
+        rel = lambda t: None if t is None else t - t0  # noqa: E731
+        self.traces.append({
+            "step_start": rel(start), "backward_call": rel(bwd), "step_end": rel(end),
+            "hooks": [[n, rel(a), rel(b)] for n, a, b in clock.hooks],
+            "rounds": {k: [rel(a), rel(b)] for k, (a, b) in rounds.items()},
+            "group_keys": [f"hvc.{g.key}" for g in self.opt._hvc_groups],
+            "groups": [list(g.names) for g in self.opt._hvc_groups],
+            "synchronize": [rel(clock.sync[0]), rel(clock.sync[1])],
+            "update": [rel(clock.update[0]), rel(clock.update[1])]})
 
     def note_warmup_step(self) -> None:
         """Keep the step time the optimizer measured (end of the previous step to the end of this
@@ -127,6 +159,12 @@ class Phase:
         if self.spec is not None:
             self._stats_before = self._stats()
 
+    def end_timing(self) -> None:
+        if self.spec is not None:
+            self._stats_after = self._stats()
+
+    _stats_after: Optional[Dict[str, float]] = None
+
     def timed_step(self) -> None:
         before = read_counters(self.iface)
         self.times.append(self.step())
@@ -141,7 +179,7 @@ class Phase:
         out = {"compression": self.spec if self.spec is not None else COMPUTE_ONLY, "step_times_s": self.times,
                "forward_times_s": self.forward_times}
         if self.spec is not None:
-            now, was = self._stats(), self._stats_before
+            now, was = self._stats_after or self._stats(), self._stats_before
             n = now["steps"] - was["steps"]
             out.update({"bytes_per_step": (now["bytes"] - was["bytes"]) / n,
                         "dense_bytes_per_step": (now["dense"] - was["dense"]) / n,
@@ -151,6 +189,11 @@ class Phase:
                         "timings": {k: statistics.median(t[k] for t in self.timings) for k in TIMING_KEYS}})
         if self.iface:
             out.update({f"iface_{k}": v for k, v in self.wire.items()})
+        if self.traces:
+            out["traces"] = self.traces
+            plan = getattr(self.opt, "plan", None)
+            if plan is not None and plan.timeline is not None:
+                out["predicted_timeline"] = plan.timeline.as_dict()
         return out
 
 
@@ -220,6 +263,13 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
         for p in phases:
             p.timed_step()
     hvd.barrier()
+    for p in phases:
+        p.end_timing()
+    for p in phases:  # after the timed rounds, so tracing costs them nothing
+        if p.spec is not None:
+            for _ in range(cfg["trace_steps"]):
+                p.trace_step()
+    hvd.barrier()
     return [p.figures() for p in phases], (model.to_dict() if model is not None else None)
 
 
@@ -240,7 +290,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import horovod.torch as hvd
 
     hvd.init()
-    params, tensors = count_parameters(build(cfg["model"], seed=cfg["seed"]))
+    params, tensors = count_parameters(build(cfg["model"], seed=cfg["seed"], scale=cfg["emulated_scale"]))
     figures, cost_model = run(cfg, hvd)
     if hvd.rank() == 0:
         for phase in figures:
