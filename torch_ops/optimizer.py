@@ -45,6 +45,7 @@ from hvdcompress.planner import Plan
 
 from .collectives import Communicator, PendingExchange, PendingQueue
 from .delayed import DelayedAveraging, average_over_ranks, check_delay, check_sync_every
+from .sparse_grads import sparse_exchange, split_out
 from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
 from .scheduling import Scheduler, StepClock, check_cost_model, check_profile_steps, check_schedule, now
@@ -72,6 +73,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # one communicator for every collective: exchanges, scheduler, profiler (the user's process set)
         self._hvc_driver = driver if driver is not None else Communicator(process_set)
         self._hvc_world = self._hvc_driver.size()
+        if self._hvc_world > 1:
+            _check_same_model(self._hvc_driver, self._hvc_by_name)
         self._hvc_scheduler = Scheduler(
             schedule, spec, cost_model, profile_steps,
             {n: float(p.numel() * p.element_size()) for n, p in self._hvc_by_name.items()},
@@ -85,6 +88,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # delay / sync_every (torch_ops.delayed); the local gradient in result units: x1 for Average, xN for Sum
         self._hvc_delayed = DelayedAveraging(delay, sync_every, self._hvc_prescale * self._hvc_scale * self._hvc_world)
         self._hvc_state: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in self._hvc_by_name}
+        self._hvc_sparse_as_dense = sparse_as_dense
+        self._hvc_warned_sparse = False
+        self._hvc_sparse_names = set()  # parameters whose gradient came sparse: exchanged alone, sparse
+        self._hvc_sparse_keys = set()  # (step, group) of the sparse exchanges in flight
         self._hvc_groups: List[Group] = []
         self._hvc_group_of: Dict[torch.Tensor, int] = {}
         self._hvc_waiting: List[int] = []
@@ -93,8 +100,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_epoch = 0
         self._hvc_epoch_set = False  # set_epoch() called: warm-ups follow it, else count steps
         self._hvc_warned_epoch = False
-        self._hvc_sparse_as_dense = sparse_as_dense
-        self._hvc_warned_sparse = False
         self._synchronized = False
         self._should_synchronize = True
         self.stats = WireStats()
@@ -151,8 +156,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             pending = self._hvc_pending.finish(step)
             scattered = now()
             if not delayed.active:
-                for (_, gi), ex in pending.items():
-                    scatter(ex.result, [self._hvc_by_name[n].grad for n in self._hvc_groups[gi].names])
+                for key, ex in pending.items():
+                    names = self._hvc_groups[key[1]].names
+                    if key in self._hvc_sparse_keys:
+                        self._hvc_sparse_keys.discard(key)
+                        self._hvc_by_name[names[0]].grad = ex.result
+                    else:
+                        scatter(ex.result, [self._hvc_by_name[n].grad for n in names])
             else:
                 for key, ex in pending.items():
                     delayed.completed(key, ex.result)
@@ -378,17 +388,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hvc_launch(self, gi: int) -> None:
         group = self._hvc_groups[gi]
+        step, delayed = self._hvc_step, self._hvc_delayed
         grads = []
         for name in group.names:
             p = self._hvc_by_name[name]
             if p.grad.is_sparse:
+                if len(group.names) == 1 and not (self._hvc_sparse_as_dense or delayed.active):
+                    self._hvc_sparse_names.add(name)  # exchanged as Horovod does (torch_ops.sparse_grads)
+                    self._hvc_sparse_keys.add((step, gi))
+                    self._hvc_pending.add((step, gi), PendingExchange(
+                        sparse_exchange(p.grad, self._hvc_prescale * self._hvc_scale), f"hvc.{group.key}.sparse",
+                        self._hvc_driver), step)
+                    self._synchronized = False
+                    return
                 if not (self._hvc_sparse_as_dense or self._hvc_warned_sparse):
-                    warnings.warn("hvdcompress: sparse gradients are exchanged densified (as with "
-                                  "sparse_as_dense=True).")
+                    warnings.warn("hvdcompress: a sparse gradient is exchanged densified (sparse_as_dense=True "
+                                  "does this silently); it is exchanged sparse when its parameter is in a group "
+                                  "of its own and delay=0.")
                     self._hvc_warned_sparse = True
+                self._hvc_sparse_names.add(name)
                 p.grad = p.grad.to_dense()
             grads.append(p.grad)
-        step, delayed = self._hvc_step, self._hvc_delayed
         with torch.no_grad():
             x = flatten(grads)
             name = f"hvc.{group.key}"
@@ -430,6 +450,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._hvc_pending:
             raise AssertionError("hvdcompress: regrouping while exchanges are in flight")
         per = per_param if per_param is not None else self._hvc_param_state()
+        if not self._hvc_sparse_as_dense:  # parameters with sparse gradients are exchanged alone
+            groups = split_out(groups, self._hvc_sparse_names)
         shapes = {n: tuple(p.shape) for n, p in self._hvc_by_name.items()}
         self._hvc_groups = make_groups(groups, shapes)
         self._hvc_state = {g.key: join_state([per.get(n, {}) for n in g.names], g.numels)
@@ -444,6 +466,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return None
         return {"schedule": sched.text, "resolved": sched.plan.schedule, "order": list(sched.order),
                 "groups": sched.plan.groups, "predicted_seconds": sched.plan.predicted_seconds}
+
+
+def _check_same_model(comm, by_name: Dict[str, torch.Tensor]) -> None:
+    """Every rank must wrap the same parameters (names, shapes, dtypes): a model that differs
+    across ranks would exchange mismatched tensors, or hang. One object allgather at construction;
+    a difference is a ValueError on every rank, naming the first parameter that differs."""
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in by_name.items()]
+    every = comm.allgather_object(mine, "hvc.check.model")
+    for rank, theirs in enumerate(every):
+        if theirs == every[0]:
+            continue
+        a, b = dict((n, (s, d)) for n, s, d in every[0]), dict((n, (s, d)) for n, s, d in theirs)
+        for name in list(a) + [n for n in b if n not in a]:
+            if a.get(name) != b.get(name):
+                raise ValueError(f"named_parameters: the model differs across ranks: parameter '{name}' is "
+                                 f"{a.get(name, 'absent')} (shape, dtype) on rank 0 and {b.get(name, 'absent')} on "
+                                 f"rank {rank}; every rank must build the same model")
+        raise ValueError(f"named_parameters: ranks 0 and {rank} list their parameters in different orders")
 
 
 def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
@@ -489,8 +529,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         op: ``hvd.Average`` (default) or ``hvd.Sum``. Adasum does not compose with compression.
         gradient_predivide_factor: with Average, gradients are divided by this factor before
             compression and the sum by size/factor after (> 0).
-        sparse_as_dense: sparse gradients are always exchanged densified; this only silences the
-            warning.
+        sparse_as_dense: False (default): sparse gradients (``nn.Embedding(sparse=True)``) are
+            exchanged sparse, uncompressed, as Horovod does (``torch_ops.sparse_grads``), so
+            ``SparseAdam`` works; their parameters are never merged into groups. True: densified
+            and compressed like the others.
         process_set: a Horovod process set (default: all ranks).
         driver: the ``torch_ops.collectives.Communicator`` every collective goes through (default
             ``Communicator(process_set)``); an extension point: a subclass may change how rounds

@@ -1,0 +1,25 @@
+"""Reliability on real Horovod: sparse gradients exchanged sparse (SparseAdam works, as with
+Horovod's own optimizer), and a model that differs across ranks is a clear error on every rank."""
+
+import pytest
+
+hvd_runner = pytest.importorskip("horovod.runner")
+
+import mp_reliability_scenarios as sc  # noqa: E402
+from launch import run_workers  # noqa: E402
+
+
+def test_sparse_gradients_are_exchanged_sparse_like_horovod():
+    for r in run_workers(sc.sparse_gradients, 2):
+        assert "error" not in r, r.get("error")
+        assert r["identical"] and r["dense_identical"]
+        assert r["groups"] == [["emb.weight"]]
+        assert r["bytes"] < 50 * 8 * 4  # indices + values of the touched rows, not the dense table
+        assert r["max_diff_vs_horovod_emb"] < 1e-6
+
+
+def test_a_model_that_differs_across_ranks_is_refused_on_every_rank():
+    for r in run_workers(sc.different_models, 2):
+        assert "error" not in r, r.get("error")
+        assert r["raised"] and "0.weight" in r["raised"] and "(16, 4)" in r["raised"] and "(17, 4)" in r["raised"]
+        assert r["after"] == 1.0  # a collective still works afterwards (average of ones)
