@@ -121,3 +121,67 @@ def different_models() -> dict:
         out["error"] = traceback.format_exc()
     hvd.shutdown()
     return out
+
+
+FAULT_SPECS = ["none", "topk:ratio=0.05", "threshold:threshold=0.05", "randomk:ratio=0.1,seed=2",
+               "dgc:ratio=0.05,warmup_epochs=0,min_sparse_numel=64", "signsgd", "efsignsgd", "qsgd",
+               "sketch:ratio=0.05,min_sketch_numel=64", "powersgd"]
+
+
+def nonfinite_faults() -> dict:
+    """One bad value (inf or NaN) in one entry of one layer's gradient on rank 1 at step 2: the
+    exchanged gradient must show it on every rank (plain step), and the AMP-style skip
+    (synchronize, check, skip) must leave training going with finite, identical parameters and
+    finite compression state."""
+    import horovod.torch as hvd
+    import torch
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    hvd.init()
+    out = {}
+    try:
+        for spec in FAULT_SPECS:
+            for bad in (float("inf"), float("nan")):
+                for mode in ("plain", "skip"):
+                    torch.manual_seed(0)
+                    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+                    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                                   named_parameters=model.named_parameters(), compression=spec,
+                                                   schedule="layerwise")
+                    seen, skipped = None, 0
+                    when = {"step": -1}
+
+                    def inject(grad, when=when, bad=bad):  # inside backward, before the exchange starts
+                        if when["step"] == 2 and hvd.rank() == 1:
+                            grad = grad.clone()
+                            grad[2, 5] = bad
+                        return grad
+                    model[0].weight.register_hook(inject)
+                    for step in range(6):
+                        when["step"] = step
+                        opt.zero_grad()
+                        g = torch.Generator().manual_seed(7 * hvd.rank() + step)
+                        x = torch.randn(8, 16, generator=g)
+                        nn.CrossEntropyLoss()(model(x), x[:, :4].argmax(1)).backward()
+                        opt.synchronize()
+                        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+                        if step == 2:
+                            seen = not finite
+                        if mode == "skip" and not finite:
+                            skipped += 1
+                            continue
+                        with opt.skip_synchronize():
+                            opt.step()
+                    params_finite = bool(torch.isfinite(torch.cat([p.detach().reshape(-1) for p in model.parameters()])).all())
+                    state = opt.state_dict()["hvdcompress"]["state"]
+                    state_finite = all(bool(torch.isfinite(t).all()) for st in state.values() for t in st.values()
+                                       if torch.is_tensor(t) and t.is_floating_point())
+                    rows = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).unsqueeze(0),
+                                         name=f"check.{spec}.{bad}.{mode}")
+                    identical = bool(torch.equal(rows[0], rows[1])) if params_finite else None
+                    out[f"{spec}|{bad}|{mode}"] = {"seen": seen, "skipped": skipped, "params_finite": params_finite,
+                                                   "state_finite": state_finite, "identical": identical}
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out

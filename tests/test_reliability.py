@@ -23,3 +23,16 @@ def test_a_model_that_differs_across_ranks_is_refused_on_every_rank():
         assert "error" not in r, r.get("error")
         assert r["raised"] and "0.weight" in r["raised"] and "(16, 4)" in r["raised"] and "(17, 4)" in r["raised"]
         assert r["after"] == 1.0  # a collective still works afterwards (average of ones)
+
+
+def test_non_finite_gradients_are_never_hidden_and_never_kept():
+    for r in run_workers(sc.nonfinite_faults, 2):
+        assert "error" not in r, r.get("error")
+        for key, v in r.items():
+            spec, bad, mode = key.split("|")
+            assert v["seen"], f"{key}: the bad value was hidden from rank's exchanged gradient"
+            assert v["state_finite"], f"{key}: non-finite value kept in compression state"
+            if mode == "skip":
+                assert v["skipped"] == 1 and v["params_finite"] and v["identical"], (key, v)
+            else:
+                assert not v["params_finite"], (key, v)  # as with Horovod: the step applied it

@@ -38,6 +38,12 @@ class Allgather:
 
 
 @dataclass(frozen=True)
+class Flag(Allreduce):
+    """A control value summed with a round (the non-finite count of ``torch_ops.nonfinite``): a
+    4-byte allreduce that ``opt.stats`` does not count as payload."""
+
+
+@dataclass(frozen=True)
 class Alltoall:
     tensor: torch.Tensor
     splits: Tuple[int, ...]  # rows of ``tensor`` for each rank, in rank order
@@ -49,7 +55,7 @@ Exchange = Generator[Tuple[Request, ...], Tuple[torch.Tensor, ...], torch.Tensor
 
 def request_bytes(requests: Sequence[Request]) -> int:
     """Bytes this rank contributes to the collectives of one round."""
-    return sum(r.tensor.numel() * r.tensor.element_size() for r in requests)
+    return sum(r.tensor.numel() * r.tensor.element_size() for r in requests if not isinstance(r, Flag))
 
 
 class Communicator:

@@ -45,6 +45,7 @@ from hvdcompress.planner import Plan
 
 from .collectives import Communicator, PendingExchange, PendingQueue
 from .delayed import DelayedAveraging, average_over_ranks, check_delay, check_sync_every
+from .nonfinite import check_state_finite, guard
 from .sparse_grads import sparse_exchange, split_out
 from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
@@ -367,6 +368,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              f"optimizer does not have: {', '.join(unknown[:5])}")
         for key, st in ours["state"].items():
             self._hvc_compressor.check_state(key, st, numel[key])
+            check_state_finite(key, st)
         saved = ours.get("plan")
         if saved is not None and sorted(saved.get("order", ())) != sorted(numel):
             raise ValueError("load_state_dict: the checkpoint's plan groups other parameters than this "
@@ -423,8 +425,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   self._hvc_state[group.key], group.shape, self._hvc_current_epoch(),
                                   self._hvc_driver.rank(), group.layout)
             self._hvc_pending.poll()  # earlier groups' next rounds go out as soon as they can
-            self._hvc_pending.add((step, gi), PendingExchange(self._hvc_compressor.exchange(x, ctx), name,
-                                                              self._hvc_driver), step + delayed.delay)
+            exchange = guard(self._hvc_compressor.exchange(x, ctx), x, ctx.state)  # non-finite never hidden
+            self._hvc_pending.add((step, gi), PendingExchange(exchange, name, self._hvc_driver), step + delayed.delay)
         self._synchronized = False
 
     def _hvc_end_of_step(self) -> None:
