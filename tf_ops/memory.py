@@ -28,7 +28,9 @@ class Memory:
     def compensate(self, x: tf.Tensor, state: Dict[str, tf.Variable]) -> tf.Tensor:
         return x
 
-    def update(self, a: tf.Tensor, sent: Callable[[], tf.Tensor], state: Dict[str, tf.Variable]) -> None:
+    def update(self, unsent: Callable[[], tf.Tensor], state: Dict[str, tf.Variable]) -> None:
+        """``unsent()`` computes a - D(C(a)); called only by memories that keep it (as in
+        ``torch_ops.memory``: the same name and signature on both backends)."""
         return None
 
 
@@ -45,8 +47,8 @@ class ResidualMemory(Memory):
                              f"gradient has {tuple(x.shape)}")
         return x + r
 
-    def update(self, a, sent, state):
-        state["residual"].assign(a - sent())
+    def update(self, unsent, state):
+        state["residual"].assign(unsent())
 
 
 def memory_for(spec: CompressionSpec) -> Memory:

@@ -220,9 +220,15 @@ class OneRoundCompressor(Compressor):
     """A compressor whose exchange is one round of one kind of collective.
 
     Subclasses define ``select`` (what to send, e.g. indices; None for dense codecs), ``compress``
-    (flat tensor -> payload tuple), ``decompress`` (own payload -> dense, for the residual) and
-    ``aggregate`` (collective results -> dense sum over ranks). Error feedback, when the spec asks
-    for it, is wrapped around them here, once for all.
+    (flat tensor -> payload tuple), ``decompress`` (own payload -> dense), ``unsent`` (optional:
+    a - D(C(a)), the residual) and ``aggregate`` (collective results -> dense sum over ranks).
+    Error feedback, when the spec asks for it, is wrapped around them here, once for all, with
+    the memory interface of ``torch_ops`` (``compensate``, ``update(unsent)``).
+
+    The one difference from ``torch_ops.compressors.OneRoundCompressor``, forced by graph mode: the
+    selection is an explicit value ``sel`` passed to every method, where the PyTorch methods may
+    recompute or cache it (under ``tf.function`` the methods run once, at trace time, and a
+    cached Python value would freeze the first step's selection into the graph).
     """
 
     def __init__(self, spec: CompressionSpec):
@@ -251,6 +257,11 @@ class OneRoundCompressor(Compressor):
                    ctx: ExchangeContext) -> tf.Tensor:
         """This rank's own payload -> the dense tensor it stands for (shape and dtype of like)."""
 
+    def unsent(self, payload: Tuple[tf.Tensor, ...], a: tf.Tensor, sel: Any, ctx: ExchangeContext) -> tf.Tensor:
+        """What this rank's payload leaves out of ``a``: a - D(C(a)), the error-feedback residual
+        (the same hook as torch_ops'; a compressor may compute it more cheaply)."""
+        return a - self.decompress(payload, a, sel, ctx)
+
     @abstractmethod
     def aggregate(self, results: Tuple[tf.Tensor, ...], like: tf.Tensor, sel: Any,
                   ctx: ExchangeContext) -> tf.Tensor:
@@ -260,7 +271,7 @@ class OneRoundCompressor(Compressor):
         a = self.memory.compensate(x, ctx.state)
         sel = self.select(a, ctx)
         payload = self.compress(a, sel, ctx)
-        self.memory.update(a, lambda: self.decompress(payload, a, sel, ctx), ctx.state)
+        self.memory.update(lambda: self.unsent(payload, a, sel, ctx), ctx.state)
         request = Allreduce if self.summed else Allgather
         results = yield tuple(request(t) for t in payload)
         return scaled(self.aggregate(results, a, sel, ctx), ctx.scale)
