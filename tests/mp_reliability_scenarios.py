@@ -78,6 +78,8 @@ def sparse_gradients() -> dict:
         rows = hvd.allgather(_flat(model).unsqueeze(0), name="check.sparse")
         out["identical"] = bool(torch.equal(rows[0], rows[1]))
         out["groups"] = opts[0].groups
+        out["horovod_attributes"] = (list(opts[0]._parameter_names.values()), opts[0].backward_passes_per_step,
+                                     opts[0].op == hvd.Average, opts[0].process_set.size())
         out["bytes"] = opts[0].stats.as_dict()["bytes_per_step"]
         ref, _ = _train(horovods, steps=8)
         out["max_diff_vs_horovod_emb"] = float((model.emb.weight - ref.emb.weight).abs().max())

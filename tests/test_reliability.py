@@ -14,6 +14,7 @@ def test_sparse_gradients_are_exchanged_sparse_like_horovod():
         assert "error" not in r, r.get("error")
         assert r["identical"] and r["dense_identical"]
         assert r["groups"] == [["emb.weight"]]
+        assert r["horovod_attributes"] == (["emb.weight"], 1, True, 2)  # Horovod's introspection names
         assert r["bytes"] < 50 * 8 * 4  # indices + values of the touched rows, not the dense table
         assert r["max_diff_vs_horovod_emb"] < 1e-6
 

@@ -103,6 +103,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_warned_epoch = False
         self._synchronized = False
         self._should_synchronize = True
+        # Horovod's introspection attributes, with their meaning there
+        self._parameter_names = dict(self._hvc_names)
+        self._requires_update = set(self._hvc_params)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.process_set = self._hvc_driver.process_set
         self.stats = WireStats()
         self.timings: Dict[str, Optional[float]] = {}
         self._hvc_clock = StepClock(None)
