@@ -12,7 +12,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 from hvdcompress.spec import Compression, CompressionSpec, parse_spec  # noqa: E402
 
-from .callbacks import CompressionStatsCallback, SparsityWarmupCallback  # noqa: E402
+from .callbacks import CompressionStatsCallback, DelayedAveragingFlushCallback, SparsityWarmupCallback  # noqa: E402
 from .compression import GradientCompression  # noqa: E402
 from .compressors import COMPRESSORS, Compressor, ExchangeContext, build_compressor  # noqa: E402
 from .optimizer import DistributedOptimizer  # noqa: E402
@@ -20,4 +20,4 @@ from .tape import DistributedGradientTape  # noqa: E402
 
 __all__ = ["Compression", "CompressionSpec", "parse_spec", "COMPRESSORS", "Compressor", "ExchangeContext",
            "build_compressor", "GradientCompression", "DistributedGradientTape", "DistributedOptimizer",
-           "SparsityWarmupCallback", "CompressionStatsCallback"]
+           "SparsityWarmupCallback", "CompressionStatsCallback", "DelayedAveragingFlushCallback"]

@@ -17,6 +17,11 @@ at the same step.
     dense_bytes_per_step   what dense allreduce would have sent
     compression_ratio      dense / wire
     density                the density in effect (ratio-based compressors)
+
+``DelayedAveragingFlushCallback`` (delayed averaging, ``tf_ops.delayed``) calls the optimizer's
+``flush()`` before every evaluation (``on_test_begin``: ``evaluate`` and ``fit``'s validation), at the
+end of every epoch and at the end of training, so replicas are identical whenever they are
+evaluated or saved between epochs; with no training step since the last flush it does nothing.
 """
 
 from __future__ import annotations
@@ -125,3 +130,51 @@ class CompressionStatsCallback(tf.keras.callbacks.Callback):
         logs[p + "compression_ratio"] = dense / wire if wire else float("inf")
         if comp.density is not None:
             logs[p + "density"] = comp.density
+
+
+class DelayedAveragingFlushCallback(tf.keras.callbacks.Callback):
+    """Flushes delayed averaging (``optimizer.flush()``) before evaluations and at epoch ends (see
+    module doc). Every rank must run it (it averages the variables over the ranks).
+
+    Args:
+        at_epoch_end: also flush at the end of every epoch (default True); False flushes only
+            before evaluations and at the end of training.
+    """
+
+    def __init__(self, at_epoch_end: bool = True):
+        super().__init__()
+        if not isinstance(at_epoch_end, bool):
+            raise ValueError(f"at_epoch_end: must be True or False; got {at_epoch_end!r}")
+        self.at_epoch_end = at_epoch_end
+        self._dirty = False  # a training step ran since the last flush
+        self.flushes = 0
+
+    def _optimizer(self):
+        opt = getattr(self.model, "optimizer", None)
+        if not callable(getattr(opt, "flush", None)) or not isinstance(
+                getattr(opt, "gradient_compression", None), GradientCompression):
+            raise ValueError("DelayedAveragingFlushCallback: the model's optimizer is not an hvdcompress "
+                             "DistributedOptimizer")
+        return opt
+
+    def _flush(self):
+        if self._dirty:
+            self._optimizer().flush()
+            self.flushes += 1
+            self._dirty = False
+
+    def on_train_begin(self, logs=None):
+        self._optimizer()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._dirty = True
+
+    def on_test_begin(self, logs=None):
+        self._flush()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.at_epoch_end:
+            self._flush()
+
+    def on_train_end(self, logs=None):
+        self._flush()

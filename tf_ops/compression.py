@@ -13,6 +13,7 @@ It is a ``tf.Module``; what it tracks is what a checkpoint saves and restores:
     density     fraction of entries ratio-based compressors send now (the warm-up moves it)
     spec_text   the compression spec as text, checked against this object's before each exchange
     slots[i]    the flat state variables of the i-th gradient (residual; DGC's u and v)
+    delayed     with delay= / sync_every=: corrections in flight and local sums (``tf_ops.delayed``)
 
 Gradients are identified by their position in the list, so the same model code restores the same
 state whatever its variables are called. State variables are created, zero, the first time a
@@ -48,6 +49,7 @@ from hvdcompress.stats import WireStats
 
 from .collectives import HorovodDriver, run_exchanges
 from .compressors import ExchangeContext, build_compressor
+from .delayed import DelayedAveraging, apply_and_average, check_delay, check_sync_every
 from .grouping import (Group, cached_cost_model, check_cost_model, check_plannable, check_schedule, flatten,
                        join_state, make_groups, member_slots, needs_cost_model, schedule_text, split,
                        split_state)
@@ -62,6 +64,7 @@ class _Local:
         self.plans: Dict[tuple, tuple] = {}  # gradient signature -> (groups, planner Plan or None)
         self.scratch: Dict[tuple, tf.Variable] = {}  # merged groups' working state (not checkpointed)
         self.last: Optional[tuple] = None  # (groups, plan) of the latest traced exchange
+        self.last_args: Optional[tuple] = None  # delayed averaging: (world, scale, prescale, process set)
         self.warned_epoch = False
         with tf.init_scope():
             def counter(name):
@@ -101,10 +104,20 @@ class GradientCompression(tf.Module):
             ``prepare``; a ValueError if there is none). With a fixed schedule it only gives
             ``plan.predicted_seconds``.
 
-    A bad schedule or cost model raises ValueError here, before any collective.
+    Delayed averaging (``tf_ops.delayed``; the arithmetic of PyTorch's, the link latency not
+    overlapped: TF collectives complete within the step):
+        delay: steps between an exchange and applying its correction ``R - g_local`` (int >= 0;
+            0 = synchronous, the same code path bit for bit). Each step applies the local gradient.
+        sync_every: exchange once every this many steps, local steps in between (int >= 1).
+        ``flush(optimizer, variables)`` applies what is pending and makes the replicas identical.
+
+    A bad schedule, cost model, delay or sync_every raises ValueError here, before any collective.
     """
 
-    def __init__(self, compression=None, name: str = "hvc", driver=None, schedule="layerwise", cost_model=None):
+    def __init__(self, compression=None, name: str = "hvc", driver=None, schedule="layerwise", cost_model=None,
+                 delay: int = 0, sync_every: int = 1):
+        check_delay(delay)
+        check_sync_every(sync_every)
         spec = resolve(compression)
         sched = check_schedule(schedule)
         model = check_cost_model(cost_model)
@@ -130,6 +143,8 @@ class GradientCompression(tf.Module):
                                          trainable=False, name="density")
                              if self._compressor.has_density else None)
         self.slots: List[Dict[str, tf.Variable]] = []
+        # delayed averaging state (tf_ops.delayed); None when synchronous, so that path is unchanged
+        self.delayed = DelayedAveraging(delay, sync_every) if delay > 0 or sync_every > 1 else None
 
     # -- what users read and set -------------------------------------------------------------
     @property
@@ -182,7 +197,47 @@ class GradientCompression(tf.Module):
     @property
     def stateful(self) -> bool:
         """True when the exchange keeps state between steps (then one object must serve every step)."""
-        return self._compressor.stateful
+        return self._compressor.stateful or self.delayed is not None
+
+    @property
+    def delay(self) -> int:
+        return 0 if self.delayed is None else self.delayed.delay
+
+    @property
+    def sync_every(self) -> int:
+        return 1 if self.delayed is None else self.delayed.every
+
+    def flush_corrections(self) -> List[Optional[tf.Tensor]]:
+        """Delayed averaging: exchange what ``sync_every`` only applied locally, and return (and
+        forget) every correction not yet applied, summed per gradient position (None where none);
+        [] when synchronous or before the first exchange. Call on every rank, between steps."""
+        args = self._local.last_args
+        if self.delayed is None or args is None:
+            return []
+        world_size, scale, prescale, process_set = args
+
+        def pending():
+            return self.delayed.pending(lambda gs: self._exchange_now(gs, *args), prescale * scale * world_size)
+        if not tf.executing_eagerly():
+            return pending()
+        fn = self._local.functions.get(("flush",) + args[:3] + (id(process_set),))
+        if fn is None:
+            fn = self._local.functions[("flush",) + args[:3] + (id(process_set),)] = tf.function(pending, autograph=False)
+        return fn()
+
+    def flush(self, optimizer, variables, apply_gradients=None) -> None:
+        """Delayed averaging: apply every pending correction as one more step of ``optimizer``
+        (``optimizer.apply_gradients``, or ``apply_gradients(pairs)`` if given) on ``variables`` (the
+        list whose gradients were exchanged, in that order), then average the variables and the
+        optimizer's slot variables over the ranks, so every rank holds identical values. Call it on
+        every rank between steps (before evaluating or comparing replicas). Nothing to do when
+        synchronous (delay=0, sync_every=1) or before the first exchange."""
+        corrections = self.flush_corrections()
+        if self.delayed is None or self._local.last_args is None:
+            return
+        apply_and_average(corrections, variables, optimizer,
+                          apply_gradients if apply_gradients is not None else optimizer.apply_gradients,
+                          self._local.last_args[3], f"{self.name}.flush")
 
     @property
     def density(self) -> Optional[float]:
@@ -234,6 +289,8 @@ class GradientCompression(tf.Module):
             if isinstance(g, tf.IndexedSlices):
                 raise ValueError(f"gradient {i} is a tf.IndexedSlices; densify it first "
                                  "(the Horovod wrappers do, see sparse_as_dense)")
+        if self.delayed is not None:
+            self._local.last_args = (world_size, scale, prescale, process_set)
         if not tf.executing_eagerly():
             return self._exchange(grads, world_size, scale, prescale, process_set)
         key = (world_size, float(scale), float(prescale), id(process_set))
@@ -354,6 +411,13 @@ class GradientCompression(tf.Module):
             return tf.identity(density)
 
     def _exchange(self, grads, world_size, scale, prescale, process_set):
+        if self.delayed is None:
+            return self._exchange_now(grads, world_size, scale, prescale, process_set)
+        self._local.last_args = (world_size, scale, prescale, process_set)  # what flush exchanges with
+        return self.delayed.step(grads, lambda gs: self._exchange_now(gs, world_size, scale, prescale, process_set),
+                                 prescale * scale * world_size)
+
+    def _exchange_now(self, grads, world_size, scale, prescale, process_set):
         pending = self.start_exchange(grads, world_size=world_size, scale=scale, prescale=prescale,
                                       process_set=process_set)
         results, sent = run_exchanges(pending.generators, pending.names, self._driver_for(process_set))

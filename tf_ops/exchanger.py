@@ -20,6 +20,12 @@ own, and a different one passed beside it is refused. A schedule that needs a co
 given none finds the cached one when the wrapper is made, so a missing model raises there.
 Sparse gradients (``tf.IndexedSlices``, e.g. from embeddings) are densified with a warning
 (``sparse_as_dense=True`` silences it): compressors work on dense tensors.
+
+``delay`` / ``sync_every`` (delayed averaging, ``tf_ops.delayed``) are checked first; None means
+"the GradientCompression's own" (0 / 1 for a spec). They keep corrections between steps, so a tape
+(one step long) needs them on a ``GradientCompression`` made once; the Keras optimizer builds its
+own. A ``GradientCompression`` given as ``compression=`` carries its own values, and different
+ones passed beside it are refused.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from hvdcompress.spec import resolve
 
 from .compression import GradientCompression
 from .compressors import build_compressor
+from .delayed import check_delay, check_sync_every
 from .grouping import check_cost_model, check_schedule
 
 _STATELESS_CACHE: Dict[str, GradientCompression] = {}
@@ -51,6 +58,7 @@ class Exchanger:
         self.sparse_as_dense = sparse_as_dense
         self.who = who
         self._warned = False
+        self.variables = None  # Keras: the variables of the latest exchange, in order (for flush)
 
     def densify(self, grads) -> List[Optional[tf.Tensor]]:
         out = []
@@ -95,7 +103,7 @@ def _check_carried(compression: GradientCompression, sched, cost_model) -> None:
 
 def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as_dense, op,
                    gradient_predivide_factor, num_groups, groups, process_set, persistent_only: bool,
-                   name: str = "hvc", schedule=None, cost_model=None) -> Exchanger:
+                   name: str = "hvc", schedule=None, cost_model=None, delay=None, sync_every=None) -> Exchanger:
     """Check the Horovod-style arguments and build the exchanger (see module doc).
 
     ``persistent_only``: the wrapper lives for one step (a tape), so a compressor that keeps state
@@ -103,11 +111,20 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
     """
     import horovod.tensorflow as hvd
 
-    sched = None if schedule is None else check_schedule(schedule)  # bad values raise here, on every rank
+    delay = None if delay is None else check_delay(delay)  # bad values raise here, on every rank
+    sync_every = None if sync_every is None else check_sync_every(sync_every)
+    sched = None if schedule is None else check_schedule(schedule)
     check_cost_model(cost_model)
     spec = None
     if not isinstance(compression, GradientCompression):
         spec = resolve(compression)  # a bad spec raises here, naming the parameter
+        delay, sync_every = delay or 0, sync_every or 1
+        if persistent_only and (delay > 0 or sync_every > 1):
+            raise ValueError(
+                f"delay/sync_every: delayed averaging keeps corrections between steps, and a {who} lives "
+                f"for one step; create the state once, outside the training step, as "
+                f"hvc.GradientCompression('{spec}', delay={delay}, sync_every={sync_every}), pass that "
+                "object as compression= every step, and checkpoint it with the model")
         if persistent_only and build_compressor(spec).stateful:
             extra = "" if schedule is None else f", schedule={schedule!r}"
             raise ValueError(
@@ -117,6 +134,11 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
                 "every step, and checkpoint it with the model")
     else:
         _check_carried(compression, sched, cost_model)
+        for arg, value, own in (("delay", delay, compression.delay), ("sync_every", sync_every, compression.sync_every)):
+            if value is not None and value != own:
+                raise ValueError(f"{arg}: the GradientCompression given as compression= has {arg}={own}; it "
+                                 f"carries its own: pass {arg}= to hvc.GradientCompression(spec, {arg}=...) "
+                                 "and leave it out here")
     for arg, value in (("device_dense", device_dense), ("device_sparse", device_sparse)):
         if not isinstance(value, str):
             raise ValueError(f"{arg}: expected a device string (accepted and ignored); got {value!r}")
@@ -145,7 +167,8 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
             _STATELESS_CACHE[key] = GradientCompression(spec, name=name, schedule=sched, cost_model=cost_model)
         compression = _STATELESS_CACHE[key]
     elif spec is not None:
-        compression = GradientCompression(spec, name=name, schedule=sched, cost_model=cost_model)
+        compression = GradientCompression(spec, name=name, schedule=sched, cost_model=cost_model, delay=delay,
+                                          sync_every=sync_every)
     world = process_set_size(process_set)
     compression.prepare(world, process_set)  # a missing cost model raises now, on every rank
     scale = factor / world if op == hvd.Average else 1.0

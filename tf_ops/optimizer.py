@@ -21,6 +21,15 @@ per-tensor overhead), "single", "size:<MB>", "mgs"/"mgwfbp" planned with a cost 
 groups of positions in the optimizer's variable list. Positions are those of the gradients the
 optimizer computes (``model.trainable_variables`` order for ``model.fit``).
 
+Delayed averaging (``delay=D``, ``sync_every=K``; ``tf_ops.delayed`` states the math): the
+gradient applied at step i is ``g_i - g_(i-D) + R_(i-D)``; the corrections in flight are optimizer
+state (``gradient_compression.delayed``), so checkpoints resume exactly. On TensorFlow the
+exchange still completes within its step: the arithmetic is the paper's, the link latency is not
+overlapped (unlike PyTorch). ``opt.flush()`` (eagerly, on every rank, between steps) applies the
+pending corrections as one more ``apply_gradients`` and averages the variables and the optimizer's
+slot variables over the ranks; ``hvc.DelayedAveragingFlushCallback()`` calls it in ``model.fit``
+before every evaluation and at the end of every epoch.
+
 A compressor may take settings over from the optimizer (``Compressor.adapt_optimizer``): DGC keeps
 the momentum in its memory, so an optimizer whose config has ``momentum`` > 0 (SGD) is rebuilt
 with momentum 0 and that momentum (and ``nesterov``)
@@ -64,7 +73,28 @@ class _KerasMixin:
             out = self._hvc.exchange(grads)
         else:
             out = acc.accumulate(self._hvc.densify(grads), self._hvc.exchange)
+        self._hvc.variables = variables  # what flush() applies corrections to, in exchange order (untracked)
         return list(zip(out, variables))
+
+    @property
+    def delay(self) -> int:
+        return self.gradient_compression.delay
+
+    @property
+    def sync_every(self) -> int:
+        return self.gradient_compression.sync_every
+
+    def flush(self) -> None:
+        """Delayed averaging: apply every pending correction as one more optimizer step (the
+        accumulated local gradients of ``sync_every`` are exchanged first), then average the
+        variables and the optimizer's slot variables over the ranks, so every rank holds identical
+        values. Call it on every rank between steps (``DelayedAveragingFlushCallback`` does in
+        ``model.fit``). Nothing to do when synchronous (delay=0, sync_every=1) or before a step."""
+        variables = getattr(self._hvc, "variables", None)
+        if variables is None or self.gradient_compression.delayed is None:
+            return
+        base = super(_KerasMixin, self)
+        self.gradient_compression.flush(self, variables, lambda pairs: base.apply_gradients(pairs))
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         acc = self._hvc_accumulator
@@ -114,7 +144,8 @@ def _keras_bases():
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
                          backward_passes_per_step=1, average_aggregated_gradients=False,
-                         num_groups=0, groups=None, process_set=None, schedule=None, cost_model=None):
+                         num_groups=0, groups=None, process_set=None, schedule=None, cost_model=None,
+                         delay=None, sync_every=None):
     """Wrap a Keras optimizer so the gradients it computes are compressed, exchanged and averaged.
 
     Args mirror ``horovod.tensorflow.keras.DistributedOptimizer``:
@@ -138,6 +169,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             groups of positions; see ``tf_ops.grouping``). A ``GradientCompression`` carries its own.
         cost_model: an ``hvdcompress.costmodel.CostModel`` for the cost-model schedules (None:
             the cached one; a ValueError here if there is none).
+        delay: steps between an exchange and applying its correction (int >= 0; None/0: synchronous,
+            the same code path bit for bit). A ``GradientCompression`` carries its own.
+        sync_every: exchange once every this many steps, local steps in between (int >= 1; None: 1).
 
     Every argument is checked here, on every rank, before any collective.
     """
@@ -171,7 +205,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     exchanger = make_exchanger("DistributedOptimizer", compression, device_dense, device_sparse,
                                sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
                                process_set, persistent_only=False, name=name, schedule=schedule,
-                               cost_model=cost_model)
+                               cost_model=cost_model, delay=delay, sync_every=sync_every)
     mixin = _LegacyOptimizerMixin if isinstance(optimizer, legacy_base) else _OptimizerMixin
     cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
     opt = cls.from_config(config)
@@ -179,4 +213,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     opt.gradient_compression = exchanger.compression
     opt._hvc_accumulator = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                             if backward_passes_per_step > 1 else None)
+    if isinstance(optimizer, legacy_base):  # legacy optimizers do not track attributes: name the state for checkpoints
+        opt._track_trackable(exchanger.compression, name="gradient_compression")
+        if opt._hvc_accumulator is not None:
+            opt._track_trackable(opt._hvc_accumulator, name="_hvc_accumulator")
     return opt

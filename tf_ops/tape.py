@@ -25,6 +25,17 @@ stateless spec (``DistributedGradientTape(tape, compression="fp16", schedule="si
 schedule="size:4")``). The default is "layerwise": the tape hands over every gradient at once, so
 merging saves start-ups and per-tensor overhead only. Positions are those of the flattened
 ``sources`` given to ``gradient``.
+
+Delayed averaging (``tf_ops.delayed``): ``hvc.GradientCompression(spec, delay=D, sync_every=K)``,
+made once, keeps the corrections in flight; the tape then returns ``g_i - g_(i-D) + R_(i-D)``.
+On TensorFlow the arithmetic is the paper's but the exchange still completes within its step
+(the link latency is not overlapped, unlike PyTorch). Between steps, on every rank,
+``compression.flush(opt, model.trainable_variables)`` applies what is pending and makes the
+replicas identical::
+
+    compression = hvc.GradientCompression("topk:ratio=0.01", delay=2)
+    ...                                             # train_step as above
+    compression.flush(opt, model.trainable_variables)   # before evaluating
 """
 
 from __future__ import annotations
@@ -53,7 +64,8 @@ class _TapeMixin:
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
                             sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
-                            num_groups=0, groups=None, process_set=None, schedule=None, cost_model=None):
+                            num_groups=0, groups=None, process_set=None, schedule=None, cost_model=None,
+                            delay=None, sync_every=None):
     """Wrap ``gradtape`` so ``gradient()`` returns compressed, exchanged, averaged gradients.
 
     Args mirror ``horovod.tensorflow.DistributedGradientTape``:
@@ -74,6 +86,10 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
             groups of positions; see ``tf_ops.grouping``).
         cost_model: an ``hvdcompress.costmodel.CostModel`` for the cost-model schedules (None:
             the cached one; a ValueError here if there is none).
+        delay, sync_every: delayed averaging (``tf_ops.delayed``). They keep state between steps,
+            so they belong to the ``GradientCompression`` (``GradientCompression(spec, delay=2)``);
+            here None (default) takes its values, and anything else must equal them (0 / 1 with a
+            spec: other values raise, pointing there).
 
     Every argument is checked here, on every rank, before any collective.
     """
@@ -81,7 +97,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         raise ValueError(f"gradtape: expected a tf.GradientTape; got {type(gradtape).__name__}")
     exchanger = make_exchanger("DistributedGradientTape", compression, device_dense, device_sparse,
                                sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
-                               process_set, persistent_only=True, schedule=schedule, cost_model=cost_model)
+                               process_set, persistent_only=True, schedule=schedule, cost_model=cost_model,
+                               delay=delay, sync_every=sync_every)
     base = type(gradtape)
     cls = type(base.__name__, (_TapeMixin, base), {})
     tape = cls(persistent=gradtape._persistent,

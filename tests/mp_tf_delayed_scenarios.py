@@ -1,0 +1,223 @@
+"""Worker code for tests/test_tf_delayed.py: delayed gradient averaging and temporal sparsity on
+the TF backend (``tf_ops.delayed``), on real Horovod. TensorFlow takes seconds to import, so one
+launch runs every scenario and returns plain Python data; the pytest side asserts on it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+DGC = "dgc:ratio=0.1,warmup_epochs=0,min_sparse_numel=16"
+FLUSH_SPECS = ["none", "topk:ratio=0.1", DGC]
+ZERO_SPECS = ["topk:ratio=0.1", DGC]
+FLUSH_CASES = [(spec, d, 1) for spec in FLUSH_SPECS for d in (1, 2)] + [("topk:ratio=0.1", 1, 2)]
+IDENTITY = [(1, 1, "avg"), (2, 1, "sum"), (3, 1, "avg"), (1, 2, "avg")]
+IDENTITY_STEPS = 7
+LR = 0.1
+
+
+def fixed(rank, step):
+    import numpy as np
+    return np.random.default_rng(1000 * rank + step).standard_normal(6).astype(np.float32)
+
+
+def _model(seed=0):
+    import tensorflow as tf
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([tf.keras.layers.Dense(16, activation="tanh", input_shape=(10,)),
+                                tf.keras.layers.Dense(4)])
+
+
+def _batch(rank, step):
+    import numpy as np
+    rng = np.random.default_rng(97 * rank + step)
+    x = rng.standard_normal((8, 10)).astype(np.float32)
+    return x, x[:, :4].argmax(1)
+
+
+def _loss():
+    import tensorflow as tf
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _flat(model):
+    import tensorflow as tf
+    return tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0).numpy()
+
+
+def _identical(model, name) -> bool:
+    import horovod.tensorflow as hvd
+    import numpy as np
+    rows = hvd.allgather(_flat(model)[None], name=name).numpy()
+    return bool(all(np.array_equal(rows[0], r) for r in rows))
+
+
+def _tape_trainer(model, opt, comp, graph=False, **tape_kw):
+    """A custom-loop step (eager, or one tf.function) through DistributedGradientTape."""
+    import hvdcompress.tensorflow as hvc
+    import tensorflow as tf
+    loss_fn = _loss()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvc.DistributedGradientTape(tape, compression=comp, **tape_kw)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    fn = tf.function(step) if graph else step
+
+    def run(first, last):
+        for s in range(first, last):
+            fn(*_batch(hvc.rank(), s))
+    return run
+
+
+def unrolled_identity() -> dict:
+    """Plain SGD on one variable whose gradient is a fixed vector per rank and step (loss w.c), so
+    the whole trajectory is known; the pytest side checks it against a numpy simulation."""
+    import hvdcompress.tensorflow as hvc
+    import tensorflow as tf
+    out = {}
+    for n, (delay, every, op) in enumerate(IDENTITY):
+        w = tf.Variable(tf.zeros(6))
+        opt = tf.keras.optimizers.SGD(LR)
+        comp = hvc.GradientCompression("none", delay=delay, sync_every=every)
+
+        def step(c):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * c)
+            tape = hvc.DistributedGradientTape(tape, compression=comp, op=hvc.Sum if op == "sum" else hvc.Average)
+            opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+
+        fn = tf.function(step) if n % 2 else step  # eagerly and inside tf.function
+        for t in range(IDENTITY_STEPS):
+            fn(tf.constant(fixed(hvc.rank(), t)))
+        key = f"{delay}|{every}|{op}"
+        out[key] = w.numpy().tolist()
+        comp.flush(opt, [w])
+        out[key + "|flushed"] = w.numpy().tolist()
+    return out
+
+
+def zero_delay_is_the_synchronous_path() -> dict:
+    import hvdcompress.tensorflow as hvc
+    import numpy as np
+    import tensorflow as tf
+    out = {}
+    for spec in ZERO_SPECS:  # more compressors: tests/test_tf_delayed.py, single process
+        flats = []
+        for kw in ({}, dict(delay=0, sync_every=1)):
+            model = _model()
+            comp = hvc.GradientCompression(spec, **kw)
+            _tape_trainer(model, tf.keras.optimizers.SGD(0.05, momentum=0.9), comp, **kw)(0, 3)
+            flats.append(_flat(model))
+        out[spec] = bool(np.array_equal(flats[0], flats[1]))
+    return out
+
+
+def flush_makes_replicas_identical() -> dict:
+    """Tape (eager steps; momentum SGD: slot variables are averaged too) for every case, then the
+    Keras optimizer in fit with the callback and validation (opt.flush() by hand: the resume
+    scenario)."""
+    import hvdcompress.keras as hvc
+    import tensorflow as tf
+    out = {}
+    for spec, delay, every in FLUSH_CASES:
+        model = _model()
+        opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+        comp = hvc.GradientCompression(spec, delay=delay, sync_every=every)
+        run = _tape_trainer(model, opt, comp)
+        run(0, 4)
+        key = f"{spec}|{delay}|{every}"
+        before = _identical(model, "before." + key)
+        comp.flush(opt, model.trainable_variables)
+        after = _identical(model, "after." + key)
+        run(4, 6)  # training goes on after a flush
+        comp.flush(opt, model.trainable_variables)
+        out["tape " + key] = (before, after, _identical(model, "again." + key))
+    model = _model()
+    opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9), compression=DGC, delay=1, sync_every=2)
+    model.compile(optimizer=opt, loss=_loss())
+    x, y = _batch(hvc.rank(), 0)
+    cb = hvc.DelayedAveragingFlushCallback()
+    model.fit(x, y, batch_size=2, epochs=2, verbose=0, validation_data=_batch(hvc.rank(), 1), callbacks=[cb])
+    out["keras fit dgc|1|2"] = (False, _identical(model, "fit.after"), cb.flushes == 2)  # before each validation; nothing new after
+    return out
+
+
+def resume_with_corrections_pending(tmp: str) -> dict:
+    """Every rank saves its own checkpoint with corrections in flight; fresh objects restored from
+    it continue exactly as the uninterrupted run (and flush to the same values)."""
+    import hvdcompress.keras as hvc
+    import numpy as np
+    import tensorflow as tf
+    out = {}
+    rank = hvc.rank()
+    for kind, spec, delay, every in (("tape", DGC, 2, 2), ("keras", "topk:ratio=0.1", 2, 1)):
+        path = os.path.join(tmp, f"{kind}-{delay}-{every}-rank{rank}")
+        label = f"{kind} {spec} {delay} {every}"
+        if kind == "keras":  # model.save_weights carries the optimizer and its delayed state
+            def make():
+                model = _model()
+                opt = hvc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9), compression=spec,
+                                               delay=delay, sync_every=every)
+                model.compile(optimizer=opt, loss=_loss())
+
+                def run(first, last):
+                    for s in range(first, last):
+                        model.train_on_batch(*_batch(rank, s))
+                return model, opt, opt.gradient_compression, run, opt.flush
+            model, opt, comp, run, flush = make()
+            run(0, 5)
+            model.save_weights(path)
+        else:
+            def make():
+                model = _model()
+                opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+                comp = hvc.GradientCompression(spec, delay=delay, sync_every=every)
+                return (model, opt, comp, _tape_trainer(model, opt, comp, graph=True),
+                        lambda: comp.flush(opt, model.trainable_variables))
+            model, opt, comp, run, flush = make()
+            run(0, 5)
+            saved = tf.train.Checkpoint(model=model, optimizer=opt, compression=comp).save(path)
+        pending = sum(float(np.abs(v.numpy()).sum()) for v in comp.delayed.ring + comp.delayed.acc if v is not None)
+        run(5, 9)
+        straight = _flat(model)
+        model2, opt2, comp2, run2, flush2 = make()
+        if kind == "keras":
+            model2.load_weights(path)
+        else:
+            tf.train.Checkpoint(model=model2, optimizer=opt2, compression=comp2).restore(saved)
+        run2(5, 9)
+        equal = bool(np.array_equal(straight, _flat(model2)))
+        flush()
+        flush2()
+        out[label] = (equal, bool(np.array_equal(_flat(model), _flat(model2))), pending,
+                      int(comp2.delayed.calls.numpy()), _identical(model2, "resumed." + label))
+    return out
+
+
+def everything() -> dict:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    hvd.init()
+    out = {"seconds": {}}
+    tmp = tempfile.mkdtemp()
+    for name, fn, args in (("identity", unrolled_identity, ()), ("zero", zero_delay_is_the_synchronous_path, ()),
+                           ("flush", flush_makes_replicas_identical, ()),
+                           ("resume", resume_with_corrections_pending, (tmp,))):
+        start = time.perf_counter()
+        try:
+            out[name] = fn(*args)
+        except Exception:  # report, do not hang the test on a worker traceback
+            out[name] = {"error": traceback.format_exc()}
+        out["seconds"][name] = time.perf_counter() - start
+    hvd.shutdown()
+    return out
