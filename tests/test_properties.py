@@ -408,11 +408,6 @@ def test_other_parameter_dtypes(text, dtype):
     check()
 
 
-@pytest.mark.xfail(strict=True, raises=tf.errors.InvalidArgumentError, reason=(
-    "BUG tf_ops/compressors/powersgd.py: a non-float32 gradient (float16, bfloat16, float64) of a "
-    "compressed matrix raises InvalidArgumentError in tf.where(reduce_any(q != 0), q, fresh): the "
-    "seeded initial Q `fresh` is float32 while q (state made in the gradient's dtype by "
-    "GradientCompression) is not. torch_ops' PowerSGD accepts every float dtype."))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tf_powersgd_accepts_every_float_dtype(dtype):
     spec, shape = parse_spec("powersgd"), (8, 6)
@@ -423,11 +418,6 @@ def test_tf_powersgd_accepts_every_float_dtype(dtype):
     np.testing.assert_allclose(_np(results[0]), _np(want[0]), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG hvdcompress/reference/powersgd.py _wire: a compressed matrix is declared as side*r*4 bytes "
-    "per round whatever the item size, but both backends send P and Q in the gradient's dtype "
-    "((n + m) * r * itemsize: half for float16/bfloat16, double for float64), so the cost model "
-    "misjudges PowerSGD for those dtypes (the dense branch does use itemsize)"))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_powersgd_wire_rule_counts_the_item_size(dtype):
     spec, shape = parse_spec("powersgd"), (16, 16)

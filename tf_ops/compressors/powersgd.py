@@ -64,7 +64,7 @@ class PowerSGDCompressor(Compressor):
         if p["residual"]:
             mat = mat + tf.reshape(st["residual"].read_value(), [n, m])
         q = st["q"].read_value()
-        fresh = uniform(m * r, p["seed"], ctx.step, ctx.key, 0) - 0.5
+        fresh = tf.cast(uniform(m * r, p["seed"], ctx.step, ctx.key, 0) - 0.5, q.dtype)  # state's dtype
         q = tf.reshape(tf.where(tf.reduce_any(q != 0), q, fresh), [m, r])
         (psum,) = yield (Allreduce(tf.matmul(mat, q)),)
         phat = orthogonalize(psum)
