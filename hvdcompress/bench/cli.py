@@ -27,7 +27,7 @@ from hvdcompress.spec import parse_spec
 from . import netns
 from .figures import DEFINITIONS, add_relative, summarize
 from .launch import Placement, WorkerFailure, run_workers
-from .report import markdown_table, pipelining_table, write_chart, write_json, write_timeline_chart
+from .report import markdown_table, pipelining_summary, pipelining_table, write_chart, write_json, write_timeline_chart
 from .signals import raise_on_sigterm
 
 MODELS = ("vgg", "mlp", "deep")
@@ -346,7 +346,7 @@ def _finish(args: argparse.Namespace, report: dict) -> None:
     with open(args.out + ".md", "w") as f:
         f.write(markdown_table(report))
         if args.emulated:
-            f.write("\n" + pipelining_table(report))
+            f.write("\n" + pipelining_table(report) + "\n" + pipelining_summary(report))
     write_chart(report, args.out + ".png")
     if args.trace_steps:  # the cost-model plans' traced steps, predicted vs measured
         rows = [r for r in report["results"] if r.get("status") == "ok" and r.get("traces_rank0")

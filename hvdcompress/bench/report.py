@@ -305,3 +305,32 @@ def write_timeline_chart(rows: List[dict], path: str, title: str = "") -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def pipelining_summary(report: dict) -> str:
+    """One row per (workers, link, compression): compute-only, the better of layerwise/single, the
+    best fixed schedule, mgs (and its plan), mgs:greedy, mgs's gain and its prediction error."""
+    co = {(c["workers"], c["bandwidth"]): c["step_time_s"] for c in report["compute_only"]}
+    lines = ["| workers | link | compression | compute-only ms | better of layerwise/single ms | best fixed ms "
+             "| mgs ms (groups) | mgs:greedy ms (groups) | mgs faster than better of layerwise/single by | mgs vs best fixed "
+             "| mgs predicted ms (error) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (n, bw, spec), rows in sorted(_config_rows(report).items(), key=lambda kv: (kv[0][0], _bw_key(kv[0][1]))):
+        by = {r.get("schedule"): r for r in rows}
+        base = min((by[s] for s in FIXED if s in by), key=lambda r: r["step_time_s"], default=None)
+        fixed = min((r for r in rows if not str(r.get("schedule", "")).startswith(("mgs", "mgwfbp", "auto"))),
+                    key=lambda r: r["step_time_s"], default=None)
+        m, g = by.get("mgs") or by.get("mgwfbp") or by.get("auto"), by.get("mgs:greedy") or by.get("mgwfbp:greedy")
+        if m is None or base is None:
+            continue
+        groups = lambda r: (r.get("plan") or {}).get("groups")  # noqa: E731
+        gain = 1.0 - m["step_time_s"] / base["step_time_s"]
+        vs_fixed = m["step_time_s"] / fixed["step_time_s"] - 1.0
+        err = m.get("prediction_error")
+        lines.append(
+            f"| {n} | {format_bandwidth(parse_bandwidth(bw))} | `{spec}` | {_ms(co.get((n, bw)))} | "
+            f"{_ms(base['step_time_s'])} ({base['schedule']}) | {_ms(fixed['step_time_s'])} ({fixed['schedule']}) | "
+            f"{_ms(m['step_time_s'])} ({groups(m)}) | "
+            + (f"{_ms(g['step_time_s'])} ({groups(g)})" if g else "–") + " | "
+            f"{gain:+.0%} | {vs_fixed:+.0%} | {_ms(m.get('predicted_step_time_s'))} "
+            + (f"({err:+.0%})" if err is not None else "") + " |")
+    return "\n".join(lines) + "\n"
