@@ -37,7 +37,12 @@ class ResidualMemory(Memory):
         if r.shape != x.shape:
             raise ValueError(f"residual memory: stored residual has shape {tuple(r.shape)}, "
                              f"gradient has {tuple(x.shape)}")
-        return x + r
+        if r.dtype != x.dtype:
+            return x + r
+        # a = g + r in the residual's own buffer (one pass, no allocation; r + g == g + r bit for
+        # bit). The residual is thereby consumed: ``update`` stores what is left of a (a
+        # sparsifier's ``unsent`` zeroes the sent entries of this same buffer).
+        return r.add_(x)
 
     def update(self, unsent, state):
         state["residual"] = unsent()

@@ -115,12 +115,15 @@ class DGCCompressor(TakesMomentum, Compressor):
         values = tf.gather(v_new, idx)
         if p["fp16_values"]:
             values = tf.cast(values, tf.float16)
-        at = idx[:, None]
-        v.assign(tf.tensor_scatter_nd_update(v_new, at, tf.zeros(tf.shape(idx), v_new.dtype)))
+        at, zeros = idx[:, None], tf.zeros(tf.shape(idx), v_new.dtype)
+        # store, then zero the sent entries in place (a sparse update of the variable, not a
+        # scattered copy of the whole tensor)
+        v.assign(v_new, read_value=False)
+        v.scatter_nd_update(at, zeros)
+        if self.correction:
+            u.assign(u_new, read_value=False)
         if self.masking:
-            u.assign(tf.tensor_scatter_nd_update(u_new, at, tf.zeros(tf.shape(idx), u_new.dtype)))
-        elif self.correction:
-            u.assign(u_new)
+            u.scatter_nd_update(at, zeros)
         indices, gathered = yield (Allgather(tf.cast(idx, wire_index_dtype(n))), Allgather(values))
         total = scaled(scatter(indices, gathered, v_new), ctx.scale)
         return total if self.correction else self._momentum_after(total, u)

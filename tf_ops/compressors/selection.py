@@ -2,7 +2,13 @@
 
 ``topk_indices``        the k largest |a|, ties toward the lower index, ascending. ``tf.math.top_k``
                         is specified to put the lower index first among equal values, so its first
-                        k are exactly the oracle's set (k may be a tensor).
+                        k are exactly the oracle's set (k may be a tensor). On large tensors it runs
+                        on a candidate set, as in ``torch_ops.compressors.selection``: a threshold t
+                        a few standard deviations below the k-th largest |a| of a strided sample,
+                        the entries with |a| >= t found through per-block maxima (only blocks whose
+                        maximum passes are read), top_k among them when there are at least k (then
+                        the k-th largest |a| is >= t, so they hold the whole answer), else the full
+                        top_k (``tf.cond``: exact in every case, only slower when the sample misled).
 ``threshold_indices``   every index with |a| >= threshold, ascending.
 ``random_selection``    ``hvdcompress.sampling.random_indices`` (seed, step, tensor name), run on
                         the host with ``tf.numpy_function`` when the step is a tensor -- never TF's
@@ -10,11 +16,13 @@
 ``sampled_threshold_select``  DGC's rule (``hvdcompress.sampling``): estimate the k-th largest |v|
                         from a strided sample; select |v| >= thr; above 1.3k selected take the exact
                         top-k among them, below 0.8k lower thr by x0.8 and count again, at most
-                        ``adapt_iters`` times. The adaptation is a ``tf.while_loop`` over counts.
+                        ``adapt_iters`` times. The adaptation is a ``tf.while_loop`` over counts;
+                        on large tensors counts and selection go through the block maxima too.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import numpy as np
@@ -25,17 +33,107 @@ from hvdcompress.sampling import (ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_F
 
 Count = Union[int, tf.Tensor]
 
+BLOCK = 32            # entries per block of the block-maximum filter
+DIRECT_BELOW = 4096   # tensors smaller than this take one full top_k
+SAMPLE_SIZE = 32768   # target size of top-k's threshold sample
+BLOCKS_UNTIL = 0.35   # block filter while at most this fraction of the blocks passes
+
 
 def wire_index_dtype(numel: int) -> tf.DType:
     """int32 indices on the wire while they fit, int64 beyond (the oracle's rule)."""
     return tf.as_dtype(index_dtype(numel))
 
 
+def _cond(pred, true_fn, false_fn):
+    """``tf.cond``, or a plain branch when the predicate is known in Python."""
+    if isinstance(pred, (bool, np.bool_)):
+        return true_fn() if pred else false_fn()
+    return tf.cond(pred, true_fn, false_fn)
+
+
+def _full_topk(mag: tf.Tensor, k: Count) -> tf.Tensor:
+    return tf.sort(tf.math.top_k(mag, k, sorted=True).indices)
+
+
+def _exact_among(idx: tf.Tensor, mag: tf.Tensor, k: Count) -> tf.Tensor:
+    """The k of ``idx`` (ascending) with the largest ``mag``, ties toward the lower index, still
+    ascending: every entry above the k-th largest value w, then the first ones equal to w (no
+    sorted top_k, no sort)."""
+    w = tf.reduce_min(tf.math.top_k(mag, k, sorted=False).values)
+    above = mag > w
+    need = tf.cast(k, tf.int32) - tf.reduce_sum(tf.cast(above, tf.int32))
+    at = tf.equal(mag, w)
+    keep = above | (at & (tf.cumsum(tf.cast(at, tf.int32)) <= need))
+    return tf.gather(idx, tf.where(keep)[:, 0])
+
+
+def _block_absmax(a: tf.Tensor, n: int) -> tf.Tensor:
+    """max |a| over each full block of BLOCK entries (the n % BLOCK tail apart)."""
+    blocks = tf.reshape(a[:n // BLOCK * BLOCK], [n // BLOCK, BLOCK])
+    return tf.maximum(tf.reduce_max(blocks, 1), -tf.reduce_min(blocks, 1))
+
+
+def _at_least(a: tf.Tensor, n: int, t: tf.Tensor, bmax: tf.Tensor):
+    """(indices int64 ascending, their |a|) of every |a_i| >= t, exactly: through the blocks
+    whose maximum passes, or over the whole tensor when too many blocks pass."""
+    nb = n // BLOCK
+
+    def by_blocks():
+        sel = tf.where(bmax >= t)[:, 0]
+        sub = tf.abs(tf.gather(tf.reshape(a[:nb * BLOCK], [nb, BLOCK]), sel))
+        rc = tf.where(sub >= t)  # row-major: ascending
+        idx = tf.gather(sel, rc[:, 0]) * BLOCK + rc[:, 1]
+        mag = tf.gather_nd(sub, rc)
+        if nb * BLOCK < n:
+            tail = tf.abs(a[nb * BLOCK:])
+            ti = tf.where(tail >= t)[:, 0]
+            idx = tf.concat([idx, ti + nb * BLOCK], 0)
+            mag = tf.concat([mag, tf.gather(tail, ti)], 0)
+        return idx, mag
+
+    def whole():
+        mag = tf.abs(a)
+        idx = tf.where(mag >= t)[:, 0]
+        return idx, tf.gather(mag, idx)
+
+    passing = tf.reduce_sum(tf.cast(bmax >= t, tf.int32))
+    return tf.cond(passing <= int(BLOCKS_UNTIL * nb), by_blocks, whole)
+
+
 def topk_indices(a: tf.Tensor, k: Count) -> tf.Tensor:
     """Indices (int32, ascending) of the k largest |a|, ties toward the lower index."""
     if isinstance(k, int) and k == 0:
         return tf.zeros([0], tf.int32)
-    return tf.sort(tf.math.top_k(tf.abs(a), k, sorted=True).indices)
+    n = a.shape[0]
+    if n is None or n < DIRECT_BELOW:
+        return _full_topk(tf.abs(a), k)
+    stride = max(16, n // SAMPLE_SIZE)
+    sample = tf.abs(a[stride // 2::stride])
+    m = len(range(stride // 2, n, stride))
+    if isinstance(k, int):
+        ks = max(1, min(m, -(-k * m // n)))
+        r = ks + int(4 * math.sqrt(ks)) + 4
+        k64 = tf.constant(k, tf.int64)
+    else:
+        k64 = tf.cast(k, tf.int64)
+        ks = tf.maximum(tf.constant(1, tf.int64), tf.minimum(tf.constant(m, tf.int64), (k64 * m + n - 1) // n))
+        r = ks + tf.cast(4.0 * tf.sqrt(tf.cast(ks, tf.float64)), tf.int64) + 4
+
+    def full():
+        return _full_topk(tf.abs(a), k)
+
+    def sampled():
+        t = tf.reduce_min(tf.math.top_k(sample, tf.cast(tf.minimum(r, m), tf.int32), sorted=False).values)
+
+        def candidates():
+            idx, mag = _at_least(a, n, t, _block_absmax(a, n))
+            # at least k candidates: the k-th largest |a| is >= t, so they hold the answer
+            return tf.cond(tf.size(idx, out_type=tf.int64) >= k64,
+                           lambda: tf.cast(_exact_among(idx, mag, k), tf.int32), full)
+
+        return tf.cond(t > 0, candidates, full)
+
+    return _cond(8 * r <= m, sampled, full)
 
 
 def threshold_indices(a: tf.Tensor, threshold: float) -> tf.Tensor:
@@ -74,28 +172,38 @@ def sampling_offset(stride: int, numel: int, seed: int, step, key: str) -> Count
 def sampled_threshold_select(v: tf.Tensor, k: Count, sample_ratio: float, adapt_iters: int,
                              offset: Count) -> tf.Tensor:
     """Indices (int64, ascending) chosen by DGC's sampled threshold on |v| (v flat)."""
-    mag = tf.abs(v)
     n = int(v.shape[0])
     k = tf.cast(k, tf.int64)
-    sample = mag[tf.cast(offset, tf.int64)::sample_stride(sample_ratio)]
+    sample = tf.abs(v[tf.cast(offset, tf.int64)::sample_stride(sample_ratio)])
     m = tf.size(sample, out_type=tf.int64)
     ks = tf.maximum(tf.constant(1, tf.int64), tf.minimum(m, (k * m + n - 1) // n))  # ceil(k*m/n)
     thr0 = tf.reduce_min(tf.math.top_k(sample, tf.cast(ks, tf.int32), sorted=False).values)
-    lower = tf.constant(LOWER_FACTOR, mag.dtype)
+    lower = tf.constant(LOWER_FACTOR, v.dtype)
+    if n < DIRECT_BELOW:
+        mag = tf.abs(v)
+
+        def at_least(thr):
+            idx = tf.where(mag >= thr)[:, 0]
+            return idx, tf.gather(mag, idx)
+    else:  # every |v| >= thr lies in a block whose maximum is >= thr
+        bmax = _block_absmax(v, n)
+
+        def at_least(thr):
+            return _at_least(v, n, thr, bmax)
 
     def accepted(it, count):
         return ((10 * count > ACCEPT_HIGH_TENTHS * k) | (10 * count >= ACCEPT_LOW_TENTHS * k)
                 | tf.equal(it, adapt_iters))
 
     def body(it, thr, count, done):
-        count = tf.reduce_sum(tf.cast(mag >= thr, tf.int64))
+        count = tf.size(at_least(thr)[0], out_type=tf.int64)
         done = accepted(it, count)
         return it + 1, tf.where(done, thr, thr * lower), count, done
 
     _, thr, count, _ = tf.while_loop(
         lambda it, thr, count, done: tf.logical_not(done), body,
         (tf.constant(0), thr0, tf.constant(0, tf.int64), tf.constant(False)))
-    idx = tf.where(mag >= thr)[:, 0]
+    idx, mag = at_least(thr)
     return tf.cond(10 * count > ACCEPT_HIGH_TENTHS * k,
-                   lambda: tf.gather(idx, topk_indices(tf.gather(mag, idx), tf.cast(k, tf.int32))),
+                   lambda: _exact_among(idx, mag, tf.cast(k, tf.int32)),
                    lambda: idx)

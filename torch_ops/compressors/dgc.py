@@ -94,22 +94,22 @@ class DGCCompressor(Compressor):
             total.mul_(ctx.scale)
             return total if self.correction else self._momentum_after(total, ctx)
 
+        from .selection import accumulate_and_select
+
         v = self._state(ctx, "v", g)
-        if self.correction:
-            u.mul_(self.m).add_(g)
-            v.add_(g + u * self.m if self.nesterov else u)
-        else:
-            v.add_(g)
         p = self.spec.params
         k = num_selected(self.density(ctx.epoch), v.numel())
         offset = sample_offset(sample_stride(p["sample_ratio"]), v.numel(), p["seed"], ctx.step, ctx.key)
-        idx = sampled_threshold_select(v, k, p["sample_ratio"], p["adapt_iters"], offset)
-        values = v[idx]
+        # u <- m*u + g; v <- v + u (Nesterov: v + (g + m*u); no correction: v + g) chunk by chunk
+        # (g, u, v read and u, v written once), then the sampled selection (one scan of v)
+        idx = accumulate_and_select(g, u, v, self.m if self.correction else None, self.nesterov, k,
+                                    p["sample_ratio"], p["adapt_iters"], offset)
+        values = v.index_select(0, idx)  # index_select / index_fill_: several times faster than [idx]
         if p["fp16_values"]:
             values = values.to(torch.float16)
-        v[idx] = 0
+        v.index_fill_(0, idx, 0)
         if self.masking:
-            u[idx] = 0
+            u.index_fill_(0, idx, 0)
         wire_idx = idx.to(torch.int32) if v.numel() <= torch.iinfo(torch.int32).max else idx
         indices, gathered = yield (Allgather(wire_idx), Allgather(values))
         total = torch.zeros_like(v).index_add_(0, indices.long(), gathered.to(v.dtype))

@@ -1,72 +1,487 @@
 """Which entries a sparsifier sends, in torch, matching ``hvdcompress.reference`` exactly.
 
-``topk_indices``: the k largest |a|, ties toward the lower index, ascending.
-``sampled_threshold_select``: DGC's threshold estimated from a strided sample of |v|, adapted
-until between 0.8k and 1.3k entries pass (the rule lives in ``hvdcompress.sampling``). It makes
-three passes over the tensor (|v|, >= thr, nonzero) instead of a full top-k, into work buffers
-that are reused across calls (allocating 100 MB afresh costs as much as a pass in page faults).
+``topk_indices``      the k largest |a|, ties toward the lower index, ascending (int64).
+``threshold_indices`` every index with |a| >= threshold, ascending (int64).
+``sampled_threshold_select``  DGC's threshold estimated from a strided sample of |v|, adapted
+                      until between 0.8k and 1.3k entries pass (the rule lives in
+                      ``hvdcompress.sampling``).
+``accumulate_and_select``  DGC's state update (u = m*u + g; v += u) and that selection, fused.
+
+How they stay near the cost of one read of the tensor (a full ``torch.topk`` is a partial sort;
+on CPU ``torch.ge`` into bools and ``torch.nonzero`` cost more than a pass over the floats):
+
+* **Exact top-k from a candidate set.** A threshold t from a strided sample, chosen a few
+  standard deviations below the k-th largest (so t <= the k-th largest |a| with overwhelming
+  probability), gives candidates C = {|a| >= t}. When |C| >= k, the k-th largest of |a| is >= t,
+  so C holds every entry of the exact answer and the tie rule is applied among C alone (the k-th
+  largest value w of C; every entry > w, then the lowest-index entries == w). When |C| < k (an
+  unlucky sample, adversarial data), a lower threshold is tried once, then the full path runs:
+  never a wrong answer, only a slower one.
+* **Scans with numpy on CPU.** {|a| >= t} is found chunk by chunk (|a| and the mask stay in
+  cache) with numpy, reading the tensor's memory in place: numpy's compare and nonzero are
+  several times faster than torch's, and a numpy call costs a fraction of a torch call, which
+  decides the speed on small tensors.
+* **Elsewhere (other devices, dtypes numpy lacks): block maxima.** One ``amax``/``amin`` per
+  block of 32 or 64 entries gives each block's largest |a|; only blocks whose maximum passes are
+  gathered and tested. Where most blocks pass, a word-wise scan: the bool mask read as int64
+  words, ``nonzero`` over the words, then over the bytes of the nonzero ones.
+
+Work buffers are reused across calls (allocating 100 MB afresh costs as much as a pass in page
+faults); callers use the view they get before asking again (hooks run on one backward thread).
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
 import torch
 
 from hvdcompress.sampling import (ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, sample_k,
                                   sample_stride)
 
+CHUNK = 1 << 18       # entries per chunk of the fused DGC loop (stays in the core's cache)
+DIRECT_BELOW = 4096   # torch: tensors smaller than this take the direct path (one topk)
+SAMPLE_SIZE = 32768   # top-k's threshold sample: at most this many entries ...
+SAMPLE_EVERY = 64     # ... and every SAMPLE_EVERY-th entry up to that size
+NP_CHUNK = 1 << 18    # entries per chunk of the numpy scan (|x| and the mask stay in cache)
+NP_PARTITION_UPTO = 4096  # k-th largest by numpy's partition up to this size, torch's topk above
+NP_DIRECT_BELOW = 2048    # numpy: smaller tensors take one partition of the whole
+BLOCKS_UNTIL = 0.35   # block filter while at most this fraction of the blocks passes
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
 
 class _Scratch:
-    """Reusable 1-D work buffers, one per (dtype, device), grown to the largest size asked for.
-    Callers use the view they get before asking again (hooks run on one backward thread)."""
+    """Reusable 1-D work buffers, one per (dtype, device, role), grown to the largest size asked
+    for. Callers use the view they get before asking again (hooks run on one backward thread)."""
 
     def __init__(self):
         self._buffers = {}
 
-    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = self._buffers.get((dtype, device))
+    def get(self, n: int, dtype: torch.dtype, device: torch.device, role: str = "") -> torch.Tensor:
+        key = (dtype, device, role)
+        buf = self._buffers.get(key)
         if buf is None or buf.numel() < n:
-            buf = self._buffers[(dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+            buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n]
 
 
 _scratch = _Scratch()
 
 
-def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest |a| (ties toward the lower index), sorted ascending, as int64."""
-    if k >= a.numel():
-        return torch.arange(a.numel(), device=a.device)
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64, device=a.device)
+def _empty(device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
+
+
+def _numpy_view(a: torch.Tensor) -> Optional[np.ndarray]:
+    """The tensor's memory as a numpy array (no copy), where numpy can read it: CPU, a float
+    dtype numpy has, contiguous. Numpy's compare and nonzero are several times faster than
+    torch's on CPU, and a numpy call costs a fraction of a torch call."""
+    if not a.is_cpu or a.dtype not in _NUMPY_DTYPES or not a.is_contiguous() or a.is_neg():
+        return None
+    return (a.detach() if a.requires_grad else a).numpy()
+
+
+def _ge_numpy(x: np.ndarray, t) -> Tuple[np.ndarray, np.ndarray]:
+    """(indices ascending, their |x|) of every |x_i| >= t (compared in x's dtype), chunk by chunk
+    so that |x| and the mask stay in cache: one read of x."""
+    t = x.dtype.type(t)
+    n = x.size
+    if n <= NP_CHUNK:
+        mag = np.abs(x)
+        idx = (mag >= t).nonzero()[0]
+        return idx, mag[idx]
+    buf, mask = np.empty(NP_CHUNK, x.dtype), np.empty(NP_CHUNK, np.bool_)
+    idxs, mags = [], []
+    for lo in range(0, n, NP_CHUNK):
+        xc = x[lo:lo + NP_CHUNK]
+        b, m = buf[:xc.size], mask[:xc.size]
+        np.abs(xc, out=b)
+        np.greater_equal(b, t, out=m)
+        pos = m.nonzero()[0]
+        if pos.size:
+            mags.append(b[pos])
+            pos += lo
+            idxs.append(pos)
+    if not idxs:
+        return np.empty(0, np.int64), np.empty(0, x.dtype)
+    return np.concatenate(idxs), np.concatenate(mags)
+
+
+def _sample_stride(n: int) -> int:
+    """Top-k's threshold sample: every n/64-th entry (at least 512 entries, at most SAMPLE_SIZE,
+    never more than every 8th)."""
+    m = min(SAMPLE_SIZE, max(n // SAMPLE_EVERY, min(512, n // 8)))
+    return max(1, n // max(m, 1))
+
+
+def _np_kth_largest(y: np.ndarray, k: int):
+    """The k-th largest entry of y (0 < k <= y.size), as y's scalar type."""
+    c = y.size
+    if c <= NP_PARTITION_UPTO:
+        return np.partition(y, c - k)[c - k]
+    t = torch.from_numpy(y)
+    if 2 * k <= c:
+        w = torch.topk(t, k, sorted=False).values.min()
+    else:
+        w = torch.topk(t, c - k + 1, largest=False, sorted=False).values.max()
+    return y.dtype.type(w.item())
+
+
+def _np_positions(y: np.ndarray, k: int) -> np.ndarray:
+    """Positions (ascending) of the k largest entries of y, ties toward the lower position
+    (0 < k < y.size): every position > the k-th largest value w, then the first ones == w."""
+    w = _np_kth_largest(y, k)
+    keep = y >= w
+    if np.count_nonzero(keep) == k:  # no tie at the boundary
+        return keep.nonzero()[0]
+    keep = y > w
+    eq = (y == w).nonzero()[0]
+    keep[eq[:k - np.count_nonzero(keep)]] = True  # the lowest positions equal to w
+    return keep.nonzero()[0]
+
+
+def _np_topk(x: np.ndarray, k: int) -> np.ndarray:
+    """``topk_indices`` in numpy (1 < k < x.size): see the module doc."""
+    n = x.size
+    if n < NP_DIRECT_BELOW:
+        return _np_positions(np.abs(x), k)
+    stride = _sample_stride(n)
+    sample = np.abs(x[stride // 2::stride])
+    m = sample.size
+    ks = sample_k(k, m, n)
+    for slack in (4, 16):  # the threshold: `slack` standard deviations below the estimate
+        r = ks + int(slack * math.sqrt(ks)) + slack
+        if 8 * r > m:  # a dense selection: a candidate set would be no cheaper than the whole
+            break
+        t = _np_kth_largest(sample, r)
+        if not t > 0:  # everything would pass
+            break
+        idx, mag = _ge_numpy(x, t)
+        if idx.size >= k:  # every entry of the answer has |x| >= the k-th largest >= t
+            return idx if idx.size == k else idx[_np_positions(mag, k)]
+    return _np_positions(np.abs(x), k)
+
+
+# -- exact top-k among a set -------------------------------------------------------------------
+def _kth_largest(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest entry (0-dim), from a topk of the smaller side."""
+    c = mag.numel()
+    if 2 * k <= c:
+        return torch.topk(mag, k, sorted=False).values.min()
+    return torch.topk(mag, c - k + 1, largest=False, sorted=False).values.max()
+
+
+def _topk_positions(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions (ascending) of the k largest entries of ``mag``, ties toward the lower position;
+    0 < k < mag.numel(): every position > the k-th largest value w, then the first ones == w."""
+    y = _numpy_view(mag)
+    if y is not None:
+        return torch.from_numpy(_np_positions(y, k))
+    w = _kth_largest(mag, k)
+    keep = mag > w
+    need = k - int(keep.sum())
+    eq = mag == w
+    if int(eq.sum()) > need:
+        firsts, found = [], 0
+        step = max(CHUNK, 8 * need)
+        for lo in range(0, mag.numel(), step):
+            pos = torch.nonzero(eq[lo:lo + step]).view(-1)
+            firsts.append(pos[:need - found] + lo)
+            found += firsts[-1].numel()
+            if found == need:
+                break
+        eq.zero_()
+        eq[torch.cat(firsts)] = True
+    return torch.nonzero(keep.logical_or_(eq)).view(-1)
+
+
+def _argmax_first(a: torch.Tensor) -> torch.Tensor:
+    """[index of the largest |a|] (the first among equals), as a 1-element int64 tensor."""
+    x = _numpy_view(a)
+    if x is not None:  # numpy's argmax: the first occurrence
+        return torch.from_numpy(np.abs(x).argmax(keepdims=True).astype(np.int64, copy=False))
+    return torch.argmax(a.abs()).view(1)  # documented: the first maximal value
+
+
+def _direct(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k of a small tensor: one topk of k+1 (sorted) shows whether the k-th and (k+1)-th
+    largest differ; if they do, topk's set is the only answer."""
     mag = a.abs()
-    kth, idx = torch.topk(mag, k, sorted=False)
-    thr = kth.min()
-    n_above = int((mag > thr).sum())
-    n_at = int((mag == thr).sum())
-    if n_above + n_at == k:  # no tie at the boundary: topk's set is the only answer
-        return idx.sort().values
-    # ties at the threshold: all strictly larger, then the lowest-index entries equal to it
-    above = torch.nonzero(mag > thr).view(-1)
-    at = torch.nonzero(mag == thr).view(-1)[: k - n_above]
-    return torch.cat((above, at)).sort().values
+    if k <= 64:
+        vals, idx = torch.topk(mag, k + 1)
+        lo = vals[k - 1:].tolist()
+        if lo[0] > lo[1]:
+            return idx[:k].sort().values
+    return _topk_positions(mag, k)
+
+
+# -- the entries at or above a threshold --------------------------------------------------------
+class Blocks(NamedTuple):
+    """max |a| of each full block of ``size`` consecutive entries (the a.numel() % size tail apart)."""
+    absmax: torch.Tensor
+    size: int
+
+
+def block_size(fraction: float) -> Optional[int]:
+    """Entries per block for a filter that ``fraction`` of the entries pass (None: no block
+    filter pays, scan the whole). Large blocks reduce faster, small ones pass less data on."""
+    for size in (64, 32):
+        if 1.0 - (1.0 - min(fraction, 1.0)) ** size <= (0.1 if size == 64 else BLOCKS_UNTIL):
+            return size
+    return None
+
+
+def block_absmax(a: torch.Tensor, size: int) -> Blocks:
+    """``Blocks`` of a flat contiguous tensor; chunk by chunk, so that the second reduction (amin
+    after amax) reads the chunk from cache."""
+    nb = a.numel() // size
+    hi_all = a[:nb * size].view(nb, size)
+    bmax = torch.empty(nb, dtype=a.dtype, device=a.device)
+    bmin = _scratch.get(nb, a.dtype, a.device, "bmin")
+    rows = CHUNK // size
+    for lo in range(0, nb, rows):
+        part = hi_all[lo:lo + rows]
+        torch.amax(part, 1, out=bmax[lo:lo + rows])
+        torch.amin(part, 1, out=bmin[lo:lo + rows])
+    return Blocks(torch.maximum(bmax, bmin.neg_(), out=bmax), size)
+
+
+def _ge_from_blocks(a: torch.Tensor, t: torch.Tensor, blocks: Blocks
+                    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(indices ascending, their |a|) of every |a_i| >= t, reading only the blocks whose maximum
+    passes; None when so many pass that a scan of the whole is cheaper."""
+    bmax, size = blocks
+    nb = bmax.numel()
+    sel = torch.nonzero(bmax >= t).view(-1)
+    if sel.numel() > BLOCKS_UNTIL * nb:
+        return None
+    sub = a[:nb * size].view(nb, size).index_select(0, sel).abs_().view(-1)
+    pos = torch.nonzero(sub >= t).view(-1)
+    shift = size.bit_length() - 1
+    idx = sel.index_select(0, pos >> shift).mul_(size).add_(pos & (size - 1))
+    mag = sub.index_select(0, pos)
+    if nb * size < a.numel():  # the tail, tested entry by entry
+        tail = a[nb * size:].abs()
+        ti = torch.nonzero(tail >= t).view(-1)
+        idx = torch.cat((idx, ti + nb * size))
+        mag = torch.cat((mag, tail.index_select(0, ti)))
+    return idx, mag
+
+
+def _ge_wordwise(a: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(indices ascending, their |a|) of every |a_i| >= t: one scan into a reused bool buffer,
+    ``nonzero`` over it read as int64 words, then over the bytes of the nonzero words."""
+    n = a.numel()
+    mag = torch.abs(a, out=_scratch.get(n, a.dtype, a.device, "mag"))
+    padded = -(-n // 8) * 8
+    mask = _scratch.get(padded, torch.bool, a.device, "mask")
+    torch.ge(mag, t, out=mask[:n])
+    if padded > n:
+        mask[n:] = False
+    words = mask.view(torch.uint8).view(torch.int64)
+    w = torch.nonzero(words).view(-1)
+    pos = torch.nonzero(words.index_select(0, w).view(torch.uint8)).view(-1)
+    idx = w.index_select(0, pos >> 3).mul_(8).add_(pos & 7)
+    return idx, mag.index_select(0, idx)
+
+
+def _at_least(a: torch.Tensor, t: torch.Tensor, blocks: Optional[Blocks] = None
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(indices ascending, their |a|) of every |a_i| >= t, exactly: through ``blocks`` when given
+    and selective enough, else by a word-wise scan."""
+    x = _numpy_view(a)
+    if x is not None:
+        idx, mag = _ge_numpy(x, float(t))
+        return torch.from_numpy(idx), torch.from_numpy(mag)
+    if blocks is not None:
+        found = _ge_from_blocks(a, t, blocks)
+        if found is not None:
+            return found
+    return _ge_wordwise(a, t)
+
+
+def threshold_indices(a: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Indices (int64, ascending) of every |a| >= threshold (compared in a's dtype)."""
+    a = a.reshape(-1)
+    x = _numpy_view(a)
+    if x is not None:
+        return torch.from_numpy(_ge_numpy(x, np.asarray(threshold, dtype=x.dtype))[0])
+    t = torch.tensor(threshold, dtype=a.dtype, device=a.device)
+    if a.numel() < DIRECT_BELOW:
+        return torch.nonzero(a.abs() >= t).view(-1)
+    return _ge_wordwise(a, t)[0]
+
+
+# -- exact top-k -------------------------------------------------------------------------------
+def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest |a| (ties toward the lower index), sorted ascending, as int64.
+
+    The same set as ``hvdcompress.reference.topk_indices`` in every case; see the module doc for
+    how it avoids a full top-k on large tensors."""
+    if a.dim() != 1:
+        a = a.reshape(-1)
+    n = a.numel()
+    if k >= n:
+        return torch.arange(n, device=a.device)
+    if k <= 0:
+        return _empty(a.device)
+    if k == 1:
+        return _argmax_first(a)
+    x = _numpy_view(a)
+    if x is not None:
+        return torch.from_numpy(_np_topk(x, k))
+    if n < DIRECT_BELOW:
+        return _direct(a, k)
+    if not a.is_contiguous():
+        a = a.contiguous()
+    stride = _sample_stride(n)
+    sample = a[stride // 2::stride].abs()
+    m = sample.numel()
+    ks = sample_k(k, m, n)
+    for slack in (4, 16):  # the threshold: `slack` standard deviations below the estimate
+        r = ks + int(slack * math.sqrt(ks)) + slack
+        if 8 * r > m:  # a dense selection: a candidate set would be no cheaper than the whole
+            break
+        t = torch.topk(sample, r, sorted=False).values.min()
+        if not bool(t > 0):  # everything would pass
+            break
+        size = block_size(r / m)
+        if size is not None:
+            found = _ge_from_blocks(a, t, block_absmax(a, size))
+            if found is None:  # far more candidates than the sample said: no cheaper than the whole
+                break
+            idx, mag = found
+        else:
+            idx, mag = _ge_wordwise(a, t)
+        if idx.numel() >= k:  # every entry of the answer has |a| >= the k-th largest >= t
+            return idx if idx.numel() == k else idx.index_select(0, _topk_positions(mag, k))
+    return _topk_positions(a.abs(), k)
+
+
+# -- DGC's sampled threshold -------------------------------------------------------------------
+def _sampled_select(v: torch.Tensor, k: int, sample: torch.Tensor, adapt_iters: int,
+                    blocks: Optional[Blocks]) -> torch.Tensor:
+    n = v.numel()
+    if k <= 0:
+        return _empty(v.device)
+    ks = sample_k(k, sample.numel(), n)
+    thr = torch.topk(sample, ks, sorted=False).values.min()
+    lower = torch.tensor(LOWER_FACTOR, dtype=v.dtype, device=v.device)
+    idx = mag = None
+    for it in range(adapt_iters + 1):
+        if not bool(thr > 0):  # |v| >= 0 everywhere: no filter to apply
+            mag = v.abs()
+            idx = torch.arange(n, device=v.device)
+        else:
+            idx, mag = _at_least(v, thr, blocks)
+        c = idx.numel()
+        if 10 * c > ACCEPT_HIGH_TENTHS * k:
+            return idx.index_select(0, _topk_positions(mag, k))
+        if 10 * c >= ACCEPT_LOW_TENTHS * k or it == adapt_iters:
+            return idx
+        thr = thr * lower
+    return idx
+
+
+def _np_sampled_select(x: np.ndarray, k: int, sample: np.ndarray, adapt_iters: int) -> np.ndarray:
+    """``_sampled_select`` in numpy (the threshold arithmetic in x's dtype, as the oracle's)."""
+    n = x.size
+    if k <= 0:
+        return np.empty(0, np.int64)
+    thr = _np_kth_largest(sample, sample_k(k, sample.size, n))
+    lower = x.dtype.type(LOWER_FACTOR)
+    idx = None
+    for it in range(adapt_iters + 1):
+        if not thr > 0:  # |x| >= 0 everywhere: no filter to apply
+            mag, idx = np.abs(x), np.arange(n)
+        else:
+            idx, mag = _ge_numpy(x, thr)
+        c = idx.size
+        if 10 * c > ACCEPT_HIGH_TENTHS * k:
+            return idx[_np_positions(mag, k)]
+        if 10 * c >= ACCEPT_LOW_TENTHS * k or it == adapt_iters:
+            return idx
+        thr = thr * lower
+    return idx
 
 
 def sampled_threshold_select(v: torch.Tensor, k: int, sample_ratio: float, adapt_iters: int,
                              offset: int) -> torch.Tensor:
     """Indices (int64, ascending) chosen by DGC's sampled threshold on |v|."""
+    v = v.reshape(-1)
+    if not v.is_contiguous():
+        v = v.contiguous()
+    x = _numpy_view(v)
+    if x is not None:
+        sample = np.abs(x[offset::sample_stride(sample_ratio)])
+        return torch.from_numpy(_np_sampled_select(x, k, sample, adapt_iters))
+    sample = v[offset::sample_stride(sample_ratio)].abs()
+    size = block_size(k / v.numel()) if v.numel() >= DIRECT_BELOW else None
+    return _sampled_select(v, k, sample, adapt_iters, None if size is None else block_absmax(v, size))
+
+
+def accumulate_and_select(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: Optional[float],
+                          nesterov: bool, k: int, sample_ratio: float, adapt_iters: int,
+                          offset: int) -> torch.Tensor:
+    """DGC's state update, in place, then its selection: the indices of
+    ``sampled_threshold_select(v_new, ...)``.
+
+        momentum given:  u <- m*u + g;  v <- v + u   (nesterov: v <- v + (g + m*u))
+        momentum None:   v <- v + g
+
+    Chunk by chunk (CHUNK entries), while the chunk is in cache: the update, DGC's strided sample
+    of |v| and (off CPU) the block maxima of |v|. So the update reads g, u and v once and writes u
+    and v once; the selection then scans v once (on CPU with numpy, which compares and finds
+    nonzeros several times faster than torch; a scan fused into this loop, behind a threshold
+    estimated beforehand, measured no faster). The rounding is the oracle's (one float operation
+    at a time, in its order, the momentum a Python scalar as in the unfused update)."""
     n = v.numel()
-    mag = torch.abs(v, out=_scratch.get(n, v.dtype, v.device))
-    mask = _scratch.get(n, torch.bool, v.device)
-    sample = mag[offset::sample_stride(sample_ratio)]
-    ks = sample_k(k, sample.numel(), n)
-    thr = torch.topk(sample, ks, sorted=False).values.min()
-    lower = torch.tensor(LOWER_FACTOR, dtype=mag.dtype)
-    for it in range(adapt_iters + 1):
-        idx = torch.nonzero(torch.ge(mag, thr, out=mask)).view(-1)
-        c = idx.numel()
-        if 10 * c > ACCEPT_HIGH_TENTHS * k:
-            return idx[topk_indices(mag[idx], k)]
-        if 10 * c >= ACCEPT_LOW_TENTHS * k or it == adapt_iters:
-            return idx
-        thr = thr * lower
-    return idx
+    if not (g.is_contiguous() and u.is_contiguous() and v.is_contiguous()) or n < DIRECT_BELOW:
+        _update(g, u, v, momentum, nesterov)
+        return sampled_threshold_select(v, k, sample_ratio, adapt_iters, offset)
+    stride = sample_stride(sample_ratio)
+    sample = _scratch.get(len(range(offset, n, stride)), v.dtype, v.device, "sample")
+    x = _numpy_view(v)
+    size = None if x is not None else block_size(k / n)  # numpy scans need no blocks
+    nb = n // size if size else 0
+    bmax = _scratch.get(nb, v.dtype, v.device, "bmax")
+    bmin = _scratch.get(nb, v.dtype, v.device, "bmin")
+    tmp = _scratch.get(min(CHUNK, n), v.dtype, v.device, "tmp") if nesterov else None
+    for lo in range(0, n, CHUNK):
+        hi = min(lo + CHUNK, n)
+        gc, vc = g[lo:hi], v[lo:hi]
+        if momentum is None:
+            vc.add_(gc)
+        else:
+            uc = u[lo:hi]
+            uc.mul_(momentum).add_(gc)
+            if nesterov:
+                t = tmp[:hi - lo]
+                vc.add_(torch.add(gc, torch.mul(uc, momentum, out=t), out=t))
+            else:
+                vc.add_(uc)
+        if size:
+            b0, b1 = lo // size, min(hi // size, nb)
+            rows = v[b0 * size:b1 * size].view(-1, size)
+            torch.amax(rows, 1, out=bmax[b0:b1])
+            torch.amin(rows, 1, out=bmin[b0:b1])
+        first = offset if lo <= offset else offset + -(-(lo - offset) // stride) * stride
+        if first < hi:  # the sample's entries in this chunk
+            j = (first - offset) // stride
+            cnt = len(range(first, hi, stride))
+            torch.abs(vc[first - lo::stride], out=sample[j:j + cnt])
+    if x is not None:
+        return torch.from_numpy(_np_sampled_select(x, k, sample.numpy(), adapt_iters))
+    blocks = Blocks(torch.maximum(bmax, bmin.neg_(), out=bmax), size) if size else None
+    return _sampled_select(v, k, sample, adapt_iters, blocks)
+
+
+def _update(g, u, v, momentum, nesterov) -> None:
+    if momentum is None:
+        v.add_(g)
+        return
+    u.mul_(momentum).add_(g)
+    v.add_(g + u * momentum if nesterov else u)

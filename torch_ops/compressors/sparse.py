@@ -21,7 +21,7 @@ from hvdcompress.sampling import index_dtype, random_indices
 from hvdcompress.spec import num_selected
 
 from .base import OneRoundCompressor
-from .selection import topk_indices
+from .selection import threshold_indices, topk_indices
 
 
 def _torch_index_dtype(numel: int) -> torch.dtype:
@@ -45,9 +45,10 @@ class _GatheredSparse(OneRoundCompressor):
         return out
 
     def unsent(self, payload, a, ctx):
-        r = a.clone()
-        r[payload[0].long()] = 0
-        return r
+        # a = g + r already lives in the residual's buffer (ResidualMemory.compensate): zero the
+        # sent entries there; only the first step, whose a is the gradient itself, copies
+        r = a if a is ctx.state.get("residual") else a.clone()
+        return r.index_fill_(0, payload[0].long(), 0)
 
     def aggregate(self, results, like, ctx):
         indices, values = results
@@ -65,7 +66,7 @@ class ThresholdCompressor(_GatheredSparse):
     name = "threshold"
 
     def select(self, a):
-        return torch.nonzero(a.abs() >= self.spec["threshold"]).view(-1)
+        return threshold_indices(a, self.spec["threshold"])
 
 
 class RandomKCompressor(OneRoundCompressor):
@@ -92,9 +93,8 @@ class RandomKCompressor(OneRoundCompressor):
         return out
 
     def unsent(self, payload, a, ctx):
-        r = a.clone()
-        r[self._indices(a, ctx)] = 0
-        return r
+        r = a if a is ctx.state.get("residual") else a.clone()  # see _GatheredSparse.unsent
+        return r.index_fill_(0, self._indices(a, ctx), 0)
 
     def aggregate(self, results, like, ctx):
         return self.decompress(results, like, ctx)

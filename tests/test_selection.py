@@ -1,0 +1,204 @@
+"""Exact top-k and DGC's selection against the numpy oracle on adversarial inputs (torch and TF).
+
+The fast paths (a sampled threshold, block maxima, a candidate set, word-wise nonzero) must give
+the oracle's indices in every case: ties at the boundary, constant and zero tensors, tiny
+tensors, heavy tails, samples that miss the large entries, k in {0, 1, n-1, n}.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from hvdcompress.reference import reference_exchange
+from hvdcompress.reference.dgc import dgc_exchange
+from hvdcompress.reference.dgc import sampled_threshold_select as np_select
+from hvdcompress.reference.selection import threshold_indices as np_threshold
+from hvdcompress.reference.selection import topk_indices as np_topk
+from hvdcompress import parse_spec
+from local_world import run_lockstep
+from torch_ops.compressors import ExchangeContext, build_compressor
+from torch_ops.compressors import selection as ts
+
+SIZES = [1, 2, 7, 100, 4095, 4096, 4097, 70_001, 300_007]
+KINDS = ["normal", "ties", "constant", "zeros", "heavy", "spikes", "periodic", "sorted", "sampled_big"]
+
+
+def _vector(kind: str, n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed + n)
+    if kind == "normal":
+        x = rng.standard_normal(n)
+    elif kind == "ties":  # a handful of distinct magnitudes: ties at every boundary
+        x = rng.integers(-3, 4, n) * 0.5
+    elif kind == "constant":
+        x = np.full(n, -0.75)
+    elif kind == "zeros":
+        x = np.zeros(n)
+        x[n // 2:] = -0.0
+    elif kind == "heavy":  # Cauchy: a few huge values, most tiny
+        x = rng.standard_cauchy(n)
+    elif kind == "spikes":  # a few equal spikes above a sea of small values
+        x = rng.standard_normal(n) * 1e-4
+        x[rng.integers(0, n, 7)] = 3.0
+    elif kind == "periodic":  # nonzero only at multiples of 16: strided samples may see none
+        x = np.zeros(n)
+        x[::16] = rng.standard_normal(len(x[::16]))
+    elif kind == "sorted":
+        x = np.sort(rng.standard_normal(n))
+    else:  # "sampled_big": large values exactly where top-k's threshold sample looks
+        x = rng.standard_normal(n) * 1e-3
+        stride = ts._sample_stride(n)
+        x[stride // 2::stride] = 10.0 + rng.random(len(x[stride // 2::stride]))
+        x[rng.integers(0, n, max(1, n // 50))] = 5.0
+    return x.astype(np.float32)
+
+
+def _ks(n):
+    return sorted({k for k in (0, 1, 2, 65, n // 1000, n // 100, n // 7, n - 1, n) if 0 <= k <= n})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", SIZES)
+def test_torch_topk_is_the_oracle(kind, n):
+    x = _vector(kind, n)
+    for k in _ks(n):
+        got = ts.topk_indices(torch.from_numpy(x), k)
+        assert got.dtype == torch.int64
+        np.testing.assert_array_equal(got.numpy(), np_topk(x, k), err_msg=f"k={k}")
+
+
+@pytest.mark.parametrize("size", [None, 32, 64])  # the word-wise scan, or block filters of either size
+def test_torch_candidate_scans(monkeypatch, size):
+    monkeypatch.setattr(ts, "block_size", lambda fraction: size)
+    monkeypatch.setattr(ts, "BLOCKS_UNTIL", 1.0)
+    for kind in ("normal", "ties", "heavy", "sampled_big", "periodic"):
+        x = _vector(kind, 100_003, seed=1)
+        t = torch.from_numpy(x)
+        for k in (100, 1000, 5000):
+            np.testing.assert_array_equal(ts.topk_indices(t, k).numpy(), np_topk(x, k))
+            want = np_select(x, k, 0.01, 4, 7)
+            np.testing.assert_array_equal(ts.sampled_threshold_select(t, k, 0.01, 4, 7).numpy(), want)
+            u, v = torch.zeros_like(t), torch.zeros_like(t)
+            np.testing.assert_array_equal(ts.accumulate_and_select(t, u, v, 0.9, False, k, 0.01, 4, 7).numpy(),
+                                          want)
+
+
+def test_torch_topk_other_dtypes_and_views():
+    x = _vector("ties", 50_000)
+    for dtype in (torch.float64, torch.float16):
+        t = torch.from_numpy(x).to(dtype)
+        for k in (1, 50, 500):
+            np.testing.assert_array_equal(ts.topk_indices(t, k).numpy(), np_topk(t.numpy(), k))
+    two = torch.from_numpy(x).view(100, 500).t()  # not contiguous
+    np.testing.assert_array_equal(ts.topk_indices(two, 321).numpy(),
+                                  np_topk(two.contiguous().view(-1).numpy(), 321))
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "heavy", "periodic"])
+@pytest.mark.parametrize("n", [100, 4096, 300_007])
+def test_torch_threshold_and_dgc_selection_are_the_oracle(kind, n):
+    x = _vector(kind, n, seed=2)
+    t = torch.from_numpy(x)
+    for thr in (0.0, 0.5, float(np.abs(x).max())):
+        np.testing.assert_array_equal(ts.threshold_indices(t, thr).numpy(), np_threshold(x, thr))
+    for k in (1, max(1, n // 1000), n // 100 + 1, n // 4 + 1):
+        for sample_ratio, iters, off in ((0.01, 4, 3), (0.1, 0, 1), (1.0, 2, 0)):
+            want = np_select(x, k, sample_ratio, iters, off)
+            np.testing.assert_array_equal(ts.sampled_threshold_select(t, k, sample_ratio, iters, off).numpy(),
+                                          want, err_msg=f"k={k} ratio={sample_ratio}")
+
+
+@pytest.mark.parametrize("text", ["dgc:ratio=0.002,warmup_epochs=0",
+                                  "dgc:ratio=0.01,nesterov=true,warmup_epochs=0",
+                                  "dgc:ratio=0.01,momentum_correction=false,warmup_epochs=0",
+                                  "dgc:ratio=0.001,warmup_schedule=0.25/0.01"])
+def test_torch_fused_dgc_step_over_several_chunks_is_the_oracle(text):
+    """The fused update-and-select loop, on a tensor of several chunks with a ragged end."""
+    spec = parse_spec(text)
+    comp = build_compressor(spec)
+    shape = (ts.CHUNK // 500 * 2 + 3, 501)
+    rng = np.random.default_rng(5)
+    np_states, t_states = [{}, {}], [{}, {}]
+    for step in range(3):
+        grads = [np.round(rng.standard_t(3, size=shape), 2).astype(np.float32) for _ in range(2)]
+        want, _ = dgc_exchange(spec, grads, np_states, shape, key="w", step=step, epoch=step)
+        gens = [comp.exchange(torch.from_numpy(g.reshape(-1).copy()),
+                              ExchangeContext("w", step, 2, 0.5, st, shape, step))
+                for g, st in zip(grads, t_states)]
+        got, _ = run_lockstep(gens)
+        for r in range(2):
+            np.testing.assert_array_equal(got[r].numpy(), want)
+            for name, arr in np_states[r].items():
+                np.testing.assert_array_equal(t_states[r][name].numpy(), arr, err_msg=name)
+
+
+def test_torch_paths_without_numpy(monkeypatch):
+    """The torch-only scans (block maxima, word-wise nonzero) used off CPU or for dtypes numpy lacks."""
+    monkeypatch.setattr(ts, "_numpy_view", lambda a: None)
+    for kind in ("normal", "ties", "constant", "heavy", "periodic", "sampled_big"):
+        for n in (100, 4097, 300_007):
+            x = _vector(kind, n, seed=4)
+            t = torch.from_numpy(x)
+            for k in _ks(n):
+                np.testing.assert_array_equal(ts.topk_indices(t, k).numpy(), np_topk(x, k), err_msg=f"{kind} {n} {k}")
+            for k in (1, n // 100 + 1, n // 4 + 1):
+                want = np_select(x, k, 0.01, 4, 3)
+                np.testing.assert_array_equal(ts.sampled_threshold_select(t, k, 0.01, 4, 3).numpy(), want)
+                u, v = torch.zeros_like(t), torch.zeros_like(t)
+                np.testing.assert_array_equal(ts.accumulate_and_select(t, u, v, 0.5, True, k, 0.01, 4, 3).numpy(),
+                                              np_select(x + x * np.float32(0.5), k, 0.01, 4, 3))  # v = 0 + (g + m*u)
+
+
+@pytest.mark.parametrize("text", ["topk:ratio=0.001", "topk:ratio=0.02", "threshold:threshold=2.0",
+                                  "randomk:ratio=0.01"])
+def test_torch_error_feedback_in_place_residual_is_the_oracle(text):
+    """a = g + r computed in the residual's buffer, the sent entries zeroed there: the oracle's
+    payloads and residuals, over steps, on a tensor of several scan chunks."""
+    spec = parse_spec(text)
+    comp = build_compressor(spec)
+    n = ts.NP_CHUNK * 2 + 17
+    rng = np.random.default_rng(9)
+    states, np_res = [{}, {}], [None, None]
+    for step in range(3):
+        grads = [rng.standard_t(3, n).astype(np.float32) for _ in range(2)]
+        want, np_res, _ = reference_exchange(spec, grads, np_res, key="w", step=step)
+        gens = [comp.exchange(torch.from_numpy(g.copy()), ExchangeContext("w", step, 2, 0.5, st))
+                for g, st in zip(grads, states)]
+        got, _ = run_lockstep(gens)
+        for r in range(2):
+            np.testing.assert_array_equal(got[r].numpy(), want)
+            np.testing.assert_array_equal(states[r]["residual"].numpy(), np_res[r])
+
+
+# -- TensorFlow --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tf_sel():
+    tf = pytest.importorskip("tensorflow")
+    from tf_ops.compressors import selection
+    return tf, selection
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [1, 7, 4095, 4097, 70_001])
+def test_tf_topk_is_the_oracle_eager_and_traced(tf_sel, kind, n):
+    tf, sel = tf_sel
+    x = _vector(kind, n)
+    traced = tf.function(lambda a, k: sel.topk_indices(a, k))
+    for k in _ks(n):
+        want = np_topk(x, k)
+        np.testing.assert_array_equal(sel.topk_indices(tf.constant(x), k).numpy(), want, err_msg=f"k={k}")
+        got = traced(tf.constant(x), tf.constant(k, tf.int32))
+        assert got.dtype == tf.int32
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=f"k={k} traced")
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "heavy", "periodic"])
+def test_tf_dgc_selection_is_the_oracle(tf_sel, kind):
+    tf, sel = tf_sel
+    n = 70_001
+    x = _vector(kind, n, seed=3)
+    traced = tf.function(lambda v, k, off: sel.sampled_threshold_select(v, k, 0.01, 4, off))
+    for k in (1, 70, 701, n // 4):
+        want = np_select(x, k, 0.01, 4, 5)
+        np.testing.assert_array_equal(sel.sampled_threshold_select(tf.constant(x), k, 0.01, 4, 5).numpy(), want)
+        np.testing.assert_array_equal(traced(tf.constant(x), tf.constant(k), tf.constant(5, tf.int64)).numpy(),
+                                      want)
