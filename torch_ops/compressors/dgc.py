@@ -20,7 +20,6 @@ ablations; with momentum correction off, momentum is applied to the exchanged av
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -29,11 +28,11 @@ from hvdcompress.reference.dgc import dgc_density, dgc_sends_dense
 from hvdcompress.spec import CompressionSpec, num_selected
 
 from ..collectives import Allgather, Allreduce
-from .base import Compressor, ExchangeContext
-from .selection import sampled_threshold_select
+from .base import Compressor, ExchangeContext, TakesMomentum
+from .selection import accumulate_and_select
 
 
-class DGCCompressor(Compressor):
+class DGCCompressor(TakesMomentum, Compressor):
     name = "dgc"
     summed = False
 
@@ -45,15 +44,6 @@ class DGCCompressor(Compressor):
         self.correction = p["momentum_correction"]
         self.masking = p["momentum_masking"] and p["momentum_correction"]
         self.clip_norm = p["clip_norm"]
-
-    @classmethod
-    def adapt_optimizer(cls, spec, param_groups):
-        return adopt_momentum(spec, param_groups)
-
-    def after_load(self, param_groups):
-        for g in param_groups:  # a loaded param_group must not bring the momentum back
-            if "momentum" in g:
-                g["momentum"] = 0.0
 
     def density(self, epoch: int) -> float:
         return dgc_density(self.spec, epoch)
@@ -94,8 +84,6 @@ class DGCCompressor(Compressor):
             total.mul_(ctx.scale)
             return total if self.correction else self._momentum_after(total, ctx)
 
-        from .selection import accumulate_and_select
-
         v = self._state(ctx, "v", g)
         p = self.spec.params
         k = num_selected(self.density(ctx.epoch), v.numel())
@@ -118,29 +106,6 @@ class DGCCompressor(Compressor):
 
 
 def adopt_momentum(spec: CompressionSpec, param_groups) -> CompressionSpec:
-    """Move an SGD-style optimizer's momentum into the DGC spec, so it is applied once.
-
-    DGC accumulates velocity in its memory (momentum correction); the wrapped optimizer must then
-    run without momentum. If the optimizer's parameter groups carry ``momentum`` > 0, that value
-    (and ``nesterov``) replaces the spec's, and the groups' momentum is set to 0. Groups with
-    different momenta cannot share one DGC memory: ValueError.
-    """
-    momenta = {(float(g.get("momentum", 0.0)), bool(g.get("nesterov", False))) for g in param_groups}
-    nonzero = {mn for mn in momenta if mn[0] > 0.0}
-    if not nonzero:
-        return spec
-    if len(momenta) > 1:
-        raise ValueError("compression 'dgc': the optimizer's parameter groups use different momenta "
-                         f"{sorted(momenta)}; DGC applies one momentum in its memory. Give every group "
-                         "the same momentum, or momentum=0 and set it in the spec (dgc:momentum=...)")
-    (m, nesterov), = nonzero
-    if (m, nesterov) != (spec["momentum"], spec["nesterov"]):
-        warnings.warn(f"compression 'dgc': taking over the optimizer's momentum={m}, nesterov={nesterov} "
-                      f"(the spec said momentum={spec['momentum']}, nesterov={spec['nesterov']}); the "
-                      "optimizer itself now runs with momentum=0")
-    for g in param_groups:
-        g["momentum"] = 0.0
-        if "nesterov" in g:
-            g["nesterov"] = False
-    params = dict(spec.params, momentum=m, nesterov=nesterov)
-    return CompressionSpec(spec.name, params)
+    """Move an SGD-style optimizer's momentum into the DGC spec, so it is applied once
+    (``hvdcompress.momentum``; the groups then run with momentum 0)."""
+    return DGCCompressor.adapt_optimizer(spec, param_groups)
