@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
+import numpy as np
 import tensorflow as tf
 
 from hvdcompress.reference.oracle import Member
@@ -170,9 +171,12 @@ class Compressor(ABC):
 
     def make_slot(self, slot: str, numel: int, dtype: Any, name: Optional[str] = None) -> tf.Variable:
         """One zero-initialised (see ``initial_value``) flat state variable, created eagerly."""
+        # the fill value goes through numpy: TF's eager cache of scalar constants keys them by
+        # value, and -0.0 == 0.0, so tf.constant(-0.0) can return an earlier +0.0 (order-dependent)
+        dtype = tf.as_dtype(dtype)
         with tf.init_scope():
-            return tf.Variable(tf.fill([numel], tf.constant(self.initial_value(slot), dtype)),
-                               trainable=False, name=name or slot)
+            init = tf.constant(np.asarray(self.initial_value(slot), dtype=dtype.as_numpy_dtype))
+            return tf.Variable(tf.fill([numel], init), trainable=False, name=name or slot)
 
     @property
     def stateful(self) -> bool:
