@@ -59,19 +59,7 @@ from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
-
-def check_delay(delay) -> int:
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-        raise ValueError(f"delay: must be an int >= 0 (steps between an exchange and applying its "
-                         f"correction; 0 = synchronous); got {delay!r}")
-    return delay
-
-
-def check_sync_every(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"sync_every: must be an int >= 1 (exchange once every this many steps; 1 = every "
-                         f"step); got {k!r}")
-    return k
+from hvdcompress.delay import check_delay, check_sync_every
 
 
 Exchange = Callable[[List[Optional[tf.Tensor]]], List[Optional[tf.Tensor]]]

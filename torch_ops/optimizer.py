@@ -44,12 +44,13 @@ from hvdcompress.warmup import auto_epoch
 from hvdcompress.planner import Plan
 
 from .collectives import Communicator, PendingExchange, PendingQueue
-from .delayed import DelayedAveraging, average_over_ranks, check_delay, check_sync_every
-from .nonfinite import check_state_finite, guard
+from .arguments import check_arguments, check_checkpoint, check_same_model, parameter_names
+from .delayed import DelayedAveraging, average_over_ranks
+from .nonfinite import guard
 from .sparse_grads import sparse_exchange, split_out
 from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
-from .scheduling import Scheduler, StepClock, check_cost_model, check_profile_steps, check_schedule, now
+from .scheduling import Scheduler, StepClock, now
 
 STATE_KEY = "hvdcompress"
 STATE_VERSION = 1
@@ -65,7 +66,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         self._hvc_spec = spec
         self._hvc_compressor = build_compressor(spec)
-        self._hvc_names: Dict[torch.Tensor, str] = _parameter_names(self.param_groups, named_parameters)
+        self._hvc_names: Dict[torch.Tensor, str] = parameter_names(self.param_groups, named_parameters)
         self._hvc_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]
                                                 if p.requires_grad]
         self._hvc_by_name: Dict[str, torch.Tensor] = {self._hvc_names[p]: p for p in self._hvc_params}
@@ -75,7 +76,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_driver = driver if driver is not None else Communicator(process_set)
         self._hvc_world = self._hvc_driver.size()
         if self._hvc_world > 1:
-            _check_same_model(self._hvc_driver, self._hvc_by_name)
+            check_same_model(self._hvc_driver, self._hvc_by_name)
         self._hvc_scheduler = Scheduler(
             schedule, spec, cost_model, profile_steps,
             {n: float(p.numel() * p.element_size()) for n, p in self._hvc_by_name.items()},
@@ -313,7 +314,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "epoch": self._hvc_epoch,
             "epoch_set": self._hvc_epoch_set,
             "state": self._hvc_param_state(),
-            "plan": self._hvc_plan_dict(),
+            "plan": self._hvc_scheduler.plan_dict(),
             "delayed": self._hvc_delayed.state() if self._hvc_delayed.active else None,
         }
         return sd
@@ -322,7 +323,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
         if ours is not None:
-            self._hvc_check_state(ours)  # before anything is loaded: no half-restored optimizer
+            check_checkpoint(ours, self._hvc_spec, self._hvc_compressor,  # before anything is loaded
+                             {self._hvc_names[p]: p.numel() for p in self._hvc_params})
         super(self.__class__, self).load_state_dict(state_dict)
         self._hvc_compressor.after_load(self.param_groups)
         if ours is None:
@@ -338,7 +340,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     for key, st in ours["state"].items()})
         saved = ours.get("plan")
         groups = self.groups
-        if self._hvc_same_schedule(saved):
+        if self._hvc_scheduler.same_schedule(saved):
             plan = Plan(saved.get("resolved", saved["schedule"]), [list(g) for g in saved["groups"]],
                         saved["predicted_seconds"], None, "shared")
             self._hvc_scheduler.adopt(plan, saved["order"])
@@ -349,38 +351,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_regroup(groups, per)
 
     # -- internals -------------------------------------------------------------------------------
-    def _hvc_same_schedule(self, saved) -> bool:
-        """Whether a saved plan was made for this optimizer's schedule: the same string, and for
-        explicit groups the same groups (any other explicit groups are another schedule)."""
-        sched = self._hvc_scheduler
-        if saved is None or saved["schedule"] != sched.text:
-            return False
-        if sched.text != "explicit":
-            return True
-        named = sorted(sorted(saved["order"][i] for i in g) for g in saved["groups"])
-        return named == sorted(sorted(g) for g in sched.schedule)
-
-    def _hvc_check_state(self, ours) -> None:
-        if not isinstance(ours, dict) or ours.get("version") != STATE_VERSION:
-            raise ValueError(f"load_state_dict: state_dict['{STATE_KEY}'] is not hvdcompress state "
-                             f"version {STATE_VERSION}")
-        saved = CompressionSpec.from_dict(ours["compression"])
-        if saved != self._hvc_spec:
-            raise ValueError(f"load_state_dict: the checkpoint was saved with compression '{saved}', "
-                             f"this optimizer uses '{self._hvc_spec}'")
-        numel = {self._hvc_names[p]: p.numel() for p in self._hvc_params}
-        unknown = sorted(set(ours["state"]) - set(numel))
-        if unknown:
-            raise ValueError("load_state_dict: the checkpoint holds compression state for parameters this "
-                             f"optimizer does not have: {', '.join(unknown[:5])}")
-        for key, st in ours["state"].items():
-            self._hvc_compressor.check_state(key, st, numel[key])
-            check_state_finite(key, st)
-        saved = ours.get("plan")
-        if saved is not None and sorted(saved.get("order", ())) != sorted(numel):
-            raise ValueError("load_state_dict: the checkpoint's plan groups other parameters than this "
-                             "optimizer has (a checkpoint of a different model?)")
-
     def _hvc_hook(self, p: torch.Tensor) -> None:
         entered = now()
         if self._hvc_passes_left[p] == 0:
@@ -469,56 +439,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               for n in g.names}
         self._hvc_waiting = [len(g.names) for g in self._hvc_groups]
 
-    def _hvc_plan_dict(self):
-        sched = self._hvc_scheduler
-        if sched.plan is None:
-            return None
-        return {"schedule": sched.text, "resolved": sched.plan.schedule, "order": list(sched.order),
-                "groups": sched.plan.groups, "predicted_seconds": sched.plan.predicted_seconds}
-
-
-def _check_same_model(comm, by_name: Dict[str, torch.Tensor]) -> None:
-    """Every rank must wrap the same parameters (names, shapes, dtypes): a model that differs
-    across ranks would exchange mismatched tensors, or hang. One object allgather at construction;
-    a difference is a ValueError on every rank, naming the first parameter that differs."""
-    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in by_name.items()]
-    every = comm.allgather_object(mine, "hvc.check.model")
-    for rank, theirs in enumerate(every):
-        if theirs == every[0]:
-            continue
-        a, b = dict((n, (s, d)) for n, s, d in every[0]), dict((n, (s, d)) for n, s, d in theirs)
-        for name in list(a) + [n for n in b if n not in a]:
-            if a.get(name) != b.get(name):
-                raise ValueError(f"named_parameters: the model differs across ranks: parameter '{name}' is "
-                                 f"{a.get(name, 'absent')} (shape, dtype) on rank 0 and {b.get(name, 'absent')} on "
-                                 f"rank {rank}; every rank must build the same model")
-        raise ValueError(f"named_parameters: ranks 0 and {rank} list their parameters in different orders")
-
-
-def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
-    if named_parameters is None:
-        return {p: f"allreduce.noname.{i}.{j}" for i, g in enumerate(param_groups)
-                for j, p in enumerate(g["params"])}
-    named_parameters = list(named_parameters)
-    if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                         "usually produced by model.named_parameters().")
-    seen, dups = set(), set()
-    for name, _ in named_parameters:
-        (dups if name in seen else seen).add(name)
-    if dups:
-        raise ValueError("named_parameters: parameter names must be unique; found duplicates: "
-                         + ", ".join(sorted(dups)))
-    by_id = {id(p): name for name, p in named_parameters}
-    names = {}
-    for g in param_groups:
-        for p in g["params"]:
-            if id(p) not in by_id:
-                raise ValueError("named_parameters was specified, but one or more model parameters "
-                                 "were not named (the optimizer holds a parameter of shape "
-                                 f"{tuple(p.shape)} that is not in named_parameters)")
-            names[p] = by_id[id(p)]
-    return names
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
@@ -571,34 +491,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     import horovod.torch as hvd
 
     spec = resolve(compression)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer: expected a torch.optim.Optimizer; got {type(optimizer).__name__}")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("optimizer: LBFGS re-evaluates the closure several times per step and cannot "
-                         "be wrapped (as in Horovod)")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
-        raise ValueError("backward_passes_per_step: must be an int >= 1; "
-                         f"got {backward_passes_per_step!r}")
-    op = hvd.Average if op is None else op
-    if op == hvd.Adasum:
-        raise ValueError("op: Adasum is not supported with compression; accepted: hvd.Average, hvd.Sum")
-    if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(f"op: accepted values are hvd.Average and hvd.Sum; got {op!r}")
-    try:
-        factor = float(gradient_predivide_factor)
-    except (TypeError, ValueError):
-        factor = float("nan")
-    if not factor > 0 or factor == float("inf"):
-        raise ValueError("gradient_predivide_factor: must be a finite float > 0; "
-                         f"got {gradient_predivide_factor!r}")
-    if factor != 1.0 and op != hvd.Average:
-        raise ValueError("gradient_predivide_factor: values other than 1.0 require op=hvd.Average")
-    check_schedule(schedule)
-    check_profile_steps(profile_steps)
-    check_delay(delay)
-    check_sync_every(sync_every)
-    check_cost_model(cost_model)
+    op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
+                                 profile_steps, cost_model, delay, sync_every)
     spec = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)  # e.g. DGC takes momentum over
     if not hvd.is_initialized():
         raise ValueError("horovod is not initialized: call hvd.init() before DistributedOptimizer")

@@ -144,6 +144,23 @@ class Scheduler:
         (a fixed schedule given a cost model) is still measured."""
         self.plan, self.order = plan, list(order)
 
+    def same_schedule(self, saved) -> bool:
+        """Whether a saved plan was made for this schedule: the same string, and for explicit
+        groups the same groups (any other explicit groups are another schedule)."""
+        if saved is None or saved["schedule"] != self.text:
+            return False
+        if self.text != "explicit":
+            return True
+        named = sorted(sorted(saved["order"][i] for i in g) for g in saved["groups"])
+        return named == sorted(sorted(g) for g in self.schedule)
+
+    def plan_dict(self):
+        """The plan in use as checkpoint data (None before one is made)."""
+        if self.plan is None:
+            return None
+        return {"schedule": self.text, "resolved": self.plan.schedule, "order": list(self.order),
+                "groups": self.plan.groups, "predicted_seconds": self.plan.predicted_seconds}
+
     def end_of_step(self, clock: StepClock) -> Optional[List[List[str]]]:
         """Called on every rank after each step with its clock; returns the groups (names) to use
         from the next step on when they change, else None. Runs collectives when a decision is

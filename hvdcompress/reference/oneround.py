@@ -11,6 +11,7 @@ dense) and ``aggregate`` (the collective results -> the dense sum over ranks).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Dict, Tuple
 
 import numpy as np
@@ -22,14 +23,17 @@ class OneRoundOracle(Oracle):
     summed = True
     fields: Tuple[str, ...] = ()  # the payload dict's keys, in wire order
 
+    @abstractmethod
     def payload(self, a: np.ndarray, ctx: OracleContext) -> Dict[str, np.ndarray]:
-        raise NotImplementedError
+        """What this rank puts on the wire for the compensated ``a``, by field name."""
 
+    @abstractmethod
     def decompress(self, payload: Dict[str, np.ndarray], numel: int, dtype, ctx: OracleContext) -> np.ndarray:
-        raise NotImplementedError
+        """The dense tensor this rank's own payload stands for."""
 
+    @abstractmethod
     def aggregate(self, results, numel: int, dtype, ctx: OracleContext) -> np.ndarray:
-        raise NotImplementedError
+        """The collective results -> the dense sum over ranks."""
 
     def exchange(self, x, ctx):
         use_residual = bool(self.spec.params.get("residual", False))

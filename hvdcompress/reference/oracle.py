@@ -19,6 +19,7 @@ for 3 ranks; 2 ranks are exact).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
@@ -74,7 +75,7 @@ class OracleContext:
 ORACLES: Dict[str, type] = {}
 
 
-class Oracle:
+class Oracle(ABC):
     """Base of the numpy oracles; subclasses set ``name`` and define ``exchange``."""
 
     name: Optional[str] = None
@@ -87,8 +88,9 @@ class Oracle:
     def __init__(self, spec: CompressionSpec):
         self.spec = spec
 
+    @abstractmethod
     def exchange(self, x: np.ndarray, ctx: OracleContext) -> Generator:
-        raise NotImplementedError
+        """One rank's exchange: yields rounds of requests, returns the dense result (module doc)."""
 
 
 def oracle_for(spec) -> Oracle:

@@ -35,6 +35,7 @@ treats the flat tensor as one member (one scale for the whole group).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
@@ -198,12 +199,13 @@ class _PackedOracle(OneRoundOracle):
     def layout(self, numel, ctx) -> Layout:
         return layout_for(ctx.members, numel, self.spec.params.get("bucket", 0))
 
+    @abstractmethod
     def encode(self, a, lay, ctx) -> Tuple[np.ndarray, np.ndarray]:
         """(float32 scales, uint8 codes)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, scales, codes, lay, numel, ctx) -> np.ndarray:
-        raise NotImplementedError
+        """The dense tensor the scales and codes stand for."""
 
     def payload(self, a, ctx):
         lay = self.layout(a.size, ctx)

@@ -1,0 +1,123 @@
+"""What the PyTorch ``DistributedOptimizer`` checks before it wraps anything: its arguments (with
+Horovod's names and meanings), the parameter names, and that every rank wraps the same model.
+Every bad value is a ValueError naming the argument and its accepted values, raised on every rank
+before any gradient collective. Also what ``load_state_dict`` checks before it loads anything."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from hvdcompress.delay import check_delay, check_sync_every
+
+from .scheduling import check_cost_model, check_profile_steps, check_schedule
+
+
+def check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule, profile_steps,
+                    cost_model, delay, sync_every):
+    """Validate the wrapper's arguments; returns (op, gradient_predivide_factor as float)."""
+    import horovod.torch as hvd
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer: expected a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("optimizer: LBFGS re-evaluates the closure several times per step and cannot "
+                         "be wrapped (as in Horovod)")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step: must be an int >= 1; "
+                         f"got {backward_passes_per_step!r}")
+    op = hvd.Average if op is None else op
+    if op == hvd.Adasum:
+        raise ValueError("op: Adasum is not supported with compression; accepted: hvd.Average, hvd.Sum")
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op: accepted values are hvd.Average and hvd.Sum; got {op!r}")
+    try:
+        factor = float(gradient_predivide_factor)
+    except (TypeError, ValueError):
+        factor = float("nan")
+    if not factor > 0 or factor == float("inf"):
+        raise ValueError("gradient_predivide_factor: must be a finite float > 0; "
+                         f"got {gradient_predivide_factor!r}")
+    if factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor: values other than 1.0 require op=hvd.Average")
+    check_schedule(schedule)
+    check_profile_steps(profile_steps)
+    check_delay(delay)
+    check_sync_every(sync_every)
+    check_cost_model(cost_model)
+    return op, factor
+
+
+def check_same_model(comm, by_name: Dict[str, torch.Tensor]) -> None:
+    """Every rank must wrap the same parameters (names, shapes, dtypes): a model that differs
+    across ranks would exchange mismatched tensors, or hang. One object allgather at construction;
+    a difference is a ValueError on every rank, naming the first parameter that differs."""
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in by_name.items()]
+    every = comm.allgather_object(mine, "hvc.check.model")
+    for rank, theirs in enumerate(every):
+        if theirs == every[0]:
+            continue
+        a, b = dict((n, (s, d)) for n, s, d in every[0]), dict((n, (s, d)) for n, s, d in theirs)
+        for name in list(a) + [n for n in b if n not in a]:
+            if a.get(name) != b.get(name):
+                raise ValueError(f"named_parameters: the model differs across ranks: parameter '{name}' is "
+                                 f"{a.get(name, 'absent')} (shape, dtype) on rank 0 and {b.get(name, 'absent')} on "
+                                 f"rank {rank}; every rank must build the same model")
+        raise ValueError(f"named_parameters: ranks 0 and {rank} list their parameters in different orders")
+
+
+def parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{i}.{j}" for i, g in enumerate(param_groups)
+                for j, p in enumerate(g["params"])}
+    named_parameters = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    seen, dups = set(), set()
+    for name, _ in named_parameters:
+        (dups if name in seen else seen).add(name)
+    if dups:
+        raise ValueError("named_parameters: parameter names must be unique; found duplicates: "
+                         + ", ".join(sorted(dups)))
+    by_id = {id(p): name for name, p in named_parameters}
+    names = {}
+    for g in param_groups:
+        for p in g["params"]:
+            if id(p) not in by_id:
+                raise ValueError("named_parameters was specified, but one or more model parameters "
+                                 "were not named (the optimizer holds a parameter of shape "
+                                 f"{tuple(p.shape)} that is not in named_parameters)")
+            names[p] = by_id[id(p)]
+    return names
+
+
+def check_checkpoint(ours, spec, compressor, numel: Dict[str, int]) -> None:
+    """``state_dict()["hvdcompress"]`` of a checkpoint must fit this optimizer (ValueError
+    otherwise, before anything is loaded): the state version, the same compression spec, known
+    parameters, state the compressor accepts, finite values, a plan over the same parameters."""
+    from hvdcompress.spec import CompressionSpec
+
+    from .nonfinite import check_state_finite
+    from .optimizer import STATE_KEY, STATE_VERSION
+
+    if not isinstance(ours, dict) or ours.get("version") != STATE_VERSION:
+        raise ValueError(f"load_state_dict: state_dict['{STATE_KEY}'] is not hvdcompress state "
+                         f"version {STATE_VERSION}")
+    saved = CompressionSpec.from_dict(ours["compression"])
+    if saved != spec:
+        raise ValueError(f"load_state_dict: the checkpoint was saved with compression '{saved}', "
+                         f"this optimizer uses '{spec}'")
+    unknown = sorted(set(ours["state"]) - set(numel))
+    if unknown:
+        raise ValueError("load_state_dict: the checkpoint holds compression state for parameters this "
+                         f"optimizer does not have: {', '.join(unknown[:5])}")
+    for key, st in ours["state"].items():
+        compressor.check_state(key, st, numel[key])
+        check_state_finite(key, st)
+    plan = ours.get("plan")
+    if plan is not None and sorted(plan.get("order", ())) != sorted(numel):
+        raise ValueError("load_state_dict: the checkpoint's plan groups other parameters than this "
+                         "optimizer has (a checkpoint of a different model?)")
