@@ -37,7 +37,8 @@ from hvdcompress import parse_spec
 from hvdcompress.sampling import sample_offset, sample_stride
 from hvdcompress.spec import num_selected
 from torch_ops.compressors import ExchangeContext, build_compressor
-from torch_ops.compressors.selection import sampled_threshold_select, topk_indices
+from torch_ops.compressors.dgc_selection import sampled_threshold_select
+from torch_ops.compressors.selection import topk_indices
 
 COLUMNS = ["torch_topk", "topk", "dgc_select", "read", "abs_max", "ef_topk_step", "dgc_step", "guv_pass"]
 HEAD = ["torch.topk", "topk (ours)", "DGC select", "a.max()", "a.abs().max()", "EF top-k step",

@@ -6,7 +6,7 @@ For each size, on the same gradient-like tensor, alternating, ``--repeats`` time
 
     max pass     v.abs().max(): one read of the tensor, the floor for anything that looks at it
     torch.topk   exact top-k of |v| (k = ratio * d), unsorted
-    DGC sampled  ``torch_ops.compressors.selection.sampled_threshold_select`` (sample 1%)
+    DGC sampled  ``torch_ops.compressors.dgc_selection.sampled_threshold_select`` (sample 1%)
     sketch       building the r x c count sketch of v (hashes computed, chunked; round 1 payload)
     estimate     the median-of-rows estimate of every coordinate from a table
     candidates   the P*k largest |estimate| (``topk_indices``, ties to the lower index)
@@ -34,7 +34,8 @@ from hvdcompress.reference.sketch import geometry
 from hvdcompress.sampling import sample_offset, sample_stride
 from hvdcompress.spec import parse_spec
 from torch_ops.compressors import sketch as sk
-from torch_ops.compressors.selection import sampled_threshold_select, topk_indices
+from torch_ops.compressors.dgc_selection import sampled_threshold_select
+from torch_ops.compressors.selection import topk_indices
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ from hvdcompress.reference.selection import topk_indices as np_topk
 from hvdcompress import parse_spec
 from local_world import run_lockstep
 from torch_ops.compressors import ExchangeContext, build_compressor
+from torch_ops.compressors import dgc_selection as ds
 from torch_ops.compressors import selection as ts
 
 SIZES = [1, 2, 7, 100, 4095, 4096, 4097, 70_001, 300_007]
@@ -76,9 +77,9 @@ def test_torch_candidate_scans(monkeypatch, size):
         for k in (100, 1000, 5000):
             np.testing.assert_array_equal(ts.topk_indices(t, k).numpy(), np_topk(x, k))
             want = np_select(x, k, 0.01, 4, 7)
-            np.testing.assert_array_equal(ts.sampled_threshold_select(t, k, 0.01, 4, 7).numpy(), want)
+            np.testing.assert_array_equal(ds.sampled_threshold_select(t, k, 0.01, 4, 7).numpy(), want)
             u, v = torch.zeros_like(t), torch.zeros_like(t)
-            np.testing.assert_array_equal(ts.accumulate_and_select(t, u, v, 0.9, False, k, 0.01, 4, 7).numpy(),
+            np.testing.assert_array_equal(ds.accumulate_and_select(t, u, v, 0.9, False, k, 0.01, 4, 7).numpy(),
                                           want)
 
 
@@ -103,7 +104,7 @@ def test_torch_threshold_and_dgc_selection_are_the_oracle(kind, n):
     for k in (1, max(1, n // 1000), n // 100 + 1, n // 4 + 1):
         for sample_ratio, iters, off in ((0.01, 4, 3), (0.1, 0, 1), (1.0, 2, 0)):
             want = np_select(x, k, sample_ratio, iters, off)
-            np.testing.assert_array_equal(ts.sampled_threshold_select(t, k, sample_ratio, iters, off).numpy(),
+            np.testing.assert_array_equal(ds.sampled_threshold_select(t, k, sample_ratio, iters, off).numpy(),
                                           want, err_msg=f"k={k} ratio={sample_ratio}")
 
 
@@ -142,9 +143,9 @@ def test_torch_paths_without_numpy(monkeypatch):
                 np.testing.assert_array_equal(ts.topk_indices(t, k).numpy(), np_topk(x, k), err_msg=f"{kind} {n} {k}")
             for k in (1, n // 100 + 1, n // 4 + 1):
                 want = np_select(x, k, 0.01, 4, 3)
-                np.testing.assert_array_equal(ts.sampled_threshold_select(t, k, 0.01, 4, 3).numpy(), want)
+                np.testing.assert_array_equal(ds.sampled_threshold_select(t, k, 0.01, 4, 3).numpy(), want)
                 u, v = torch.zeros_like(t), torch.zeros_like(t)
-                np.testing.assert_array_equal(ts.accumulate_and_select(t, u, v, 0.5, True, k, 0.01, 4, 3).numpy(),
+                np.testing.assert_array_equal(ds.accumulate_and_select(t, u, v, 0.5, True, k, 0.01, 4, 3).numpy(),
                                               np_select(x + x * np.float32(0.5), k, 0.01, 4, 3))  # v = 0 + (g + m*u)
 
 

@@ -225,8 +225,12 @@ class PendingQueue:
         return [k for k, d, _ in self._items if due is None or d <= due]
 
     def poll(self) -> None:
+        """Advance the exchanges in flight, oldest first, up to the first whose current round is
+        still running (rounds complete about in launch order): one Horovod poll per call in the
+        common case, not one per exchange in flight, so the backward hooks stay cheap."""
         for _, _, ex in self._items:
-            ex.poll()
+            if not ex.done and not ex.poll():
+                break
 
     def finish(self, due: Optional[int] = None) -> Dict[Any, PendingExchange]:
         """Complete and remove the exchanges due by ``due`` (all with None); {key: exchange}."""

@@ -12,7 +12,8 @@ from .dense import BF16Compressor, FP16Compressor, NoneCompressor
 from .dgc import DGCCompressor
 from .powersgd import PowerSGDCompressor
 from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor
-from .selection import sampled_threshold_select, topk_indices
+from .dgc_selection import sampled_threshold_select
+from .selection import topk_indices
 from .sketch import SketchCompressor
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 

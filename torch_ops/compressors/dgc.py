@@ -29,7 +29,7 @@ from hvdcompress.spec import CompressionSpec, num_selected
 
 from ..collectives import Allgather, Allreduce
 from .base import Compressor, ExchangeContext, TakesMomentum
-from .selection import accumulate_and_select
+from .dgc_selection import accumulate_and_select
 
 
 class DGCCompressor(TakesMomentum, Compressor):

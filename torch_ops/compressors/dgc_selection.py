@@ -1,0 +1,142 @@
+"""DGC's selection on the PyTorch side: the sampled threshold (``sampled_threshold_select``) and
+the fused state update + selection of one DGC step (``accumulate_and_select``), matching
+``hvdcompress.reference.dgc`` exactly. The scan machinery (numpy chunks, block maxima, reused
+buffers) is shared with the exact top-k in ``selection``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hvdcompress.sampling import ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, sample_k, sample_stride
+
+from .selection import (CHUNK, DIRECT_BELOW, Blocks, _at_least, _empty, _ge_numpy, _np_kth_largest, _np_positions,
+                        _numpy_view, _scratch, _topk_positions, block_absmax, block_size)
+
+
+def _sampled_select(v: torch.Tensor, k: int, sample: torch.Tensor, adapt_iters: int,
+                    blocks: Optional[Blocks]) -> torch.Tensor:
+    n = v.numel()
+    if k <= 0:
+        return _empty(v.device)
+    ks = sample_k(k, sample.numel(), n)
+    thr = torch.topk(sample, ks, sorted=False).values.min()
+    lower = torch.tensor(LOWER_FACTOR, dtype=v.dtype, device=v.device)
+    idx = mag = None
+    for it in range(adapt_iters + 1):
+        if not bool(thr > 0):  # |v| >= 0 everywhere: no filter to apply
+            mag = v.abs()
+            idx = torch.arange(n, device=v.device)
+        else:
+            idx, mag = _at_least(v, thr, blocks)
+        c = idx.numel()
+        if 10 * c > ACCEPT_HIGH_TENTHS * k:
+            return idx.index_select(0, _topk_positions(mag, k))
+        if 10 * c >= ACCEPT_LOW_TENTHS * k or it == adapt_iters:
+            return idx
+        thr = thr * lower
+    return idx
+
+
+def _np_sampled_select(x: np.ndarray, k: int, sample: np.ndarray, adapt_iters: int) -> np.ndarray:
+    """``_sampled_select`` in numpy (the threshold arithmetic in x's dtype, as the oracle's)."""
+    n = x.size
+    if k <= 0:
+        return np.empty(0, np.int64)
+    thr = _np_kth_largest(sample, sample_k(k, sample.size, n))
+    lower = x.dtype.type(LOWER_FACTOR)
+    idx = None
+    for it in range(adapt_iters + 1):
+        if not thr > 0:  # |x| >= 0 everywhere: no filter to apply
+            mag, idx = np.abs(x), np.arange(n)
+        else:
+            idx, mag = _ge_numpy(x, thr)
+        c = idx.size
+        if 10 * c > ACCEPT_HIGH_TENTHS * k:
+            return idx[_np_positions(mag, k)]
+        if 10 * c >= ACCEPT_LOW_TENTHS * k or it == adapt_iters:
+            return idx
+        thr = thr * lower
+    return idx
+
+
+def sampled_threshold_select(v: torch.Tensor, k: int, sample_ratio: float, adapt_iters: int,
+                             offset: int) -> torch.Tensor:
+    """Indices (int64, ascending) chosen by DGC's sampled threshold on |v|."""
+    v = v.reshape(-1)
+    if not v.is_contiguous():
+        v = v.contiguous()
+    x = _numpy_view(v)
+    if x is not None:
+        sample = np.abs(x[offset::sample_stride(sample_ratio)])
+        return torch.from_numpy(_np_sampled_select(x, k, sample, adapt_iters))
+    sample = v[offset::sample_stride(sample_ratio)].abs()
+    size = block_size(k / v.numel()) if v.numel() >= DIRECT_BELOW else None
+    return _sampled_select(v, k, sample, adapt_iters, None if size is None else block_absmax(v, size))
+
+
+def accumulate_and_select(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: Optional[float],
+                          nesterov: bool, k: int, sample_ratio: float, adapt_iters: int,
+                          offset: int) -> torch.Tensor:
+    """DGC's state update, in place, then its selection: the indices of
+    ``sampled_threshold_select(v_new, ...)``.
+
+        momentum given:  u <- m*u + g;  v <- v + u   (nesterov: v <- v + (g + m*u))
+        momentum None:   v <- v + g
+
+    Chunk by chunk (CHUNK entries), while the chunk is in cache: the update, DGC's strided sample
+    of |v| and (off CPU) the block maxima of |v|. So the update reads g, u and v once and writes u
+    and v once; the selection then scans v once (on CPU with numpy, which compares and finds
+    nonzeros several times faster than torch; a scan fused into this loop, behind a threshold
+    estimated beforehand, measured no faster). The rounding is the oracle's (one float operation
+    at a time, in its order, the momentum a Python scalar as in the unfused update)."""
+    n = v.numel()
+    if not (g.is_contiguous() and u.is_contiguous() and v.is_contiguous()) or n < DIRECT_BELOW:
+        _update(g, u, v, momentum, nesterov)
+        return sampled_threshold_select(v, k, sample_ratio, adapt_iters, offset)
+    stride = sample_stride(sample_ratio)
+    sample = _scratch.get(len(range(offset, n, stride)), v.dtype, v.device, "sample")
+    x = _numpy_view(v)
+    size = None if x is not None else block_size(k / n)  # numpy scans need no blocks
+    nb = n // size if size else 0
+    bmax = _scratch.get(nb, v.dtype, v.device, "bmax")
+    bmin = _scratch.get(nb, v.dtype, v.device, "bmin")
+    tmp = _scratch.get(min(CHUNK, n), v.dtype, v.device, "tmp") if nesterov else None
+    for lo in range(0, n, CHUNK):
+        hi = min(lo + CHUNK, n)
+        gc, vc = g[lo:hi], v[lo:hi]
+        if momentum is None:
+            vc.add_(gc)
+        else:
+            uc = u[lo:hi]
+            uc.mul_(momentum).add_(gc)
+            if nesterov:
+                t = tmp[:hi - lo]
+                vc.add_(torch.add(gc, torch.mul(uc, momentum, out=t), out=t))
+            else:
+                vc.add_(uc)
+        if size:
+            b0, b1 = lo // size, min(hi // size, nb)
+            rows = v[b0 * size:b1 * size].view(-1, size)
+            torch.amax(rows, 1, out=bmax[b0:b1])
+            torch.amin(rows, 1, out=bmin[b0:b1])
+        first = offset if lo <= offset else offset + -(-(lo - offset) // stride) * stride
+        if first < hi:  # the sample's entries in this chunk
+            j = (first - offset) // stride
+            cnt = len(range(first, hi, stride))
+            torch.abs(vc[first - lo::stride], out=sample[j:j + cnt])
+    if x is not None:
+        return torch.from_numpy(_np_sampled_select(x, k, sample.numpy(), adapt_iters))
+    blocks = Blocks(torch.maximum(bmax, bmin.neg_(), out=bmax), size) if size else None
+    return _sampled_select(v, k, sample, adapt_iters, blocks)
+
+
+def _update(g, u, v, momentum, nesterov) -> None:
+    if momentum is None:
+        v.add_(g)
+        return
+    u.mul_(momentum).add_(g)
+    v.add_(g + u * momentum if nesterov else u)
