@@ -74,7 +74,7 @@ VARIANTS = {
     "signsgd": ["signsgd"],
     "efsignsgd": ["efsignsgd", "efsignsgd:residual=false"],
     "onebit": ["onebit"],
-    "terngrad": ["terngrad", "terngrad:bucket=5,seed=3,residual=true"],
+    "terngrad": ["terngrad", "terngrad:bucket=5,seed=3,residual=true", "terngrad:share_scale=true,bucket=4,residual=true"],
     "qsgd": ["qsgd", "qsgd:levels=1,bucket=0", "qsgd:levels=3,bucket=5,seed=11,residual=true"],
     "powersgd": ["powersgd", "powersgd:rank=1,residual=false"],
     "sketch": ["sketch:ratio=0.05,min_sketch_numel=1", "sketch:k=2,rows=3,cols=7,momentum=0,min_sketch_numel=1"],

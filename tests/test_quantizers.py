@@ -300,7 +300,8 @@ def test_stochastic_quantizers_are_unbiased_over_seeds(text):
     assert len({o.tobytes() for o in outs[:10]}) == 10  # seeds draw differently
 
 
-@pytest.mark.parametrize("text", ["efsignsgd", "onebit", "terngrad:residual=true", "qsgd:levels=2,residual=true"])
+@pytest.mark.parametrize("text", ["efsignsgd", "onebit", "terngrad:residual=true", "qsgd:levels=2,residual=true",
+                                  "terngrad:share_scale=true,bucket=8,residual=true"])
 def test_error_feedback_conserves_the_sum(text):
     """Over T steps on every rank: what was delivered plus what the residuals still hold is what
     the workers computed (a = g + e, e' = a - decoded)."""
@@ -349,12 +350,60 @@ def test_declared_wire_bytes_are_the_packed_bytes():
     assert [round(b) for b in bits.values()] == [1, 2, 2, 3, 4, 8]
 
 
+# -- TernGrad's scaler sharing ----------------------------------------------------------------------
+SHARED_SPECS = ["terngrad:share_scale=true", "terngrad:share_scale=true,bucket=7,seed=3",
+                "terngrad:share_scale=true,bucket=5,residual=true"]
+
+
+@pytest.mark.parametrize("shape", [(37, 11), (64,), (1,)], ids=["2d", "1d", "one"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("text", SHARED_SPECS)
+def test_terngrad_shared_scale_torch_and_tf_match_the_oracle(text, world, shape):
+    compare(text, world, shape)
+
+
+def test_terngrad_shared_scale_in_tf_function_and_merged_groups_match_the_oracle():
+    compare("terngrad:share_scale=true,bucket=7", 2, (37, 11), graph=True)
+    compare("terngrad:share_scale=true,bucket=4", 3, (1, 48), members=MEMBERS)
+
+
+def test_terngrad_shared_scale_sends_scales_then_codes_with_the_max_over_ranks():
+    """Wen et al.'s scaler sharing: round 1 gathers each rank's float32 max |a| per bucket, every
+    rank quantizes with the max over ranks, round 2 gathers the packed codes alone; the result is
+    s * (sum of the ranks' -1/0/+1) * scale; the bytes are those of the one-round layout, split
+    over the two rounds as the wire rule declares; unbiased over seeds."""
+    spec = parse_spec("terngrad:share_scale=true,bucket=16")
+    rng = np.random.default_rng(1)
+    g = [rng.standard_normal(40).astype(np.float32) * w for w in (1.0, 3.0, 0.5)]
+    total, _, sent = simulate(spec, g, key=KEY, step=2)
+    s = np.maximum.reduce([np.array([np.abs(x[i:i + 16]).max() for i in range(0, 40, 16)], np.float32) for x in g])
+    for r, rounds in enumerate(sent):
+        (scales,), (codes,) = rounds
+        np.testing.assert_array_equal(scales, [np.abs(g[r][i:i + 16]).max() for i in range(0, 40, 16)])
+        assert codes.dtype == np.uint8 and codes.nbytes == packing.packed_size(40, 2)
+        assert scales.nbytes + codes.nbytes == payload_bytes("terngrad", spec.params, 40)
+        assert [float(x.nbytes[0]) for x in spec.info.rounds(spec.params, [40])] == [scales.nbytes, codes.nbytes]
+    per_entry = np.repeat(s, 16)[:40] / 3
+    units = total / per_entry
+    np.testing.assert_allclose(units, np.round(units), atol=1e-5)  # multiples of s / world
+    assert np.abs(units).max() <= 3
+    K = 300
+    outs = np.stack([simulate(spec(seed=k), g, key=KEY, step=2)[0] for k in range(K)]).astype(np.float64)
+    want = sum(x.astype(np.float64) for x in g) / 3
+    se = np.repeat(s, 16)[:40].astype(np.float64)
+    var = sum(se * np.abs(x) - x.astype(np.float64) ** 2 for x in g) / 9
+    assert (np.abs(outs.mean(axis=0) - want) <= 6 * np.sqrt(var / K) + 1e-6).all()
+    alone = simulate(parse_spec("terngrad:bucket=16"), g, key=KEY, step=2)[2]
+    assert all(len(r) == 1 for r in alone)  # without sharing: one round, scales with the codes
+
+
 @pytest.mark.parametrize("text,needle", [
     ("qsgd:levels=0", "qsgd: parameter 'levels' must be int in [1, 127]"),
     ("qsgd:levels=128", "qsgd: parameter 'levels' must be int in [1, 127]"),
     ("qsgd:bucket=-1", "qsgd: parameter 'bucket' must be int in [0, 2147483647]"),
     ("terngrad:seed=-1", "terngrad: parameter 'seed' must be int in [0, 4294967295]"),
     ("terngrad:bucket=1.5", "terngrad: parameter 'bucket' must be int"),
+    ("terngrad:share_scale=2", "terngrad: parameter 'share_scale' must be true or false"),
     ("efsignsgd:residual=maybe", "efsignsgd: parameter 'residual' must be true or false"),
     ("signsgd:residual=true", "signsgd: unknown parameter 'residual'"),
     ("onebit:levels=2", "onebit: unknown parameter 'levels'"),

@@ -16,6 +16,9 @@ and every rank decodes the gathered buffers rank by rank and sums them in rank o
                empty); e = a - decoded.
     terngrad   Wen et al. 2017. s = max|a| per tensor (``bucket=0``) or per bucket of ``bucket``
                entries; b = (u < |a| / s); code 0 (zero), 1 (+s), 2 (-s), 2 bits; unbiased.
+               ``share_scale`` (the paper's scaler sharing): two gathered rounds, the float32
+               scales first, then every rank uses s = max over ranks and sends only its packed
+               codes; the result is (sum over ranks of the codes' +-1/0, an int32) * s.
     qsgd       Alistarh et al. 2017. v = ||a||_2 per bucket; r = |a| * (s / v); level = floor(r)
                + (u < r - floor(r)), at most s; code = sign * level + s in [0, 2s], packed in
                ceil(log2(2s+1)) bits (fixed width, not the paper's Elias code); decoded = (code -
@@ -45,6 +48,7 @@ from ..packing import bits_for_levels, pack, packed_size, unpack
 from ..rng import uniform
 from ..spec import GATHERED, PER_MEMBER, Param, Round, register, residual_param
 from .oneround import OneRoundOracle
+from .oracle import Allgather
 
 F32 = np.float32
 SCALE_BYTES = 4
@@ -71,8 +75,11 @@ def _scales_per_tensor(name: str, p, d):
 
 def _wire_for(name: str):
     def rule(params, d, itemsize, world, density):
-        bits = _codes_bits(name, params)
-        return (Round(GATHERED, 1, np.ceil(d * bits / 8) + SCALE_BYTES * _scales_per_tensor(name, params, d)),)
+        codes = np.ceil(d * _codes_bits(name, params) / 8)
+        scales = SCALE_BYTES * _scales_per_tensor(name, params, d)
+        if params.get("share_scale"):  # terngrad's scaler sharing: scales first, then codes
+            return (Round(GATHERED, 1, scales), Round(GATHERED, 1, codes))
+        return (Round(GATHERED, 1, codes + scales),)
     return rule
 
 
@@ -89,7 +96,10 @@ register("onebit", GATHERED, "1-bit SGD: sign bits (packed 8 per byte) and two r
 register("terngrad", GATHERED, "TernGrad: stochastic ternary {-s, 0, s}, s = max|a| per tensor or per "
          "bucket, 2-bit codes packed 4 per byte",
          Param("bucket", int, 0, "entries per scale (0: one scale per tensor)", **BUCKET), SEED,
-         residual_param(False), wire=_wire_for("terngrad"), merge=PER_MEMBER)
+         residual_param(False),
+         Param("share_scale", bool, False, "scaler sharing (Wen et al.): the scales are gathered first "
+               "and every rank uses their max over ranks, so the codes share one scale"),
+         wire=_wire_for("terngrad"), merge=PER_MEMBER)
 register("qsgd", GATHERED, "QSGD: s levels, stochastic rounding, scaled by the bucket's L2 norm; codes "
          "of ceil(log2(2s+1)) bits packed (fixed width)",
          Param("levels", int, 7, "s, the quantization levels per sign (codes in [-s, s])", low=1, high=127),
@@ -288,20 +298,45 @@ class TernGradOracle(_PackedOracle):
     bits = 2
     scales_per_segment = 1
 
-    def encode(self, a, lay, ctx):
+    def ternarize(self, a, s, lay, ctx):
+        """2-bit codes of ``a`` for scales ``s``: keep |a| / s with probability, sign in the code."""
         mag = np.abs(a)
-        s = bucket_reduce(mag, lay, "max").astype(F32)
         se = expand(s, lay)
         with np.errstate(invalid="ignore", divide="ignore"):
             p = np.where(se > 0, mag / se, F32(0)).astype(F32)
         u = uniform(a.size, self.spec["seed"], ctx.step, ctx.key, ctx.rank)
         keep = u < p
-        codes = np.where(keep, np.where(a >= 0, 1, 2), 0).astype(np.uint8)
-        return s, codes
+        return np.where(keep, np.where(a >= 0, 1, 2), 0).astype(np.uint8)
+
+    def encode(self, a, lay, ctx):
+        s = bucket_reduce(np.abs(a), lay, "max").astype(F32)
+        return s, self.ternarize(a, s, lay, ctx)
 
     def decode(self, scales, codes, lay, numel, ctx):
         s = expand(scales, lay)
         return np.where(codes == 1, s, np.where(codes == 2, -s, F32(0))).astype(F32)
+
+    def exchange(self, x, ctx):
+        if not self.spec["share_scale"]:
+            return (yield from super().exchange(x, ctx))
+        use_residual = bool(self.spec["residual"])
+        r = ctx.state.get("residual")
+        a = x + r if (use_residual and r is not None) else x
+        a32 = a.astype(F32)
+        lay = self.layout(a.size, ctx)
+        local = bucket_reduce(np.abs(a32), lay, "max").astype(F32)
+        (gathered,) = yield (Allgather(local),)
+        s = gathered.reshape(ctx.world_size, -1).max(axis=0)  # exact in any order
+        codes = self.ternarize(a32, s, lay, ctx)
+        if use_residual:
+            ctx.state["residual"] = a - self.decode(s, codes, lay, a.size, ctx).astype(a.dtype)
+        (packed,) = yield (Allgather(pack(codes, self.bits)),)
+        votes = np.zeros(a.size, dtype=np.int32)
+        for part in packed.reshape(ctx.world_size, -1):  # integer sum: any order
+            got = unpack(part, self.bits, a.size).astype(np.int32)
+            votes += (got == 1).astype(np.int32) - (got == 2).astype(np.int32)
+        total = (votes.astype(F32) * expand(s, lay)).astype(a.dtype)
+        return (total * F32(ctx.scale)).astype(F32)
 
 
 class QSGDOracle(_PackedOracle):

@@ -13,7 +13,8 @@ import tensorflow as tf
 from hvdcompress.packing import bits_for_levels
 from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, layout_for
 
-from .base import OneRoundCompressor
+from ..collectives import Allgather
+from .base import OneRoundCompressor, scaled
 from .packing import pack, uniform, unpack
 
 
@@ -147,19 +148,44 @@ class TernGradCompressor(_Packed):
     scales_per_segment = 1
     uses_step = True
 
-    def encode(self, a, lay, ctx):
+    def ternarize(self, a, s, lay, ctx):
+        """2-bit codes of ``a`` for scales ``s``: keep |a| / s with probability, sign in the code."""
         numel = int(a.shape[0])
-        mag = tf.abs(a)
-        s = bucket_reduce(mag, lay, "max")
-        p = tf.math.divide_no_nan(mag, expand(s, lay, numel))
+        p = tf.math.divide_no_nan(tf.abs(a), expand(s, lay, numel))
         keep = uniform(numel, self.spec["seed"], ctx.step, ctx.key, ctx.rank) < p
-        codes = tf.where(keep, tf.where(a >= 0, tf.constant(1, tf.uint8), tf.constant(2, tf.uint8)),
-                         tf.constant(0, tf.uint8))
-        return s, codes
+        return tf.where(keep, tf.where(a >= 0, tf.constant(1, tf.uint8), tf.constant(2, tf.uint8)),
+                        tf.constant(0, tf.uint8))
+
+    def encode(self, a, lay, ctx):
+        s = bucket_reduce(tf.abs(a), lay, "max")
+        return s, self.ternarize(a, s, lay, ctx)
 
     def decode(self, scales, codes, lay, numel, ctx):
         s = expand(scales, lay, numel)
         return tf.where(codes == 1, s, tf.where(codes == 2, -s, tf.zeros_like(s)))
+
+    def exchange(self, x, ctx):
+        """With ``share_scale`` (Wen et al.'s scaler sharing): the scales are gathered first and
+        every rank quantizes with their max over ranks; then the codes alone are gathered and
+        the result is (the int32 sum of the ranks' +-1/0) * s. Otherwise one round."""
+        if not self.spec["share_scale"]:
+            return (yield from super().exchange(x, ctx))
+        a = self.memory.compensate(x, ctx.state)
+        a32 = tf.cast(a, tf.float32)
+        numel = int(a.shape[0])
+        lay = self.layout(numel, ctx)
+        (gathered,) = yield (Allgather(bucket_reduce(tf.abs(a32), lay, "max")),)
+        s = tf.reduce_max(tf.reshape(gathered, [ctx.world_size, lay.segments]), axis=0)
+        codes = self.ternarize(a32, s, lay, ctx)
+        self.memory.update(lambda: a - tf.cast(self.decode(s, codes, lay, numel, ctx), a.dtype), ctx.state)
+        (packed,) = yield (Allgather(pack(codes, self.bits)),)
+        parts = tf.reshape(packed, [ctx.world_size, -1])
+        votes = tf.zeros([numel], tf.int32)
+        for r in range(ctx.world_size):  # an integer sum: any order
+            got = unpack(parts[r], self.bits, numel)
+            votes += tf.cast(got == 1, tf.int32) - tf.cast(got == 2, tf.int32)
+        total = tf.cast(tf.cast(votes, tf.float32) * expand(s, lay, numel), a.dtype)
+        return scaled(total, ctx.scale)
 
 
 class QSGDCompressor(_Packed):

@@ -17,6 +17,7 @@ import torch
 from hvdcompress.packing import bits_for_levels
 from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, layout_for
 
+from ..collectives import Allgather
 from .base import OneRoundCompressor
 from .packing import pack, uniform, unpack
 
@@ -158,20 +159,47 @@ class TernGradCompressor(_Packed):
     bits = 2
     scales_per_segment = 1
 
-    def encode(self, a, lay, ctx):
+    def ternarize(self, a, s, lay, ctx):
+        """2-bit codes of ``a`` for scales ``s``: keep |a| / s with probability, sign in the code."""
         mag = a.abs()
-        s = bucket_reduce(mag, lay, "max")
         se = expand(s, lay, a.numel())
         p = torch.where(se > 0, mag / se, mag.new_zeros(()))
         u = uniform(a.numel(), self.spec["seed"], ctx.step, ctx.key, ctx.rank, device=a.device)
         keep = u < p
-        codes = torch.where(a >= 0, 1, 2).to(torch.uint8) * keep.to(torch.uint8)
-        return s, codes
+        return torch.where(a >= 0, 1, 2).to(torch.uint8) * keep.to(torch.uint8)
+
+    def encode(self, a, lay, ctx):
+        s = bucket_reduce(a.abs(), lay, "max")
+        return s, self.ternarize(a, s, lay, ctx)
 
     def decode(self, scales, codes, lay, numel, ctx):
         s = expand(scales, lay, numel)
         zero = s.new_zeros(())
         return torch.where(codes == 1, s, torch.where(codes == 2, -s, zero))
+
+    def exchange(self, x, ctx):
+        """With ``share_scale`` (Wen et al.'s scaler sharing): the scales are gathered first and
+        every rank quantizes with their max over ranks; then the codes alone are gathered and
+        the result is (the int32 sum of the ranks' +-1/0) * s. Otherwise one round."""
+        if not self.spec["share_scale"]:
+            return (yield from super().exchange(x, ctx))
+        a = self.memory.compensate(x, ctx.state)
+        a32 = a.to(torch.float32)
+        numel = a.numel()
+        lay = self.layout(numel, ctx)
+        (gathered,) = yield (Allgather(bucket_reduce(a32.abs(), lay, "max")),)
+        s = gathered.view(ctx.world_size, -1).amax(dim=0) if lay.segments else gathered
+        codes = self.ternarize(a32, s, lay, ctx)
+        self.memory.update(lambda: a - self.decode(s, codes, lay, numel, ctx).to(a.dtype), ctx.state)
+        (packed,) = yield (Allgather(pack(codes, self.bits)),)
+        votes = torch.zeros(numel, dtype=torch.int32, device=a.device)
+        for part in (packed.view(ctx.world_size, -1) if numel else ()):  # an integer sum: any order
+            got = unpack(part, self.bits, numel)
+            votes += (got == 1).to(torch.int32) - (got == 2).to(torch.int32)
+        total = (votes.to(torch.float32) * expand(s, lay, numel)).to(a.dtype)
+        if ctx.scale != 1.0:
+            total.mul_(ctx.scale)
+        return total
 
 
 class QSGDCompressor(_Packed):
