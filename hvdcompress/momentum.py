@@ -5,12 +5,21 @@ wrapped optimizer must run without its own or momentum would be applied twice. T
 momentum (and Nesterov flag) then replaces the spec's, with a warning when they differ; the
 backend sets the optimizer's momentum to 0. What cannot be honoured raises ValueError: parameter
 groups with different momenta (one memory, one momentum), or Nesterov for a compressor without it.
+
+Weight decay is taken over with the momentum (PyTorch SGD's coupled ``weight_decay``): it keeps its
+own momentum outside the exchange, identical on every rank, and its term is added to the exchanged
+result (``hvdcompress.reference.dgc.weight_decay_step`` states the math and why this placement).
+``check_sgd_groups`` refuses the SGD settings that cannot be honoured once the momentum lives in
+the compressor: ``dampening`` != 0 (the memory computes ``u = m*u + g``, undampened) and
+``maximize=True`` with weight decay (the optimizer would negate the decay term it is handed).
+Keras's ``weight_decay`` is decoupled (applied to the variables, never through the momentum, in
+dense training too), so it needs no taking over: the Keras optimizer keeps applying it.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Tuple
+from typing import Any, Iterable, Mapping, Tuple
 
 from .spec import CompressionSpec
 
@@ -41,3 +50,20 @@ def take_over_momentum(spec: CompressionSpec, momenta: Iterable[Tuple[float, boo
     if has_nesterov:
         params["nesterov"] = nesterov
     return CompressionSpec(name, params)
+
+
+def check_sgd_groups(spec: CompressionSpec, groups: Iterable[Mapping[str, Any]]) -> None:
+    """ValueError for what the wrapped optimizer's parameter groups (PyTorch SGD's keys) ask and a
+    compressor keeping the momentum cannot honour (the module doc); call on every rank, before any
+    collective."""
+    name = spec.name
+    for i, g in enumerate(groups):
+        damp = g.get("dampening", 0.0)
+        if g.get("momentum", 0.0) > 0.0 and damp != 0:
+            raise ValueError(f"compression '{name}': the optimizer's dampening={damp} (parameter group {i}) "
+                             f"cannot be honoured: {name} applies the momentum in its memory as u = m*u + g, "
+                             "undampened; dampening must be 0")
+        if g.get("maximize", False) and g.get("weight_decay", 0.0) and spec["momentum"] > 0.0:
+            raise ValueError(f"compression '{name}': maximize=True with weight_decay (parameter group {i}) "
+                             f"cannot be honoured: {name} adds the decay term to the exchanged gradient, which "
+                             "the optimizer would negate; weight_decay must be 0 with maximize=True")

@@ -36,12 +36,15 @@ class Param:
     low_open: bool = False  # True: the range excludes ``low``
     high_open: bool = False
     optional: bool = False  # None (written "none") is accepted and means "off"
+    choices: Tuple[str, ...] = ()  # kind str: the accepted values
 
     def range_text(self) -> str:
         if self.kind is bool:
             return "true or false"
         if self.kind is tuple:
             return "floats in (0, 1] separated by '/' (empty for the default)"
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
         if self.optional:
             return self._numeric_range() + " or none"
         return self._numeric_range()
@@ -57,6 +60,10 @@ class Param:
         where = f"{spec_name}: parameter '{self.name}'"
         if self.optional and (value is None or (isinstance(value, str) and value.lower() == "none")):
             return None
+        if self.choices:
+            if not isinstance(value, str) or value.lower() not in self.choices:
+                raise ValueError(f"{where} must be {self.range_text()}; got {value!r}")
+            return value.lower()
         value = _coerce(where, self.kind, value, self.range_text())
         if self.kind in (int, float):
             if isinstance(value, float) and not math.isfinite(value):
@@ -230,6 +237,24 @@ class CompressionSpec:
         """This spec with ``params`` changed: ``Compression.topk(ratio=0.01)``. Uncalled and
         called without arguments are the same spec (``Compression.fp16`` as in Horovod)."""
         return CompressionSpec(self.name, {**self.params, **params}) if params else self
+
+    def __hash__(self) -> int:  # Horovod's TF optimizers cache functions keyed by `compression`
+        return hash((self.name, tuple(sorted(self.params.items()))))
+
+    # Horovod's Compression protocol, so a spec also works in hvd.DistributedOptimizer(opt,
+    # compression=spec): only none, fp16 and bf16 fit it (``hvdcompress.horovod_interop``).
+    def compress(self, tensor: Any) -> Tuple[Any, Any]:
+        """Horovod's ``compress(tensor) -> (payload, ctx)`` (torch or TF tensor); ValueError for a
+        spec that cannot run inside Horovod's own optimizer, saying why."""
+        from .horovod_interop import compress
+
+        return compress(self, tensor)
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        """Horovod's ``decompress(summed payload, ctx) -> tensor``."""
+        from .horovod_interop import decompress
+
+        return decompress(self, tensor, ctx)
 
 
 def _fmt(v: Any) -> str:

@@ -240,6 +240,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self.synchronize()
         self._synchronized = False
         start = now()
+        self._hvc_compressor.before_step(self.param_groups, self.state)  # e.g. DGC's taken-over weight decay
         loss = super(self.__class__, self).step(closure)
         self._hvc_clock.update = (start, now())
         self._hvc_end_of_step()
@@ -279,6 +280,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for name, p in self._hvc_by_name.items():
                 c = corrections.get(name)
                 p.grad = c.view_as(p).clone() if c is not None else torch.zeros_like(p)
+            self._hvc_compressor.before_step(self.param_groups, self.state)
         super(self.__class__, self).step()
         average_over_ranks(self._hvc_driver, self._hvc_params, self.state, "hvc.flush")
         for p in self._hvc_params:
@@ -316,6 +318,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "state": self._hvc_param_state(),
             "plan": self._hvc_scheduler.plan_dict(),
             "delayed": self._hvc_delayed.state() if self._hvc_delayed.active else None,
+            "compressor": self._hvc_compressor.global_state(),
         }
         return sd
 
@@ -334,6 +337,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_step = int(ours["step"])
         self._hvc_epoch = int(ours["epoch"])
         self._hvc_epoch_set = bool(ours.get("epoch_set", True))
+        self._hvc_compressor.load_global_state(ours.get("compressor"))
         by_name = self._hvc_by_name
         per = {n: {} for n in by_name}
         per.update({key: {k: t.detach().clone().to(by_name[key].device) for k, t in st.items()}

@@ -2,7 +2,10 @@
 
 Per worker and tensor, with state u (momentum) and v (accumulated velocity), gradient g, world N:
 
-    g  <- g * min(1, (clip_norm / sqrt(N)) / (||g|| + 1e-6))     local clipping (if clip_norm)
+    g  <- g * c, c = (clip_norm / sqrt(N)) / (norm + 1e-6) when below 1   local clipping (if clip_norm;
+          clip_scope=tensor: norm of each member tensor of the exchange, each with its own c;
+          clip_scope=global: the whole local gradient's norm of the previous step, given by the
+          caller in the state as "global_norm" (``hvdcompress.clipping``); absent: not clipped)
     sparse tensors (>= min_sparse_numel entries and not 1-D):
       momentum correction on:  u <- m*u + g;  v <- v + u      (Nesterov: v <- v + (g + m*u))
       momentum correction off: v <- v + g
@@ -13,6 +16,18 @@ Per worker and tensor, with state u (momentum) and v (accumulated velocity), gra
     dense tensors:
       correction on:  u <- m*u + g;  send u (Nesterov: g + m*u);  result = sum * scale
       correction off: send g;  avg = sum * scale;  u <- m*u + avg;  result = u (Nesterov: avg + m*u)
+
+Weight decay (the wrapped SGD's ``weight_decay`` wd, taken over with its momentum) never enters
+the exchange: ``weight_decay_step`` keeps its own momentum w per parameter, identical on every
+rank, and adds its term to the exchanged result before the optimizer's step:
+
+    d <- wd * p;  w <- m*w + d;  result <- result + w        (Nesterov: result + (d + m*w))
+
+This is the placement of the paper's reference implementation (its DGC-SGD step), and by
+linearity it is dense momentum SGD with L2 weight decay when everything is sent: the exchanged
+velocity is the momentum of the averaged gradient, w the momentum of wd*p, their sum the momentum
+of (g + wd*p). Decay costs no bandwidth, is never delayed by the sparsification, and takes no
+top-k slots from the gradient.
 
 All arithmetic is float32, one operation at a time, in the order written (the norm in float64),
 so the PyTorch and TensorFlow implementations can match it bit for bit.
@@ -30,7 +45,8 @@ from ..sampling import (ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, ind
 from ..spec import GATHERED, RATIO_RANGE, CompressionSpec, Param, num_selected, register
 from ..warmup import density_at
 from ..wire import sparse_gathered
-from .oracle import Allgather, Allreduce, Oracle, OracleContext, simulate
+from ..clipping import CLIP_SCOPES, clip_coefficient
+from .oracle import Allgather, Allreduce, Member, Oracle, OracleContext, simulate
 from .selection import topk_indices
 
 F32 = np.float32
@@ -56,12 +72,35 @@ def sampled_threshold_select(v: np.ndarray, k: int, sample_ratio: float, adapt_i
     return idx.astype(index_dtype(n))
 
 
-def _clip(g: np.ndarray, clip_norm, world: int) -> np.ndarray:
-    if clip_norm is None:
+def sum_of_squares(g: np.ndarray) -> float:
+    """A tensor's squared norm, in float64."""
+    return float(np.sum(np.asarray(g, dtype=np.float64) ** 2))
+
+
+def _clip(g: np.ndarray, p: Dict[str, Any], ctx: OracleContext) -> np.ndarray:
+    """Local clipping (the module doc): per member tensor, or by the previous step's global norm."""
+    if p["clip_norm"] is None:
         return g
-    norm = np.sqrt(np.sum(g.astype(np.float64) ** 2))
-    coef = (clip_norm / np.sqrt(world)) / (norm + 1e-6)
-    return g * F32(coef) if coef < 1.0 else g
+    if p["clip_scope"] == "global":
+        coef = clip_coefficient(ctx.state.get("global_norm"), p["clip_norm"], ctx.world_size)
+        return g if coef is None else g * F32(coef)
+    out = g
+    for m in ctx.members or (Member(ctx.key, tuple(ctx.shape), 0),):
+        part = g[m.offset:m.offset + m.numel]
+        coef = clip_coefficient(math.sqrt(sum_of_squares(part)), p["clip_norm"], ctx.world_size)
+        if coef is not None:
+            out = out.copy() if out is g else out
+            out[m.offset:m.offset + m.numel] = part * F32(coef)
+    return out
+
+
+def weight_decay_step(w: np.ndarray, param: np.ndarray, weight_decay: float, momentum: float,
+                      nesterov: bool) -> np.ndarray:
+    """The taken-over weight decay (the module doc): updates its momentum ``w`` in place and
+    returns the term added to the exchanged result."""
+    d = np.asarray(param, dtype=F32) * F32(weight_decay)
+    w[:] = w * F32(momentum) + d
+    return d + w * F32(momentum) if nesterov else w.copy()
 
 
 def is_dense(spec: CompressionSpec, shape: Tuple[int, ...]) -> bool:
@@ -90,7 +129,7 @@ class DGCOracle(Oracle):
         scale = F32(ctx.scale)
         m = F32(p["momentum"])
         st = ctx.state
-        g = _clip(np.asarray(x, dtype=F32).reshape(-1), p["clip_norm"], world)
+        g = _clip(np.asarray(x, dtype=F32).reshape(-1), p, ctx)
         u = st.setdefault("u", np.zeros_like(g))
         if is_dense(self.spec, ctx.shape):
             if p["momentum_correction"]:
@@ -161,8 +200,11 @@ register("dgc", GATHERED, "Deep Gradient Compression (Lin et al., ICLR 2018): to
          Param("nesterov", bool, False, "Nesterov momentum"),
          Param("momentum_correction", bool, True, "accumulate velocity (u = m*u + g; v += u) instead of "
                "gradients; off: accumulate gradients, apply momentum to the exchanged average"),
-         Param("clip_norm", float, None, "local clipping: each tensor's gradient norm is clipped to "
+         Param("clip_norm", float, None, "local clipping: the gradient norm is clipped to "
                "clip_norm / sqrt(world size) before accumulation", low=0.0, low_open=True, optional=True),
+         Param("clip_scope", str, "tensor", "whose norm clip_norm bounds: 'tensor' (each tensor's own), "
+               "'global' (the worker's whole gradient, as in the paper; the previous step's norm, so "
+               "exchanges still launch during backward)", choices=CLIP_SCOPES),
          Param("momentum_masking", bool, True, "zero the momentum u where an entry was sent"),
          Param("warmup_epochs", int, 4, "epochs of exponentially falling density", low=0),
          Param("warmup_schedule", tuple, (), "explicit warm-up densities, one per epoch, decreasing "

@@ -126,6 +126,19 @@ class Compressor(ABC):
         """Called after ``load_state_dict`` restored the wrapped optimizer's parameter groups
         (e.g. so a loaded group does not bring back momentum the compressor took over)."""
 
+    def before_step(self, param_groups: List[Dict[str, Any]], state: Dict[Any, Dict[str, Any]]) -> None:
+        """Called with the exchanged gradients in ``.grad``, right before the wrapped optimizer's
+        step (``state``: its per-parameter state, saved with it). DGC adds the weight decay it took
+        over here. Default: nothing."""
+
+    def global_state(self) -> Dict[str, Any]:
+        """State of the compressor as a whole (not per tensor), saved in the optimizer's
+        checkpoint: plain Python values. Default: none."""
+        return {}
+
+    def load_global_state(self, state: Optional[Dict[str, Any]]) -> None:
+        """Restore what ``global_state`` returned (None or {} when the checkpoint has none)."""
+
     @property
     def warmup_epoch_steps(self) -> Optional[int]:
         """For compressors whose density follows the epoch (a warm-up): the epoch length, in
@@ -156,24 +169,64 @@ class Compressor(ABC):
 class TakesMomentum:
     """Mixin for compressors that keep the momentum in their memory (DGC, the count sketch): the
     wrapped optimizer's momentum moves into the spec (``hvdcompress.momentum``) and its parameter
-    groups run with momentum 0, also after ``load_state_dict``."""
+    groups run with momentum 0, also after ``load_state_dict``.
+
+    SGD's ``weight_decay`` is taken over with the momentum (whenever the compressor's momentum is
+    above 0): each group's decay moves to ``group["hvc_weight_decay"]`` (the group's own
+    ``weight_decay`` becomes 0), and ``before_step`` adds the decay term, with its own momentum
+    ``w = m*w + wd*p`` kept in the optimizer's state (``"hvc_weight_decay_momentum"``), to the
+    exchanged gradient: the placement of the paper's reference implementation (the oracle
+    ``hvdcompress.reference.dgc.weight_decay_step``), so DGC with a weight-decayed momentum SGD
+    trains like the dense one. What cannot be honoured is refused (``check_sgd_groups``)."""
 
     @classmethod
     def adapt_optimizer(cls, spec: CompressionSpec, param_groups: List[Dict[str, Any]]) -> CompressionSpec:
-        from hvdcompress.momentum import take_over_momentum
+        from hvdcompress.momentum import check_sgd_groups, take_over_momentum
 
         new = take_over_momentum(spec, [(g.get("momentum", 0.0), g.get("nesterov", False)) for g in param_groups])
+        check_sgd_groups(new, param_groups)
         if new is not spec:
             for g in param_groups:
                 g["momentum"] = 0.0
                 if "nesterov" in g:
                     g["nesterov"] = False
+        cls._take_weight_decay(new, param_groups)
         return new
+
+    @staticmethod
+    def _take_weight_decay(spec: CompressionSpec, param_groups: List[Dict[str, Any]]) -> None:
+        if spec["momentum"] > 0.0:
+            for g in param_groups:
+                if g.get("weight_decay", 0.0):
+                    g["hvc_weight_decay"] = g["weight_decay"]
+                    g["weight_decay"] = 0.0
 
     def after_load(self, param_groups: List[Dict[str, Any]]) -> None:
         for g in param_groups:  # a loaded param_group must not bring the momentum back
             if "momentum" in g:
                 g["momentum"] = 0.0
+        self._take_weight_decay(self.spec, param_groups)
+
+    def before_step(self, param_groups: List[Dict[str, Any]], state: Dict[Any, Dict[str, Any]]) -> None:
+        m, nesterov = self.spec["momentum"], self.spec.params.get("nesterov", False)
+        self._take_weight_decay(self.spec, param_groups)  # also a weight_decay set since
+        with torch.no_grad():
+            for g in param_groups:
+                wd = g.get("hvc_weight_decay", 0.0)
+                if not wd:
+                    continue
+                for p in g["params"]:
+                    if p.grad is None:
+                        continue
+                    st = state[p]
+                    w = st.get("hvc_weight_decay_momentum")
+                    if w is None:
+                        w = st["hvc_weight_decay_momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    d = p.detach() * wd  # d = wd*p; w = m*w + d; the term: w (Nesterov: d + m*w)
+                    w.mul_(m).add_(d)
+                    if p.grad.is_sparse:
+                        p.grad = p.grad.to_dense()
+                    p.grad.add_(d + w * m if nesterov else w)
 
 
 class OneRoundCompressor(Compressor):

@@ -3,14 +3,19 @@
 The math, per worker and tensor (u: momentum, v: accumulated velocity, both in ``ctx.state``;
 the numpy oracle ``hvdcompress.reference.dgc`` spells out every step and the order of operations):
 
-    g <- g * min(1, clip_norm / sqrt(N) / ||g||)          local gradient clipping (optional)
+    g <- g * min(1, clip_norm / sqrt(N) / ||g||)          local gradient clipping (optional;
+         clip_scope=tensor: each member tensor's norm; global: the whole local gradient's norm of
+         the previous step, ``hvdcompress.clipping``, so groups still launch during backward)
     u <- m*u + g;  v <- v + u   (Nesterov: v <- v + g + m*u)   momentum correction
     I <- sampled-threshold top-k of |v|, k = ceil(density(epoch) * n)
     send (I, v[I]);  v[I] <- 0;  u[I] <- 0                 momentum factor masking
     result = (sum over ranks of the scattered values) / N
 
 Because the momentum lives here, the wrapped optimizer must not apply its own: the
-``DistributedOptimizer`` takes an SGD optimizer's momentum over (see ``adopt_momentum``).
+``DistributedOptimizer`` takes an SGD optimizer's momentum over (see ``adopt_momentum``), and
+its ``weight_decay`` with it: the decay gets its own momentum, outside the exchange, added to the
+exchanged result before the step (``TakesMomentum.before_step``; the oracle's
+``weight_decay_step`` says why this placement, the paper's reference implementation's).
 Tensors that are 1-D or smaller than ``min_sparse_numel`` are exchanged dense (allreduce of the
 velocity u), so every parameter gets the same momentum SGD treatment. Each switch of the spec
 (momentum_correction, clip_norm, momentum_masking, warmup_epochs) turns one technique off for
@@ -23,6 +28,7 @@ import math
 
 import torch
 
+from hvdcompress.clipping import GlobalNorm, clip_coefficient
 from hvdcompress.sampling import sample_offset, sample_stride
 from hvdcompress.reference.dgc import dgc_density, dgc_sends_dense
 from hvdcompress.spec import CompressionSpec, num_selected
@@ -44,6 +50,15 @@ class DGCCompressor(TakesMomentum, Compressor):
         self.correction = p["momentum_correction"]
         self.masking = p["momentum_masking"] and p["momentum_correction"]
         self.clip_norm = p["clip_norm"]
+        self.clip_global = p["clip_scope"] == "global"
+        self.global_norm = GlobalNorm()  # clip_scope=global: the whole local gradient's norm, one step late
+
+    def global_state(self):
+        return {"global_norm": self.global_norm.state()} if self.clip_global else {}
+
+    def load_global_state(self, state) -> None:
+        if self.clip_global:
+            self.global_norm.load((state or {}).get("global_norm"))
 
     def density(self, epoch: int) -> float:
         return dgc_density(self.spec, epoch)
@@ -51,12 +66,25 @@ class DGCCompressor(TakesMomentum, Compressor):
     def is_dense(self, shape) -> bool:
         return dgc_sends_dense(self.spec, tuple(shape))
 
-    def _clip(self, g: torch.Tensor, world: int) -> torch.Tensor:
+    def _clip(self, g: torch.Tensor, ctx: ExchangeContext) -> torch.Tensor:
+        """Local clipping (``hvdcompress.clipping``): per member tensor, or every member by the
+        previous step's whole-gradient norm (this step's sums of squares are recorded for the next)."""
         if self.clip_norm is None:
             return g
-        norm = math.sqrt(float(torch.sum(g.double() ** 2)))
-        coef = (self.clip_norm / math.sqrt(world)) / (norm + 1e-6)
-        return g * torch.tensor(coef, dtype=g.dtype) if coef < 1.0 else g
+        views = ctx.member_views(g)
+        sumsq = [float(torch.sum(view.double() ** 2)) for _, view in views]
+        if self.clip_global:
+            coef = clip_coefficient(self.global_norm.norm_before(ctx.step), self.clip_norm, ctx.world_size)
+            for (m, _), s in zip(views, sumsq):
+                self.global_norm.record(ctx.step, m.name, s)
+            return g if coef is None else g * torch.tensor(coef, dtype=g.dtype)
+        out = g
+        for (m, view), s in zip(views, sumsq):
+            coef = clip_coefficient(math.sqrt(s), self.clip_norm, ctx.world_size)
+            if coef is not None:
+                out = out.clone() if out is g else out
+                out[m.offset:m.offset + m.numel].mul_(torch.tensor(coef, dtype=g.dtype))
+        return out
 
     def _state(self, ctx: ExchangeContext, name: str, like: torch.Tensor) -> torch.Tensor:
         t = ctx.state.get(name)
@@ -72,7 +100,7 @@ class DGCCompressor(TakesMomentum, Compressor):
 
     def exchange(self, x: torch.Tensor, ctx: ExchangeContext):
         shape = ctx.shape or tuple(x.shape)
-        g = self._clip(x, ctx.world_size)
+        g = self._clip(x, ctx)
         u = self._state(ctx, "u", g)
         if self.is_dense(shape):
             if self.correction:
