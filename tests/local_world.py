@@ -101,7 +101,7 @@ def run_lockstep(gens: Sequence) -> tuple:
             kinds = {type(rounds[r][i]).__name__ for r in range(n)}
             assert len(kinds) == 1, "ranks disagree on the collective"
             tensors = [rounds[r][i].tensor for r in range(n)]
-            if kinds == {"Allreduce"}:
+            if kinds in ({"Allreduce"}, {"Flag"}):  # Flag: a control value summed with a round
                 out = backend.allreduce(tensors)
             elif kinds == {"Allgather"}:
                 out = backend.allgather(tensors)

@@ -39,6 +39,12 @@ class Allgather:
 
 
 @dataclass(frozen=True)
+class Flag(Allreduce):
+    """A control value summed with a round (the non-finite flag of ``tf_ops.nonfinite``): a
+    4-byte allreduce that ``stats`` does not count as payload."""
+
+
+@dataclass(frozen=True)
 class Alltoall:
     tensor: tf.Tensor
     splits: Tuple[int, ...]
@@ -52,6 +58,8 @@ def request_bytes(requests: Sequence[Request]) -> tf.Tensor:
     """Bytes this rank contributes to the collectives of one round (an int64 scalar tensor)."""
     total = tf.constant(0, tf.int64)
     for r in requests:
+        if isinstance(r, Flag):
+            continue
         total += tf.size(r.tensor, out_type=tf.int64) * r.tensor.dtype.size
     return total
 

@@ -49,6 +49,7 @@ from hvdcompress.stats import WireStats
 
 from .collectives import HorovodDriver, run_exchanges
 from .compressors import ExchangeContext, build_compressor
+from .nonfinite import RestoreMarker, guard
 from .delayed import DelayedAveraging, apply_and_average, check_delay, check_sync_every
 from .grouping import (Group, cached_cost_model, check_cost_model, check_plannable, check_schedule, flatten,
                        join_state, make_groups, member_slots, needs_cost_model, schedule_text, split,
@@ -143,6 +144,7 @@ class GradientCompression(tf.Module):
                                          trainable=False, name="density")
                              if self._compressor.has_density else None)
         self.slots: List[Dict[str, tf.Variable]] = []
+        self._restored = RestoreMarker()  # a restore makes the next exchange check the state is finite
         # delayed averaging state (tf_ops.delayed); None when synchronous, so that path is unchanged
         self.delayed = DelayedAveraging(delay, sync_every) if delay > 0 or sync_every > 1 else None
 
@@ -366,23 +368,26 @@ class GradientCompression(tf.Module):
                                  "compressed exchange needs static shapes")
         groups = self._groups(grads, world_size, process_set)
         self._ensure_slots(grads, groups)
-        check = tf.debugging.assert_equal(
+        check = [tf.debugging.assert_equal(
             self.spec_text, str(self._spec),
             message=f"compression state was saved with another compression spec; this object uses "
-                    f"'{self._spec}' (restore a checkpoint made with the same spec)")
+                    f"'{self._spec}' (restore a checkpoint made with the same spec)")]
+        restored = self._restored.pending.read_value()
         step = self.step.read_value()
         density = self._step_density(step)
         rank = _rank_in(process_set)
         gens, names, states = [], [], []
         for group in groups:
-            with tf.control_dependencies([check]):
+            with tf.control_dependencies(check):
                 x = flatten([grads[i] for i in group.positions])
             if prescale != 1.0:
                 x = x * tf.cast(prescale, x.dtype)
             state = self._group_state(group)
             ctx = ExchangeContext(group.key, step, world_size, scale, state, group.shape, 0, density,
                                   rank, group.layout)
-            gens.append(self._compressor.exchange(x, ctx))
+            where = f"gradient {group.positions[0]}" if len(group.positions) == 1 else \
+                f"gradients {', '.join(map(str, group.positions))}"
+            gens.append(guard(self._compressor.exchange(x, ctx), x, state, restored, where))  # never hidden
             names.append(f"{self.name}.{group.op_name}")
             states.append(state)
         return PendingExchange(self, grads, groups, states, gens, names)
@@ -433,6 +438,7 @@ class GradientCompression(tf.Module):
                 dense_bytes += grads[i].shape.num_elements() * grads[i].dtype.size
             if len(group.positions) > 1:
                 split_state(group, [self.slots[i] for i in group.positions], state)
+        self._restored.done([r for r in results if r is not None])
         self.step.assign_add(1)
         loc = self._local
         loc.steps.assign_add(1)
