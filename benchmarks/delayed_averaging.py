@@ -12,8 +12,10 @@ compute-only step (the wrapped optimizer without any exchange) measured in the s
 
 ``accuracy``: the examples' digits CNN (or the mnist1d MLP) trained for ``--epochs`` with SGD
 (momentum 0.9) under each (delay, sync_every), every configuration from the same initialisation,
-per seed; test accuracy after ``flush()``, mean over seeds, and whether the replicas ended
-identical. Rank 0 prints a markdown table and writes JSON (and a PNG for ``latency``).
+per seed (every D of ``--delay`` at K = 1, every K > 1 of ``--sync-every`` at each D of
+``--k-delays``); test accuracy after ``flush()``, mean over seeds, and whether the replicas ended
+identical. The step time on an EMULATED network (namespaces + tbf, 4 workers) is measured by
+``benchmarks/delayed_network.py``. Rank 0 prints a markdown table and writes JSON (and a PNG for ``latency``).
 """
 
 from __future__ import annotations
@@ -161,10 +163,10 @@ def train_one(spec, delay, every, data, args, seed) -> dict:
             "bytes_per_step": opt.stats.as_dict()["bytes_per_step"]}
 
 
-def run_accuracy(args) -> dict:
+def run_accuracy(args, partial=None) -> dict:
     data = load(args.dataset)
     configs = [(spec, d, 1) for spec in args.compression for d in args.delay] + \
-              [(spec, 0, k) for spec in args.compression for k in args.sync_every if k > 1]
+              [(spec, d, k) for spec in args.compression for d in args.k_delays for k in args.sync_every if k > 1]
     rows = []
     for spec, d, k in configs:
         per_seed = [train_one(spec, d, k, data, args, seed) for seed in args.seeds]
@@ -176,6 +178,10 @@ def run_accuracy(args) -> dict:
         rows.append(row)
         if hvc.rank() == 0:
             print(f"{spec:>16} D={d} K={k}: {row['mean_accuracy']:.4f} {row['accuracy']}", flush=True)
+            if partial:  # an interrupted sweep keeps what it measured
+                with open(partial, "w") as f:
+                    json.dump({"rows": rows, "partial": True, "argv": sys.argv[1:], "workers": hvc.size(),
+                               "dataset": args.dataset}, f, indent=2)
     return {"rows": rows}
 
 
@@ -199,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--delay", type=_ints, default=None)
     p.add_argument("--latency-ms", type=_floats, default=[0, 50, 100, 200, 300])
     p.add_argument("--sync-every", type=_ints, default=[1, 2, 4])
+    p.add_argument("--k-delays", type=_ints, default=[0],
+                   help="accuracy: the delays at which every --sync-every K > 1 is trained (the delays of "
+                        "--delay are trained at K = 1)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--batch", type=int, default=64)
@@ -210,6 +219,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    load_start, started = os.getloadavg(), time.time()
     hvc.init()
     if args.what == "latency":
         args.compression = args.compression or ["none", "topk:ratio=0.001"]
@@ -221,12 +231,14 @@ def main(argv=None) -> int:
     else:
         args.compression = args.compression or ["none"]
         args.delay = args.delay or [0, 1, 2, 4, 8]
-        result = run_accuracy(args)
-        table = accuracy_table(result)
         out = args.out or f"benchmarks/results/delayed-accuracy-{args.dataset}-{hvc.size()}workers"
+        result = run_accuracy(args, partial=out + ".json")
+        table = accuracy_table(result)
     if hvc.rank() == 0:
         result.update({"argv": sys.argv[1:], "workers": hvc.size(), "torch_threads": 1,
-                       "load_average": os.getloadavg(),
+                       "dataset": args.dataset if args.what == "accuracy" else None,
+                       "load_average": os.getloadavg(), "load_average_at_start": load_start,
+                       "seconds": time.time() - started,
                        "conditions": "2-core machine shared with other jobs; Gloo over loopback"})
         print(table)
         with open(out + ".json", "w") as f:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import hvdcompress
 
@@ -133,11 +133,16 @@ def _read_port(proc: subprocess.Popen, log: str) -> int:
                         f"{buf.decode(errors='replace')}{_tail(log)}")
 
 
+WORKER_ARGV = ("-m", "hvdcompress.bench.torch_worker")
+
+
 def run_workers(placement: Placement, config: dict, workdir: str, timeout_s: float,
-                on_output=None) -> List[dict]:
+                on_output=None, worker_argv: Sequence[str] = WORKER_ARGV) -> List[dict]:
     """Run one launch of ``placement.workers`` bench workers with ``config``; returns each rank's
     result (rank order). Raises :class:`WorkerFailure` on a failed worker or after ``timeout_s``;
-    every process started here is stopped before this returns or raises."""
+    every process started here is stopped before this returns or raises. Each worker runs
+    ``python <worker_argv> CONFIG.json`` from the project root (default: the harness's worker; a
+    benchmark script may give its own, which must write its result JSON to ``config["out"]``)."""
     n = placement.workers
     os.makedirs(workdir, exist_ok=True)
     config = dict(config, iface=placement.count_iface, out=os.path.join(workdir, "rank{rank}.json"))
@@ -163,7 +168,7 @@ def run_workers(placement: Placement, config: dict, workdir: str, timeout_s: flo
             logs.append(log)
             with open(log, "w") as out, held_signals():
                 procs.append(subprocess.Popen(
-                    placement.prefixes[rank] + [sys.executable, "-m", "hvdcompress.bench.torch_worker", config_path],
+                    placement.prefixes[rank] + [sys.executable, *worker_argv, config_path],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                     env=_worker_env(placement, port, slot, config["threads"]), cwd=PROJECT_ROOT))
         _supervise(procs[1:], logs, timeout_s, on_output)
