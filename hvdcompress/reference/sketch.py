@@ -6,7 +6,8 @@ N workers, state u (momentum) and v (accumulated velocity), both one entry per e
 
     u <- m*u + g;  v <- v + u                  (momentum taken over from the wrapped SGD; m = 0:
                                                 v <- v + g)
-    S[j, h_j(i)] += s_j(i) * v[i]              r x c count sketch of v, added in index order
+    S[j, h_j(i)] += s_j(i) * v[i]              r x c count sketch of v (positive and negative
+                                                entries summed apart, each in index order)
     round 1:  S <- Allreduce(S)                r*c floats, summed (sketches are linear)
     est[i] = lower median over j of s_j(i) * S[j, h_j(i)]    (sorted ascending, element (r-1)//2)
     C = the P*k largest |est| (ties to the lower index), ascending
@@ -16,15 +17,18 @@ N workers, state u (momentum) and v (accumulated velocity), both one entry per e
 
 Every decision is taken from summed data, so every rank selects the same I. The hashes h_j, s_j
 are computed from (index, row, seed, crc32(key)) by ``hvdcompress.hashing`` (never stored per
-entry). k = ``k`` if given, else ceil(ratio * d); c = ``cols`` if given, else ceil(cols_ratio * d).
+entry): simple tabulation gives a 32-bit x_j(i), one multiply-shift turns it into a signed cell
+y_j(i) in [0, 2c) (bucket y >> 1, sign - where y is odd). k = ``k`` if given, else ceil(ratio * d); c = ``cols`` if given, else ceil(cols_ratio * d).
 
 Dense rule: a tensor with d < ``min_sketch_numel`` entries, or whose sketch would not be smaller
 than the tensor (r*c + P*k >= d), is exchanged dense: u <- m*u + g; one Allreduce of u (d floats);
 result = sum * scale (plain momentum SGD, as DGC's dense path; v stays zero).
 
-Arithmetic is float32, one operation at a time in the order written; the sketch table adds the
-entries of each cell in ascending index order (``np.add.at``), so the PyTorch and TensorFlow ports
-can match it bit for bit where their scatter-add keeps that order.
+Arithmetic is float32, one operation at a time in the order written. The sketch is built as 2c
+signed cells per row (``signed_table``: v scattered by y, no sign multiply), each cell's entries
+added in ascending index order (``np.add.at``), then folded: S[j, b] = cell[2b] - cell[2b+1]. The
+estimate gathers s_j(i) * S[j, h_j(i)] as entry y_j(i) of [S, -S] interleaved. So the PyTorch and
+TensorFlow ports match it bit for bit where their scatter-add keeps index order.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, Dict, NamedTuple
 
 import numpy as np
 
-from ..hashing import MAX_COLS, bucket_sign, row_keys
+from ..hashing import MAX_COLS, cells, row_keys
 from ..spec import RATIO_RANGE, SUMMED, Param, Round, num_selected, register
 from ..wire import selected
 from .oracle import Allreduce, Oracle, OracleContext
@@ -70,25 +74,40 @@ def lower_median(rows: np.ndarray) -> np.ndarray:
     return np.sort(rows, axis=0)[(r - 1) // 2]
 
 
-def sketch_table(v: np.ndarray, keys, cols: int) -> np.ndarray:
-    """The r x c count sketch of v: cell (j, b) = sum over i with h_j(i) = b of s_j(i)*v[i],
-    added in ascending index order, in v's dtype."""
-    idx = np.arange(v.size, dtype=np.int64)
-    table = np.zeros((len(keys), cols), dtype=v.dtype)
+def signed_table(v: np.ndarray, keys, cols: int) -> np.ndarray:
+    """The r x 2c table of signed cells: cell (j, y) = sum over i with y_j(i) = y of v[i], added
+    in ascending index order, in v's dtype (even y: the positive entries of bucket y // 2, odd y:
+    the negative ones; ``hvdcompress.hashing``)."""
+    table = np.zeros((len(keys), 2 * cols), dtype=v.dtype)
     for j, rk in enumerate(keys):
-        bucket, sign = bucket_sign(idx, rk, cols)
-        np.add.at(table[j], bucket, v * sign.astype(v.dtype))
+        np.add.at(table[j], cells(rk, v.size, cols), v)
     return table
+
+
+def fold(signed: np.ndarray) -> np.ndarray:
+    """The count sketch from the signed cells: S[j, b] = cell[j, 2b] - cell[j, 2b + 1]."""
+    return signed[:, 0::2] - signed[:, 1::2]
+
+
+def sketch_table(v: np.ndarray, keys, cols: int) -> np.ndarray:
+    """The r x c count sketch of v: S[j, b] = sum over i with h_j(i) = b of s_j(i)*v[i], as the
+    positive entries' sum minus the negative entries' sum (each added in ascending index order)."""
+    return fold(signed_table(v, keys, cols))
+
+
+def unfold(table: np.ndarray) -> np.ndarray:
+    """The r x 2c signed cells of a (summed) sketch: [S[j, 0], -S[j, 0], S[j, 1], -S[j, 1], ...],
+    so that s_j(i) * S[j, h_j(i)] is entry y_j(i) (negation is exact)."""
+    return np.stack([table, -table], axis=2).reshape(table.shape[0], -1)
 
 
 def estimates(table: np.ndarray, keys, d: int) -> np.ndarray:
     """Every coordinate's estimate from a (summed) table: lower median of s_j(i) * S[j, h_j(i)]."""
-    idx = np.arange(d, dtype=np.int64)
+    signed = unfold(table)
     cols = table.shape[1]
     per_row = np.empty((len(keys), d), dtype=table.dtype)
     for j, rk in enumerate(keys):
-        bucket, sign = bucket_sign(idx, rk, cols)
-        per_row[j] = table[j][bucket] * sign.astype(table.dtype)
+        per_row[j] = signed[j][cells(rk, d, cols)]
     return lower_median(per_row)
 
 

@@ -14,11 +14,13 @@ sent dense (Allreduce of u). The sizes are static (from the tensor's static size
 exchange traces once; nothing depends on ``ctx.step``. The momentum lives here, so the Keras
 ``DistributedOptimizer`` takes an SGD optimizer's momentum over (``adapt_optimizer``).
 
-The hashes (``hvdcompress.hashing``) are int64 TF ops, computed per row over the whole tensor
-(no per-entry table is kept between steps; within one exchange each row's temporaries are O(d)).
-The table of each row is ``tf.math.unsorted_segment_sum``, which on CPU adds every cell's entries
-in index order, as the oracle's ``np.add.at`` (checked bit for bit by the tests); on a GPU its
-atomics add in no fixed order, so the table may differ in the last bits there.
+The hashes (``hvdcompress.hashing``: simple tabulation + one multiply-shift) are int64 TF ops:
+per row two short tables (65536 and d / 65536 entries) are mixed, one broadcast xor gives x for
+the whole tensor, two multiplies, a mask and a shift the signed cell y (no per-entry table is kept between
+steps; within one exchange each row's temporaries are O(d)). Each row's 2c signed cells are
+``tf.math.unsorted_segment_sum`` of v by y, which on CPU adds every cell's entries in index order,
+as the oracle's ``np.add.at`` (checked bit for bit by the tests); on a GPU its atomics add in no
+fixed order, so the table may differ in the last bits there.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hvdcompress import hashing
 from hvdcompress.hashing import C1, C2, M32, SHIFTS, row_keys
 from hvdcompress.reference.sketch import geometry
 from hvdcompress.spec import CompressionSpec
@@ -39,39 +42,64 @@ def _i64(x: int) -> tf.Tensor:
     return tf.constant(x, tf.int64)
 
 
-def bucket_sign(idx: tf.Tensor, rowkey: int, cols: int, dtype):
-    """(bucket int64 in [0, cols), sign +-1 in ``dtype``) of int64 indices for one row."""
+def mix32(x: tf.Tensor, key: int) -> tf.Tensor:
+    """``hashing.mix32_array`` in int64 TF ops: the mixer of (x XOR key), x in [0, 2**32)."""
     xor, shr, band = tf.bitwise.bitwise_xor, tf.bitwise.right_shift, tf.bitwise.bitwise_and
-    x = xor(idx, _i64(rowkey))
+    x = xor(x, _i64(key))
     x = xor(x, shr(x, _i64(SHIFTS[0])))
     x = band(x * _i64(C1), _i64(M32))
     x = xor(x, shr(x, _i64(SHIFTS[1])))
     x = band(x * _i64(C2), _i64(M32))
-    x = xor(x, shr(x, _i64(SHIFTS[2])))
-    sign = tf.cast(_i64(1) - _i64(2) * band(x, _i64(1)), dtype)
-    bucket = shr(shr(x, _i64(1)) * _i64(cols), _i64(31))
-    return bucket, sign
+    return xor(x, shr(x, _i64(SHIFTS[2])))
+
+
+def cells(rowkey: int, d: int, cols: int) -> tf.Tensor:
+    """y_j(i) = (((HIGH[i >> 16] xor LOW[i & 0xFFFF]) * C3 & M) * 2c) >> 32 for i < d (``hashing.cells``);
+    the two short tables are computed here, so a traced graph holds no per-entry constants."""
+    hashing.check_cols(cols)
+    n_low, n_high = hashing.table_sizes(d)
+    low = mix32(tf.range(n_low, dtype=tf.int64), rowkey)
+    high = mix32(tf.range(n_high, dtype=tf.int64), hashing.high_key(rowkey))
+    x = tf.reshape(tf.bitwise.bitwise_xor(high[:, None], low[None, :]), [-1])[:d]
+    return _signed_cell(x, cols)
+
+
+def _signed_cell(x: tf.Tensor, cols: int) -> tf.Tensor:
+    z = tf.bitwise.bitwise_and(x * _i64(hashing.C3), _i64(M32))
+    return tf.bitwise.right_shift(z * _i64(2 * cols), _i64(32))
+
+
+def bucket_sign(idx: tf.Tensor, rowkey: int, cols: int, dtype):
+    """(bucket int64 in [0, cols), sign +-1 in ``dtype``) of int64 indices for one row
+    (``hashing.bucket_sign``; by gathers from the tables, for tests and tools)."""
+    hashing.check_cols(cols)
+    band, shr = tf.bitwise.bitwise_and, tf.bitwise.right_shift
+    low = mix32(tf.range(hashing.BLOCK, dtype=tf.int64), rowkey)
+    n_high = tf.reduce_max(shr(idx, _i64(hashing.BLOCK_BITS))) + 1
+    high = mix32(tf.range(n_high, dtype=tf.int64), hashing.high_key(rowkey))
+    x = tf.bitwise.bitwise_xor(tf.gather(high, shr(idx, _i64(hashing.BLOCK_BITS))),
+                               tf.gather(low, band(idx, _i64(hashing.BLOCK - 1))))
+    y = _signed_cell(x, cols)
+    return shr(y, _i64(1)), tf.cast(_i64(1) - _i64(2) * band(y, _i64(1)), dtype)
 
 
 def sketch_table(v: tf.Tensor, keys, cols: int) -> tf.Tensor:
-    """The r x c count sketch of flat v (each cell summed in index order)."""
-    idx = tf.range(tf.size(v, out_type=tf.int64), dtype=tf.int64)
+    """The r x c count sketch of flat v: each row's 2c signed cells summed in index order
+    (``unsorted_segment_sum``), folded as cell[2b] - cell[2b+1] (the oracle's ``sketch_table``)."""
+    d = int(v.shape[0])
     rows = []
     for rk in keys:
-        bucket, sign = bucket_sign(idx, rk, cols, v.dtype)
-        rows.append(tf.math.unsorted_segment_sum(v * sign, bucket, cols))
+        signed = tf.reshape(tf.math.unsorted_segment_sum(v, cells(rk, d, cols), 2 * cols), [cols, 2])
+        rows.append(signed[:, 0] - signed[:, 1])
     return tf.stack(rows)
 
 
 def estimates(table: tf.Tensor, keys, d: int) -> tf.Tensor:
-    """Lower median over rows of s_j(i) * S[j, h_j(i)] for every i < d."""
-    idx = tf.range(d, dtype=tf.int64)
+    """Lower median over rows of s_j(i) * S[j, h_j(i)] for every i < d: entry y_j(i) of the
+    row's [S, -S] interleaved (the oracle's ``estimates``)."""
     cols = int(table.shape[1])
-    per_row = []
-    for j, rk in enumerate(keys):
-        bucket, sign = bucket_sign(idx, rk, cols, table.dtype)
-        per_row.append(tf.gather(table[j], bucket) * sign)
-    return lower_median(per_row)
+    signed = tf.reshape(tf.stack([table, -table], axis=2), [len(keys), 2 * cols])
+    return lower_median([tf.gather(signed[j], cells(rk, d, cols)) for j, rk in enumerate(keys)])
 
 
 def lower_median(rows):

@@ -12,28 +12,30 @@ Tensors under ``min_sketch_numel`` entries, or whose sketch is not smaller than 
 sent dense (Allreduce of u: momentum SGD). The momentum lives here, so the wrapped SGD's momentum
 is taken over (``adapt_optimizer``), as DGC does.
 
-Speed and memory: the hashes h_j, s_j (``hvdcompress.hashing``) are recomputed from the indices
-in chunks of ``CHUNK`` entries (int64 work buffers of that size, reused), once to build the sketch
-and once to estimate -- nothing of size r x d is ever held. The estimates (d floats) are the only
-dense temporary besides the state. Eager torch spends one pass over a chunk per integer op of the
-hash; ``HVDCOMPRESS_SKETCH_COMPILE=1`` fuses them with torch.compile (see below; opt-in because
-the first compilation takes tens of seconds).
+Speed and memory: the hashes (``hvdcompress.hashing``: simple tabulation + one multiply-shift) are
+computed per chunk of ``CHUNK`` entries (whole 65536-entry blocks) from two short tables per row
+(LOW: 65536 int64, HIGH: d / 65536), built once per exchange and used by both rounds. Per row and
+chunk that is five passes over an int64 buffer (one broadcast xor, two multiplies, a mask, a
+shift), then
+one ``scatter_add_`` of v into the row's 2c signed cells (no sign multiply) to sketch, or one
+``index_select`` from [S, -S] interleaved to estimate; the median of 5 (or 3) rows is a 10 (4)
+min/max selection network. Nothing of size r x d is ever held; the estimates (d floats) are the
+only dense temporary besides the state.
 
-Bit-exactness: the table is built with ``index_add_``, which on CPU adds a 1-D source into its
-destination serially, in index order, chunk after chunk into the same table -- the oracle's order
-(``np.add.at``); tests check the table, candidates, selected indices, results and state bit for
-bit. On a GPU ``index_add_`` adds with atomics in no fixed order: the table (and therefore, in
-near ties, the candidates) may differ from the oracle's in the last bits there.
+Bit-exactness: on CPU ``scatter_add_`` of a 1-D source adds serially, in index order, chunk after
+chunk into the same cells -- the oracle's order (``np.add.at``); tests check the table,
+candidates, selected indices, results and state bit for bit. On a GPU it adds with atomics in no
+fixed order: the table (and therefore, in near ties, the candidates) may differ from the oracle's
+in the last bits there.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Tuple
+from typing import Iterator, Tuple
 
 import torch
 
-from hvdcompress.hashing import C1, C2, M32, SHIFTS, row_keys
+from hvdcompress import hashing
 from hvdcompress.reference.sketch import geometry
 from hvdcompress.spec import CompressionSpec
 
@@ -41,154 +43,98 @@ from ..collectives import Allreduce
 from .base import Compressor, ExchangeContext, TakesMomentum
 from .selection import topk_indices
 
-CHUNK = 1 << 17
-COMPILE_ENV = "HVDCOMPRESS_SKETCH_COMPILE"
+CHUNK = 1 << 19
 
 
-# --- optional fused path (torch.compile) ------------------------------------------------------
-# Eager torch makes one pass over a chunk per integer op of the hash (~20 per row). With
-# HVDCOMPRESS_SKETCH_COMPILE=1 (or ``use_compiled(True)``) the hash, the signed weights and the
-# whole estimate (gathers + median network) of a chunk are fused by torch.compile (inductor, one
-# compilation with dynamic shapes, ~25-35 s on first use). Integer ops and the +-1 products are
-# exact, so the fused path gives the same bits (checked by the benchmark and an opt-in test).
-def _hash_fused(idx, rk, cols):
-    x = torch.bitwise_xor(idx, rk)
-    x = x ^ (x >> SHIFTS[0])
-    x = (x * C1) & M32
-    x = x ^ (x >> SHIFTS[1])
-    x = (x * C2) & M32
-    x = x ^ (x >> SHIFTS[2])
-    return ((x >> 1) * cols) >> 31, 1 - 2 * (x & 1)
+class Hashes:
+    """The hash tables of every row for a tensor of ``d`` entries and ``cols`` columns, and the
+    int64 buffer the signed cells y_j of one chunk are computed into."""
+
+    def __init__(self, keys, d: int, cols: int, device="cpu", chunk: int = CHUNK):
+        hashing.check_cols(cols)
+        self.d, self.cols, self.rows = int(d), int(cols), len(keys)
+        pairs = [hashing.tables(rk, d) for rk in keys]
+        self.low = [torch.from_numpy(lo).to(device) for lo, _ in pairs]
+        self.high = [torch.from_numpy(hi).to(device) for _, hi in pairs]
+        self.n_low = self.low[0].numel() if keys else min(self.d, hashing.BLOCK)
+        self.blocks = max(1, int(chunk) // hashing.BLOCK)  # blocks per chunk
+        self.n_high = -(-self.d // self.n_low) if self.d else 0
+        self.buf = torch.empty(min(self.n_high, self.blocks) * self.n_low, dtype=torch.int64, device=device)
+
+    def chunks(self) -> Iterator[Tuple[int, int, int, int]]:
+        """(start, stop, first block, end block) of each chunk, in index order."""
+        for b0 in range(0, self.n_high, self.blocks):
+            b1 = min(self.n_high, b0 + self.blocks)
+            yield b0 * self.n_low, min(self.d, b1 * self.n_low), b0, b1
+
+    def cells(self, j: int, b0: int, b1: int, n: int) -> torch.Tensor:
+        """y_j of the chunk's n entries: (((HIGH[b] xor LOW) * C3) & M) * 2c >> 32, into the buffer."""
+        x = self.buf[:(b1 - b0) * self.n_low]
+        torch.bitwise_xor(self.high[j][b0:b1, None], self.low[j][None, :], out=x.view(b1 - b0, self.n_low))
+        return x[:n].mul_(hashing.C3).bitwise_and_(hashing.M32).mul_(2 * self.cols).bitwise_right_shift_(32)
 
 
-def _weights_fused(idx, rk, cols, v):
-    bucket, sign = _hash_fused(idx, rk, cols)
-    return bucket, v * sign.to(v.dtype)
-
-
-def _estimate_fused(idx, rks, cols, table):
-    vals = []
-    for j in range(table.shape[0]):
-        bucket, sign = _hash_fused(idx, rks[j], cols)
-        vals.append(table[j][bucket] * sign.to(table.dtype))
-    r = len(vals)
-    for p in range(r):
-        for i in range(p % 2, r - 1, 2):
-            vals[i], vals[i + 1] = torch.minimum(vals[i], vals[i + 1]), torch.maximum(vals[i], vals[i + 1])
-    return vals[(r - 1) // 2]
-
-
-_compiled = {"on": None, "weights": None, "estimate": None}
-
-
-def use_compiled(flag: bool) -> None:
-    """Turn the torch.compile fused path on or off for this process (default: the environment)."""
-    _compiled["on"] = bool(flag)
-
-
-def _fused():
-    if _compiled["on"] is None:
-        _compiled["on"] = os.environ.get(COMPILE_ENV, "0") not in ("", "0", "false", "no")
-    if not _compiled["on"]:
-        return None
-    if _compiled["weights"] is None:
-        _compiled["weights"] = torch.compile(_weights_fused, dynamic=True)
-        _compiled["estimate"] = torch.compile(_estimate_fused, dynamic=True)
-    return _compiled["weights"], _compiled["estimate"]
-
-
-class _Hasher:
-    """Computes (bucket, sign) of a chunk of indices for one row into reused int64 buffers."""
-
-    def __init__(self, n: int, device):
-        self.x = torch.empty(n, dtype=torch.int64, device=device)
-        self.tmp = torch.empty(n, dtype=torch.int64, device=device)
-        self.sign = torch.empty(n, dtype=torch.float32, device=device)
-
-    def __call__(self, idx: torch.Tensor, rowkey: int, cols: int, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        n = idx.numel()
-        x, tmp = self.x[:n], self.tmp[:n]
-        torch.bitwise_xor(idx, rowkey, out=x)  # idx < 2**32 (tensors of fewer than 4G entries)
-        torch.bitwise_right_shift(x, SHIFTS[0], out=tmp)
-        x.bitwise_xor_(tmp).mul_(C1).bitwise_and_(M32)
-        torch.bitwise_right_shift(x, SHIFTS[1], out=tmp)
-        x.bitwise_xor_(tmp).mul_(C2).bitwise_and_(M32)
-        torch.bitwise_right_shift(x, SHIFTS[2], out=tmp)
-        x.bitwise_xor_(tmp)
-        # sign = 1 - 2*(x & 1); bucket = ((x >> 1) * cols) >> 31
-        sign = self.sign[:n] if dtype == torch.float32 else torch.empty(n, dtype=dtype, device=x.device)
-        torch.bitwise_and(x, 1, out=tmp)
-        sign.copy_(tmp).mul_(-2.0).add_(1.0)
-        x.bitwise_right_shift_(1).mul_(cols).bitwise_right_shift_(31)
-        return x, sign
-
-
-def sketch_table(v: torch.Tensor, keys, cols: int, chunk: int = CHUNK) -> torch.Tensor:
-    """The r x c count sketch of flat v (cells added in index order, as the oracle)."""
-    d = v.numel()
-    table = torch.zeros(len(keys), cols, dtype=v.dtype, device=v.device)
-    fused = _fused()
-    if fused is not None:
-        rks = torch.tensor(keys, dtype=torch.int64, device=v.device)
-        c = torch.tensor(cols, dtype=torch.int64, device=v.device)
-        for start in range(0, d, chunk):
-            idx = torch.arange(start, min(d, start + chunk), dtype=torch.int64, device=v.device)
-            for j in range(len(keys)):
-                bucket, w = fused[0](idx, rks[j], c, v[start:start + chunk])
-                table[j].index_add_(0, bucket, w)
-        return table
-    h = _Hasher(min(chunk, max(d, 1)), v.device)
-    w = torch.empty(min(chunk, max(d, 1)), dtype=v.dtype, device=v.device)
-    for start in range(0, d, chunk):
-        stop = min(d, start + chunk)
-        idx = torch.arange(start, stop, dtype=torch.int64, device=v.device)
+def sketch_table(v: torch.Tensor, keys, cols: int, chunk: int = CHUNK, hashes: Hashes = None) -> torch.Tensor:
+    """The r x c count sketch of flat v: the 2c signed cells of each row summed in index order
+    (``scatter_add_``), folded as cell[2b] - cell[2b+1] (the oracle's ``sketch_table``)."""
+    h = hashes if hashes is not None else Hashes(keys, v.numel(), cols, v.device, chunk)
+    signed = torch.zeros(len(keys), 2 * cols, dtype=v.dtype, device=v.device)
+    for start, stop, b0, b1 in h.chunks():
         vc = v[start:stop]
-        for j, rk in enumerate(keys):
-            bucket, sign = h(idx, rk, cols, v.dtype)
-            torch.mul(vc, sign, out=w[:stop - start])
-            table[j].index_add_(0, bucket, w[:stop - start])
-    return table
+        for j in range(len(keys)):
+            signed[j].scatter_add_(0, h.cells(j, b0, b1, stop - start), vc)
+    return signed[:, 0::2] - signed[:, 1::2]
 
 
 def lower_median_rows(rows: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """Row (r-1)//2 of ``rows`` (r x n) sorted along dim 0, in place: an odd-even transposition
-    sorting network of elementwise min/max (r passes), which returns exactly the oracle's sorted
-    values (min/max pick an input; only the sign of a zero may differ, and |est| is what counts).
-    ~10x faster than ``kthvalue`` along a short dim."""
+    """Row (r-1)//2 of ``rows`` (r x n) sorted along dim 0, computed in place (``rows`` is
+    overwritten): for r = 3 and r = 5 a median selection network of 4 and 10 elementwise min/max,
+    else an odd-even transposition sorting network (r passes). Min/max pick an input, so this is
+    exactly the oracle's value (only the sign of a zero may differ, and |est| is what counts)."""
     r = rows.shape[0]
+    mn, mx = torch.minimum, torch.maximum
+    if r == 3:
+        a, b, c = rows
+        mn(a, b, out=tmp)
+        mx(a, b, out=b)
+        mn(b, c, out=b)
+        return mx(tmp, b, out=a)  # max(min(a, b), min(max(a, b), c))
+    if r == 5:
+        a, b, c, d, e = rows
+        mn(a, b, out=tmp)
+        mx(a, b, out=b)
+        mn(c, d, out=a)
+        mx(c, d, out=d)
+        mx(tmp, a, out=tmp)  # f: the larger of the two pairs' minima
+        mn(b, d, out=b)  # g: the smaller of the two pairs' maxima ({f, g}: the middle two of a..d)
+        mn(e, tmp, out=a)
+        mx(e, tmp, out=tmp)
+        mn(tmp, b, out=tmp)
+        return mx(a, tmp, out=c)  # the median of (e, f, g)
     for p in range(r):
         for i in range(p % 2, r - 1, 2):
             a, b = rows[i], rows[i + 1]
-            torch.minimum(a, b, out=tmp)
-            torch.maximum(a, b, out=b)
+            mn(a, b, out=tmp)
+            mx(a, b, out=b)
             a.copy_(tmp)
     return rows[(r - 1) // 2]
 
 
-def estimates(table: torch.Tensor, keys, d: int, chunk: int = CHUNK) -> torch.Tensor:
-    """Lower median over rows of s_j(i) * S[j, h_j(i)] for every i < d."""
+def estimates(table: torch.Tensor, keys, d: int, chunk: int = CHUNK, hashes: Hashes = None) -> torch.Tensor:
+    """Lower median over rows of s_j(i) * S[j, h_j(i)] for every i < d: entry y_j(i) of the
+    row's [S, -S] interleaved (the oracle's ``estimates``)."""
     rows, cols = table.shape
+    h = hashes if hashes is not None else Hashes(keys, d, cols, table.device, chunk)
+    signed = torch.stack([table, -table], dim=2).reshape(rows, 2 * cols)
     out = torch.empty(d, dtype=table.dtype, device=table.device)
-    fused = _fused()
-    if fused is not None:
-        rks = torch.tensor(keys, dtype=torch.int64, device=table.device)
-        c = torch.tensor(cols, dtype=torch.int64, device=table.device)
-        for start in range(0, d, chunk):
-            idx = torch.arange(start, min(d, start + chunk), dtype=torch.int64, device=table.device)
-            out[start:start + chunk] = fused[1](idx, rks, c, table)
-        return out
-    h = _Hasher(min(chunk, max(d, 1)), table.device)
-    per_row = torch.empty(rows, min(chunk, max(d, 1)), dtype=table.dtype, device=table.device)
-    tmp = torch.empty(min(chunk, max(d, 1)), dtype=table.dtype, device=table.device)
-    for start in range(0, d, chunk):
-        stop = min(d, start + chunk)
+    width = h.buf.numel()
+    per_row = torch.empty(rows, width, dtype=table.dtype, device=table.device)
+    tmp = torch.empty(width, dtype=table.dtype, device=table.device)
+    for start, stop, b0, b1 in h.chunks():
         n = stop - start
-        idx = torch.arange(start, stop, dtype=torch.int64, device=table.device)
         pr = per_row[:, :n]
-        for j, rk in enumerate(keys):
-            bucket, sign = h(idx, rk, cols, table.dtype)
-            torch.index_select(table[j], 0, bucket, out=pr[j])
-            pr[j].mul_(sign)
+        for j in range(rows):
+            torch.index_select(signed[j], 0, h.cells(j, b0, b1, n), out=pr[j])
         out[start:stop] = lower_median_rows(pr, tmp[:n])
     return out
 
@@ -217,10 +163,12 @@ class SketchCompressor(TakesMomentum, Compressor):
             (total,) = yield (Allreduce(u.clone()),)
             return total.mul_(ctx.scale)
         v.add_(u)
-        keys = row_keys(p["seed"], ctx.key, geo.rows)
-        table = sketch_table(v, keys, geo.cols)
+        keys = hashing.row_keys(p["seed"], ctx.key, geo.rows)
+        hashes = Hashes(keys, geo.d, geo.cols, v.device)
+        table = sketch_table(v, keys, geo.cols, hashes=hashes)
         (summed,) = yield (Allreduce(table.view(-1)),)
-        est = estimates(summed.view(geo.rows, geo.cols), keys, geo.d)
+        est = estimates(summed.view(geo.rows, geo.cols), keys, geo.d, hashes=hashes)
+        del hashes
         cand = topk_indices(est, geo.candidates)
         del est
         (w,) = yield (Allreduce(v[cand]),)
