@@ -18,7 +18,9 @@ signSGD's exchanged update is a sign (magnitude 1 per entry, whatever the gradie
 rates are the sweep's times ``SIGN_LR_SCALE``; every other method uses the sweep as given.
 
 Rank 0 prints a markdown table and writes JSON after every compressor (``--resume`` skips runs
-already in it, so an interrupted job can go on).
+already in it, so an interrupted job can go on). Compressors may be split over several jobs
+(``--configs`` and ``--out``); ``--merge A.json B.json --out C.json`` (no Horovod) joins their
+results, recomputes the comparison with dense and prints the table.
 """
 
 from __future__ import annotations
@@ -100,6 +102,49 @@ def table(results: dict, seeds) -> str:
     return "\n".join(out)
 
 
+def _compare_with_dense(results: dict) -> None:
+    dense = results.get("none", {}).get("mean_accuracy")
+    if dense is not None:
+        for r in results.values():
+            r["vs_dense_pp"] = 100 * (r["mean_accuracy"] - dense)
+            r["within_half_pp"] = r["mean_accuracy"] >= dense - 0.005
+
+
+def merge(paths, out: str) -> int:
+    """Join the results of several jobs (same data set, epochs, batch and sweep) into ``out``."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    keys = ("dataset", "world_size")
+    for part in parts[1:]:
+        for k in keys:
+            if part[k] != parts[0][k]:
+                raise ValueError(f"merge: {k} differs between the files ({part[k]!r} vs {parts[0][k]!r})")
+        for k in ("epochs", "batch_size", "lrs", "seeds", "schedule"):
+            if part["args"][k] != parts[0]["args"][k]:
+                raise ValueError(f"merge: --{k} differs between the files")
+    found = {}
+    for part in parts:
+        found.update(part["results"])
+    order = list(configs())
+    results = {k: found[k] for k in sorted(found, key=lambda k: order.index(k) if k in order else len(order))}
+    _compare_with_dense(results)
+    merged = {**parts[0], "argv": [p["argv"] for p in parts], "merged_from": list(paths),
+              "load_average_start": [p["load_average_start"] for p in parts],
+              "load_average_end": [p["load_average_end"] for p in parts],
+              "elapsed_s": [p["elapsed_s"] for p in parts],
+              "complete": set(order) <= set(results), "results": results}
+    with open(out, "w") as f:
+        json.dump(merged, f, indent=2)
+    a = parts[0]["args"]
+    print(f"{parts[0]['dataset']}, {parts[0]['world_size']} workers, {a['epochs']} epochs, batch {a['batch_size']} "
+          f"per worker, seeds {a['seeds']}, sweep {a['lrs']}\n")
+    print(table(results, a["seeds"]))
+    print(f"\nwrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", choices=["digits", "mnist1d"], default="mnist1d")
@@ -113,7 +158,11 @@ def main(argv=None) -> int:
                    help="merge schedule; default layerwise (every tensor compressed on its own, as in the papers)")
     p.add_argument("--out", default="benchmarks/results/fidelity_{dataset}.json")
     p.add_argument("--resume", action="store_true", help="skip the runs already in --out")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="join these jobs' results into --out and print the "
+                   "table (no training, no Horovod)")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out.format(dataset="merged"))
     torch.set_num_threads(1)
     all_configs = configs()
     chosen = args.configs or list(all_configs)
@@ -166,11 +215,7 @@ def main(argv=None) -> int:
                          "identical": all(r["identical"] for r in runs.values()),
                          "finite": all(r["finite"] for r in at_own), "runs": runs}
         if hvc.rank() == 0:
-            dense = results.get("none", {}).get("mean_accuracy")
-            if dense is not None:
-                for r in results.values():
-                    r["vs_dense_pp"] = 100 * (r["mean_accuracy"] - dense)
-                    r["within_half_pp"] = r["mean_accuracy"] >= dense - 0.005
+            _compare_with_dense(results)
             os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
             with open(out + ".tmp", "w") as f:
                 json.dump({"dataset": args.dataset, "world_size": hvc.size(), "args": vars(args),
