@@ -107,4 +107,6 @@ if (cd / && "$PY" -c "import hvdcompress, torch_ops, tf_ops, sys; sys.exit(0 if 
 else
   "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps --no-build-isolation -e "$HERE"
 fi
+# --- 4. the optional compiled selection kernels (torch_ops/compressors/kernels.cpp; ~1 s) -------
+"$PY" -m torch_ops.compressors.native | sed 's/^/[install] /'
 log "done: $(horovodrun --check-build 2>/dev/null | grep -E '\[X\]' | tr -s ' ' | tr '\n' ' ')"

@@ -203,3 +203,89 @@ def test_tf_dgc_selection_is_the_oracle(tf_sel, kind):
         np.testing.assert_array_equal(sel.sampled_threshold_select(tf.constant(x), k, 0.01, 4, 5).numpy(), want)
         np.testing.assert_array_equal(traced(tf.constant(x), tf.constant(k), tf.constant(5, tf.int64)).numpy(),
                                       want)
+
+
+# -- the compiled kernels (torch_ops/compressors/native.py) and the pure paths -----------------
+@pytest.fixture
+def pure(monkeypatch):
+    """The pure numpy/torch paths: the compiled kernels switched off for one test."""
+    from torch_ops.compressors import native
+    native.set_enabled(False)
+    yield
+    native.set_enabled(True)
+
+
+@pytest.fixture
+def compiled():
+    from torch_ops.compressors import native
+    native.set_enabled(True)
+    if native.lib() is None:
+        pytest.skip("no C++ compiler: the pure paths are the only ones")
+
+
+@pytest.mark.parametrize("mode", ["pure", "compiled"])
+def test_both_paths_topk_and_error_feedback_are_the_oracle(request, mode):
+    """The same answers with and without the compiled kernels: top-k (direct path for small
+    tensors, candidate scans), and error feedback's fused r <- r + g with its selection, including
+    samples that mislead (too few candidates) and ties (too many)."""
+    request.getfixturevalue(mode)
+    for kind in ("normal", "ties", "constant", "heavy", "spikes", "sampled_big"):
+        for n in (1000, 5003, 100_003):
+            x = _vector(kind, n, seed=6)
+            for k in sorted({2, 10, n // 1000 + 2, n // 100 + 1, n // 7}):
+                np.testing.assert_array_equal(ts.topk_indices(torch.from_numpy(x), k).numpy(), np_topk(x, k),
+                                              err_msg=f"{kind} {n} {k}")
+                r0 = _vector("normal", n, seed=7) * np.float32(0.5)
+                r = torch.from_numpy(r0.copy())
+                got = ts.add_and_topk(r, torch.from_numpy(x), k)
+                want_r = x + r0
+                np.testing.assert_array_equal(r.numpy(), want_r)
+                np.testing.assert_array_equal(got.numpy(), np_topk(want_r, k), err_msg=f"EF {kind} {n} {k}")
+    for dtype in (torch.float64, torch.float16):
+        t = torch.from_numpy(_vector("ties", 50_000)).to(dtype)
+        np.testing.assert_array_equal(ts.topk_indices(t, 77).numpy(), np_topk(t.numpy(), 77))
+    nan = _vector("normal", 3000)
+    nan[[5, 700]] = np.nan  # NaN never wins a place: left to the general path
+    np.testing.assert_array_equal(ts.topk_indices(torch.from_numpy(nan), 30).numpy(), np_topk(nan, 30))
+
+
+@pytest.mark.parametrize("mode", ["pure", "compiled"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_both_paths_dgc_step_is_the_oracle(request, mode, dtype, monkeypatch):
+    """DGC's fused update and selection with and without the compiled kernels: u, v and the
+    indices bit for bit (momentum, Nesterov, none), over steps; and the rule's later adaptations,
+    which lower the threshold below the one-pass candidates' (a full scan then runs)."""
+    request.getfixturevalue(mode)
+    rng = np.random.default_rng(11)
+    n = ts.CHUNK + 12_345
+    for momentum, nesterov in ((0.9, False), (0.75, True), (None, False)):
+        u, v = np.zeros(n, dtype), np.zeros(n, dtype)
+        tu, tv = torch.zeros(n, dtype=torch.from_numpy(u).dtype), torch.zeros(n, dtype=torch.from_numpy(v).dtype)
+        for step in range(3):
+            g = (rng.standard_t(3, n) * 0.1).astype(dtype)
+            k = n // 1000 if step != 1 else n // 100
+            if momentum is None:
+                v = v + g
+            else:
+                u = u * dtype(momentum) + g
+                v = v + ((g + u * dtype(momentum)) if nesterov else u)
+            want = np_select(v, k, 0.01, 4, step + 3)
+            got = ds.accumulate_and_select(torch.from_numpy(g), tu, tv, momentum, nesterov, k, 0.01, 4, step + 3)
+            np.testing.assert_array_equal(got.numpy(), want, err_msg=f"{momentum} {nesterov} {step}")
+            np.testing.assert_array_equal(tv.numpy(), v)
+            np.testing.assert_array_equal(tu.numpy(), u)
+            tv.index_fill_(0, got, 0)
+            v[want] = 0
+    scans = []
+    real = ds._ge_numpy
+    monkeypatch.setattr(ds, "_ge_numpy", lambda *a, **kw: scans.append(1) or real(*a, **kw))
+    g = np.full(100_000, 1.0, dtype)
+    g[5::100] = 10.0  # the sample sees only the 1,000 large entries: 4 adaptations, still 1,000 pass
+    for k in (5000, 900):
+        want = np_select(g, k, 0.01, 4, 5)
+        got = ds.accumulate_and_select(torch.from_numpy(g), torch.zeros(g.size, dtype=torch.from_numpy(g).dtype),
+                                       torch.zeros(g.size, dtype=torch.from_numpy(g).dtype), 0.9, False, k,
+                                       0.01, 4, 5)
+        np.testing.assert_array_equal(got.numpy(), want)
+    if mode == "compiled":
+        assert scans, "the adaptation below the candidates' threshold was not exercised"

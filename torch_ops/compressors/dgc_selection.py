@@ -13,8 +13,9 @@ import torch
 
 from hvdcompress.sampling import ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, sample_k, sample_stride
 
-from .selection import (CHUNK, DIRECT_BELOW, Blocks, _at_least, _empty, _ge_numpy, _np_kth_largest, _np_positions,
-                        _numpy_view, _scratch, _topk_positions, block_absmax, block_size)
+from . import native
+from .selection import (_TORCH_SUFFIX, CHUNK, DIRECT_BELOW, Blocks, _at_least, _empty, _ge_numpy, _np_kth_largest,
+                        _np_positions, _numpy_view, _scratch, _topk_positions, block_absmax, block_size)
 
 
 def _sampled_select(v: torch.Tensor, k: int, sample: torch.Tensor, adapt_iters: int,
@@ -92,8 +93,15 @@ def accumulate_and_select(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, mom
     and v once; the selection then scans v once (on CPU with numpy, which compares and finds
     nonzeros several times faster than torch; a scan fused into this loop, behind a threshold
     estimated beforehand, measured no faster). The rounding is the oracle's (one float operation
-    at a time, in its order, the momentum a Python scalar as in the unfused update)."""
+    at a time, in its order, the momentum a Python scalar as in the unfused update).
+
+    With the compiled kernels (``native``; contiguous CPU float32/float64) it is one pass: see
+    ``_native_accumulate_and_select``."""
     n = v.numel()
+    if k > 0:
+        idx = _native_accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_iters, offset)
+        if idx is not None:
+            return idx
     if not (g.is_contiguous() and u.is_contiguous() and v.is_contiguous()) or n < DIRECT_BELOW:
         _update(g, u, v, momentum, nesterov)
         return sampled_threshold_select(v, k, sample_ratio, adapt_iters, offset)
@@ -132,6 +140,65 @@ def accumulate_and_select(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, mom
         return torch.from_numpy(_np_sampled_select(x, k, sample.numpy(), adapt_iters))
     blocks = Blocks(torch.maximum(bmax, bmin.neg_(), out=bmax), size) if size else None
     return _sampled_select(v, k, sample, adapt_iters, blocks)
+
+
+def _native_accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_iters, offset):
+    """``accumulate_and_select`` in one compiled pass over g, u and v (None where it does not apply).
+
+    DGC's sample is taken *before* the pass: at the sampled positions alone, u and v's new values
+    are computed as the update will compute them (the same float operations in the same order), so
+    the threshold thr0 is known exactly in advance. The pass then updates u and v and collects the
+    candidates |v| >= thr0 * 0.8 (the threshold after one adaptation), with v still in registers.
+    The adaptation rule runs on the candidates; only if it lowers the threshold below that (or the
+    candidates overflow their buffer) is v scanned again, so the answer is always the rule's."""
+    suffix = _TORCH_SUFFIX.get(v.dtype)
+    if (suffix is None or g.dtype != v.dtype or u.dtype != v.dtype or not (g.is_cpu and u.is_cpu and v.is_cpu)
+            or not (g.is_contiguous() and u.is_contiguous() and v.is_contiguous())):
+        return None
+    lib = native.lib()
+    x, gx, ux = _numpy_view(v), _numpy_view(g), _numpy_view(u)
+    if lib is None or x is None or gx is None or ux is None:
+        return None
+    n = v.numel()
+    dt = x.dtype.type
+    at = slice(offset, None, sample_stride(sample_ratio))
+    if momentum is None:
+        mode, m = 0, 0.0
+        vs = x[at] + gx[at]
+    else:
+        mode, m = (2 if nesterov else 1), momentum
+        us = ux[at] * dt(m) + gx[at]
+        vs = x[at] + (gx[at] + us * dt(m) if nesterov else us)
+    sample = np.abs(vs)
+    thr0 = _np_kth_largest(sample, sample_k(k, sample.size, n))
+    lower = dt(LOWER_FACTOR)
+    t_pass = thr0 * lower if adapt_iters > 0 else thr0
+    collect = thr0 > 0 and t_pass > 0
+    cap = min(n, 4 * k + 4096)
+    out = torch.empty(cap, dtype=torch.int64)
+    c = getattr(lib, "hvdc_dgc_ge_" + suffix)(g.data_ptr(), u.data_ptr(), v.data_ptr(), n, m, mode,
+                                                float(t_pass) if collect else float("inf"), out.data_ptr(), cap)
+    if not collect or c > cap:  # no candidate set: the rule on the updated v (same sample)
+        return torch.from_numpy(_np_sampled_select(x, k, sample, adapt_iters))
+    cidx = out.numpy()[:c]
+    cmag = np.abs(x[cidx])
+    thr = thr0
+    idx = cidx
+    for it in range(adapt_iters + 1):  # the rule of _np_sampled_select, on the candidates while thr >= t_pass
+        if not thr > 0:
+            mag, idx = np.abs(x), np.arange(n)
+        elif thr >= t_pass:
+            keep = cmag >= thr
+            idx, mag = cidx[keep], cmag[keep]
+        else:
+            idx, mag = _ge_numpy(x, thr, 2 * k + 1024)
+        c = idx.size
+        if 10 * c > ACCEPT_HIGH_TENTHS * k:
+            return torch.from_numpy(idx[_np_positions(mag, k)])
+        if 10 * c >= ACCEPT_LOW_TENTHS * k or it == adapt_iters:
+            return torch.from_numpy(idx)
+        thr = thr * lower
+    return torch.from_numpy(idx)
 
 
 def _update(g, u, v, momentum, nesterov) -> None:

@@ -40,6 +40,8 @@ import torch
 
 from hvdcompress.sampling import sample_k
 
+from . import native
+
 CHUNK = 1 << 18       # entries per chunk of the fused DGC loop (stays in the core's cache)
 DIRECT_BELOW = 4096   # torch: tensors smaller than this take the direct path (one topk)
 SAMPLE_SIZE = 32768   # top-k's threshold sample: at most this many entries ...
@@ -48,6 +50,7 @@ NP_CHUNK = 1 << 18    # entries per chunk of the numpy scan (|x| and the mask st
 NP_PARTITION_UPTO = 4096  # k-th largest by numpy's partition up to this size, torch's topk above
 NP_DIRECT_BELOW = 2048    # numpy: smaller tensors take one partition of the whole
 BLOCKS_UNTIL = 0.35   # block filter while at most this fraction of the blocks passes
+NATIVE_DIRECT_BELOW = 1 << 15  # compiled kernels: smaller tensors take one nth_element of the whole
 
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
@@ -83,11 +86,72 @@ def _numpy_view(a: torch.Tensor) -> Optional[np.ndarray]:
     return (a.detach() if a.requires_grad else a).numpy()
 
 
-def _ge_numpy(x: np.ndarray, t) -> Tuple[np.ndarray, np.ndarray]:
+_NATIVE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+_work = {}
+
+
+def _kernels(x: np.ndarray):
+    """(library, dtype suffix) when the compiled kernels serve x (float32/float64), else None."""
+    suffix = _NATIVE_SUFFIX.get(x.dtype)
+    if suffix is None:
+        return None
+    lib = native.lib()
+    return None if lib is None else (lib, suffix)
+
+
+def _ptr(x: np.ndarray) -> int:
+    return x.__array_interface__["data"][0]
+
+
+def _native_ge(kern, x: np.ndarray, t, cap: int) -> np.ndarray:
+    """Indices (ascending) of every |x_i| >= t, one compiled pass (a second one if more than
+    ``cap`` pass)."""
+    lib, suffix = kern
+    fn = getattr(lib, "hvdc_ge_" + suffix)
+    n = x.size
+    cap = max(1, min(n, cap))
+    out = np.empty(cap, np.int64)
+    c = fn(_ptr(x), n, float(t), _ptr(out), cap)
+    if c > cap:
+        out = np.empty(c, np.int64)
+        fn(_ptr(x), n, float(t), _ptr(out), c)
+    return out[:c]
+
+
+_TORCH_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _native_topk_small(a: torch.Tensor, k: int) -> Optional[torch.Tensor]:
+    """The k largest |a| (ties to the lower index), ascending, by the compiled kernel (a min-heap
+    of k or an nth_element, then one scan), for a contiguous CPU float32/float64 tensor with
+    0 < k < a.numel(); None where the kernel does not apply (other tensors, no library, a NaN).
+    Pointers come from torch (numpy's are several times dearer to read on a tiny tensor)."""
+    suffix = _TORCH_SUFFIX.get(a.dtype)
+    if suffix is None or not a.is_cpu or not a.is_contiguous():
+        return None
+    lib = native.lib()
+    if lib is None:
+        return None
+    n = a.numel()
+    work = _work.get(a.dtype)
+    if work is None or work[0].numel() < n:
+        buf = torch.empty(max(n, NATIVE_DIRECT_BELOW), dtype=a.dtype)
+        work = _work[a.dtype] = (buf, buf.data_ptr())
+    out = torch.empty(k, dtype=torch.int64)
+    c = getattr(lib, "hvdc_topk_small_" + suffix)(a.data_ptr(), n, k, out.data_ptr(), work[1])
+    return out if c == k else None
+
+
+def _ge_numpy(x: np.ndarray, t, cap: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """(indices ascending, their |x|) of every |x_i| >= t (compared in x's dtype), chunk by chunk
-    so that |x| and the mask stay in cache: one read of x."""
+    so that |x| and the mask stay in cache: one read of x (with the compiled kernels: one pass
+    that writes the indices alone; ``cap`` the number expected)."""
     t = x.dtype.type(t)
     n = x.size
+    kern = _kernels(x)
+    if kern is not None:
+        idx = _native_ge(kern, x, t, cap or max(1024, n // 64))
+        return idx, np.abs(x[idx])
     if n <= NP_CHUNK:
         mag = np.abs(x)
         idx = (mag >= t).nonzero()[0]
@@ -158,7 +222,7 @@ def _np_topk(x: np.ndarray, k: int) -> np.ndarray:
         t = _np_kth_largest(sample, r)
         if not t > 0:  # everything would pass
             break
-        idx, mag = _ge_numpy(x, t)
+        idx, mag = _ge_numpy(x, t, 2 * (r * n // m) + 1024)
         if idx.size >= k:  # every entry of the answer has |x| >= the k-th largest >= t
             return idx if idx.size == k else idx[_np_positions(mag, k)]
     return _np_positions(np.abs(x), k)
@@ -329,6 +393,10 @@ def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
         return _empty(a.device)
     if k == 1:
         return _argmax_first(a)
+    if n < NATIVE_DIRECT_BELOW:
+        idx = _native_topk_small(a, k)
+        if idx is not None:
+            return idx
     x = _numpy_view(a)
     if x is not None:
         return torch.from_numpy(_np_topk(x, k))
@@ -358,6 +426,38 @@ def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
         if idx.numel() >= k:  # every entry of the answer has |a| >= the k-th largest >= t
             return idx if idx.numel() == k else idx.index_select(0, _topk_positions(mag, k))
     return _topk_positions(a.abs(), k)
+
+
+def add_and_topk(r: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:
+    """Error feedback's compensation and selection: r <- r + g in place, then
+    ``topk_indices(r, k)``. With the compiled kernels (contiguous CPU float32/float64, a candidate
+    threshold from a strided sample of g + r computed beforehand) the addition and the candidate
+    scan are one pass; the exact tie rule then runs among the candidates. Too few or too many
+    candidates: the general path on the updated r (same answer, one more scan)."""
+    n = r.numel()
+    suffix = _TORCH_SUFFIX.get(r.dtype)
+    lib = native.lib() if suffix is not None else None
+    if (lib is None or g.dtype != r.dtype or not (r.is_cpu and g.is_cpu) or n < NATIVE_DIRECT_BELOW
+            or not (1 < k < n) or not (r.is_contiguous() and g.is_contiguous()) or r.dim() != 1):
+        return topk_indices(r.add_(g), k)
+    x, gx = _numpy_view(r), _numpy_view(g)
+    if x is None or gx is None:
+        return topk_indices(r.add_(g), k)
+    stride = _sample_stride(n)
+    sample = np.abs(gx[stride // 2::stride] + x[stride // 2::stride])  # g + r, as the update rounds it
+    m = sample.size
+    ks = sample_k(k, m, n)
+    rr = ks + int(4 * math.sqrt(ks)) + 4  # the threshold 4 standard deviations below the estimate
+    t = _np_kth_largest(sample, rr) if 8 * rr <= m else 0
+    if not t > 0:  # a dense selection, or everything passes: no candidate set to gain from
+        return topk_indices(r.add_(g), k)
+    cap = min(n, 2 * (rr * n // m) + 1024)
+    out = torch.empty(cap, dtype=torch.int64)
+    c = getattr(lib, "hvdc_add_ge_" + suffix)(g.data_ptr(), r.data_ptr(), n, float(t), out.data_ptr(), cap)
+    if c < k or c > cap:  # the sample misled (r is updated already): the general path
+        return topk_indices(r, k)
+    idx = out.numpy()[:c]
+    return torch.from_numpy(idx if c == k else idx[_np_positions(np.abs(x[idx]), k)])
 
 
 # -- DGC's sampled threshold -------------------------------------------------------------------

@@ -20,8 +20,10 @@ import torch
 from hvdcompress.sampling import index_dtype, random_indices
 from hvdcompress.spec import num_selected
 
+from ..collectives import Allgather
+from ..memory import ResidualMemory
 from .base import OneRoundCompressor
-from .selection import threshold_indices, topk_indices
+from .selection import add_and_topk, threshold_indices, topk_indices
 
 
 def _torch_index_dtype(numel: int) -> torch.dtype:
@@ -60,6 +62,22 @@ class TopKCompressor(_GatheredSparse):
 
     def select(self, a):
         return topk_indices(a, num_selected(self.spec["ratio"], a.numel()))
+
+    def exchange(self, x, ctx):
+        """With a residual to add, the compensation a = g + r (in r's buffer, as
+        ``ResidualMemory.compensate`` does) and the selection run as one pass (``add_and_topk``);
+        otherwise, and on the first step, the generic one-round exchange."""
+        r = ctx.state.get("residual") if isinstance(self.memory, ResidualMemory) else None
+        if r is None or r.shape != x.shape or r.dtype != x.dtype:
+            return (yield from super().exchange(x, ctx))
+        idx = add_and_topk(r, x, num_selected(self.spec["ratio"], r.numel()))
+        payload = (idx.to(_torch_index_dtype(r.numel())), r[idx])
+        self.memory.update(lambda: self.unsent(payload, r, ctx), ctx.state)
+        results = yield (Allgather(payload[0]), Allgather(payload[1]))
+        total = self.aggregate(results, r, ctx)
+        if ctx.scale != 1.0:
+            total.mul_(ctx.scale)
+        return total
 
 
 class ThresholdCompressor(_GatheredSparse):
