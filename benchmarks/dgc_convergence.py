@@ -136,9 +136,9 @@ def train_one(spec: str, data, args, seed: int, lr: float) -> dict:
     return out
 
 
-def run_config(name: str, spec: str, data, args, lr: float) -> dict:
+def run_config(name: str, spec: str, data, args, lr: float, seeds) -> dict:
     per_seed = []
-    for seed in args.seeds:
+    for seed in seeds:
         start = time.perf_counter()
         r = train_one(spec, data, args, seed, lr)
         r["seconds"] = time.perf_counter() - start
@@ -179,7 +179,8 @@ def report(args, sweep, best, ablation) -> None:
     for name, per_lr in sweep.items():
         print(f"| {name} | " + " | ".join(f"{per_lr[str(lr)]['mean_accuracy']:.4f}" for lr in args.lrs) + " |")
     if ablation:
-        print(f"\nAblation at DGC's best rate ({best['dgc']['lr']:g}):\n\n" + head)
+        print(f"\nAblation at DGC's best rate ({best['dgc']['lr']:g}), seeds {args.ablation_seeds or args.seeds}:\n\n"
+              + head)
         print(_row("dgc", best["dgc"], dense))
         for name, r in ablation.items():
             print(_row(name, r, dense))
@@ -199,6 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=list(METHODS), help="configurations swept over --lrs")
     p.add_argument("--ablation", nargs="*", default=list(ABLATION),
                    help="configurations run at DGC's best rate (none: no ablation)")
+    p.add_argument("--ablation-seeds", type=int, nargs="+", help="seeds of the ablation (default: --seeds)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr-warmup-epochs", type=int, default=0, help="linear warm-up from lr/N to lr, per step")
@@ -237,12 +239,13 @@ def main(argv=None) -> int:
     for name in args.methods:
         sweep[name] = {}
         for lr in args.lrs:
-            sweep[name][str(lr)] = run_config(name, all_configs[name], data, args, lr)
+            sweep[name][str(lr)] = run_config(name, all_configs[name], data, args, lr, args.seeds)
             save(False)
         # the best rate: highest mean accuracy; a tie goes to the smaller rate
         best[name] = max(sweep[name].values(), key=lambda r: (r["mean_accuracy"], -r["lr"]))
     for name in args.ablation:
-        ablation[name] = run_config(name, all_configs[name], data, args, best["dgc"]["lr"])
+        ablation[name] = run_config(name, all_configs[name], data, args, best["dgc"]["lr"],
+                                   args.ablation_seeds or args.seeds)
         save(False)
     save(True)
     if hvc.rank() == 0:

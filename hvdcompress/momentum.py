@@ -53,9 +53,9 @@ def take_over_momentum(spec: CompressionSpec, momenta: Iterable[Tuple[float, boo
 
 
 def check_sgd_groups(spec: CompressionSpec, groups: Iterable[Mapping[str, Any]]) -> None:
-    """ValueError for what the wrapped optimizer's parameter groups (PyTorch SGD's keys) ask and a
-    compressor keeping the momentum cannot honour (the module doc); call on every rank, before any
-    collective."""
+    """ValueError for what the wrapped optimizer's parameter groups (PyTorch SGD's keys; a group
+    with ``dampening`` is SGD's) ask and a compressor keeping the momentum cannot honour (the
+    module doc); call on every rank, before any collective."""
     name = spec.name
     for i, g in enumerate(groups):
         damp = g.get("dampening", 0.0)
@@ -63,7 +63,23 @@ def check_sgd_groups(spec: CompressionSpec, groups: Iterable[Mapping[str, Any]])
             raise ValueError(f"compression '{name}': the optimizer's dampening={damp} (parameter group {i}) "
                              f"cannot be honoured: {name} applies the momentum in its memory as u = m*u + g, "
                              "undampened; dampening must be 0")
-        if g.get("maximize", False) and g.get("weight_decay", 0.0) and spec["momentum"] > 0.0:
+        if "dampening" in g and g.get("maximize", False) and g.get("weight_decay", 0.0) and spec["momentum"] > 0.0:
             raise ValueError(f"compression '{name}': maximize=True with weight_decay (parameter group {i}) "
                              f"cannot be honoured: {name} adds the decay term to the exchanged gradient, which "
                              "the optimizer would negate; weight_decay must be 0 with maximize=True")
+
+
+def check_keras_config(spec: CompressionSpec, config: Mapping[str, Any]) -> None:
+    """ValueError for a Keras optimizer config a compressor keeping the momentum cannot honour:
+    Keras's gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``) would act on the
+    exchanged velocity (momentum already applied), not on the gradient, as it does in dense
+    training; the compressor's own clipping (DGC's ``clip_norm``) clips before the momentum.
+    Nothing to refuse when the compressor's momentum is 0 (plain SGD on the exchanged gradient)."""
+    if spec["momentum"] <= 0.0:
+        return
+    for key in ("clipnorm", "clipvalue", "global_clipnorm"):
+        if config.get(key) is not None:
+            hint = f" (use {spec.name}:clip_norm=...)" if "clip_norm" in spec.params else ""
+            raise ValueError(f"compression '{spec.name}': the optimizer's {key}={config[key]!r} cannot be honoured: "
+                             f"{spec.name} applies the momentum before the optimizer sees the gradient, so it would "
+                             f"clip the velocity; {key} must be None{hint}")

@@ -199,16 +199,20 @@ class Compressor(ABC):
 class TakesMomentum:
     """Mixin for compressors that keep the momentum in their memory (DGC, the count sketch): a
     Keras SGD config's momentum moves into the spec (``hvdcompress.momentum``) and the optimizer
-    is rebuilt with momentum 0."""
+    is rebuilt with momentum 0. Keras's decoupled ``weight_decay`` stays with the optimizer (it
+    never goes through the momentum, in dense training either); Keras's gradient clipping, which
+    would clip the exchanged velocity, is refused (``check_keras_config``)."""
 
     @classmethod
     def adapt_optimizer(cls, spec, config):
-        from hvdcompress.momentum import take_over_momentum
+        from hvdcompress.momentum import check_keras_config, take_over_momentum
 
         momentum = config.get("momentum", 0.0)
         if not isinstance(momentum, (int, float)) or momentum == 0:
+            check_keras_config(spec, config)
             return spec, config
         new = take_over_momentum(spec, [(momentum, config.get("nesterov", False))])
+        check_keras_config(new, config)
         config = dict(config, momentum=0.0)
         if "nesterov" in config:
             config["nesterov"] = False

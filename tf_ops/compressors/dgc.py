@@ -4,7 +4,8 @@ Per worker and tensor (u: momentum, v: accumulated velocity, flat variables in `
 numpy oracle ``hvdcompress.reference.dgc`` spells out every step and the order of operations, and
 this port follows it operation for operation, so the results agree bit for bit):
 
-    g <- g * min(1, clip_norm / sqrt(N) / (||g|| + 1e-6))      local clipping (norm in float64)
+    g <- g * min(1, clip_norm / sqrt(N) / (||g|| + 1e-6))      local clipping (norm in float64,
+         of each member tensor: clip_scope=tensor; clip_scope=global is PyTorch-only so far)
     u <- m*u + g;  v <- v + u   (Nesterov: v <- v + (g + m*u))   momentum correction
     I <- sampled-threshold top-k of |v|, k = ceil(density * n)
     send (I, v[I]);  v[I] <- 0;  u[I] <- 0                       momentum factor masking
@@ -13,7 +14,13 @@ this port follows it operation for operation, so the results agree bit for bit):
 Tensors that are 1-D or smaller than ``min_sparse_numel`` are exchanged dense (allreduce of u).
 With momentum correction off, v accumulates gradients and momentum is applied to the exchanged
 average instead. The momentum lives here, so the optimizer must run without its own: the Keras
-``DistributedOptimizer`` takes an SGD optimizer's momentum over. The density comes from
+``DistributedOptimizer`` takes an SGD optimizer's momentum over. Keras's ``weight_decay`` is
+decoupled (``w -= lr * wd * w``, applied to the variables, never through the momentum, in dense
+training too), so the rebuilt optimizer keeps applying it unchanged and DGC trains like the dense
+optimizer with the same decay; L2 regularization in the loss (kernel regularizers) reaches DGC as
+part of the gradient (momentum applied, sparsified with it). Keras's own gradient clipping
+(``clipnorm``, ``clipvalue``, ``global_clipnorm``) would clip the exchanged velocity, not the
+gradient, and is refused with DGC (``TakesMomentum``); DGC's ``clip_norm`` clips before the memory. The density comes from
 ``ctx.density`` (a variable that ``GradientCompression.set_epoch`` / the warm-up callback set)
 or, when absent, from the spec's warm-up schedule for ``ctx.epoch``.
 """
@@ -57,6 +64,10 @@ class DGCCompressor(TakesMomentum, Compressor):
         self.correction = p["momentum_correction"]
         self.masking = p["momentum_masking"] and p["momentum_correction"]
         self.clip_norm = p["clip_norm"]
+        if p["clip_scope"] == "global" and p["clip_norm"] is not None:
+            raise ValueError("dgc: parameter 'clip_scope' must be tensor with TensorFlow (clip_scope=global, the "
+                             "previous step's whole-gradient norm, is implemented for PyTorch only so far); got "
+                             "'global'")
 
     def scheduled_density(self, epoch: int) -> float:
         return dgc_density(self.spec, epoch)
@@ -71,12 +82,18 @@ class DGCCompressor(TakesMomentum, Compressor):
     def stateful(self) -> bool:
         return True
 
-    def _clip(self, g: tf.Tensor, world: int) -> tf.Tensor:
+    def _clip(self, g: tf.Tensor, ctx: ExchangeContext) -> tf.Tensor:
+        """Local clipping, each member tensor of the exchange by its own norm (so the result does
+        not depend on the merge schedule)."""
         if self.clip_norm is None:
             return g
-        norm = tf.sqrt(tf.reduce_sum(tf.square(tf.cast(g, tf.float64))))
-        coef = (self.clip_norm / math.sqrt(world)) / (norm + 1e-6)
-        return tf.cond(coef < 1.0, lambda: g * tf.cast(coef, g.dtype), lambda: g)
+        parts = []
+        for m, view in ctx.member_views(g):
+            part = tf.reshape(view, [-1])
+            norm = tf.sqrt(tf.reduce_sum(tf.square(tf.cast(part, tf.float64))))
+            coef = (self.clip_norm / math.sqrt(ctx.world_size)) / (norm + 1e-6)
+            parts.append(tf.cond(coef < 1.0, lambda p=part, c=coef: p * tf.cast(c, g.dtype), lambda p=part: p))
+        return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
 
     def _momentum_after(self, avg: tf.Tensor, u: tf.Variable) -> tf.Tensor:
         """Momentum correction off: plain momentum on the exchanged average (same on all ranks)."""
@@ -88,7 +105,7 @@ class DGCCompressor(TakesMomentum, Compressor):
     def exchange(self, x: tf.Tensor, ctx: ExchangeContext):
         shape = ctx.shape or tuple(x.shape)
         m = tf.cast(self.m, x.dtype)
-        g = self._clip(x, ctx.world_size)
+        g = self._clip(x, ctx)
         u = ctx.state["u"]
         if self.is_dense(shape):
             if self.correction:

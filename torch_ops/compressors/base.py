@@ -172,7 +172,7 @@ class TakesMomentum:
     groups run with momentum 0, also after ``load_state_dict``.
 
     SGD's ``weight_decay`` is taken over with the momentum (whenever the compressor's momentum is
-    above 0): each group's decay moves to ``group["hvc_weight_decay"]`` (the group's own
+    above 0; other optimizers keep theirs): each group's decay moves to ``group["hvc_weight_decay"]`` (the group's own
     ``weight_decay`` becomes 0), and ``before_step`` adds the decay term, with its own momentum
     ``w = m*w + wd*p`` kept in the optimizer's state (``"hvc_weight_decay_momentum"``), to the
     exchanged gradient: the placement of the paper's reference implementation (the oracle
@@ -195,9 +195,10 @@ class TakesMomentum:
 
     @staticmethod
     def _take_weight_decay(spec: CompressionSpec, param_groups: List[Dict[str, Any]]) -> None:
+        """SGD's groups (they have ``dampening``) only: Adam's or AdamW's decay is theirs to apply."""
         if spec["momentum"] > 0.0:
             for g in param_groups:
-                if g.get("weight_decay", 0.0):
+                if "dampening" in g and g.get("weight_decay", 0.0):
                     g["hvc_weight_decay"] = g["weight_decay"]
                     g["weight_decay"] = 0.0
 
