@@ -1,0 +1,53 @@
+"""TensorFlow codecs for Horovod's own Compression protocol (``hvdcompress.horovod_interop``).
+
+``horovod.tensorflow.keras.DistributedOptimizer(opt, compression=hvc.Compression.fp16)`` (and
+``hvd.DistributedGradientTape``, ``hvd.allreduce``) call a spec's ``compress(tensor)``, allreduce
+the payload and call ``decompress(payload, ctx)``; the spec forwards to the codec below for its
+name. Non-floating tensors pass through unchanged, as in Horovod's own FP16Compressor.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+class NoneCodec:
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Codec:
+    """As ``horovod.tensorflow.Compression.fp16``: half on the wire, summed in half by Horovod."""
+
+    @staticmethod
+    def compress(tensor):
+        if not tensor.dtype.is_floating:
+            return tensor, None
+        return tf.cast(tensor, tf.float16), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+class BF16Codec:
+    """Horovod 0.28.1 cannot carry bfloat16: round to bfloat16 (``tf.cast``: nearest even, as our
+    ``bf16``), send the rounded values as float32 (4 bytes per entry), cast the sum back."""
+
+    @staticmethod
+    def compress(tensor):
+        if not tensor.dtype.is_floating:
+            return tensor, None
+        return tf.cast(tf.cast(tensor, tf.bfloat16), tf.float32), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+CODECS = {"none": NoneCodec, "fp16": FP16Codec, "bf16": BF16Codec}
