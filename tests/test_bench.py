@@ -23,7 +23,8 @@ RESULT_FIELDS = {"compression", "bandwidth", "workers", "status", "steps", "step
                  "wire_rx_bytes_per_step", "expected_wire_tx_bytes_per_step", "wire_over_expected",
                  "x_compute_only", "speedup_vs_dense", "latency_ms_injected", "schedule", "plan", "timings",
                  "predicted_step_time_s", "prediction_error", "after_forward_s", "predicted_after_forward_s",
-                 "after_forward_prediction_error", "back_to_back_step_time_s", "back_to_back_prediction_error"}
+                 "after_forward_prediction_error", "back_to_back_step_time_s", "back_to_back_prediction_error",
+                 "memory_pass_s", "wire_time_s", "limit_s", "x_of_limit"}
 COMPUTE_ONLY_FIELDS = {"compression", "workers", "steps", "step_time_s", "step_times_s", "samples_per_s",
                        "wire_tx_bytes_per_step", "wire_tx_bytes_per_s_idle", "bandwidth"}
 META_FIELDS = {"command", "mode", "network", "model", "parameters", "parameter_tensors", "batch", "steps",
@@ -52,7 +53,7 @@ def _fake_rank(rank, compute, dense_time, wire=True):
         if wire:
             p.update(iface_tx_bytes=3 * (payload or 10) * 1.5, iface_rx_bytes=3 * (payload or 10) * 1.5)
         return p
-    return {"rank": rank, "phases": [phase("compute-only", [compute] * 3),
+    return {"rank": rank, "memory_pass_s": 0.01 * (rank + 1), "phases": [phase("compute-only", [compute] * 3),
                                      phase("none", [dense_time, dense_time + rank, dense_time], 4000.0),
                                      phase("topk:ratio=0.01", [compute * 1.1] * 3, 80.0)]}
 
@@ -71,6 +72,10 @@ def test_figures_from_worker_results():
     add_relative(results, [dict(s["compute_only"], workers=4, bandwidth="100mbit")])
     assert results[1]["x_compute_only"] == pytest.approx(1.1)
     assert results[1]["speedup_vs_dense"] == pytest.approx(2.0 / 0.55)
+    # x of limit: compute-only + the slowest rank's memory pass + max(tx, rx) bytes at 100 Mbit/s
+    assert results[1]["memory_pass_s"] == 0.04
+    assert results[1]["wire_time_s"] == pytest.approx(80.0 * 1.5 * 8 / 1e8)
+    assert results[1]["x_of_limit"] == pytest.approx(0.55 / (0.5 + 0.04 + 80.0 * 1.5 * 8 / 1e8))
     assert set(DEFINITIONS) <= set(RESULT_FIELDS) | {"step_time_s"}
 
 

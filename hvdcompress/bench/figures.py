@@ -25,6 +25,8 @@ from typing import Dict, List, Optional
 
 from hvdcompress.spec import GATHERED, parse_spec
 
+from .netns import parse_bandwidth
+
 DEFINITIONS = {
     "step_time_s": "median over the timed steps of the slowest rank's step time (seconds)",
     "samples_per_s": "workers * batch per worker / step_time_s",
@@ -36,6 +38,13 @@ DEFINITIONS = {
     "wire_rx_bytes_per_step": "bytes received on the worker's veth per step, as above",
     "expected_wire_tx_bytes_per_step": "payload * 2(N-1)/N (allreduce) or * (N-1) (allgather): an ideal ring",
     "x_compute_only": "step_time_s / the compute-only step time of the same launch (workers, link)",
+    "memory_pass_s": "one pass over a gradient-sized fp32 buffer in a worker (r.add_(g): read g, read and "
+                     "write r), median of 7, slowest rank; measured at the start of each launch",
+    "wire_time_s": "max(wire tx, wire rx) bytes per step * 8 / the link rate (0 on an unlimited link; null "
+                   "on loopback, where no wire bytes are counted)",
+    "limit_s": "compute-only step time + memory_pass_s + wire_time_s: what a step could take if compression "
+               "cost one pass over the gradient and the exchange only its measured bytes' transfer time",
+    "x_of_limit": "step_time_s / limit_s",
     "speedup_vs_dense": "step time of 'none' (dense allreduce) / step_time_s, same link and worker count "
                         "(and same schedule when 'none' was measured with it)",
     "schedule": "the optimizer's merge schedule (DistributedOptimizer(schedule=...)); plan.schedule is what "
@@ -87,10 +96,13 @@ def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
     """Figures of one launch: ``{"compute_only": {...} or None, "phases": [{...} per spec]}``."""
     workers = len(rank_results)
     out: Dict[str, object] = {"compute_only": None, "phases": []}
+    passes = [r["memory_pass_s"] for r in rank_results if r.get("memory_pass_s") is not None]
+    memory_pass = max(passes) if len(passes) == workers else None
     for i, first in enumerate(rank_results[0]["phases"]):
         phases = [r["phases"][i] for r in rank_results]
         steps = len(first["step_times_s"])
-        fig: Dict[str, object] = {"compression": first["compression"], "steps": steps}
+        fig: Dict[str, object] = {"compression": first["compression"], "steps": steps,
+                                  "memory_pass_s": memory_pass}
         if "schedule" in first:
             fig["schedule"] = first["schedule"]
         fig.update(step_time(phases))
@@ -152,5 +164,19 @@ def add_relative(results: List[dict], compute_only: List[dict]) -> None:
             continue
         co: Optional[dict] = limits.get((r["workers"], r["bandwidth"]))
         r["x_compute_only"] = r["step_time_s"] / co["step_time_s"] if co else None
+        r["wire_time_s"] = wire_time(r)
+        parts = [co["step_time_s"] if co else None, r.get("memory_pass_s"), r["wire_time_s"]]
+        r["limit_s"] = sum(parts) if None not in parts else None
+        r["x_of_limit"] = r["step_time_s"] / r["limit_s"] if r["limit_s"] else None
         d = dense.get((r["workers"], r["bandwidth"], r.get("schedule")), dense.get((r["workers"], r["bandwidth"])))
         r["speedup_vs_dense"] = d / r["step_time_s"] if d else None
+
+
+def wire_time(r: dict) -> Optional[float]:
+    """Seconds the row's measured wire bytes need on its link: the larger of tx and rx per step
+    (tbf limits each direction) over the rate; 0 when unlimited, None without counters."""
+    tx, rx = r.get("wire_tx_bytes_per_step"), r.get("wire_rx_bytes_per_step")
+    if tx is None:
+        return None
+    bps = parse_bandwidth(r["bandwidth"])
+    return 0.0 if bps is None else max(tx, rx or 0.0) * 8.0 / bps

@@ -104,10 +104,10 @@ def markdown_table(report: dict) -> str:
                      "exchange round in the worker processes (not network-emulated).")
     lines += ["",
               "| workers | link | compression | schedule (groups) | steps | step time (s) | predicted (s) "
-              "| samples/s | x compute-only "
+              "| samples/s | x compute-only | x of limit "
               "| speed-up vs dense | payload/step/worker | wire tx/step/worker (measured) | wire / ideal ring "
               "| compress s/step |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     co = {(c["workers"], c["bandwidth"]): c for c in report["compute_only"]}
     rows = sorted(report["results"], key=lambda r: (r["workers"], _bw_key(r["bandwidth"])))
     last_group = None
@@ -117,16 +117,16 @@ def markdown_table(report: dict) -> str:
             c = co[group]
             lines.append(f"| {c['workers']} | {format_bandwidth(parse_bandwidth(c['bandwidth']))} | "
                          f"compute-only | – | {c['steps']} | {_num(c['step_time_s'])} | – | "
-                         f"{_num(c['samples_per_s'])} | 1 | – | 0 | {_bytes(c['wire_tx_bytes_per_step'])} | – | – |")
+                         f"{_num(c['samples_per_s'])} | 1 | – | – | 0 | {_bytes(c['wire_tx_bytes_per_step'])} | – | – |")
         last_group = group
         if r["status"] != "ok":
             lines.append(f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | "
-                         f"`{r['compression']}` | {_schedule(r)} | | {r['status']} | | | | | | | | |")
+                         f"`{r['compression']}` | {_schedule(r)} | | {r['status']} | | | | | | | | | |")
             continue
         lines.append(
             f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | `{r['compression']}` | "
             f"{_schedule(r)} | {r['steps']} | {_num(r['step_time_s'])} | {_predicted(r)} | "
-            f"{_num(r['samples_per_s'])} | {_num(r['x_compute_only'])} | "
+            f"{_num(r['samples_per_s'])} | {_num(r['x_compute_only'])} | {_num(r.get('x_of_limit'))} | "
             f"{_num(r['speedup_vs_dense'])} | {_bytes(r['bytes_per_step'])} | "
             f"{_bytes(r['wire_tx_bytes_per_step'])} | {_num(r['wire_over_expected'], 2)} | "
             f"{_num(r['compute_seconds_per_step'], 2)} |")

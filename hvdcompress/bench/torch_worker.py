@@ -273,6 +273,19 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
     return [p.figures() for p in phases], (model.to_dict() if model is not None else None)
 
 
+def memory_pass_seconds(numel: int, repeats: int = 7) -> float:
+    """One pass over a gradient-sized fp32 buffer -- ``r.add_(g)``: one read of g, one read and
+    write of r (error feedback's a = g + r) -- median of ``repeats``, on this worker's threads."""
+    g, r = torch.ones(numel), torch.zeros(numel)
+    r.add_(g)  # pages touched once before timing
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r.add_(g)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -291,6 +304,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     hvd.init()
     params, tensors = count_parameters(build(cfg["model"], seed=cfg["seed"], scale=cfg["emulated_scale"]))
+    pass_s = memory_pass_seconds(params)
     figures, cost_model = run(cfg, hvd)
     if hvd.rank() == 0:
         for phase in figures:
@@ -302,7 +316,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   + (f", {plan['groups']} groups, predicted {pred:.3f} s" if pred else ""), flush=True)
     result = {"rank": hvd.rank(), "size": hvd.size(), "threads": torch.get_num_threads(),
               "model": cfg["model"], "parameters": params, "parameter_tensors": tensors,
-              "iface": cfg["iface"], "phases": figures, "cost_model": cost_model,
+              "iface": cfg["iface"], "phases": figures, "cost_model": cost_model, "memory_pass_s": pass_s,
               "versions": {"torch": torch.__version__, "horovod": horovod.__version__,
                            "python": sys.version.split()[0]}}
     with open(cfg["out"].format(rank=hvd.rank()), "w") as f:
