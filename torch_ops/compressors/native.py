@@ -94,27 +94,28 @@ def _bind(path: str):
     return lib
 
 
+_enabled = True
+
+
 def lib():
     """The loaded library, or None (disabled, no compiler, failed build): callers fall back."""
     global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("HVDCOMPRESS_NATIVE", "1") == "0":
+    if not _enabled:
         return None
-    try:
-        _lib = _bind(build())
-    except Exception:  # no compiler, read-only cache, ...: the pure paths give the same results
-        _lib = None
+    if not _tried:
+        _tried = True
+        if os.environ.get("HVDCOMPRESS_NATIVE", "1") != "0":
+            try:
+                _lib = _bind(build())
+            except Exception:  # no compiler, read-only cache, ...: the pure paths give the same results
+                _lib = None
     return _lib
 
 
 def set_enabled(enabled: bool) -> None:
-    """Tests and benchmarks: switch the compiled kernels on (when buildable) or off."""
-    global _lib, _tried
-    _tried, _lib = False, None
-    if not enabled:
-        _tried = True
+    """Tests and benchmarks: use the compiled kernels (when they load) or the pure paths."""
+    global _enabled
+    _enabled = bool(enabled)
 
 
 def main() -> int:
