@@ -298,6 +298,40 @@ def combine(args) -> int:
     return 0
 
 
+def accuracy_summary(args) -> int:
+    """One table over several accuracy runs: mean test accuracy per (compression, D, K), in pp vs
+    the same run's D=0, K=1, one column per run (data set, workers)."""
+    columns = {}  # (data set, workers) -> rows; runs of the same column merge (the first file's row wins)
+    for pattern in args.accuracy:
+        for path in sorted(glob.glob(pattern)):
+            with open(path) as f:
+                d = json.load(f)
+            name = d.get("dataset") or next((n for n in ("mnist1d", "digits") if n in os.path.basename(path)), path)
+            rows = columns.setdefault(f"{name}, {d.get('workers')} workers", [])
+            have = {(x["compression"], x["delay"], x["sync_every"]) for x in rows}
+            rows += [r for r in d["rows"] if (r["compression"], r["delay"], r["sync_every"]) not in have]
+    runs = list(columns.items())
+    keys = list(dict.fromkeys((r["compression"], r["delay"], r["sync_every"]) for _, rows in runs for r in rows))
+    keys.sort(key=lambda k: (k[0] != "none", k[0], k[2], k[1]))
+    out = ["| compression | D | K | " + " | ".join(name for name, _ in runs) + " |",
+           "|---|---|---|" + "---|" * len(runs)]
+    for spec, d, k in keys:
+        cells = []
+        for _, rows in runs:
+            r = [x for x in rows if (x["compression"], x["delay"], x["sync_every"]) == (spec, d, k)]
+            b = [x for x in rows if (x["compression"], x["delay"], x["sync_every"]) == (spec, 0, 1)]
+            cells.append("-" if not r else f"{r[0]['mean_accuracy']:.4f}" + (
+                "" if (d, k) == (0, 1) or not b else f" ({100 * (r[0]['mean_accuracy'] - b[0]['mean_accuracy']):+.2f})")
+                + ("" if r[0]["identical_after_flush"] else " NOT identical"))
+        out.append(f"| `{spec}` | {d} | {k} | " + " | ".join(cells) + " |")
+    table = "\n".join(out)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["worker"]:
@@ -329,9 +363,14 @@ def main(argv=None) -> int:
     c.add_argument("network", help="JSON written by `sweep`")
     c.add_argument("accuracy", nargs="+", help="JSON files (globs) written by delayed_averaging.py accuracy")
     c.add_argument("--out", default=None)
+    a = sub.add_parser("accuracy-summary", help="one table over accuracy runs (pp vs each run's D=0, K=1)")
+    a.add_argument("accuracy", nargs="+", help="JSON files (globs) written by delayed_averaging.py accuracy")
+    a.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.what == "sweep":
         return sweep(args, argv)
+    if args.what == "accuracy-summary":
+        return accuracy_summary(args)
     return combine(args)
 
 
