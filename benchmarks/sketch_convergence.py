@@ -13,11 +13,12 @@ per tensor):
     topk      local top-k with error feedback at the matched ratio, gathered as (index, value)
               pairs; SGD momentum 0.9 applied to the averaged sparse result
 
-``sim`` simulates N workers in ONE process with the numpy oracle (``hvdcompress.reference``):
-every step, each simulated worker computes the gradient of its own mini-batch on the shared
-parameters (all workers hold the same parameters in data-parallel SGD), and every tensor is
-exchanged by ``simulate`` (allreduce = sum in rank order, allgather = concatenation), which also
-keeps each worker's residual / momentum / sketch state. ``real`` runs the same loop on real
+``sim`` simulates N workers in ONE process: every step, each simulated worker computes the
+gradient of its own mini-batch on the shared parameters (all workers hold the same parameters in
+data-parallel SGD), and every tensor is exchanged among the N workers (allreduce = sum in rank
+order, allgather = concatenation), each worker keeping its own residual / momentum / sketch
+state: by the PyTorch compressors driven in lockstep (``--engine torch``, default; tested bit for
+bit against the oracle) or by the numpy oracle's ``simulate`` (``--engine oracle``). ``real`` runs the same loop on real
 Horovod workers (``hvdcompress.bench.convergence.train_and_test``, the library's optimizer), so
 the simulated 2 and 4 workers can be checked against real ones.
 
@@ -94,8 +95,45 @@ def momentum_for(spec: str) -> float:
     return 0.0 if spec.startswith("sketch") else 0.9  # the sketch keeps momentum 0.9 itself
 
 
-# --- one process, N simulated workers (numpy oracle) ---------------------------------------------
-def train_sim(spec_text, data, dataset, world, seed, lr, epochs, global_batch):
+# --- one process, N simulated workers -----------------------------------------------------------
+def _lockstep(gens):
+    """Drive the N ranks' torch exchange generators together: Allreduce = sum in rank order,
+    Allgather = concatenation in rank order (as ``simulate``). Returns (result, bytes per rank)."""
+    import torch
+
+    from torch_ops.collectives import request_bytes
+    n = len(gens)
+    sent, results, inbox = [0] * n, [None] * n, None
+    while True:
+        requests, done = [], 0
+        for r, gen in enumerate(gens):
+            try:
+                requests.append(next(gen) if inbox is None else gen.send(inbox[r]))
+            except StopIteration as stop:
+                results[r] = stop.value
+                done += 1
+        if done:
+            assert done == n, "ranks disagree on the number of rounds"
+            return results[0], sent
+        inbox = [[] for _ in range(n)]
+        for r in range(n):
+            sent[r] += int(request_bytes(requests[r]))
+        for i, req in enumerate(requests[0]):
+            parts = [requests[r][i].tensor for r in range(n)]
+            if type(req).__name__ in ("Allreduce", "Flag"):
+                total = parts[0].clone()
+                for t in parts[1:]:
+                    total += t
+                out = [total.clone() for _ in range(n)]
+            else:
+                cat = torch.cat(parts)
+                out = [cat.clone() for _ in range(n)]
+            for r in range(n):
+                inbox[r].append(out[r])
+        inbox = [tuple(a) for a in inbox]
+
+
+def train_sim(spec_text, data, dataset, world, seed, lr, epochs, global_batch, engine="torch"):
     import torch
     import torch.nn.functional as F
 
@@ -103,7 +141,9 @@ def train_sim(spec_text, data, dataset, world, seed, lr, epochs, global_batch):
     from hvdcompress.reference import simulate
     from hvdcompress.spec import parse_spec
 
+    from torch_ops.compressors import ExchangeContext, build_compressor
     spec = parse_spec(spec_text)
+    comp = build_compressor(spec)
     gathered = spec.exchange == "allgather"
     torch.manual_seed(seed)
     model = for_dataset(dataset)
@@ -127,9 +167,17 @@ def train_sim(spec_text, data, dataset, world, seed, lr, epochs, global_batch):
                 F.cross_entropy(model(x[idx]), y[idx]).backward()
                 grads.append([p.grad.detach().numpy().copy() for _, p in params])
             for t, (name, p) in enumerate(params):
-                total, _, sent = simulate(spec, [g[t] for g in grads], states[name], key=name, step=nsteps,
-                                          epoch=epoch, scale=1.0 / world)
-                per_rank = [sum(x.nbytes for rnd in s for x in rnd) for s in sent]
+                if engine == "oracle":
+                    total, _, sent = simulate(spec, [g[t] for g in grads], states[name], key=name, step=nsteps,
+                                              epoch=epoch, scale=1.0 / world)
+                    per_rank = [sum(x.nbytes for rnd in s for x in rnd) for s in sent]
+                else:
+                    gens = [comp.exchange(torch.from_numpy(g[t]).reshape(-1),
+                                          ExchangeContext(name, nsteps, world, 1.0 / world, states[name][r],
+                                                          tuple(p.shape), epoch, r))
+                            for r, g in enumerate(grads)]
+                    total, per_rank = _lockstep(gens)
+                    total = total.numpy()
                 sent_b += per_rank[0]
                 recv_b += sum(per_rank) if gathered else per_rank[0]
                 applied += int(np.count_nonzero(total))
@@ -154,7 +202,7 @@ def run_sim(args) -> int:
     sizes = tensor_sizes(args.dataset)
     specs, matched = methods(args, sizes)
     print(f"{args.dataset}: d = {sum(d for _, d in sizes):,}; specs {specs}; bytes/step sent {matched}", flush=True)
-    out = {"mode": "sim (one process, numpy oracle)", "dataset": args.dataset, "specs": specs,
+    out = {"mode": "sim (N workers in one process)", "dataset": args.dataset, "specs": specs,
            "matched_bytes": matched, "lr": args.lr, "epochs": args.epochs, "global_batch": args.global_batch,
            "seeds": args.seeds, "runs": {}, "load_before": os.getloadavg()}
     if os.path.exists(args.out):
@@ -169,8 +217,9 @@ def run_sim(args) -> int:
                 if key in out["runs"]:
                     continue
                 t0 = time.time()
-                r = train_sim(specs[name], data, args.dataset, world, seed, args.lr, args.epochs, args.global_batch)
-                r["seconds"] = time.time() - t0
+                r = train_sim(specs[name], data, args.dataset, world, seed, args.lr, args.epochs, args.global_batch,
+                              args.engine)
+                r["seconds"], r["engine"] = time.time() - t0, args.engine
                 out["runs"][key] = r
                 print(f"N={world:>2} {name:>6} seed {seed}: acc {r['accuracy']:.4f} sent {r['sent_bytes_per_step']:,.0f} "
                       f"recv {r['received_bytes_per_step']:,.0f} applied {r['applied_fraction']:.4f} "
@@ -264,6 +313,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float)
     p.add_argument("--epochs", type=int)
     p.add_argument("--global-batch", type=int)
+    p.add_argument("--engine", choices=["torch", "oracle"], default="torch",
+                   help="sim: exchanges by the PyTorch compressors driven in lockstep (bit for bit the oracle's, "
+                        "tested; faster) or by the numpy oracle itself")
     p.add_argument("--out")
     args = p.parse_args(argv)
     for k, v in DEFAULTS[args.dataset].items():

@@ -7,12 +7,15 @@ For each size, on the same gradient-like tensor, alternating, ``--repeats`` time
     max pass     v.abs().max(): one read of the tensor, the floor for anything that looks at it
     torch.topk   exact top-k of |v| (k = ratio * d), unsorted
     DGC sampled  ``torch_ops.compressors.dgc_selection.sampled_threshold_select`` (sample 1%)
-    sketch       building the r x c count sketch of v (hashes computed, chunked; round 1 payload)
+    hash tables  the r rows' tabulation tables (LOW: 65536, HIGH: d/65536 entries), built from
+                 scratch (the optimizer's exchanges find them in a cache after the first step)
+    sketch       building the r x c count sketch of v (hashes computed per chunk; round 1 payload)
     estimate     the median-of-rows estimate of every coordinate from a table
     candidates   the P*k largest |estimate| (``topk_indices``, ties to the lower index)
-    sketch total sketch + estimate + candidates (what a worker computes besides the two allreduces)
-    (compiled)   the same with HVDCOMPRESS_SKETCH_COMPILE's torch.compile fused path (checked to
-                 give the same bits; its one-off compilation time is reported, not in the median)
+    sketch total tables + sketch + estimate + candidates (what a worker computes besides the two
+                 allreduces)
+
+The torch table and estimates are checked bit for bit against the numpy oracle at the first size.
 
 Single-threaded by default (``--threads``), so the figures do not depend on the other core.
 """
@@ -27,9 +30,11 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from hvdcompress.hashing import row_keys
+from hvdcompress.reference import sketch as ref
 from hvdcompress.reference.sketch import geometry
 from hvdcompress.sampling import sample_offset, sample_stride
 from hvdcompress.spec import parse_spec
@@ -44,45 +49,34 @@ def main(argv=None) -> int:
     p.add_argument("--spec", default="sketch:ratio=0.01,rows=5,cols_ratio=0.02,p2=4")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile fused path")
+    p.add_argument("--chunk", type=int, default=sk.CHUNK, help="entries per chunk (whole 65536-entry blocks)")
     p.add_argument("--out", default="benchmarks/results/sketch_speed.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = parse_spec(args.spec)
-    compiled = not args.no_compiled
     gen = torch.Generator().manual_seed(0)
     rows = []
+    load_before = os.getloadavg()
     for size in map(int, args.sizes):
         v = torch.randn(size, generator=gen) * torch.rand(size, generator=gen)  # gradient-like spread
         geo = geometry(spec.params, size)
         keys = row_keys(spec["seed"], "bench", geo.rows)
-        table = sk.sketch_table(v, keys, geo.cols)
+        hashes = sk.Hashes(keys, size, geo.cols, chunk=args.chunk)
+        table = sk.sketch_table(v, keys, geo.cols, hashes=hashes)
+        est = sk.estimates(table, keys, size, hashes=hashes)
+        if size == int(args.sizes[0]):  # the same bits as the oracle
+            assert np.array_equal(table.numpy(), ref.sketch_table(v.numpy(), keys, geo.cols))
+            assert np.array_equal(est.abs().numpy(), np.abs(ref.estimates(table.numpy(), keys, size)))
         steps = {
             "max pass": lambda: v.abs().max(),
             "torch.topk": lambda: torch.topk(v.abs(), geo.k, sorted=False),
             "DGC sampled": lambda: sampled_threshold_select(v, geo.k, 0.01, 4,
                                                             sample_offset(sample_stride(0.01), size, 0, 0, "b")),
-            "sketch": lambda: sk.sketch_table(v, keys, geo.cols),
-            "estimate": lambda: sk.estimates(table, keys, size),
+            "hash tables": lambda: (sk._table_cache.clear(), sk.Hashes(keys, size, geo.cols, chunk=args.chunk)),
+            "sketch": lambda: sk.sketch_table(v, keys, geo.cols, hashes=hashes),
+            "estimate": lambda: sk.estimates(table, keys, size, hashes=hashes),
+            "candidates": lambda: topk_indices(est, geo.candidates),
         }
-        est = sk.estimates(table, keys, size)
-        steps["candidates"] = lambda: topk_indices(est, geo.candidates)
-        if compiled:
-            def on(fn):
-                def run():
-                    sk.use_compiled(True)
-                    try:
-                        return fn()
-                    finally:
-                        sk.use_compiled(False)
-                return run
-            steps["sketch (compiled)"] = on(steps["sketch"])
-            steps["estimate (compiled)"] = on(steps["estimate"])
-            t0 = time.perf_counter()
-            same = (torch.equal(steps["sketch (compiled)"](), table)
-                    and torch.equal(steps["estimate (compiled)"]().abs(), est.abs()))
-            compile_s = time.perf_counter() - t0
-            assert same, "the compiled path changed a bit"
         times = {name: [] for name in steps}
         for rep in range(args.repeats + 1):
             for name, fn in steps.items():
@@ -93,12 +87,8 @@ def main(argv=None) -> int:
         row = {"numel": size, "k": geo.k, "rows": geo.rows, "cols": geo.cols, "candidates": geo.candidates,
                "wire_floats": geo.rows * geo.cols + geo.candidates,
                "seconds": {name: statistics.median(t) for name, t in times.items()}}
-        row["seconds"]["sketch total"] = sum(row["seconds"][n] for n in ("sketch", "estimate", "candidates"))
-        if compiled:
-            row["seconds"]["total (compiled)"] = sum(row["seconds"][n] for n in ("sketch (compiled)",
-                                                                                 "estimate (compiled)", "candidates"))
-            row["compiled_bits_equal"] = True
-            row["first_call_with_compile_s"] = compile_s
+        row["seconds"]["sketch total"] = sum(row["seconds"][n] for n in ("hash tables", "sketch", "estimate",
+                                                                          "candidates"))
         rows.append(row)
         print(f"numel {size:>11,}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in row["seconds"].items()),
               flush=True)
@@ -113,7 +103,10 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"spec": str(spec), "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
-                   "machine": platform.processor() or platform.machine(), "chunk": sk.CHUNK,
+                   "machine": platform.processor() or platform.machine(), "chunk": args.chunk,
+                   "hash": "simple tabulation (2 x 16-bit characters) + odd multiply + multiply-shift to 2c signed cells",
+                   "oracle_bits_equal_at": int(args.sizes[0]),
+                   "load_average_before": load_before, "load_average_after": os.getloadavg(),
                    "note": "(Nx) = multiples of one max pass over the tensor", "rows": rows}, f, indent=2)
     print(f"\nwrote {args.out}")
     return 0

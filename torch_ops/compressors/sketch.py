@@ -14,7 +14,8 @@ is taken over (``adapt_optimizer``), as DGC does.
 
 Speed and memory: the hashes (``hvdcompress.hashing``: simple tabulation + one multiply-shift) are
 computed per chunk of ``CHUNK`` entries (whole 65536-entry blocks) from two short tables per row
-(LOW: 65536 int64, HIGH: d / 65536), built once per exchange and used by both rounds. Per row and
+(LOW: 65536 int64, HIGH: d / 65536), kept in a small LRU cache (``TABLE_CACHE_BYTES``) since a
+tensor is hashed with the same keys every step, and used by both rounds. Per row and
 chunk that is five passes over an int64 buffer (one broadcast xor, two multiplies, a mask, a
 shift), then
 one ``scatter_add_`` of v into the row's 2c signed cells (no sign multiply) to sketch, or one
@@ -31,6 +32,7 @@ in the last bits there.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Iterator, Tuple
 
 import torch
@@ -46,6 +48,28 @@ from .selection import topk_indices
 CHUNK = 1 << 19
 
 
+TABLE_CACHE_BYTES = 64 << 20
+_table_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+def _tables(keys: tuple, d: int, device: torch.device):
+    """The rows' (LOW, HIGH) tables as tensors, from a small LRU cache (a tensor is hashed with
+    the same keys every step; the tables are a function of (keys, d) only)."""
+    key = (keys, d, str(device))
+    hit = _table_cache.get(key)
+    if hit is not None:
+        _table_cache.move_to_end(key)
+        return hit
+    pairs = [hashing.tables(rk, d) for rk in keys]
+    hit = ([torch.from_numpy(lo).to(device) for lo, _ in pairs], [torch.from_numpy(hi).to(device) for _, hi in pairs])
+    _table_cache[key] = hit
+    nbytes = lambda entry: sum(t.numel() * 8 for half in entry for t in half)  # noqa: E731
+    total = sum(nbytes(e) for e in _table_cache.values())
+    while total > TABLE_CACHE_BYTES and len(_table_cache) > 1:
+        total -= nbytes(_table_cache.popitem(last=False)[1])
+    return hit
+
+
 class Hashes:
     """The hash tables of every row for a tensor of ``d`` entries and ``cols`` columns, and the
     int64 buffer the signed cells y_j of one chunk are computed into."""
@@ -53,9 +77,7 @@ class Hashes:
     def __init__(self, keys, d: int, cols: int, device="cpu", chunk: int = CHUNK):
         hashing.check_cols(cols)
         self.d, self.cols, self.rows = int(d), int(cols), len(keys)
-        pairs = [hashing.tables(rk, d) for rk in keys]
-        self.low = [torch.from_numpy(lo).to(device) for lo, _ in pairs]
-        self.high = [torch.from_numpy(hi).to(device) for _, hi in pairs]
+        self.low, self.high = _tables(tuple(keys), self.d, torch.device(device))
         self.n_low = self.low[0].numel() if keys else min(self.d, hashing.BLOCK)
         self.blocks = max(1, int(chunk) // hashing.BLOCK)  # blocks per chunk
         self.n_high = -(-self.d // self.n_low) if self.d else 0
