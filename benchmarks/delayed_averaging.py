@@ -190,10 +190,11 @@ def accuracy_table(result) -> str:
     out = ["| compression | delay D | sync_every K | test accuracy (mean) | per seed | vs D=0,K=1 (pp) | "
            "identical after flush | bytes/step |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = next(b for b in rows if b["compression"] == r["compression"] and b["delay"] == 0 and b["sync_every"] == 1)
+        base = next((b for b in rows if b["compression"] == r["compression"] and b["delay"] == 0
+                     and b["sync_every"] == 1), None)
+        vs = f"{100 * (r['mean_accuracy'] - base['mean_accuracy']):+.2f}" if base else "-"
         out.append(f"| `{r['compression']}` | {r['delay']} | {r['sync_every']} | {r['mean_accuracy']:.4f} | "
-                   f"{', '.join(f'{a:.4f}' for a in r['accuracy'])} | "
-                   f"{100 * (r['mean_accuracy'] - base['mean_accuracy']):+.2f} | {r['identical_after_flush']} | "
+                   f"{', '.join(f'{a:.4f}' for a in r['accuracy'])} | {vs} | {r['identical_after_flush']} | "
                    f"{r['bytes_per_step']:.0f} |")
     return "\n".join(out)
 
