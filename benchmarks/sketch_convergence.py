@@ -172,11 +172,11 @@ def train_sim(spec_text, data, dataset, world, seed, lr, epochs, global_batch, e
                                               epoch=epoch, scale=1.0 / world)
                     per_rank = [sum(x.nbytes for rnd in s for x in rnd) for s in sent]
                 else:
-                    gens = [comp.exchange(torch.from_numpy(g[t]).reshape(-1),
+                    exch = [comp.exchange(torch.from_numpy(g[t]).reshape(-1),
                                           ExchangeContext(name, nsteps, world, 1.0 / world, states[name][r],
                                                           tuple(p.shape), epoch, r))
                             for r, g in enumerate(grads)]
-                    total, per_rank = _lockstep(gens)
+                    total, per_rank = _lockstep(exch)
                     total = total.numpy()
                 sent_b += per_rank[0]
                 recv_b += sum(per_rank) if gathered else per_rank[0]
