@@ -2,6 +2,7 @@
 
     python benchmarks/sketch_convergence.py sim --dataset digits --workers 2 4 8 16    # one process
     horovodrun -np 4 -H localhost:4 --gloo python benchmarks/sketch_convergence.py real --dataset digits
+    python benchmarks/sketch_convergence.py plot --inputs benchmarks/results/sketch_convergence_*.json
 
 Methods (``--sketch`` sets the sketch; top-k's ratio is then chosen so that the bytes each worker
 puts on the wire per step, summed over the model's tensors, equal the sketch's, within one entry
@@ -294,6 +295,48 @@ def summarize(out) -> None:
               f"{row.get('applied_fraction', float('nan')):.4f} | {len(rs)} |")
 
 
+def plot(paths, out_png) -> None:
+    """Accuracy and bytes received per worker vs N, one column per data set (sim; real as markers)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results = []
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        if "summary" not in res:
+            summarize(res)
+        results.append(res)
+    datasets = sorted({r["dataset"] for r in results})
+    fig, axes = plt.subplots(2, len(datasets), figsize=(5.5 * len(datasets), 7), squeeze=False)
+    colors = {"dense": "tab:gray", "sketch": "tab:blue", "topk": "tab:red"}
+    for col, ds in enumerate(datasets):
+        for res in (r for r in results if r["dataset"] == ds):
+            sim = res["mode"].startswith("sim")
+            for name in ("dense", "sketch", "topk"):
+                rows = sorted((r for r in res["summary"] if r["method"] == name), key=lambda r: r["workers"])
+                if not rows:
+                    continue
+                ws = [r["workers"] for r in rows]
+                style = dict(color=colors[name], marker="o" if sim else "x", linestyle="-" if sim else "none",
+                             label=f"{name} ({'simulated' if sim else 'real workers'})")
+                axes[0][col].plot(ws, [r["accuracy"] for r in rows], **style)
+                if sim:
+                    axes[1][col].plot(ws, [r["received_bytes_per_step"] / 1e3 for r in rows], **style)
+        axes[0][col].set_title(f"{ds}: test accuracy (mean of seeds)")
+        axes[1][col].set_title(f"{ds}: kB received per worker per step")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("workers")
+            ax.grid(alpha=0.3)
+        axes[1][col].set_yscale("log")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Sketched-SGD vs local top-k (EF) vs dense at equal bytes sent per worker")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    print(f"wrote {out_png}")
+
+
 def write(path, out) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp"
@@ -304,7 +347,8 @@ def write(path, out) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["sim", "real"])
+    p.add_argument("mode", choices=["sim", "real", "plot"])
+    p.add_argument("--inputs", nargs="*", default=[], help="plot: result JSON files")
     p.add_argument("--dataset", choices=sorted(DEFAULTS), default="digits")
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16], help="sim: simulated worker counts")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -325,6 +369,9 @@ def main(argv=None) -> int:
         args.out = f"benchmarks/results/sketch_convergence_{args.dataset}_{args.mode}.json"
         if args.mode == "real":
             args.out = args.out.replace(".json", "_{world}.json")
+    if args.mode == "plot":
+        plot(args.inputs, args.out or "benchmarks/results/sketch_convergence.png")
+        return 0
     if args.mode == "real":
         import hvdcompress.torch as hvc
         hvc.init()
