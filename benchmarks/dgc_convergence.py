@@ -177,7 +177,8 @@ def report(args, sweep, best, ablation) -> None:
     print("\nThe sweep (mean accuracy):\n\n| method | " + " | ".join(f"lr {lr:g}" for lr in args.lrs) + " |")
     print("|---|" + "---|" * len(args.lrs))
     for name, per_lr in sweep.items():
-        print(f"| {name} | " + " | ".join(f"{per_lr[str(lr)]['mean_accuracy']:.4f}" for lr in args.lrs) + " |")
+        print(f"| {name} | " + " | ".join(f"{per_lr[str(lr)]['mean_accuracy']:.4f}" if str(lr) in per_lr else "not run"
+                                         for lr in args.lrs) + " |")
     if ablation:
         print(f"\nAblation at DGC's best rate ({best['dgc']['lr']:g}), seeds {args.ablation_seeds or args.seeds}:\n\n"
               + head)
@@ -191,6 +192,20 @@ def report(args, sweep, best, ablation) -> None:
               f"p95 {lag['rel_diff_p95']:.3g}, max {lag['rel_diff_max']:.3g}")
 
 
+SAME = ("dataset", "seeds", "epochs", "batch_size", "lr_warmup_epochs", "lr_schedule", "weight_decay", "schedule")
+
+
+def _earlier(out: str, args) -> dict:
+    """--resume: the sweep entries of an earlier run of ``out`` with the same training settings."""
+    try:
+        with open(out) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    same = all(old["args"].get(k) == getattr(args, k) for k in SAME)
+    return old.get("sweep", {}) if same else {}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", choices=["digits", "mnist1d"], default="mnist1d")
@@ -198,6 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("--lrs", type=float, nargs="+", default=[0.025, 0.05, 0.1, 0.2],
                    help="learning rates of the sweep (SGD, momentum 0.9)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), help="configurations swept over --lrs")
+    p.add_argument("--method-lrs", nargs="*", default=[], metavar="METHOD=LR,LR",
+                   help="a smaller sweep for one method (e.g. topk=0.1,0.2), to fit a time budget")
     p.add_argument("--ablation", nargs="*", default=list(ABLATION),
                    help="configurations run at DGC's best rate (none: no ablation)")
     p.add_argument("--ablation-seeds", type=int, nargs="+", help="seeds of the ablation (default: --seeds)")
@@ -214,6 +231,8 @@ def main(argv=None) -> int:
                         "sparsified on its own, as in the DGC paper (the optimizer's own default, auto, merges "
                         "tensors into cost-model groups)")
     p.add_argument("--out", default="benchmarks/results/dgc_convergence_{dataset}.json")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the sweep entries of --out measured with the same spec, seeds and training settings")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     all_configs = configs(args.clip_norm, args.clip_scope)
@@ -222,6 +241,12 @@ def main(argv=None) -> int:
             p.error(f"unknown configuration {name!r}; accepted: {', '.join(all_configs)}")
     if args.ablation and "dgc" not in args.methods:
         p.error("--ablation runs at DGC's best rate: --methods must include dgc")
+    method_lrs = {}
+    for item in args.method_lrs:
+        name, _, lrs = item.partition("=")
+        if name not in args.methods or not lrs:
+            p.error(f"--method-lrs: expected METHOD=LR,LR with METHOD in --methods; got {item!r}")
+        method_lrs[name] = [float(x) for x in lrs.split(",")]
     hvc.init()
     data = load(args.dataset)
     started = time.time()
@@ -236,9 +261,14 @@ def main(argv=None) -> int:
                            "seconds": time.time() - started, "best": best, "sweep": sweep, "ablation": ablation},
                           f, indent=2)
 
+    earlier = _earlier(out, args) if args.resume else {}
     for name in args.methods:
         sweep[name] = {}
-        for lr in args.lrs:
+        for lr in method_lrs.get(name, args.lrs):
+            old = earlier.get(name, {}).get(str(lr))
+            if old is not None and old["spec"] == all_configs[name] and len(old["runs"]) == len(args.seeds):
+                sweep[name][str(lr)] = dict(old, reused=True)
+                continue
             sweep[name][str(lr)] = run_config(name, all_configs[name], data, args, lr, args.seeds)
             save(False)
         # the best rate: highest mean accuracy; a tie goes to the smaller rate
