@@ -12,7 +12,16 @@ import traceback
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-SPECS = ["signsgd", "efsignsgd", "onebit", "terngrad:bucket=100", "qsgd:levels=3,bucket=64", "powersgd:rank=2"]
+SPECS = ["signsgd", "efsignsgd", "onebit", "terngrad:bucket=100", "qsgd:levels=3,bucket=64", "powersgd:rank=2",
+         "terngrad:share_scale=true,bucket=100,residual=true"]
+# resume bit-identical: every new compressor on 2 workers (state: residuals, PowerSGD's Q, and the
+# step counter that seeds the stochastic rounding), the stateful ones on 3
+RESUME = {2: ["powersgd:rank=2", "efsignsgd", "onebit", "signsgd", "qsgd:levels=3,bucket=64",
+              "terngrad:share_scale=true,bucket=100,residual=true"],
+          3: ["powersgd:rank=2", "terngrad:share_scale=true,bucket=100,residual=true"]}
+TF_RESUME = {2: [("keras", "powersgd:rank=2"), ("tape", "efsignsgd"), ("tape", "onebit"), ("keras", "signsgd"),
+                 ("keras", "qsgd:levels=3,bucket=64"), ("tape", "terngrad:share_scale=true,bucket=100,residual=true")],
+             3: [("keras", "powersgd:rank=2"), ("tape", "terngrad:share_scale=true,bucket=100,residual=true")]}
 BAD = {"levels": "qsgd:levels=0", "bucket": "terngrad:bucket=-1", "rank": "powersgd:rank=0"}
 STEPS = 4
 LR = 0.05
@@ -103,19 +112,113 @@ def _torch_resume(spec):
             "state": sorted({k for st in state.values() for k in st})}
 
 
+INTEROP = ("none", "fp16", "bf16")  # the specs Horovod's own optimizers can run (horovod_interop)
+TIE = {0: [1.0, -1.0, 1.0, 0.0, -2.0], 1: [-1.0, -1.0, 1.0, 5.0, 2.0], 2: [1.0, 1.0, -1.0, 0.0, 3.0]}
+VOTE = {2: [0.0, -1.0, 1.0, 1.0, 0.0], 3: [1.0, -1.0, 1.0, 1.0, 1.0]}  # sign of the vote: ties -> 0
+
+
+def _torch_interop_one(name, op_name="Average"):
+    """Horovod's own optimizer with ``hvc.Compression.<name>``, next to ours with the same spec:
+    identical ranks after every step, and the same parameters as ours at the end."""
+    import horovod.torch as hvd
+    import torch
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    from mp_scenarios import _batch, _flat, _identical_across_ranks, _model
+    flats, identical = {}, []
+    for who in ("horovod", "ours"):
+        model = _model()
+        sgd = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        compression = getattr(hvc.Compression, name)
+        op = getattr(hvd, op_name)
+        if who == "horovod":
+            opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression,
+                                           op=op)
+        else:
+            opt = hvc.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression,
+                                           schedule="layerwise", op=op)
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = _batch(hvd.rank(), step)
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            opt.step()
+            if who == "horovod":
+                identical.append(_identical_across_ranks(model))
+        flats[who] = _flat(model)
+    payload, _ = getattr(hvc.Compression, name).compress(torch.ones(3))
+    return {"identical": identical, "equal_to_ours": bool(torch.equal(flats["horovod"], flats["ours"])),
+            "max_diff": float((flats["horovod"] - flats["ours"]).abs().max()), "payload": str(payload.dtype),
+            "moved": float((flats["horovod"] - _flat(_model())).abs().max())}
+
+
+def _torch_fp16_average_rounding():
+    """Why Horovod's fp16 Average can differ from ours in the last bit of tiny values: Horovod
+    scales the half-precision sum by 1/size in half precision, we scale it in float32. Two ranks
+    send the fp16 subnormals 2**-24 and 2 * 2**-24: Horovod's average is 1.5 * 2**-24 rounded to
+    half (ties to even: 2**-23), ours is 1.5 * 2**-24."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+    x = torch.tensor([2.0 ** -24 * (hvd.rank() + 1)])
+    got = hvd.allreduce(x, op=hvd.Average, compression=hvc.Compression.fp16, name="q.fp16.average")
+    return {"horovod": float(got), "ours": float(torch.tensor([3 * 2.0 ** -24], dtype=torch.float16).float() * 0.5)}
+
+
+def _torch_interop_refused():
+    """A spec Horovod's protocol cannot carry raises in the first gradient hook, on every rank,
+    before Horovod launched any collective."""
+    import horovod.torch as hvd
+    import torch
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    from mp_scenarios import _batch, _model
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvc.Compression.topk(ratio=0.01))
+    try:
+        nn.CrossEntropyLoss()(model(_batch(hvd.rank(), 0)[0]), _batch(hvd.rank(), 0)[1]).backward()
+        return {"raised": None}
+    except ValueError as e:
+        return {"raised": str(e)}
+
+
+def _torch_tie():
+    """signSGD's vote on real workers: a parameter whose gradient is rank r's row of TIE (plain
+    SGD, lr 1): the update is -sign(sum of the ranks' signs), 0 where an even world ties."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+    w = torch.nn.Parameter(torch.zeros(5))
+    opt = hvc.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)], compression="signsgd")
+    opt.zero_grad()
+    (w * torch.tensor(TIE[hvd.rank()])).sum().backward()
+    opt.step()
+    return {"update": (-w.detach()).tolist()}
+
+
 def torch_everything() -> dict:
     import horovod.torch as hvd
     import torch
     import hvdcompress.torch as hvc
     torch.set_num_threads(1)
     hvd.init()
-    out = {"world": hvd.size(), "train": {}, "auto": {}, "resume": {}, "bad": {}}
+    world = hvd.size()
+    out = {"world": world, "train": {}, "auto": {}, "resume": {}, "bad": {}, "interop": {}}
     for spec in SPECS:
         out["train"][spec] = _guard(_torch_one, spec)
-    for spec in ("qsgd:levels=3,bucket=64", "powersgd:rank=2"):  # the default schedule
-        out["auto"][spec] = _guard(_torch_one, spec, "auto")
-    for spec in ("powersgd:rank=2", "efsignsgd"):
+    if world == 2:
+        for spec in ("qsgd:levels=3,bucket=64", "powersgd:rank=2"):  # the default schedule
+            out["auto"][spec] = _guard(_torch_one, spec, "auto")
+    for spec in RESUME[world]:
         out["resume"][spec] = _guard(_torch_resume, spec)
+    out["tie"] = _guard(_torch_tie)
+    if world == 2:  # Horovod's own optimizer with our specs
+        for name in INTEROP:
+            out["interop"][name] = _guard(_torch_interop_one, name)
+        out["interop"]["fp16 op=Sum"] = _guard(_torch_interop_one, "fp16", "Sum")
+        out["fp16_average_rounding"] = _guard(_torch_fp16_average_rounding)
+        out["refused"] = _guard(_torch_interop_refused)
     from mp_scenarios import _model
     for label, text in BAD.items():
         try:
@@ -173,6 +276,66 @@ def _tf_resume(kind, spec, tmp):
             "state": sorted({k for s in comp2.slots for k in s})}
 
 
+def _tf_interop_one(name):
+    """``horovod.tensorflow.keras.DistributedOptimizer`` with ``hvc.Compression.<name>``, next to
+    ours (``hvdcompress.keras``) with the same spec: identical ranks, the same parameters."""
+    import horovod.tensorflow.keras as hvdk
+    import numpy as np
+    import tensorflow as tf
+    import hvdcompress.keras as hvc
+    from mp_tf_scenarios import _batch, _flat, _identical, _loss, _model
+    flats, identical = {}, []
+    for who in ("horovod", "ours"):
+        model = _model()
+        sgd = tf.keras.optimizers.SGD(LR, momentum=0.9)
+        compression = getattr(hvc.Compression, name)
+        make = hvdk.DistributedOptimizer if who == "horovod" else hvc.DistributedOptimizer
+        model.compile(optimizer=make(sgd, compression=compression), loss=_loss())
+        for step in range(STEPS):
+            model.train_on_batch(*_batch(hvc.rank(), step))
+            if who == "horovod":
+                identical.append(_identical(model))
+        flats[who] = _flat(model).numpy()
+    payload, _ = getattr(hvc.Compression, name).compress(tf.ones([3]))
+    return {"identical": identical, "equal_to_ours": bool(np.array_equal(flats["horovod"], flats["ours"])),
+            "max_diff": float(abs(flats["horovod"] - flats["ours"]).max()), "payload": payload.dtype.name,
+            "moved": float(abs(flats["horovod"] - _flat(_model()).numpy()).max())}
+
+
+def _tf_interop_refused():
+    import horovod.tensorflow.keras as hvdk
+    import tensorflow as tf
+    import hvdcompress.keras as hvc
+    from mp_tf_scenarios import _batch, _loss, _model
+    model = _model()
+    model.compile(optimizer=hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(LR),
+                                                      compression=hvc.Compression.qsgd), loss=_loss())
+    try:
+        model.train_on_batch(*_batch(hvc.rank(), 0))
+        return {"raised": None}
+    except ValueError as e:
+        return {"raised": str(e)}
+
+
+def _tf_tie():
+    import numpy as np
+    import tensorflow as tf
+    import hvdcompress.tensorflow as hvc
+    w = tf.Variable(tf.zeros([5]))
+    comp = hvc.GradientCompression("signsgd")
+    sgd = tf.keras.optimizers.SGD(1.0)
+
+    @tf.function
+    def step(g):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * g)
+        tape = hvc.DistributedGradientTape(tape, compression=comp)
+        sgd.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+
+    step(tf.constant(TIE[hvc.rank()]))
+    return {"update": (-np.asarray(w.numpy(), np.float64)).tolist()}
+
+
 def tf_everything() -> dict:
     import horovod.tensorflow as hvd
     import tensorflow as tf
@@ -180,12 +343,18 @@ def tf_everything() -> dict:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     hvd.init()
     import hvdcompress.keras as hvc
-    out = {"world": hvd.size(), "train": {}, "resume": {}, "bad": {}}
+    world = hvd.size()
+    out = {"world": world, "train": {}, "resume": {}, "bad": {}, "interop": {}}
     for spec in SPECS:
         out["train"][spec] = _guard(_keras_one, spec)
     tmp = tempfile.mkdtemp()
-    for kind, spec in (("keras", "powersgd:rank=2"), ("tape", "efsignsgd")):
+    for kind, spec in TF_RESUME[world]:
         out["resume"][spec] = _guard(_tf_resume, kind, spec, tmp)
+    out["tie"] = _guard(_tf_tie)
+    if world == 2:  # Horovod's own Keras optimizer with our specs
+        for name in INTEROP:
+            out["interop"][name] = _guard(_tf_interop_one, name)
+        out["refused"] = _guard(_tf_interop_refused)
     for label, text in BAD.items():
         try:
             hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=text)
