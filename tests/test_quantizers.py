@@ -489,3 +489,35 @@ def test_powersgd_state_checks():
         with pytest.raises(ValueError) as err:
             parse_spec(bad)
         assert needle in str(err.value)
+
+
+# -- Horovod's own Compression protocol (hvdcompress.horovod_interop) --------------------------------
+def test_specs_follow_horovods_compression_protocol_on_torch_and_tf():
+    """compress -> (payload, ctx), decompress(payload, ctx): none passes through, fp16 is IEEE half
+    (as hvd.Compression.fp16), bf16 rounds as our bf16 codec and travels as float32; integer tensors
+    pass through; specs are hashable (Horovod's TF optimizers cache on them)."""
+    from hvdcompress import Compression
+    from hvdcompress.reference.codecs import bf16_decode, bf16_encode
+    x = np.array([1.0, 1.00390625, 3.14159, -2e-3, 65519.0, 1e-8], np.float32)
+    want = {"none": (x, np.float32), "fp16": (x.astype(np.float16).astype(np.float32), np.float16),
+            "bf16": (bf16_decode(bf16_encode(x)), np.float32)}
+    for name, (values, wire) in want.items():
+        spec = getattr(Compression, name)
+        assert hash(spec) == hash(parse_spec(name)) and spec == parse_spec(name)
+        for to, back in ((torch.from_numpy, lambda t: t.numpy()), (tf.constant, lambda t: t.numpy())):
+            payload, ctx = spec.compress(to(x.copy()))
+            assert back(payload).dtype == wire, (name, payload)
+            out = back(spec.decompress(payload, ctx))
+            assert out.dtype == np.float32
+            np.testing.assert_array_equal(out, values)
+            ints, ictx = spec.compress(to(np.arange(3, dtype=np.int32)))
+            assert back(spec.decompress(ints, ictx)).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("text", ["topk", "randomk", "threshold", "dgc", "signsgd", "efsignsgd", "onebit", "terngrad",
+                                  "qsgd", "powersgd", "sketch", "fp16:residual=true", "bf16:residual=true"])
+def test_specs_horovods_protocol_cannot_carry_raise_saying_why(text):
+    with pytest.raises(ValueError, match="cannot run inside Horovod's own DistributedOptimizer"):
+        parse_spec(text).compress(torch.ones(4))
+    with pytest.raises(ValueError, match="cannot run inside Horovod's own DistributedOptimizer"):
+        parse_spec(text).compress(tf.ones([4]))
