@@ -187,3 +187,126 @@ def nonfinite_faults() -> dict:
         out["error"] = traceback.format_exc()
     hvd.shutdown()
     return out
+
+
+class _BranchNet:
+    """An MLP with an auxiliary branch that only some ranks use in some steps."""
+
+    @staticmethod
+    def make():
+        import torch
+        import torch.nn as nn
+        torch.manual_seed(0)
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Linear(16, 8)
+                self.aux = nn.Linear(16, 8)
+                self.head = nn.Linear(8, 4)
+
+            def forward(self, x, use_aux):
+                h = self.body(x)
+                if use_aux:
+                    h = h + self.aux(x)
+                return self.head(torch.tanh(h))
+        return Net()
+
+
+def _branch_steps(opt_for, steps=6):
+    """Rank 0 uses the auxiliary branch in even steps, rank 1 never: ``aux`` gets a gradient on
+    some ranks only. Returns the model and whether the ranks were identical after every step."""
+    import horovod.torch as hvd
+    import torch
+    model = _BranchNet.make()
+    opt = opt_for(model)
+    identical = []
+    for step in range(steps):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(11 * hvd.rank() + step)
+        x = torch.randn(8, 16, generator=g)
+        model(x, use_aux=hvd.rank() == 0 and step % 2 == 0).pow(2).mean().backward()
+        opt.step()
+        rows = hvd.allgather(_flat(model).unsqueeze(0), name=f"check.branch.{step}")
+        identical.append(bool(torch.equal(rows[0], rows[1])))
+    return model, identical
+
+
+def partial_gradients() -> dict:
+    """A parameter with a gradient on some ranks only in a step: no hang, identical results, and
+    (uncompressed) the same parameters as Horovod's own optimizer, for several schedules."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+    hvd.init()
+    out = {}
+    try:
+        ref, out["horovod_identical"] = _branch_steps(lambda m: hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), named_parameters=m.named_parameters()))
+        for spec, schedule in (("none", "layerwise"), ("none", "single"), ("topk:ratio=0.2", "layerwise"),
+                               ("dgc:ratio=0.2,warmup_epochs=0,min_sparse_numel=16", "single"),
+                               ("sketch:ratio=0.2,min_sketch_numel=16", "layerwise")):
+            model, identical = _branch_steps(lambda m: hvc.DistributedOptimizer(
+                torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), named_parameters=m.named_parameters(),
+                compression=spec, schedule=schedule))
+            out[f"{spec}|{schedule}"] = {"identical": identical, "aux_moved": float(
+                (model.aux.weight - _BranchNet.make().aux.weight).abs().max()),
+                "max_diff_vs_horovod": float((_flat(model) - _flat(ref)).abs().max())}
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out
+
+
+def dying_worker(kind: str, outdir: str) -> dict:
+    """Rank 1 dies (os._exit) inside backward at step 3, after some of its gradients went out. The
+    survivor writes what happened to it (exception, seconds from the step's start) to a file as
+    soon as it knows, since the launcher may end it right after. ``kind``: "ours" or "horovod"."""
+    import json
+    import os
+    import signal
+    import time
+    import horovod.torch as hvd
+    import torch
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    hvd.init()
+    record = {"rank": hvd.rank(), "kind": kind}
+    path = os.path.join(outdir, f"{kind}.{hvd.rank()}.json")
+    clock = {"start": time.time()}
+
+    def write(**kw):
+        record.update(kw, seconds=time.time() - clock["start"])
+        with open(path, "w") as f:
+            json.dump(record, f)
+
+    def terminated(signum, frame):  # the launcher ended this rank before Horovod reported anything
+        write(outcome="terminated by the launcher")
+        os._exit(143)
+    signal.signal(signal.SIGTERM, terminated)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+    if kind == "ours":
+        opt = hvc.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression="topk:ratio=0.1",
+                                       schedule="layerwise")
+    else:
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+    step = {"n": 0}
+
+    def die(grad):  # the first layer's gradient comes last in backward: the others are in flight
+        if step["n"] == 3 and hvd.rank() == 1:
+            os._exit(3)
+        return grad
+    model[0].weight.register_hook(die)
+    try:
+        for n in range(30):
+            step["n"] = n
+            clock["start"] = time.time()
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+        write(outcome="finished")
+    except Exception as e:
+        write(outcome="raised", error=f"{type(e).__name__}: {str(e)[:200]}")
+    return record

@@ -37,3 +37,30 @@ def test_non_finite_gradients_are_never_hidden_and_never_kept():
                 assert v["skipped"] == 1 and v["params_finite"] and v["identical"], (key, v)
             else:
                 assert not v["params_finite"], (key, v)  # as with Horovod: the step applied it
+
+
+def test_a_parameter_with_a_gradient_on_some_ranks_only_neither_hangs_nor_diverges():
+    for r in run_workers(sc.partial_gradients, 2):
+        assert "error" not in r, r.get("error")
+        assert all(r.pop("horovod_identical"))
+        for key, v in r.items():
+            assert all(v["identical"]), (key, v)  # after every step
+            assert v["aux_moved"] > 0, key  # rank 0's gradient of the branch arrived
+            if key.startswith("none"):
+                assert v["max_diff_vs_horovod"] < 1e-6, (key, v)  # zeros from the rank without one, as Horovod
+
+
+@pytest.mark.parametrize("kind", ["ours", "horovod"])
+def test_a_worker_that_dies_mid_step_ends_the_others_within_the_timeout(kind, tmp_path):
+    import json
+    import time
+    start = time.time()
+    with pytest.raises(Exception, match="exited with non-zero status"):  # the launcher reports rank 1's exit
+        run_workers(sc.dying_worker, 2, kind, str(tmp_path))
+    survivor = json.loads((tmp_path / f"{kind}.0.json").read_text())
+    print(kind, survivor, "launch wall seconds:", time.time() - start)
+    assert survivor["outcome"] in ("raised", "terminated by the launcher"), survivor
+    if survivor["outcome"] == "raised":
+        assert survivor["error"].startswith("HorovodInternalError"), survivor
+    assert survivor["seconds"] < 30, survivor  # far inside Horovod's Gloo timeout (30 s): no hang
+    assert not (tmp_path / f"{kind}.1.json").exists()  # rank 1 really died

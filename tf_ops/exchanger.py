@@ -43,6 +43,7 @@ from .compression import GradientCompression
 from .compressors import build_compressor
 from .delayed import check_delay, check_sync_every
 from .grouping import check_cost_model, check_schedule
+from .model_check import check_same_model, signature
 
 _STATELESS_CACHE: Dict[str, GradientCompression] = {}
 
@@ -59,6 +60,7 @@ class Exchanger:
         self.who = who
         self._warned = False
         self.variables = None  # Keras: the variables of the latest exchange, in order (for flush)
+        self._checked = set()  # gradient signatures already checked to be the same on every rank
 
     def densify(self, grads) -> List[Optional[tf.Tensor]]:
         out = []
@@ -73,9 +75,24 @@ class Exchanger:
             out.append(g)
         return out
 
-    def exchange(self, grads) -> List[Optional[tf.Tensor]]:
-        return self.compression.exchange(self.densify(grads), world_size=self.world_size, scale=self.scale,
+    def exchange(self, grads, variables=None) -> List[Optional[tf.Tensor]]:
+        grads = self.densify(grads)
+        self.check_model(grads, variables)
+        return self.compression.exchange(grads, world_size=self.world_size, scale=self.scale,
                                          prescale=self.prescale, process_set=self.process_set)
+
+    def check_model(self, grads, variables=None) -> None:
+        """Once per gradient signature: the same model on every rank (``tf_ops.model_check``)."""
+        if self.world_size < 2:
+            return
+        key = signature(grads)
+        if key in self._checked:
+            return
+        names = [getattr(v, "name", f"gradient {i}") for i, v in enumerate(variables)] if variables is not None \
+            else [f"gradient {i}" for i in range(len(grads))]
+        check_same_model(grads, names, self.process_set, self.who,
+                         f"{self.compression.name}.model_check.{len(self._checked)}")
+        self._checked.add(key)
 
 
 def _check_factor(value, op_is_average: bool) -> float:

@@ -70,9 +70,10 @@ class _KerasMixin:
         variables = [v for _, v in grads_and_vars]
         acc = self._hvc_accumulator
         if acc is None:
-            out = self._hvc.exchange(grads)
+            out = self._hvc.exchange(grads, variables)
         else:
-            out = acc.accumulate(self._hvc.densify(grads), self._hvc.exchange)
+            present = [v for g, v in zip(grads, variables) if g is not None]  # what accumulate exchanges
+            out = acc.accumulate(self._hvc.densify(grads), lambda gs: self._hvc.exchange(gs, present))
         self._hvc.variables = variables  # what flush() applies corrections to, in exchange order (untracked)
         return list(zip(out, variables))
 

@@ -59,7 +59,7 @@ class _TapeMixin:
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads)
-        return tf.nest.pack_sequence_as(grads, self._hvc.exchange(flat))
+        return tf.nest.pack_sequence_as(grads, self._hvc.exchange(flat, tf.nest.flatten(sources)))
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,

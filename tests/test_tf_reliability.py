@@ -1,0 +1,57 @@
+"""Reliability on real Horovod, TensorFlow/Keras (2 Gloo workers; the TF rows of the fault matrix
+of tests/test_reliability.py): non-finite gradients are never hidden and never kept, Keras'
+LossScaleOptimizer skips the bad steps on every rank, a checkpoint with non-finite compression
+state is refused on every rank, a model that differs across ranks is a clear error."""
+
+import pytest
+
+hvd_runner = pytest.importorskip("horovod.runner")
+
+import mp_tf_reliability_scenarios as sc  # noqa: E402
+from launch import part, run_workers  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = run_workers(sc.everything, 2, start_timeout=120,
+                      env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    print("seconds per rank:", [r["seconds"] for r in out])
+    return out
+
+
+@pytest.mark.parametrize("scenario", ["faults", "eager"])
+def test_non_finite_gradients_are_seen_on_every_rank_and_never_kept(results, scenario):
+    for r in part(results, scenario):
+        for spec, v in r.items():
+            assert v["seen"] == [True, True], (spec, v)  # inf at step 2, NaN at step 4: every rank skips
+            assert v["skipped"] == 2 and v["state_finite"], (spec, v)
+            assert v["params_finite"] and v["identical"], (spec, v)
+
+
+def test_a_plain_step_applies_the_bad_value_as_horovod_does(results):
+    for r in part(results, "plain"):
+        for spec, v in r.items():
+            assert not v["params_finite"] and v["state_finite"], (spec, v)
+
+
+def test_keras_loss_scale_optimizer_skips_the_bad_steps_on_every_rank(results):
+    for r in part(results, "loss_scale"):
+        for spec, v in r.items():
+            assert [v["unchanged"][s] for s in sc.INJECT] == [True, True], (spec, v)
+            assert not any(v["unchanged"][s] for s in range(sc.STEPS) if s not in sc.INJECT), (spec, v)
+            assert v["scales"][2] == v["scales"][1] / 2 and v["scales"][4] == v["scales"][3] / 2, (spec, v)
+            assert v["params_finite"] and v["identical"] and v["state_finite"], (spec, v)
+
+
+def test_a_checkpoint_with_non_finite_state_is_refused_on_every_rank(results):
+    for r in part(results, "checkpoint"):
+        assert r["refused"], r
+        assert r["after"] == 1.0  # a collective still works afterwards (average of ones)
+
+
+def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):
+    for r in part(results, "models"):
+        assert "dense/kernel" in r["tape.width"] and "(16, 32)" in r["tape.width"] and "(16, 33)" in r["tape.width"]
+        assert "rank 0 has 4 gradients, rank 1 has 6" in r["tape.extra"], r["tape.extra"]
+        assert "kernel" in r["keras.width"] and "(16, 33)" in r["keras.width"], r["keras.width"]
+        assert r["after"] == 1.0  # a collective still works afterwards (average of ones)
