@@ -138,7 +138,7 @@ def train_one(spec, delay, every, data, args, seed) -> dict:
     rank, size = hvc.rank(), hvc.size()
     torch.manual_seed(seed)
     model = for_dataset(args.dataset)
-    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum),
                                    named_parameters=model.named_parameters(), compression=spec,
                                    schedule="layerwise", delay=delay, sync_every=every)
     x_tr = torch.from_numpy(data.x_train)[rank::size]
@@ -216,6 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9, help="accuracy: SGD momentum (DGC takes it over)")
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
