@@ -47,6 +47,7 @@ from .collectives import Communicator, PendingExchange, PendingQueue
 from .arguments import check_arguments, check_checkpoint, check_same_model, parameter_names
 from .delayed import DelayedAveraging, average_over_ranks
 from .nonfinite import guard
+from .elastic import elastic_mode
 from .sparse_grads import sparse_exchange, split_out
 from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
@@ -75,7 +76,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # one communicator for every collective: exchanges, scheduler, profiler (the user's process set)
         self._hvc_driver = driver if driver is not None else Communicator(process_set)
         self._hvc_world = self._hvc_driver.size()
-        if self._hvc_world > 1:
+        if self._hvc_world > 1 and not elastic_mode():  # elastic: checked at each sync (torch_ops.elastic)
             check_same_model(self._hvc_driver, self._hvc_by_name)
         self._hvc_scheduler = Scheduler(
             schedule, spec, cost_model, profile_steps,
