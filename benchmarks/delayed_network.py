@@ -261,31 +261,26 @@ def _plot(report, path):
 def combine(args) -> int:
     with open(args.network) as f:
         net = json.load(f)
-    acc = []
-    for pattern in args.accuracy:
-        for path in sorted(glob.glob(pattern)):
-            with open(path) as f:
-                d = json.load(f)
-            acc.append((d.get("dataset") or os.path.basename(path), d.get("workers"), d["rows"]))
+    acc = _accuracy_columns(args.accuracy)
     rows = [r for r in net["rows"] if r.get("status") == "ok"]
     base = next(r for r in rows if r["compression"] == "none" and r["delay"] == 0)
     lat = base["latency_ms_injected"]
-    heads = [f"{name}, {w} workers" for name, w, _ in acc]
+    heads = [name for name, _ in acc]
     out = [f"{net['meta']['workers']} workers, EMULATED {net['meta']['bandwidth']} links, {lat:g} ms INJECTED "
            f"latency, compute {net['meta']['compute']}. Accuracy: mean test accuracy over 3 seeds after "
-           "flush() (pp vs dense synchronous of the same run).", "",
+           "flush() (pp vs dense synchronous, same data set and workers).", "",
            "| configuration | step time (ms) | speed-up vs dense sync | bytes/step | " + " | ".join(
                f"accuracy {h}" for h in heads) + " |", "|---|---|---|---|" + "---|" * len(heads)]
     for r in rows:
         cells = []
-        for _, _, arows in acc:
+        for _, arows in acc:
             a = [x for x in arows if x["compression"] == r["compression"] and x["delay"] == r["delay"]
                  and x.get("sync_every", 1) == 1]
             b = [x for x in arows if x["compression"] == "none" and x["delay"] == 0 and x.get("sync_every", 1) == 1]
             cells.append(f"{a[0]['mean_accuracy']:.4f} ({100 * (a[0]['mean_accuracy'] - b[0]['mean_accuracy']):+.2f} pp)"
                          if a and b else "-")
-        name = ("dense synchronous" if r["compression"] == "none" else f"`{r['compression']}`") + \
-            (f", D={r['delay']}" if r["delay"] else (", sync" if r["compression"] != "none" else ""))
+        name = ("dense" if r["compression"] == "none" else f"`{r['compression']}`") + \
+            (f", D={r['delay']}" if r["delay"] else " synchronous")
         out.append(f"| {name} | {r['step_time_s'] * 1e3:.0f} | {base['step_time_s'] / r['step_time_s']:.2f}x | "
                    f"{r['bytes_per_step']:.0f} | " + " | ".join(cells) + " |")
     table = "\n".join(out)
@@ -294,15 +289,16 @@ def combine(args) -> int:
         with open(args.out + ".md", "w") as f:
             f.write(table + "\n")
         with open(args.out + ".json", "w") as f:
-            json.dump({"network": args.network, "accuracy": [a[0] for a in acc], "table": table}, f, indent=1)
+            json.dump({"network": args.network, "accuracy_files": args.accuracy, "columns": [a[0] for a in acc],
+                       "table": table}, f, indent=1)
     return 0
 
 
-def accuracy_summary(args) -> int:
-    """One table over several accuracy runs: mean test accuracy per (compression, D, K), in pp vs
-    the same run's D=0, K=1, one column per run (data set, workers)."""
-    columns = {}  # (data set, workers) -> rows; runs of the same column merge (the first file's row wins)
-    for pattern in args.accuracy:
+def _accuracy_columns(patterns):
+    """[(\"<data set>, <N> workers\", rows)]: the accuracy runs (JSON globs), merged per data set and
+    worker count (on a repeated (compression, D, K) the first file's row wins)."""
+    columns = {}
+    for pattern in patterns:
         for path in sorted(glob.glob(pattern)):
             with open(path) as f:
                 d = json.load(f)
@@ -310,7 +306,13 @@ def accuracy_summary(args) -> int:
             rows = columns.setdefault(f"{name}, {d.get('workers')} workers", [])
             have = {(x["compression"], x["delay"], x["sync_every"]) for x in rows}
             rows += [r for r in d["rows"] if (r["compression"], r["delay"], r["sync_every"]) not in have]
-    runs = list(columns.items())
+    return list(columns.items())
+
+
+def accuracy_summary(args) -> int:
+    """One table over several accuracy runs: mean test accuracy per (compression, D, K), in pp vs
+    the same run's D=0, K=1, one column per run (data set, workers)."""
+    runs = _accuracy_columns(args.accuracy)
     keys = list(dict.fromkeys((r["compression"], r["delay"], r["sync_every"]) for _, rows in runs for r in rows))
     keys.sort(key=lambda k: (k[0] != "none", k[0], k[2], k[1]))
     out = ["| compression | D | K | " + " | ".join(name for name, _ in runs) + " |",
