@@ -87,18 +87,24 @@ def test_merged_groups_give_what_layerwise_gives(spec, schedule, groups):
 
 
 def _reference(spec, group_positions, steps, **kw):
-    """The compressor on the concatenated group, with state of its own (the oracle for merging)."""
+    """The compressor on the concatenated group, with state of its own, told the group's members
+    (the oracle for merging: per-member rules such as DGC's per-tensor clipping apply inside)."""
+    from hvdcompress.reference.oracle import Member
+
     comp = build_compressor(hvc.parse_spec(spec) if isinstance(spec, str) else spec)
     shapes = [SHAPES[p] for p in group_positions]
     numel = sum(int(np.prod(s)) for s in shapes)
     shape = (numel,) if all(len(s) <= 1 for s in shapes) else (1, numel)
     states = [comp.new_state(shape, tf.float32) for _ in range(WORLD)]
     key = f"{group_positions[0]}+{len(group_positions) - 1}"
+    offsets = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+    members = tuple(Member(str(p), tuple(s), int(o)) for p, s, o in zip(group_positions, shapes, offsets))
     density = comp.scheduled_density(0) if comp.has_density else None
     out = []
     for step in steps:
         flats = [tf.concat([tf.reshape(_grads(r, step)[p], [-1]) for p in group_positions], 0) for r in range(WORLD)]
-        gens = [comp.exchange(flats[r], ExchangeContext(key, step, WORLD, 1.0 / WORLD, states[r], shape, 0, density))
+        gens = [comp.exchange(flats[r], ExchangeContext(key, step, WORLD, 1.0 / WORLD, states[r], shape, 0, density,
+                                                         rank=r, members=members))
                 for r in range(WORLD)]
         results, _ = run_lockstep(gens)
         out.append([r.numpy() for r in results])
