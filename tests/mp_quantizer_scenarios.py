@@ -109,6 +109,7 @@ def _torch_resume(spec):
     identical, _ = _torch_train(spec, model2, opt2, 2, 4)
     state = saved_opt["hvdcompress"]["state"]
     return {"equal": bool(torch.equal(_flat(model), _flat(model2))), "identical": identical,
+            "max_diff": float((_flat(model) - _flat(model2)).abs().max()),
             "state": sorted({k for st in state.values() for k in st})}
 
 
@@ -273,6 +274,7 @@ def _tf_resume(kind, spec, tmp):
         tf.train.Checkpoint(model=model2, optimizer=opt2, compression=comp2).restore(saved)
     run2(2, 4)
     return {"equal": bool(np.array_equal(straight, _flat(model2).numpy())), "identical": [_identical(model2)],
+            "max_diff": float(np.abs(straight - _flat(model2).numpy()).max()),
             "state": sorted({k for s in comp2.slots for k in s})}
 
 
