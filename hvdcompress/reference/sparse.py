@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 import numpy as np
 
 from ..sampling import random_indices
@@ -35,8 +36,9 @@ class _GatheredSparseOracle(OneRoundOracle):
     summed = False
     fields = ("indices", "values")
 
+    @abstractmethod
     def select(self, a: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """The indices sent, in the order the payload carries them."""
 
     def payload(self, a, ctx):
         idx = self.select(a)

@@ -8,6 +8,7 @@ A translation of ``torch_ops.compressors.quantizers`` (same payload: one gathere
 
 from __future__ import annotations
 
+from abc import abstractmethod
 import tensorflow as tf
 
 from hvdcompress.packing import bits_for_levels
@@ -57,12 +58,13 @@ class _Packed(OneRoundCompressor):
     def layout(self, numel: int, ctx) -> Layout:
         return layout_for(ctx.members, numel, self.spec.params.get("bucket", 0))
 
+    @abstractmethod
     def encode(self, a, lay, ctx):
         """(float32 scales, uint8 codes)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, scales, codes, lay, numel, ctx):
-        raise NotImplementedError
+        """The dense float tensor the payload stands for."""
 
     def compress(self, a, sel, ctx):
         numel = int(a.shape[0])

@@ -10,6 +10,7 @@ payload bytes, results and residuals agree bit for bit. Scales are per member of
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Tuple
 
 import torch
@@ -70,12 +71,13 @@ class _Packed(OneRoundCompressor):
     def layout(self, numel: int, ctx) -> Layout:
         return layout_for(ctx.members, numel, self.spec.params.get("bucket", 0))
 
+    @abstractmethod
     def encode(self, a: torch.Tensor, lay: Layout, ctx) -> Tuple[torch.Tensor, torch.Tensor]:
         """(float32 scales, uint8 codes)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, scales, codes, lay, numel, ctx) -> torch.Tensor:
-        raise NotImplementedError
+        """The dense float tensor the payload stands for."""
 
     def compress(self, a, ctx):
         lay = self.layout(a.numel(), ctx)
