@@ -81,6 +81,40 @@ def unrolled_identity() -> dict:
     return out
 
 
+MOMENTUM_IDENTITY_SPECS = ["dgc:ratio=1.0,warmup_epochs=0",  # a 6-entry tensor: DGC sends it dense (u)
+                           "dgc:ratio=1.0,warmup_epochs=0,min_sparse_numel=1,sample_ratio=1.0,momentum_masking=false"]
+
+
+def unrolled_identity_with_momentum() -> dict:
+    """DGC keeps SGD's momentum (0.9) in its memory; at density 1 without masking it sends its
+    whole velocity U_t,k = sum_(s<=t) m^(t-s) c_s,k every step. Delayed, the local term is the
+    local velocity (torch_ops.delayed), so the trajectory is known:
+    w_n,j = w_0 - lr*sum_(t<n-D) mean_k U_t,k - lr*sum_(n-D<=t<n) U_t,j."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+    hvd.init()
+    out = {}
+    try:
+        for si, spec in enumerate(MOMENTUM_IDENTITY_SPECS):
+            for delay in (0, 1, 3):
+                w = torch.nn.Parameter(torch.zeros(2, 3))
+                opt = hvc.DistributedOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9), named_parameters=[("w", w)],
+                                               compression=spec, delay=delay, schedule="layerwise")
+                for step in range(7):
+                    c = torch.from_numpy(_fixed(hvd.rank(), step)).reshape(2, 3)
+                    opt.zero_grad()
+                    (w * c).sum().backward()
+                    opt.step()
+                out[f"{si}|{delay}"] = w.detach().reshape(-1).numpy().tolist()
+                opt.flush()
+                out[f"{si}|{delay}.flushed"] = w.detach().reshape(-1).numpy().tolist()
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out
+
+
 def _fixed(rank, step):
     import numpy as np
     return np.random.default_rng(1000 * rank + step).standard_normal(6).astype(np.float32)
@@ -133,7 +167,7 @@ def resume_with_exchanges_in_flight() -> dict:
     out = {}
     try:
         for spec, delay, every in (("topk:ratio=0.2", 2, 1), ("dgc:ratio=0.1,warmup_epochs=0,min_sparse_numel=16", 3, 1),
-                                   ("none", 1, 2)):
+                                   ("none", 1, 2), ("dgc:ratio=0.1,warmup_epochs=0,min_sparse_numel=16", 2, 2)):
             model = _model()
             opt = _opt(model, spec, delay=delay, sync_every=every)
             _steps(model, opt, 0, 5)
@@ -149,7 +183,7 @@ def resume_with_exchanges_in_flight() -> dict:
             resumed = _flat(model2)
             opt.flush()
             opt2.flush()
-            out[spec] = (bool(torch.equal(straight, resumed)), bool(torch.equal(_flat(model), _flat(model2))),
+            out[f"{spec}|{delay}|{every}"] = (bool(torch.equal(straight, resumed)), bool(torch.equal(_flat(model), _flat(model2))),
                          len(saved[1]["hvdcompress"]["delayed"]["corrections"])
                          + len(saved[1]["hvdcompress"]["delayed"]["accumulated"]))  # in flight or unsent
     except Exception:

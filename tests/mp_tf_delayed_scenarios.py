@@ -18,6 +18,10 @@ ZERO_SPECS = ["topk:ratio=0.1", DGC]
 FLUSH_CASES = [(spec, d, 1) for spec in FLUSH_SPECS for d in (1, 2)] + [("topk:ratio=0.1", 1, 2)]
 IDENTITY = [(1, 1, "avg"), (2, 1, "sum"), (3, 1, "avg"), (1, 2, "avg")]
 IDENTITY_STEPS = 7
+# DGC keeps the momentum (spec default 0.9; density 1, a 6-entry variable: sent dense as its velocity)
+MOMENTUM_SPEC = "dgc:ratio=1.0,warmup_epochs=0"
+MOMENTUM = 0.9
+IDENTITY_MOMENTUM = [(1, 1, "avg"), (3, 1, "avg"), (2, 2, "avg"), (1, 3, "sum")]
 LR = 0.1
 
 
@@ -95,6 +99,33 @@ def unrolled_identity() -> dict:
             opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
 
         fn = tf.function(step) if n % 2 else step  # eagerly and inside tf.function
+        for t in range(IDENTITY_STEPS):
+            fn(tf.constant(fixed(hvc.rank(), t)))
+        key = f"{delay}|{every}|{op}"
+        out[key] = w.numpy().tolist()
+        comp.flush(opt, [w])
+        out[key + "|flushed"] = w.numpy().tolist()
+    return out
+
+
+def unrolled_identity_with_momentum() -> dict:
+    """As ``unrolled_identity``, with DGC keeping the momentum: the local terms are the local
+    velocity (tf_ops.delayed); the pytest side simulates it in numpy."""
+    import hvdcompress.tensorflow as hvc
+    import tensorflow as tf
+    out = {}
+    for n, (delay, every, op) in enumerate(IDENTITY_MOMENTUM):
+        w = tf.Variable(tf.zeros(6))
+        opt = tf.keras.optimizers.SGD(LR)
+        comp = hvc.GradientCompression(MOMENTUM_SPEC, delay=delay, sync_every=every)
+
+        def step(c):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * c)
+            tape = hvc.DistributedGradientTape(tape, compression=comp, op=hvc.Sum if op == "sum" else hvc.Average)
+            opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+
+        fn = tf.function(step) if n % 2 else step
         for t in range(IDENTITY_STEPS):
             fn(tf.constant(fixed(hvc.rank(), t)))
         key = f"{delay}|{every}|{op}"
@@ -210,7 +241,8 @@ def everything() -> dict:
     hvd.init()
     out = {"seconds": {}}
     tmp = tempfile.mkdtemp()
-    for name, fn, args in (("identity", unrolled_identity, ()), ("zero", zero_delay_is_the_synchronous_path, ()),
+    for name, fn, args in (("identity", unrolled_identity, ()), ("momentum", unrolled_identity_with_momentum, ()),
+                           ("zero", zero_delay_is_the_synchronous_path, ()),
                            ("flush", flush_makes_replicas_identical, ()),
                            ("resume", resume_with_corrections_pending, (tmp,))):
         start = time.perf_counter()

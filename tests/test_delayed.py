@@ -31,6 +31,29 @@ def test_unrolled_identity_for_plain_sgd(world):
     assert results[0]["1"] != results[1]["1"] if "1" in results[0] else results[0][1] != results[1][1]
 
 
+def test_unrolled_identity_with_the_momentum_in_the_compressor():
+    """DGC (momentum taken over from SGD) at density 1: the local steps use the local velocity."""
+    world, lr, m, n = 2, 0.1, 0.9, 7
+    results = _ok(run_workers(sc.unrolled_identity_with_momentum, world))
+    c = {(j, t): sc._fixed(j, t).astype(np.float64) for j in range(world) for t in range(n)}
+    u = {}
+    for j in range(world):
+        acc = np.zeros(6)
+        for t in range(n):
+            acc = m * acc + c[(j, t)]
+            u[(j, t)] = acc
+    mean = {t: np.mean([u[(j, t)] for j in range(world)], axis=0) for t in range(n)}
+    for si in range(len(sc.MOMENTUM_IDENTITY_SPECS)):
+        for delay in (0, 1, 3):
+            for j, r in enumerate(results):
+                want = -lr * (sum(mean[t] for t in range(n - delay)) + sum(u[(j, t)] for t in range(n - delay, n)))
+                np.testing.assert_allclose(r[f"{si}|{delay}"], want, rtol=0, atol=2e-5)
+            flushed = [np.asarray(r[f"{si}|{delay}.flushed"]) for r in results]
+            np.testing.assert_allclose(flushed[0], -lr * sum(mean[t] for t in range(n)), rtol=0, atol=2e-5)
+            assert all(np.array_equal(f, flushed[0]) for f in flushed)
+        assert results[0][f"{si}|3"] != results[1][f"{si}|3"]  # the local velocities do differ
+
+
 def test_zero_delay_is_bit_identical_to_the_synchronous_optimizer():
     for r in _ok(run_workers(sc.zero_delay_is_the_synchronous_optimizer, 2)):
         assert all(r[s] for s in sc.FLUSH_SPECS), r

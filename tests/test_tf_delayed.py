@@ -21,27 +21,42 @@ from launch import part, run_workers  # noqa: E402
 WORLD = 2
 
 
-def reference(world, delay, every, op):
+def reference(world, delay, every, op, m=0.0):
+    """Plain SGD on fixed gradients through delayed averaging, in numpy. With ``m`` > 0 the
+    compressor keeps a momentum (DGC at density 1: it sends its velocity u = m*u + input) and
+    the local terms are the local velocity (tf_ops.delayed)."""
     f = 1 if op == "avg" else world
     reduce = (lambda xs: np.mean(xs, axis=0)) if op == "avg" else (lambda xs: np.sum(xs, axis=0))
     lr = np.float32(sc.LR)
-    w = [np.zeros(6) for _ in range(world)]
-    acc = [np.zeros(6) for _ in range(world)]
+    zeros = [np.zeros(6) for _ in range(world)]
+    w, acc, app, vel, mem = list(zeros), list(zeros), list(zeros), list(zeros), list(zeros)
     due = {}
+
+    def exchange(inputs):
+        if not m:
+            return reduce(inputs)
+        for j in range(world):
+            mem[j] = m * mem[j] + inputs[j]
+        return reduce(mem)
+
     for t in range(sc.IDENTITY_STEPS):
-        local = [sc.fixed(j, t).astype(np.float64) + acc[j] for j in range(world)]
+        g = [sc.fixed(j, t).astype(np.float64) for j in range(world)]
+        vel = [m * vel[j] + g[j] for j in range(world)]
+        part = vel if m else g
+        local = [g[j] + acc[j] for j in range(world)]
+        applied = [part[j] + app[j] for j in range(world)]
         if (t + 1) % every == 0:
-            r = reduce(local)
-            due[t + delay] = [r - f * local[j] for j in range(world)]
-            acc = [np.zeros(6) for _ in range(world)]
+            r = exchange(local)
+            due[t + delay] = [r - f * applied[j] for j in range(world)]
+            acc, app = list(zeros), list(zeros)
         else:
-            acc = local
+            acc, app = local, applied
         corr = due.pop(t, [0.0] * world)
-        w = [w[j] - lr * (f * sc.fixed(j, t) + corr[j]) for j in range(world)]
+        w = [w[j] - lr * (f * part[j] + corr[j]) for j in range(world)]
     pending = [sum(c[j] for c in due.values()) for j in range(world)]
     if any(np.any(a) for a in acc):
-        r = reduce(acc)
-        pending = [pending[j] + r - f * acc[j] for j in range(world)]
+        r = exchange(acc)
+        pending = [pending[j] + r - f * app[j] for j in range(world)]
     flushed = np.mean([w[j] - lr * pending[j] for j in range(world)], axis=0)
     return w, flushed
 
@@ -66,6 +81,18 @@ def test_unrolled_identity_for_plain_sgd(results):
         assert all(r[key + "|flushed"] == parts[0][key + "|flushed"] for r in parts), key
     assert parts[0]["1|1|avg"] != parts[1]["1|1|avg"]  # replicas differ before the flush
 
+
+
+def test_unrolled_identity_with_the_momentum_in_the_compressor(results):
+    parts = part(results, "momentum")
+    for delay, every, op in sc.IDENTITY_MOMENTUM:
+        key = f"{delay}|{every}|{op}"
+        want, flushed = reference(WORLD, delay, every, op, m=sc.MOMENTUM)
+        for j, r in enumerate(parts):
+            np.testing.assert_allclose(r[key], want[j], rtol=0, atol=2e-5, err_msg=key)
+            np.testing.assert_allclose(r[key + "|flushed"], flushed, rtol=0, atol=2e-5, err_msg=key)
+        assert all(r[key + "|flushed"] == parts[0][key + "|flushed"] for r in parts), key
+    assert parts[0]["3|1|avg"] != parts[1]["3|1|avg"]
 
 
 def test_zero_delay_is_bit_identical_to_the_synchronous_path(results):

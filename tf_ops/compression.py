@@ -146,7 +146,8 @@ class GradientCompression(tf.Module):
         self.slots: List[Dict[str, tf.Variable]] = []
         self._restored = RestoreMarker()  # a restore makes the next exchange check the state is finite
         # delayed averaging state (tf_ops.delayed); None when synchronous, so that path is unchanged
-        self.delayed = DelayedAveraging(delay, sync_every) if delay > 0 or sync_every > 1 else None
+        self.delayed = (DelayedAveraging(delay, sync_every, momentum=self._compressor.local_momentum())
+                        if delay > 0 or sync_every > 1 else None)
 
     # -- what users read and set -------------------------------------------------------------
     @property

@@ -5,10 +5,11 @@ With ``delay=D`` the exchange a worker launches at step i is completed at step i
 latency is hidden behind D steps of computation. The gradient the wrapped optimizer sees on
 worker j at step i is
 
-    d_i,j = g_i,j - g_(i-D),j + R_(i-D)        (the last two terms only once step i-D exchanged)
+    d_i,j = L_i,j - L_(i-D),j + R_(i-D)        (the last two terms only once step i-D exchanged)
 
-where g_t,j is what worker j put into the exchange of step t (its local gradient) and R_t the
-exchanged average. Unrolled, plain SGD gives
+where L_t,j is worker j's local term of step t (its local gradient g_t,j, the gradient it put
+into the exchange of step t; for compressors that keep the momentum, below, its local velocity)
+and R_t the exchanged average. Unrolled, plain SGD gives
 ``w_n,j = w_0 - lr*sum_(t<=n-D) R_t - lr*sum_(n-D<t<=n) g_t,j``: the global average of every
 step that has arrived, plus this worker's own last D steps. D = 0 is the synchronous optimizer
 (the same code path, bit for bit).
@@ -18,14 +19,27 @@ steps it applies its local gradient alone and adds it to an accumulator; on the 
 exchanges the accumulated sum A (this step included) and the correction ``R - A_j`` enters the
 gradient D steps later. K = 1 exchanges every step.
 
-How compressors compose: the exchange is the compressor's exchange of the local term (so error
-feedback, DGC's momenta and the sketch's memories see exactly what they see synchronously, one
-exchange per K steps); ``R`` is its decompressed averaged result, and the local term is the
-uncompressed local gradient (times the averaging factor: 1 for ``op=Average``, N for ``Sum``).
-Over a run, the sum of every step's ``d`` equals the sum of the exchanged results plus the local
-terms still in flight, so after a flush training has applied exactly the synchronous sequence of
-exchanged results. For DGC, R carries DGC's momentum (momentum correction), the local terms are
-raw gradients: between launch and arrival a worker moves along its own gradient without momentum.
+How compressors compose: the exchange is the compressor's exchange of the local gradient (so
+error feedback, DGC's momenta and the sketch's memories see exactly what they see synchronously,
+one exchange per K steps), and ``R`` is its decompressed averaged result. The local term L (what
+the worker applies on its own, and what the correction takes back out) is in the result's units
+(the local gradient times 1 for ``op=Average``, N for ``Sum``):
+
+* compressors whose result is a gradient (none, fp16, top-k, the quantizers, PowerSGD, ...):
+  L_i,j = g_i,j, and the wrapped optimizer applies its own momentum to d as it would to a gradient;
+* compressors that keep the training's momentum in their memory (DGC with momentum correction,
+  the count sketch; ``Compressor.local_momentum``): their result R is a velocity, so the local term
+  is a velocity too, from a local momentum buffer of this worker's gradients,
+  ``u_j <- m*u_j + g_i,j; L_i,j = u_j`` (Nesterov: ``L_i,j = g_i,j + m*u_j``), saved with the
+  checkpoint. The local steps then move like local momentum SGD, and the correction swaps them for
+  the exchanged velocity D steps later. (With L = g, the first version, the local steps had no
+  momentum while the delayed result had all of it: measured on digits, DGC 0.1% with D=4 fell from
+  0.979 to 0.491 test accuracy.) The compressor's own memories (u, v, masking) are untouched.
+
+With temporal sparsity, the exchange input is the sum of the K raw local gradients, and the local
+term the sum of the K local terms applied. Over a run, the sum of every step's ``d`` equals the
+sum of the exchanged results plus the local terms still in flight, so after a flush training has
+applied exactly the synchronous sequence of exchanged results, whatever L is.
 
 Learning rate: as in the paper, a correction is part of the gradient of the step it arrives in,
 so it is applied with that step's learning rate (not the rate of the step that computed it).
@@ -38,7 +52,7 @@ momentum SGD keep local terms in their buffers, which no correction alone can re
 
 Checkpoints: ``state_dict()`` completes the exchanges in flight (without applying them) and saves
 their corrections, per parameter and with the step each is due at, plus the temporal-sparsity
-accumulator; ``load_state_dict()`` restores them, so a resumed run applies the same corrections
+accumulators and the local momentum; ``load_state_dict()`` restores them, so a resumed run applies the same corrections
 at the same steps and continues bit for bit.
 """
 
@@ -57,13 +71,19 @@ class DelayedAveraging:
     """The bookkeeping of delayed and temporally sparse exchanges (module doc); the optimizer
     owns the exchanges, this owns what is applied when."""
 
-    def __init__(self, delay: int, sync_every: int, local_factor: float):
+    def __init__(self, delay: int, sync_every: int, local_factor: float,
+                 momentum: Optional[Tuple[float, bool]] = None):
         self.delay = check_delay(delay)
         self.every = check_sync_every(sync_every)
         self.local_factor = float(local_factor)
-        self.local: Dict[Tuple[int, int], tuple] = {}  # (step, gi) -> (names, numels, A_j)
-        self.corrections: Dict[int, Dict[str, torch.Tensor]] = {}  # due step -> name -> R - A_j
+        self.momentum = momentum  # (m, nesterov): the local term is a local velocity (module doc)
+        self.local: Dict[Tuple[int, int], tuple] = {}  # (step, gi) -> (names, numels, L_j)
+        self.corrections: Dict[int, Dict[str, torch.Tensor]] = {}  # due step -> name -> R - L_j
         self.accumulated: Dict[str, torch.Tensor] = {}  # temporal sparsity: local gradients since the last exchange
+        self.applied: Dict[str, torch.Tensor] = {}  # ... and, with momentum, the local terms applied since
+        self.velocity: Dict[str, torch.Tensor] = {}  # with momentum: u_j per parameter (flat)
+        self.parts: Dict[str, torch.Tensor] = {}  # with momentum: this step's local term per parameter
+        self.flushing = False  # flush() exchanges accumulated gradients: no new local term
 
     @property
     def active(self) -> bool:
@@ -77,18 +97,46 @@ class DelayedAveraging:
         """Distinct Horovod name slots needed: exchanges launched within D steps are in flight together."""
         return self.delay + 1
 
+    def part(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """With momentum: this step's local term of ``name`` (flat), ``u <- m*u + g`` taken once
+        per step however often it is asked for (at launch and when applied)."""
+        out = self.parts.get(name)
+        if out is None:
+            g = grad.detach().reshape(-1)
+            if self.flushing:
+                return torch.zeros_like(g)
+            m, nesterov = self.momentum
+            u = self.velocity.get(name)
+            if u is None:
+                u = self.velocity[name] = torch.zeros_like(g)
+            u.mul_(m).add_(g)
+            out = self.parts[name] = g + u * m if nesterov else u.clone()
+        return out
+
+    @staticmethod
+    def _with(store: Dict[str, torch.Tensor], group: Group, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (a new tensor) plus what ``store`` accumulated for the group's members (popped)."""
+        offset = 0
+        for n, numel in zip(group.names, group.numels):
+            acc = store.pop(n, None)
+            if acc is not None:
+                flat[offset:offset + numel].add_(acc.reshape(-1))
+            offset += numel
+        return flat
+
     def local_term(self, group: Group, x: torch.Tensor) -> torch.Tensor:
-        """This worker's contribution to the exchange of ``group`` (flat): the step's gradient plus
-        what temporal sparsity accumulated, in the result's units; a new tensor."""
-        parts = [self.accumulated.pop(n, None) for n in group.names]
-        local = x.clone()
-        if any(p is not None for p in parts):
-            offset = 0
-            for p, n in zip(parts, group.numels):
-                if p is not None:
-                    local[offset:offset + n].add_(p.reshape(-1))
-                offset += n
-        return local
+        """The exchange's input for ``group`` (flat): the step's gradient plus what temporal
+        sparsity accumulated; a new tensor."""
+        return self._with(self.accumulated, group, x.clone())
+
+    def applied_term(self, group: Group, grads: List[torch.Tensor], exchanged: torch.Tensor) -> torch.Tensor:
+        """L_j for ``group``: what this worker applied locally since its last exchange, this step
+        included (``exchanged``, the exchange's input, when the local term is the gradient)."""
+        if self.momentum is None:
+            return exchanged
+        flat = torch.cat([self.part(n, g) for n, g in zip(group.names, grads)]) if len(grads) > 1 \
+            else self.part(group.names[0], grads[0]).clone()
+        return self._with(self.applied, group, flat)
 
     def remember(self, step: int, gi: int, group: Group, local: torch.Tensor) -> None:
         self.local[(step, gi)] = (group.names, group.numels,
@@ -96,7 +144,7 @@ class DelayedAveraging:
 
     def completed(self, key: Tuple[int, int], result: torch.Tensor, due_step: Optional[int] = None) -> None:
         """The exchange launched at ``key`` = (step, group) finished with ``result``: its correction
-        R - A_j becomes due ``delay`` steps after launch (or at ``due_step``), per parameter."""
+        R - L_j becomes due ``delay`` steps after launch (or at ``due_step``), per parameter."""
         names, numels, local = self.local.pop(key)
         correction = result - local
         due = self.corrections.setdefault(key[0] + self.delay if due_step is None else due_step, {})
@@ -107,22 +155,30 @@ class DelayedAveraging:
             offset += n
 
     def accumulate(self, name: str, grad: torch.Tensor) -> None:
-        """A local step's gradient, kept for the next exchange (temporal sparsity)."""
+        """A local step's gradient, kept for the next exchange (temporal sparsity), and with
+        momentum the local term it applies."""
         acc = self.accumulated.get(name)
         self.accumulated[name] = grad.detach().reshape(-1).clone() if acc is None else acc.add_(grad.reshape(-1))
+        if self.momentum is not None:
+            part = self.part(name, grad)
+            acc = self.applied.get(name)
+            self.applied[name] = part.clone() if acc is None else acc.add_(part)
 
     def apply(self, step: int, params: Dict[str, torch.Tensor]) -> None:
-        """Write step ``step`` 's gradients: the local gradient (times the averaging factor) plus
+        """Write step ``step`` 's gradients: the local term (times the averaging factor) plus
         every correction due now."""
         due = self.corrections.pop(step, {})
         for name, p in params.items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if self.momentum is not None:
+                p.grad.copy_(self.part(name, p.grad).view_as(p.grad))
             if self.local_factor != 1.0:
                 p.grad.mul_(self.local_factor)
             c = due.get(name)
             if c is not None:
                 p.grad.add_(c.view_as(p.grad))
+        self.parts = {}
 
     def pending_corrections(self) -> Dict[str, torch.Tensor]:
         """Every correction not yet applied, summed per parameter (and forgotten)."""
@@ -135,23 +191,28 @@ class DelayedAveraging:
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state(self) -> dict:
+        def copy(d):
+            return {n: t.detach().clone() for n, t in d.items()}
         return {"delay": self.delay, "sync_every": self.every,
-                "corrections": {int(d): {n: c.detach().clone() for n, c in cs.items()}
-                                for d, cs in self.corrections.items()},
-                "accumulated": {n: t.detach().clone() for n, t in self.accumulated.items()}}
+                "corrections": {int(d): copy(cs) for d, cs in self.corrections.items()},
+                "accumulated": copy(self.accumulated), "applied": copy(self.applied),
+                "velocity": copy(self.velocity)}
 
     def load(self, saved: Optional[dict], device_of) -> None:
+        def copy(d):
+            return {n: t.clone().to(device_of(n)) for n, t in (d or {}).items()}
+        self.local, self.parts = {}, {}
         if saved is None:
-            self.corrections, self.accumulated = {}, {}
+            self.corrections, self.accumulated, self.applied, self.velocity = {}, {}, {}, {}
             return
         if (saved["delay"], saved["sync_every"]) != (self.delay, self.every):
             raise ValueError(f"load_state_dict: the checkpoint was saved with delay={saved['delay']}, "
                              f"sync_every={saved['sync_every']}; this optimizer uses delay={self.delay}, "
                              f"sync_every={self.every}")
-        self.corrections = {int(d): {n: c.clone().to(device_of(n)) for n, c in cs.items()}
-                            for d, cs in saved["corrections"].items()}
-        self.accumulated = {n: t.clone().to(device_of(n)) for n, t in saved["accumulated"].items()}
-        self.local = {}
+        self.corrections = {int(d): copy(cs) for d, cs in saved["corrections"].items()}
+        self.accumulated = copy(saved["accumulated"])
+        self.applied = copy(saved.get("applied"))
+        self.velocity = copy(saved.get("velocity"))
 
 
 def average_over_ranks(comm, params: List[torch.Tensor], optimizer_state, name: str) -> None:

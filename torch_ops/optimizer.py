@@ -51,7 +51,7 @@ from .elastic import elastic_mode
 from .sparse_grads import sparse_exchange, split_out
 from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
-from .scheduling import Scheduler, StepClock, now
+from .scheduling import DEFAULT_TUNE_STEPS, Scheduler, StepClock, check_tune_steps, now
 
 STATE_KEY = "hvdcompress"
 STATE_VERSION = 1
@@ -60,7 +60,7 @@ STATE_VERSION = 1
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, spec: CompressionSpec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source,
-                 schedule, cost_model, profile_steps, delay=0, sync_every=1):
+                 schedule, cost_model, profile_steps, delay=0, sync_every=1, tune_steps=0):
         super(self.__class__, self).__init__(params)
         self.defaults = dict(source.defaults)
         self.state.update(source.state)
@@ -81,7 +81,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_scheduler = Scheduler(
             schedule, spec, cost_model, profile_steps,
             {n: float(p.numel() * p.element_size()) for n, p in self._hvc_by_name.items()},
-            self._hvc_world, self._hvc_driver)
+            self._hvc_world, self._hvc_driver, tune_steps)
         average = op == hvd.Average
         self._hvc_prescale = 1.0 / gradient_predivide_factor
         self._hvc_scale = gradient_predivide_factor / self._hvc_world if average else 1.0
@@ -89,7 +89,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_passes_left: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._hvc_params}
         self._hvc_pending = PendingQueue()  # exchanges in flight, keyed by (step, group index)
         # delay / sync_every (torch_ops.delayed); the local gradient in result units: x1 for Average, xN for Sum
-        self._hvc_delayed = DelayedAveraging(delay, sync_every, self._hvc_prescale * self._hvc_scale * self._hvc_world)
+        self._hvc_delayed = DelayedAveraging(delay, sync_every, self._hvc_prescale * self._hvc_scale * self._hvc_world,
+                                             self._hvc_compressor.local_momentum())
         self._hvc_state: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in self._hvc_by_name}
         self._hvc_sparse_as_dense = sparse_as_dense
         self._hvc_warned_sparse = False
@@ -269,12 +270,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._hvc_complete_in_flight()
             if delayed.accumulated:  # temporal sparsity: exchange what was only applied locally
+                delayed.flushing = True
                 for gi, group in enumerate(self._hvc_groups):
                     for name in group.names:
                         if self._hvc_by_name[name].grad is None:
                             self._hvc_by_name[name].grad = torch.zeros_like(self._hvc_by_name[name])
                         self._hvc_by_name[name].grad.zero_()
                     self._hvc_launch(gi)
+                delayed.flushing = False
                 for (s, gi), ex in self._hvc_pending.finish(None).items():
                     delayed.completed((s, gi), ex.result, due_step=s)
             corrections = delayed.pending_corrections()
@@ -343,13 +346,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         per = {n: {} for n in by_name}
         per.update({key: {k: t.detach().clone().to(by_name[key].device) for k, t in st.items()}
                     for key, st in ours["state"].items()})
-        saved = ours.get("plan")
-        groups = self.groups
-        if self._hvc_scheduler.same_schedule(saved):
-            plan = Plan(saved.get("resolved", saved["schedule"]), [list(g) for g in saved["groups"]],
-                        saved["predicted_seconds"], None, "shared")
-            self._hvc_scheduler.adopt(plan, saved["order"])
-            groups = [[saved["order"][i] for i in g] for g in plan.groups]
+        groups = self._hvc_scheduler.restore(ours.get("plan")) or self.groups  # same schedule: its plan
         self._hvc_state = {n: {} for n in by_name}
         self._hvc_pending = PendingQueue()
         self._hvc_delayed.load(ours.get("delayed"), lambda n: by_name[n].device)
@@ -398,7 +395,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             name = f"hvc.{group.key}"
             if delayed.active:  # the local gradient stays in .grad; the exchange gets its own copy
                 local = delayed.local_term(group, x)
-                delayed.remember(step, gi, group, local)
+                delayed.remember(step, gi, group, delayed.applied_term(group, grads, local))
                 x = local * self._hvc_prescale if self._hvc_prescale != 1.0 else local.clone()
                 name = f"{name}.s{step % delayed.slots()}"  # unique among the exchanges in flight
             elif self._hvc_prescale != 1.0:  # a merged group's buffer is ours; a lone gradient is not
@@ -450,7 +447,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          backward_passes_per_step: int = 1, op=None,
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                          process_set=None, driver=None, schedule="auto", cost_model=None,
-                         profile_steps: int = 5, delay: int = 0, sync_every: int = 1):
+                         profile_steps: int = 5, delay: int = 0, sync_every: int = 1,
+                         tune_steps: int = DEFAULT_TUNE_STEPS):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -483,6 +481,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             host set, else profiled on the live transport at first use (a few seconds).
         profile_steps: steps measured (after the first) before a cost-model plan is made; until
             then gradients are exchanged as one group (int in [1, 1000]).
+        tune_steps: measured validation of a cost-model plan (int in [0, 100], default 3; 0: off):
+            a few candidate plans (the model's first, "single", size plans, ...) each run one
+            settling step and this many measured steps, and the fastest (median, slowest rank)
+            is kept, on every rank from the same step. Ignored by the fixed schedules.
 
     Training across high-latency links (``torch_ops.delayed`` states the math):
         delay: steps between launching an exchange and applying its result (int >= 0; 0, the
@@ -498,6 +500,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     spec = resolve(compression)
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
+    check_tune_steps(tune_steps)
     spec = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)  # e.g. DGC takes momentum over
     if not hvd.is_initialized():
         raise ValueError("horovod is not initialized: call hvd.init() before DistributedOptimizer")
@@ -506,4 +509,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, spec, backward_passes_per_step, op, factor,
                sparse_as_dense, process_set, driver, optimizer, schedule, cost_model, profile_steps,
-               delay, sync_every)
+               delay, sync_every, tune_steps)

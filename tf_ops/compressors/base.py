@@ -133,6 +133,11 @@ class Compressor(ABC):
         length, in steps, used when ``set_epoch`` is never called; None: no warm-up."""
         return self.spec.params.get("warmup_epoch_steps") if self.has_schedule else None
 
+    def local_momentum(self) -> Optional[Tuple[float, bool]]:
+        """(momentum, nesterov) when the compressor keeps the training's momentum in its memory:
+        delayed averaging (``tf_ops.delayed``) gives the local steps the same momentum. Default None."""
+        return None
+
     @classmethod
     def adapt_optimizer(cls, spec: CompressionSpec, config: Dict[str, Any]) -> Tuple[CompressionSpec, Dict[str, Any]]:
         """Called once when a Keras optimizer is wrapped, with its ``get_config()``: may take
@@ -202,6 +207,10 @@ class TakesMomentum:
     is rebuilt with momentum 0. Keras's decoupled ``weight_decay`` stays with the optimizer (it
     never goes through the momentum, in dense training either); Keras's gradient clipping, which
     would clip the exchanged velocity, is refused (``check_keras_config``)."""
+
+    def local_momentum(self) -> Optional[Tuple[float, bool]]:
+        m = float(self.spec["momentum"])
+        return (m, bool(self.spec.params.get("nesterov", False))) if m > 0.0 else None
 
     @classmethod
     def adapt_optimizer(cls, spec, config):

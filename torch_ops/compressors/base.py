@@ -131,6 +131,13 @@ class Compressor(ABC):
         step (``state``: its per-parameter state, saved with it). DGC adds the weight decay it took
         over here. Default: nothing."""
 
+    def local_momentum(self) -> Optional[Tuple[float, bool]]:
+        """(momentum, nesterov) when the compressor keeps the training's momentum in its memory
+        (the wrapped optimizer then runs without): delayed averaging (``torch_ops.delayed``)
+        applies the same momentum to the local steps it takes while an exchange is in flight.
+        Default: None (the exchanged result is a gradient; the optimizer's momentum applies)."""
+        return None
+
     def global_state(self) -> Dict[str, Any]:
         """State of the compressor as a whole (not per tensor), saved in the optimizer's
         checkpoint: plain Python values. Default: none."""
@@ -201,6 +208,10 @@ class TakesMomentum:
                 if "dampening" in g and g.get("weight_decay", 0.0):
                     g["hvc_weight_decay"] = g["weight_decay"]
                     g["weight_decay"] = 0.0
+
+    def local_momentum(self) -> Optional[Tuple[float, bool]]:
+        m = float(self.spec["momentum"])
+        return (m, bool(self.spec.params.get("nesterov", False))) if m > 0.0 else None
 
     def after_load(self, param_groups: List[Dict[str, Any]]) -> None:
         for g in param_groups:  # a loaded param_group must not bring the momentum back
