@@ -18,8 +18,11 @@ tensor (top-k of the group), so the same argument would not keep its meaning.
 ``GradientCompression`` a wrapper builds from a spec; one given as ``compression=`` carries its
 own, and a different one passed beside it is refused. A schedule that needs a cost model and was
 given none finds the cached one when the wrapper is made, so a missing model raises there.
-Sparse gradients (``tf.IndexedSlices``, e.g. from embeddings) are densified with a warning
-(``sparse_as_dense=True`` silences it): compressors work on dense tensors.
+Sparse gradients (``tf.IndexedSlices``, e.g. from embeddings) are exchanged sparse, uncompressed,
+as Horovod does (allgather of values and indices; ``tf_ops.sparse_grads``), and come back as
+``IndexedSlices``; ``sparse_as_dense=True`` densifies them so they are compressed like the rest.
+Delayed averaging and ``backward_passes_per_step`` > 1 keep dense state and densify them (with a
+warning unless ``sparse_as_dense=True``).
 
 ``delay`` / ``sync_every`` (delayed averaging, ``tf_ops.delayed``) are checked first; None means
 "the GradientCompression's own" (0 / 1 for a spec). They keep corrections between steps, so a tape
@@ -40,10 +43,12 @@ from hvdcompress.groups import process_set_size
 from hvdcompress.spec import resolve
 
 from .compression import GradientCompression
+from .collectives import Communicator, run_exchanges
 from .compressors import build_compressor
 from .delayed import check_delay, check_sync_every
 from .grouping import check_cost_model, check_schedule
 from .model_check import check_same_model, signature
+from .sparse_grads import dense_bytes, sparse_exchange, split_sparse
 
 _STATELESS_CACHE: Dict[str, GradientCompression] = {}
 
@@ -52,23 +57,28 @@ class Exchanger:
     """A configured exchange: the compression object plus how results are scaled and where."""
 
     def __init__(self, compression: GradientCompression, world_size: int, scale: float,
-                 prescale: float, process_set, sparse_as_dense: bool, who: str):
+                 prescale: float, process_set, sparse_as_dense: bool, who: str, average: bool = True):
         self.compression = compression
         self.world_size, self.scale, self.prescale = world_size, scale, prescale
+        self.average = average  # op=Average (else Sum): sparse gradients' values are divided by the size
         self.process_set = process_set
         self.sparse_as_dense = sparse_as_dense
         self.who = who
         self._warned = False
         self.variables = None  # Keras: the variables of the latest exchange, in order (for flush)
         self._checked = set()  # gradient signatures already checked to be the same on every rank
+        self._communicator = None  # the sparse gradients' allgathers (made when first needed)
 
-    def densify(self, grads) -> List[Optional[tf.Tensor]]:
+    def densify(self, grads, reason: str = "backward_passes_per_step > 1 accumulates dense sums"
+                ) -> List[Optional[tf.Tensor]]:
+        """``grads`` with every ``tf.IndexedSlices`` converted to a dense tensor; a warning (once)
+        saying ``reason`` unless ``sparse_as_dense=True`` asked for it."""
         out = []
         for g in grads:
             if isinstance(g, tf.IndexedSlices):
                 if not (self.sparse_as_dense or self._warned):
                     warnings.warn(f"{self.who}: a gradient is a tf.IndexedSlices (sparse, e.g. from an "
-                                  "embedding); it is densified for compression, as with "
+                                  f"embedding); it is densified and compressed ({reason}), as with "
                                   "sparse_as_dense=True (pass that to silence this warning).")
                     self._warned = True
                 g = tf.convert_to_tensor(g)
@@ -76,10 +86,38 @@ class Exchanger:
         return out
 
     def exchange(self, grads, variables=None) -> List[Optional[tf.Tensor]]:
-        grads = self.densify(grads)
+        """The exchanged gradients, in order: dense ones compressed (``GradientCompression``),
+        ``tf.IndexedSlices`` exchanged sparse and uncompressed (``tf_ops.sparse_grads``) unless
+        ``sparse_as_dense`` or delayed averaging densifies them."""
+        grads = list(grads)
+        if self.sparse_as_dense:
+            grads = self.densify(grads)
+        elif self.compression.delayed is not None:
+            grads = self.densify(grads, "delayed averaging keeps dense corrections")
         self.check_model(grads, variables)
-        return self.compression.exchange(grads, world_size=self.world_size, scale=self.scale,
-                                         prescale=self.prescale, process_set=self.process_set)
+        dense, positions = split_sparse(grads)
+        out = self.compression.exchange(dense, world_size=self.world_size, scale=self.scale,
+                                        prescale=self.prescale, process_set=self.process_set)
+        if positions:
+            for i, result in zip(positions, self._exchange_sparse([grads[i] for i in positions], positions)):
+                out[i] = result
+        return out
+
+    def _exchange_sparse(self, grads, positions) -> List[tf.IndexedSlices]:
+        """Horovod's exchange of sparse gradients (values and indices allgathered, averaged by
+        dividing the values by the size); their bytes are added to the compression's ``stats``."""
+        if self._communicator is None:
+            self._communicator = Communicator(self.process_set)
+        gens = [sparse_exchange(g, self.world_size, self.average) for g in grads]
+        names = [f"{self.compression.name}.sparse.{i}" for i in positions]
+        results, sent = run_exchanges(gens, names, self._communicator)
+        loc = self.compression._local  # the counters ``GradientCompression.stats`` reads
+        dense = sum(dense_bytes(g) for g in grads)
+        loc.last_bytes.assign_add(sent)
+        loc.total_bytes.assign_add(sent)
+        loc.last_dense.assign_add(dense)
+        loc.total_dense.assign_add(dense)
+        return results
 
     def check_model(self, grads, variables=None) -> None:
         """Once per gradient signature: the same model on every rank (``tf_ops.model_check``)."""
@@ -189,4 +227,5 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
     world = process_set_size(process_set)
     compression.prepare(world, process_set)  # a missing cost model raises now, on every rank
     scale = factor / world if op == hvd.Average else 1.0
-    return Exchanger(compression, world, scale, 1.0 / factor, process_set, sparse_as_dense, who)
+    return Exchanger(compression, world, scale, 1.0 / factor, process_set, sparse_as_dense, who,
+                     average=op == hvd.Average)

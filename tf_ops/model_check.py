@@ -23,7 +23,11 @@ Entry = Tuple[Optional[Tuple[int, ...]], Optional[str]]  # (shape, dtype) or (No
 
 
 def signature(grads: Sequence[Any]) -> Tuple[Entry, ...]:
-    return tuple((None, None) if g is None else (tuple(g.shape.as_list()), g.dtype.name) for g in grads)
+    """Per position: (shape, dtype), the dtype marked ``(IndexedSlices)`` for a sparse gradient (it is
+    exchanged by allgathers, a dense one by the compressor's collectives), or (None, None)."""
+    return tuple((None, None) if g is None else
+                 (tuple(g.shape.as_list()),
+                  g.dtype.name + (" (IndexedSlices)" if isinstance(g, tf.IndexedSlices) else "")) for g in grads)
 
 
 def _describe(entry: Entry) -> str:

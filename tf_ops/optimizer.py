@@ -30,6 +30,10 @@ pending corrections as one more ``apply_gradients`` and averages the variables a
 slot variables over the ranks; ``hvc.DelayedAveragingFlushCallback()`` calls it in ``model.fit``
 before every evaluation and at the end of every epoch.
 
+Sparse gradients (``tf.IndexedSlices``, e.g. from an Embedding layer) are exchanged sparse and
+uncompressed, as Horovod does, and applied as ``IndexedSlices`` (the optimizer's sparse update);
+``sparse_as_dense=True`` densifies and compresses them (``tf_ops.sparse_grads``).
+
 A compressor may take settings over from the optimizer (``Compressor.adapt_optimizer``): DGC keeps
 the momentum in its memory, so an optimizer whose config has ``momentum`` > 0 (SGD) is rebuilt
 with momentum 0 and that momentum (and ``nesterov``)
@@ -155,7 +159,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         device_dense, device_sparse: accepted and ignored.
         compression: a spec string (``"topk:ratio=0.01"``), ``hvdcompress.Compression.<name>(...)``,
             Horovod's ``Compression.none`` / ``Compression.fp16``, or a ``GradientCompression``.
-        sparse_as_dense: sparse gradients are always densified; True silences the warning.
+        sparse_as_dense: False (default): sparse gradients (``tf.IndexedSlices``, e.g. from an
+            embedding) are exchanged sparse and uncompressed, as Horovod does (allgather of
+            values and indices, the values divided by the size to average), returned as
+            ``IndexedSlices``, never merged into a group, with no compression state
+            (``tf_ops.sparse_grads``). True: converted to dense tensors first, then compressed
+            like the other gradients.
         gradient_predivide_factor: with Average, divide by this before the sum and by
             size/factor after (> 0).
         op: ``hvd.Average`` (default) or ``hvd.Sum``.

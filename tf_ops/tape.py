@@ -73,7 +73,12 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         device_dense, device_sparse: accepted and ignored.
         compression: a ``GradientCompression`` (required for stateful compressors), or a spec for
             a stateless one (``"fp16"``, Horovod's ``Compression.fp16``). Default: none.
-        sparse_as_dense: sparse gradients are always densified; True silences the warning.
+        sparse_as_dense: False (default): sparse gradients (``tf.IndexedSlices``, e.g. from an
+            embedding) are exchanged sparse and uncompressed, as Horovod does (allgather of
+            values and indices, the values divided by the size to average), returned as
+            ``IndexedSlices``, never merged into a group, with no compression state
+            (``tf_ops.sparse_grads``). True: converted to dense tensors first, then compressed
+            like the other gradients.
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         gradient_predivide_factor: with Average, divide by this before the sum and by
             size/factor after (> 0).
