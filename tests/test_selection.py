@@ -289,3 +289,44 @@ def test_both_paths_dgc_step_is_the_oracle(request, mode, dtype, monkeypatch):
         np.testing.assert_array_equal(got.numpy(), want)
     if mode == "compiled":
         assert scans, "the adaptation below the candidates' threshold was not exercised"
+
+
+@pytest.mark.parametrize("mode", ["pure", "compiled"])
+def test_both_paths_dgc_candidate_list_edge_cases(request, mode):
+    """The compiled DGC pass keeps a candidate list that tightens itself when it would overflow and
+    starts from last step's threshold: the oracle's indices, u and v in the cases that stress it --
+    DGC's flat steady state (a constant gradient, many entries just under the threshold), a state
+    whose scale drops by 1000x between steps (the remembered threshold is far too high: a rescan),
+    all-equal magnitudes (the list cannot be cut at a value: ties), zeros, and NaNs."""
+    request.getfixturevalue(mode)
+    n = 200_003
+    rng = np.random.default_rng(5)
+    m = np.float32(0.9)
+    cases = {
+        "steady": [(rng.standard_normal(n) * rng.random(n)).astype(np.float32)] * 15,
+        "scale_drop": [(rng.standard_normal(n) * s).astype(np.float32) for s in (1e3, 1e3, 1.0, 1.0, 1e-3)],
+        "ties": [np.full(n, 0.5, np.float32)] * 3,
+        "zeros": [np.zeros(n, np.float32)] * 2,
+        "nan": [np.where(np.arange(n) % 9973 == 0, np.nan, rng.standard_normal(n)).astype(np.float32)] * 2,
+    }
+    for name, grads in cases.items():
+        for k in (1, 200, n // 50):
+            u, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+            tu, tv = torch.zeros(n), torch.zeros(n)
+            for step, g in enumerate(grads):
+                if name == "scale_drop":  # a fresh state each step, in the same tensors
+                    u[:], v[:] = 0, 0
+                    tu.zero_(), tv.zero_()
+                u = u * m + g
+                v = v + u
+                want = np_select(v, k, 0.01, 4, step % 100)
+                got = ds.accumulate_and_select(torch.from_numpy(g), tu, tv, 0.9, False, k, 0.01, 4, step % 100)
+                msg = f"{name} k={k} step {step}"
+                np.testing.assert_array_equal(got.numpy(), want, err_msg=msg)
+                np.testing.assert_array_equal(tv.numpy(), v, err_msg=msg)
+                np.testing.assert_array_equal(tu.numpy(), u, err_msg=msg)
+                sent = ds.take_and_zero(tv, tu, got)
+                np.testing.assert_array_equal(sent.numpy(), v[want], err_msg=msg)
+                v[want], u[want] = 0, 0
+                np.testing.assert_array_equal(tv.numpy(), v, err_msg=msg)
+                np.testing.assert_array_equal(tu.numpy(), u, err_msg=msg)

@@ -6,6 +6,8 @@ buffers) is shared with the exact top-k in ``selection``.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes
 from typing import Optional
 
 import numpy as np
@@ -142,52 +144,63 @@ def accumulate_and_select(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, mom
     return _sampled_select(v, k, sample, adapt_iters, blocks)
 
 
+_hints = {}  # (data_ptr of v, numel, k) -> the rule's first threshold last time: where the next scan starts
+
+
 def _native_accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_iters, offset):
     """``accumulate_and_select`` in one compiled pass over g, u and v (None where it does not apply).
 
-    DGC's sample is taken *before* the pass: at the sampled positions alone, u and v's new values
-    are computed as the update will compute them (the same float operations in the same order), so
-    the threshold thr0 is known exactly in advance. The pass then updates u and v and collects the
-    candidates |v| >= thr0 * 0.8 (the threshold after one adaptation), with v still in registers.
-    The adaptation rule runs on the candidates; only if it lowers the threshold below that (or the
-    candidates overflow their buffer) is v scanned again, so the answer is always the rule's."""
+    The pass (``dgc_pass``) updates u and v and, with v still in registers, writes DGC's sample of
+    |v| and collects candidates {i : |v_i| >= t}. It starts at t = last step's first threshold
+    times 0.8 (the threshold after one adaptation; a hint kept per state tensor, 0 the first
+    time) and keeps the list to about 8k entries: when it would overflow, t is raised to the
+    (cap/2)-th largest collected so far and the list cut there, which keeps it exact for the final
+    t. (|v| is flat near the top in DGC's steady state, as many entries grow towards the
+    threshold: a list at a fixed fraction of the threshold overflows.) The rule then runs on the
+    sample (thr0, exact) and on the candidates while its threshold is >= t; only when it needs a
+    lower one (fewer than 0.8k passed thr0, or the sample misled) is v scanned again, so the answer
+    is always the rule's."""
     suffix = _TORCH_SUFFIX.get(v.dtype)
     if (suffix is None or g.dtype != v.dtype or u.dtype != v.dtype or not (g.is_cpu and u.is_cpu and v.is_cpu)
-            or not (g.is_contiguous() and u.is_contiguous() and v.is_contiguous())):
+            or not (g.is_contiguous() and u.is_contiguous() and v.is_contiguous())
+            or v.is_neg() or g.is_neg() or u.is_neg()):
         return None
     lib = native.lib()
-    x, gx, ux = _numpy_view(v), _numpy_view(g), _numpy_view(u)
-    if lib is None or x is None or gx is None or ux is None:
+    x = _numpy_view(v) if lib is not None else None
+    if x is None:
         return None
     n = v.numel()
     dt = x.dtype.type
-    at = slice(offset, None, sample_stride(sample_ratio))
-    if momentum is None:
-        mode, m = 0, 0.0
-        vs = x[at] + gx[at]
+    mode, m = (0, 0.0) if momentum is None else ((2 if nesterov else 1), momentum)
+    stride = sample_stride(sample_ratio)
+    sample = _scratch.get(len(range(offset, n, stride)), v.dtype, v.device, "dgc_sample")
+    cap = 8 * k + 4096
+    if 4 * cap > n:  # a dense selection: no list (t = inf), the rule scans v
+        cap, t0 = 0, float("inf")
     else:
-        mode, m = (2 if nesterov else 1), momentum
-        us = ux[at] * dt(m) + gx[at]
-        vs = x[at] + (gx[at] + us * dt(m) if nesterov else us)
-    sample = np.abs(vs)
+        t0 = _hints.get((v.data_ptr(), n, k), 0.0)
+    cidx = _scratch.get(cap, torch.int64, v.device, "dgc_idx")
+    cmag = _scratch.get(cap, v.dtype, v.device, "dgc_mag")
+    work = _scratch.get(cap, v.dtype, v.device, "dgc_work")
+    t_have = (ctypes.c_float if suffix == "f32" else ctypes.c_double)()
+    c = getattr(lib, "hvdc_dgc_pass_" + suffix)(g.data_ptr(), u.data_ptr(), v.data_ptr(), n, m, mode, offset,
+                                                stride, sample.data_ptr(), t0, cidx.data_ptr(), cmag.data_ptr(),
+                                                cap, work.data_ptr(), ctypes.byref(t_have))
+    sample = sample.numpy()
     thr0 = _np_kth_largest(sample, sample_k(k, sample.size, n))
     lower = dt(LOWER_FACTOR)
-    t_pass = thr0 * lower if adapt_iters > 0 else thr0
-    collect = thr0 > 0 and t_pass > 0
-    cap = min(n, 4 * k + 4096)
-    out = torch.empty(cap, dtype=torch.int64)
-    c = getattr(lib, "hvdc_dgc_ge_" + suffix)(g.data_ptr(), u.data_ptr(), v.data_ptr(), n, m, mode,
-                                                float(t_pass) if collect else float("inf"), out.data_ptr(), cap)
-    if not collect or c > cap:  # no candidate set: the rule on the updated v (same sample)
+    if len(_hints) > 4096:
+        _hints.clear()
+    _hints[(v.data_ptr(), n, k)] = float(thr0 * lower) if thr0 > 0 else 0.0
+    if cap == 0 or not thr0 > 0:  # no candidate list, or no filter to apply: the rule on the updated v
         return torch.from_numpy(_np_sampled_select(x, k, sample, adapt_iters))
-    cidx = out.numpy()[:c]
-    cmag = np.abs(x[cidx])
+    t_have = dt(t_have.value)  # the list holds exactly the indices with |v| >= t_have
+    cidx, cmag = cidx.numpy()[:c], cmag.numpy()[:c]
     thr = thr0
-    idx = cidx
-    for it in range(adapt_iters + 1):  # the rule of _np_sampled_select, on the candidates while thr >= t_pass
+    for it in range(adapt_iters + 1):  # the rule of _np_sampled_select, on the candidates while thr >= t_have
         if not thr > 0:
             mag, idx = np.abs(x), np.arange(n)
-        elif thr >= t_pass:
+        elif thr >= t_have:
             keep = cmag >= thr
             idx, mag = cidx[keep], cmag[keep]
         else:
@@ -199,6 +212,29 @@ def _native_accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, 
             return torch.from_numpy(idx)
         thr = thr * lower
     return torch.from_numpy(idx)
+
+
+def take_and_zero(v: torch.Tensor, u: Optional[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """DGC's send and masking: the values v[idx], then v[idx] <- 0 and (u given) u[idx] <- 0.
+    One compiled loop over the k indices where it applies (indices outside v: nothing written,
+    the torch calls then raise as they would), else ``index_select`` and
+    ``index_fill_`` (several times faster than ``v[idx]``); the same result either way."""
+    suffix = _TORCH_SUFFIX.get(v.dtype)
+    lib = native.lib() if suffix is not None else None
+    if (lib is not None and v.is_cpu and v.is_contiguous() and not v.is_neg() and idx.dtype == torch.int64
+            and idx.is_cpu and idx.is_contiguous() and idx.dim() == 1
+            and (u is None or (u.is_cpu and u.dtype == v.dtype and u.is_contiguous() and not u.is_neg()
+                               and u.numel() == v.numel()))):
+        values = torch.empty(idx.numel(), dtype=v.dtype)
+        if getattr(lib, "hvdc_take_and_zero_" + suffix)(v.data_ptr(), None if u is None else u.data_ptr(),
+                                                        v.numel(), idx.data_ptr(), idx.numel(),
+                                                        values.data_ptr()) == idx.numel():
+            return values
+    values = v.index_select(0, idx)
+    v.index_fill_(0, idx, 0)
+    if u is not None:
+        u.index_fill_(0, idx, 0)
+    return values
 
 
 def _update(g, u, v, momentum, nesterov) -> None:

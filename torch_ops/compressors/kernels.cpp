@@ -6,7 +6,8 @@
 //
 //   ge          indices (ascending) of |x| >= t
 //   add_ge      r <- r + g, then the indices of |r| >= t               (error feedback, one pass)
-//   dgc_ge      DGC's u/v update, then the indices of |v| >= t          (one pass)
+//   dgc_pass    DGC's u/v update, its sample of |v| and a self-tightening candidate list (one pass)
+//   take_and_zero  the sent values gathered, v (and u) zeroed there
 //   topk_small  the k largest |x|, ties toward the lower index (small tensors: a copy, nth_element)
 //
 // The scans write at most `cap` indices and return how many passed (more than cap: the caller
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 
 namespace {
 
@@ -75,12 +77,22 @@ int64_t add_ge(const T* __restrict g, T* __restrict r, int64_t n, T t, int64_t* 
   return c;
 }
 
-// mode 0: v <- v + g;  mode 1: u <- u*m + g, v <- v + u;  mode 2 (Nesterov): u <- u*m + g,
-// v <- v + (g + u*m)
+// DGC's update in place (mode 0: v <- v + g;  mode 1: u <- u*m + g, v <- v + u;  mode 2,
+// Nesterov: u <- u*m + g, v <- v + (g + u*m)), in one pass that also
+//   * writes DGC's sample: |v| (new) at offset, offset + stride, ... into `sample`;
+//   * collects candidates: the indices (ascending) and |v| of the entries with |v| >= t, into
+//     idx / mags (at most cap, cap >= 4*B). t starts at t0; when the buffer would overflow, t is
+//     raised to the (cap/2)-th largest |v| collected so far (just above it when ties would still
+//     not leave room) and the buffer is cut to the entries >= t: those entries are final (the
+//     pass is past them), so the list stays exactly {i : |v_i| >= t} for the final t, written
+//     to *t_out. `work` holds cap entries (for nth_element).
+// Returns how many candidates there are (<= cap).
 template <typename T>
-int64_t dgc_ge(const T* __restrict g, T* __restrict u, T* __restrict v, int64_t n, T m, int mode, T t,
-               int64_t* __restrict idx, int64_t cap) {
-  int64_t c = 0;
+int64_t dgc_pass(const T* __restrict g, T* __restrict u, T* __restrict v, int64_t n, T m, int mode,
+                 int64_t offset, int64_t stride, T* __restrict sample, T t0, int64_t* __restrict idx,
+                 T* __restrict mags, int64_t cap, T* __restrict work, T* t_out) {
+  int64_t c = 0, next = offset, ns = 0;
+  T t = t0;
   for (int64_t lo = 0; lo < n; lo += B) {
     const int64_t hi = std::min(n, lo + B);
     int any = 0;
@@ -111,8 +123,52 @@ int64_t dgc_ge(const T* __restrict g, T* __restrict u, T* __restrict v, int64_t 
         any |= (mag(a) >= t);
       }
     }
-    if (any) c = append(v, lo, hi, t, idx, c, cap);
+    for (; next < hi; next += stride) sample[ns++] = mag(v[next]);
+    if (!any) continue;
+    if (c + (hi - lo) > cap) {  // may not fit: raise t to keep at most about cap/2
+      std::copy(mags, mags + c, work);
+      const int64_t h = cap / 2;
+      std::nth_element(work, work + (c - h), work + c);
+      T nt = work[c - h];
+      int64_t keep = 0;
+      for (int64_t i = 0; i < c; ++i) keep += (mags[i] >= nt);
+      if (keep + B > cap) nt = std::nextafter(nt, std::numeric_limits<T>::infinity());  // ties
+      t = std::max(t, nt);
+      int64_t j = 0;
+      for (int64_t i = 0; i < c; ++i) {
+        const T a = mags[i];
+        idx[j] = idx[i];
+        mags[j] = a;
+        j += (a >= t);
+      }
+      c = j;
+    }
+    for (int64_t i = lo; i < hi; ++i) {  // fits: a branch-free store
+      const T a = mag(v[i]);
+      idx[c] = i;
+      mags[c] = a;
+      c += (a >= t);
+    }
   }
+  *t_out = t;
+  return c;
+}
+
+// values[i] <- v[idx[i]]; v[idx[i]] <- 0; and u[idx[i]] <- 0 when u is given (momentum masking).
+// Returns c, or -1 (nothing written) when an index is outside [0, n).
+template <typename T>
+int64_t take_and_zero(T* __restrict v, T* __restrict u, int64_t n, const int64_t* __restrict idx, int64_t c,
+                      T* __restrict values) {
+  int bad = 0;
+  for (int64_t i = 0; i < c; ++i) bad |= (idx[i] < 0) | (idx[i] >= n);
+  if (bad) return -1;
+  for (int64_t i = 0; i < c; ++i) {
+    const int64_t p = idx[i];
+    values[i] = v[p];
+    v[p] = 0;
+  }
+  if (u != nullptr)
+    for (int64_t i = 0; i < c; ++i) u[idx[i]] = 0;
   return c;
 }
 
@@ -182,13 +238,21 @@ int64_t hvdc_add_ge_f32(const float* g, float* r, int64_t n, float t, int64_t* i
 int64_t hvdc_add_ge_f64(const double* g, double* r, int64_t n, double t, int64_t* idx, int64_t cap) {
   return add_ge<double>(g, r, n, t, idx, cap);
 }
-int64_t hvdc_dgc_ge_f32(const float* g, float* u, float* v, int64_t n, float m, int mode, float t,
-                        int64_t* idx, int64_t cap) {
-  return dgc_ge<float>(g, u, v, n, m, mode, t, idx, cap);
+int64_t hvdc_dgc_pass_f32(const float* g, float* u, float* v, int64_t n, float m, int mode, int64_t offset,
+                          int64_t stride, float* sample, float t0, int64_t* idx, float* mags, int64_t cap,
+                          float* work, float* t_out) {
+  return dgc_pass<float>(g, u, v, n, m, mode, offset, stride, sample, t0, idx, mags, cap, work, t_out);
 }
-int64_t hvdc_dgc_ge_f64(const double* g, double* u, double* v, int64_t n, double m, int mode, double t,
-                        int64_t* idx, int64_t cap) {
-  return dgc_ge<double>(g, u, v, n, m, mode, t, idx, cap);
+int64_t hvdc_dgc_pass_f64(const double* g, double* u, double* v, int64_t n, double m, int mode, int64_t offset,
+                          int64_t stride, double* sample, double t0, int64_t* idx, double* mags, int64_t cap,
+                          double* work, double* t_out) {
+  return dgc_pass<double>(g, u, v, n, m, mode, offset, stride, sample, t0, idx, mags, cap, work, t_out);
+}
+int64_t hvdc_take_and_zero_f32(float* v, float* u, int64_t n, const int64_t* idx, int64_t c, float* values) {
+  return take_and_zero<float>(v, u, n, idx, c, values);
+}
+int64_t hvdc_take_and_zero_f64(double* v, double* u, int64_t n, const int64_t* idx, int64_t c, double* values) {
+  return take_and_zero<double>(v, u, n, idx, c, values);
 }
 int64_t hvdc_topk_small_f32(const float* x, int64_t n, int64_t k, int64_t* out, float* work) {
   return topk_small<float>(x, n, k, out, work);
@@ -196,6 +260,6 @@ int64_t hvdc_topk_small_f32(const float* x, int64_t n, int64_t k, int64_t* out, 
 int64_t hvdc_topk_small_f64(const double* x, int64_t n, int64_t k, int64_t* out, double* work) {
   return topk_small<double>(x, n, k, out, work);
 }
-int hvdc_abi_version() { return 1; }
+int hvdc_abi_version() { return 2; }
 
 }  // extern "C"

@@ -26,7 +26,7 @@ from typing import Optional
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 # -ffp-contract=off: no fused multiply-add, so every float operation rounds as numpy's does
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
-ABI = 1
+ABI = 2
 
 _lib = None
 _tried = False
@@ -81,7 +81,8 @@ def _bind(path: str):
         fns = {
             "ge": [p, i64, real, p, i64],
             "add_ge": [p, p, i64, real, p, i64],
-            "dgc_ge": [p, p, p, i64, real, i32, real, p, i64],
+            "dgc_pass": [p, p, p, i64, real, i32, i64, i64, p, real, p, p, i64, p, p],
+            "take_and_zero": [p, p, i64, p, i64, p],
             "topk_small": [p, i64, i64, p, p],
         }
         for name, args in fns.items():
