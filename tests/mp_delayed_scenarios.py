@@ -190,3 +190,77 @@ def resume_with_exchanges_in_flight() -> dict:
         out["error"] = traceback.format_exc()
     hvd.shutdown()
     return out
+
+
+NONFINITE_SPECS = ["none", "topk:ratio=0.1", "dgc:ratio=0.1,warmup_epochs=0,min_sparse_numel=16"]
+NONFINITE_DELAY = 2
+
+
+def nonfinite_with_exchanges_in_flight() -> dict:
+    """One bad value (inf or NaN) in one gradient entry on rank 1 at step 2, delay 2: rank 1 must
+    see it in its gradient at step 2 (its local term) and every rank at step 4 (the guarded
+    exchange's correction); with the AMP-style skip, training goes on finite and a flush makes
+    the replicas identical; no non-finite value stays in the saved state, and a checkpoint whose
+    delayed state holds one is refused on load."""
+    import horovod.torch as hvd
+    import torch
+    import torch.nn as nn
+    hvd.init()
+    out = {}
+    try:
+        for spec in NONFINITE_SPECS:
+            for bad in (float("inf"), float("nan")):
+                for mode in ("plain", "skip"):
+                    model = _model()
+                    opt = _opt(model, spec, delay=NONFINITE_DELAY)
+                    when = {"step": -1}
+
+                    def inject(grad, when=when, bad=bad):
+                        if when["step"] == 2 and hvd.rank() == 1:
+                            grad = grad.clone()
+                            grad[1, 3] = bad
+                        return grad
+                    model[0].weight.register_hook(inject)
+                    seen = []
+                    for step in range(8):
+                        when["step"] = step
+                        opt.zero_grad()
+                        x, y = _batch(hvd.rank(), step)
+                        nn.CrossEntropyLoss()(model(x), y).backward()
+                        opt.synchronize()
+                        if not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+                            seen.append(step)
+                            if mode == "skip":
+                                continue
+                        with opt.skip_synchronize():
+                            opt.step()
+                    key = f"{spec}|{bad}|{mode}"
+                    finite = bool(torch.isfinite(_flat(model)).all())
+                    sd = opt.state_dict()["hvdcompress"]
+                    tensors = [t for st in sd["state"].values() for t in st.values() if torch.is_tensor(t)]
+                    tensors += [t for part in ("velocity", "accumulated", "applied")
+                                for t in sd["delayed"][part].values()]
+                    tensors += [t for cs in sd["delayed"]["corrections"].values() for t in cs.values()]
+                    state_finite = all(bool(torch.isfinite(t).all()) for t in tensors)
+                    identical = None
+                    if finite:
+                        opt.flush()
+                        identical = _identical(model, "nonfinite." + key)
+                    out[key] = {"seen": seen, "params_finite": finite, "state_finite": state_finite,
+                                "identical_after_flush": identical}
+        # a checkpoint whose delayed state holds NaN is refused, naming it
+        model = _model()
+        opt = _opt(model, NONFINITE_SPECS[2], delay=NONFINITE_DELAY)
+        _steps(model, opt, 0, 3)
+        sd = opt.state_dict()
+        name = sorted(sd["hvdcompress"]["delayed"]["velocity"])[0]
+        sd["hvdcompress"]["delayed"]["velocity"][name][0] = float("nan")
+        try:
+            _opt(_model(), NONFINITE_SPECS[2], delay=NONFINITE_DELAY).load_state_dict(sd)
+            out["refused"] = None
+        except ValueError as e:
+            out["refused"] = str(e)
+    except Exception:
+        out["error"] = traceback.format_exc()
+    hvd.shutdown()
+    return out

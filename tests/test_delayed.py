@@ -72,6 +72,22 @@ def test_resume_with_exchanges_in_flight_continues_exactly():
             assert equal and equal_after_flush and in_flight >= 1, (spec, r[spec])
 
 
+def test_nonfinite_gradients_with_exchanges_in_flight_are_seen_and_never_kept():
+    d = sc.NONFINITE_DELAY
+    for rank, r in enumerate(_ok(run_workers(sc.nonfinite_with_exchanges_in_flight, 2))):
+        assert "non-finite" in (r.pop("refused") or ""), "a NaN in the delayed velocity was loaded"
+        for key, v in r.items():
+            spec, bad, mode = key.split("|")
+            # rank 1 at once (its local term), every rank when the exchange of step 2 arrives
+            assert v["seen"][0] == (2 if rank == 1 else 2 + d) and 2 + d in v["seen"], (rank, key, v)
+            if mode == "skip":
+                assert v["state_finite"], (rank, key, v)  # (diverged plain runs: refused on load, below)
+                assert v["seen"] == ([2, 2 + d] if rank == 1 else [2 + d]), (rank, key, v)
+                assert v["params_finite"] and v["identical_after_flush"], (rank, key, v)
+            else:
+                assert not v["params_finite"], (rank, key, v)  # as with Horovod: the steps applied it
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(delay=-1), "delay: must be an int >= 0"),
     (dict(delay=1.5), "delay: must be an int >= 0"),

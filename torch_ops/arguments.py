@@ -117,6 +117,13 @@ def check_checkpoint(ours, spec, compressor, numel: Dict[str, int]) -> None:
     for key, st in ours["state"].items():
         compressor.check_state(key, st, numel[key])
         check_state_finite(key, st)
+    delayed = ours.get("delayed") or {}
+    for part in ("velocity", "accumulated", "applied"):  # delayed averaging (torch_ops.delayed)
+        for key, t in (delayed.get(part) or {}).items():
+            check_state_finite(key, {f"delayed {part}": t})
+    for due, corrections in (delayed.get("corrections") or {}).items():
+        for key, t in corrections.items():
+            check_state_finite(key, {f"delayed correction due at step {due}": t})
     plan = ours.get("plan")
     if plan is not None and sorted(plan.get("order", ())) != sorted(numel):
         raise ValueError("load_state_dict: the checkpoint's plan groups other parameters than this "

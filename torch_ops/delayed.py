@@ -41,6 +41,16 @@ term the sum of the K local terms applied. Over a run, the sum of every step's `
 sum of the exchanged results plus the local terms still in flight, so after a flush training has
 applied exactly the synchronous sequence of exchanged results, whatever L is.
 
+Non-finite gradients (``torch_ops.nonfinite``): a NaN or inf in worker j's gradient at step s is
+in its own ``d_s,j`` at once (its local term), and, the guarded exchange of step s being NaN on
+every rank, in every worker's ``d_(s+D)`` when the correction arrives: every rank sees it, worker
+j at once and the others D steps later (nobody can know sooner without a round trip, which is
+what the delay hides). Compression state and the local velocity keep no non-finite entry (they
+are set to 0); a checkpoint with non-finite delayed state (a correction, an accumulator, the
+velocity) is refused on load. A step skipped by the AMP pattern drops that step's ``d`` (its
+local term and the correction due): replicas then differ by more than their last D local terms
+until the next ``flush()``, which makes them identical again.
+
 Learning rate: as in the paper, a correction is part of the gradient of the step it arrives in,
 so it is applied with that step's learning rate (not the rate of the step that computed it).
 
@@ -111,6 +121,8 @@ class DelayedAveraging:
                 u = self.velocity[name] = torch.zeros_like(g)
             u.mul_(m).add_(g)
             out = self.parts[name] = g + u * m if nesterov else u.clone()
+            if not bool(torch.isfinite(out).all()):  # applied now (not hidden), never kept in the state
+                u.masked_fill_(~torch.isfinite(u), 0.0)
         return out
 
     @staticmethod
