@@ -151,11 +151,10 @@ def _native_accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, 
     """``accumulate_and_select`` in one compiled pass over g, u and v (None where it does not apply).
 
     The pass (``dgc_pass``) updates u and v and, with v still in registers, writes DGC's sample of
-    |v| and collects candidates {i : |v_i| >= t}. It starts at t = last step's first threshold
-    times 0.8 (the threshold after one adaptation; a hint kept per state tensor, 0 the first
-    time) and keeps the list to about 8k entries: when it would overflow, t is raised to the
-    (cap/2)-th largest collected so far and the list cut there, which keeps it exact for the final
-    t. (|v| is flat near the top in DGC's steady state, as many entries grow towards the
+    |v| and collects candidates {i : |v_i| >= t}. It starts at about the 3k-th largest |v| of the
+    last step (from its sample; a hint kept per state tensor, 0 the first time) and keeps the list
+    to at most 8k + 4096 entries: when it would overflow, t is raised to the (cap/2)-th largest
+    collected so far and the list cut there, which keeps it exact for the final t. (|v| is flat near the top in DGC's steady state, as many entries grow towards the
     threshold: a list at a fixed fraction of the threshold overflows.) The rule then runs on the
     sample (thr0, exact) and on the candidates while its threshold is >= t; only when it needs a
     lower one (fewer than 0.8k passed thr0, or the sample misled) is v scanned again, so the answer
@@ -189,12 +188,15 @@ def _native_accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, 
     sample = sample.numpy()
     thr0 = _np_kth_largest(sample, sample_k(k, sample.size, n))
     lower = dt(LOWER_FACTOR)
+    t_have = dt(t_have.value)  # the list holds exactly the indices with |v| >= t_have
     if len(_hints) > 4096:
         _hints.clear()
-    _hints[(v.data_ptr(), n, k)] = float(thr0 * lower) if thr0 > 0 else 0.0
+    # next time, start at about the 3k-th largest |v| (estimated from this sample): about 3k
+    # entries to collect, and room for the threshold to drift down before a rescan is needed
+    ks3 = 3 * sample_k(k, sample.size, n)
+    _hints[(v.data_ptr(), n, k)] = float(_np_kth_largest(sample, ks3)) if cap and ks3 <= sample.size else 0.0
     if cap == 0 or not thr0 > 0:  # no candidate list, or no filter to apply: the rule on the updated v
         return torch.from_numpy(_np_sampled_select(x, k, sample, adapt_iters))
-    t_have = dt(t_have.value)  # the list holds exactly the indices with |v| >= t_have
     cidx, cmag = cidx.numpy()[:c], cmag.numpy()[:c]
     thr = thr0
     for it in range(adapt_iters + 1):  # the rule of _np_sampled_select, on the candidates while thr >= t_have

@@ -18,6 +18,9 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace {
 
@@ -76,6 +79,47 @@ int64_t add_ge(const T* __restrict g, T* __restrict r, int64_t n, T t, int64_t* 
   }
   return c;
 }
+
+// Bit i - lo set when |x_i| >= t, for lo <= i < hi <= lo + B (16): SSE2 compares and movemask where
+// available (an ordered compare: NaN never passes), else one entry at a time.
+template <typename T>
+inline uint32_t block_bits(const T* x, int64_t lo, int64_t hi, T t) {
+  uint32_t bits = 0;
+  for (int64_t i = lo; i < hi; ++i) bits |= uint32_t(mag(x[i]) >= t) << (i - lo);
+  return bits;
+}
+#if defined(__SSE2__)
+template <>
+inline uint32_t block_bits<float>(const float* x, int64_t lo, int64_t hi, float t) {
+  if (hi - lo != 16) {
+    uint32_t bits = 0;
+    for (int64_t i = lo; i < hi; ++i) bits |= uint32_t(mag(x[i]) >= t) << (i - lo);
+    return bits;
+  }
+  const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff)), tv = _mm_set1_ps(t);
+  uint32_t bits = 0;
+  for (int j = 0; j < 4; ++j) {
+    const __m128 a = _mm_and_ps(_mm_loadu_ps(x + lo + 4 * j), abs_mask);
+    bits |= uint32_t(_mm_movemask_ps(_mm_cmpge_ps(a, tv))) << (4 * j);
+  }
+  return bits;
+}
+template <>
+inline uint32_t block_bits<double>(const double* x, int64_t lo, int64_t hi, double t) {
+  if (hi - lo != 16) {
+    uint32_t bits = 0;
+    for (int64_t i = lo; i < hi; ++i) bits |= uint32_t(mag(x[i]) >= t) << (i - lo);
+    return bits;
+  }
+  const __m128d abs_mask = _mm_castsi128_pd(_mm_set1_epi64x(0x7fffffffffffffffLL)), tv = _mm_set1_pd(t);
+  uint32_t bits = 0;
+  for (int j = 0; j < 8; ++j) {
+    const __m128d a = _mm_and_pd(_mm_loadu_pd(x + lo + 2 * j), abs_mask);
+    bits |= uint32_t(_mm_movemask_pd(_mm_cmpge_pd(a, tv))) << (2 * j);
+  }
+  return bits;
+}
+#endif
 
 // DGC's update in place (mode 0: v <- v + g;  mode 1: u <- u*m + g, v <- v + u;  mode 2,
 // Nesterov: u <- u*m + g, v <- v + (g + u*m)), in one pass that also
@@ -143,11 +187,13 @@ int64_t dgc_pass(const T* __restrict g, T* __restrict u, T* __restrict v, int64_
       }
       c = j;
     }
-    for (int64_t i = lo; i < hi; ++i) {  // fits: a branch-free store
-      const T a = mag(v[i]);
+    uint32_t bits = block_bits(v, lo, hi, t);  // fits: the passing entries, one store each
+    while (bits) {
+      const int64_t i = lo + __builtin_ctz(bits);
+      bits &= bits - 1;
       idx[c] = i;
-      mags[c] = a;
-      c += (a >= t);
+      mags[c] = mag(v[i]);
+      ++c;
     }
   }
   *t_out = t;
