@@ -32,7 +32,9 @@ uncompressed gradient, except for compressors that keep the momentum in their me
 count sketch: ``Compressor.local_momentum``), whose R is a velocity: their local term is the local
 velocity ``u <- m*u + g`` (Nesterov ``g + m*u``) of a per-position variable ``vel[i]``, so the
 local steps move like local momentum SGD and the correction swaps them for the exchanged velocity
-(with raw gradients as local terms, DGC 0.1% with D=4 lost about 49 pp on digits). Learning rate: a correction is part of the gradient of the step it is added to, so it
+(with raw gradients as local terms, DGC 0.1% with D=4 lost about 49 pp on digits). A non-finite
+gradient reaches this worker's step at once through its local term and every worker's D steps
+later through the (guarded, NaN) correction; the velocity keeps no non-finite entry. Learning rate: a correction is part of the gradient of the step it is added to, so it
 is applied with that step's learning rate (as in the paper).
 
 State (all ``tf.Variable``s, tracked by ``tf.train.Checkpoint`` through the
@@ -143,7 +145,7 @@ class DelayedAveraging(tf.Module):
             m, nesterov = self.momentum
             for i in present:
                 u = self.vel[i].read_value() * tf.cast(m, flat[i].dtype) + flat[i]
-                self.vel[i].assign(u)
+                self.vel[i].assign(tf.where(tf.math.is_finite(u), u, tf.zeros_like(u)))  # applied, never kept
                 part[i] = flat[i] + u * tf.cast(m, u.dtype) if nesterov else u
 
         def corrections_of(sent, applied):  # exchange the local gradients; R - applied * f per position
