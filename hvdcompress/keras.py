@@ -24,7 +24,24 @@ from tf_ops.horovod_callbacks import (BroadcastGlobalVariablesCallback,  # noqa:
 from tf_ops import *  # noqa: F401,F403,E402
 from tf_ops import __all__ as _backend_all  # noqa: E402
 
-__all__ = list(_backend_all) + [
+
+
+def _elastic():
+    """``hvc.elastic``: Horovod's ``hvd.elastic`` names for Keras, with ``KerasState`` carrying the
+    compression state through resets (``tf_ops.elastic`` says what a reset does to it)."""
+    from types import SimpleNamespace
+
+    import horovod.tensorflow.keras.elastic as hvd_elastic
+    from tf_ops.elastic import KerasState
+    return SimpleNamespace(run=hvd_elastic.run, KerasState=KerasState,
+                           CommitStateCallback=hvd_elastic.CommitStateCallback,
+                           UpdateBatchStateCallback=hvd_elastic.UpdateBatchStateCallback,
+                           UpdateEpochStateCallback=hvd_elastic.UpdateEpochStateCallback)
+
+
+elastic = _elastic()
+
+__all__ = list(_backend_all) + ["elastic", 
     "Average", "Sum", "allgather", "allgather_object", "allreduce", "broadcast", "broadcast_object",
     "broadcast_global_variables", "callbacks", "init", "is_initialized", "local_rank", "local_size", "rank",
     "shutdown", "size", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",

@@ -19,6 +19,20 @@ from horovod.tensorflow import (Average, Sum, allgather, allgather_object, allre
 from tf_ops import *  # noqa: F401,F403,E402
 from tf_ops import __all__ as _backend_all  # noqa: E402
 
-__all__ = list(_backend_all) + [
+
+
+def _elastic():
+    """``hvc.elastic``: Horovod's ``hvd.elastic`` names for TensorFlow 2, with
+    ``TensorFlowKerasState`` carrying the compression state through resets (``tf_ops.elastic``)."""
+    from types import SimpleNamespace
+
+    import horovod.tensorflow.elastic as hvd_elastic
+    from tf_ops.elastic import TensorFlowKerasState
+    return SimpleNamespace(run=hvd_elastic.run, TensorFlowKerasState=TensorFlowKerasState)
+
+
+elastic = _elastic()
+
+__all__ = list(_backend_all) + ["elastic", 
     "Average", "Sum", "allgather", "allgather_object", "allreduce", "broadcast", "broadcast_object",
     "broadcast_variables", "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size"]

@@ -34,6 +34,7 @@ ones passed beside it are refused.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Dict, List, Optional
 
@@ -95,6 +96,8 @@ class Exchanger:
         elif self.compression.delayed is not None:
             grads = self.densify(grads, "delayed averaging keeps dense corrections")
         self.check_model(grads, variables)
+        if os.environ.get("HOROVOD_ELASTIC", "0") == "1":
+            grads = self._check_world_size(grads)
         dense, positions = split_sparse(grads)
         out = self.compression.exchange(dense, world_size=self.world_size, scale=self.scale,
                                         prescale=self.prescale, process_set=self.process_set)
@@ -102,6 +105,24 @@ class Exchanger:
             for i, result in zip(positions, self._exchange_sparse([grads[i] for i in positions], positions)):
                 out[i] = result
         return out
+
+    def _check_world_size(self, grads):
+        """Under Horovod Elastic: the exchange is traced for ``world_size`` ranks (compressors
+        use it in Python), so a traced step run after a reset changed the size must stop, not
+        average wrongly: a runtime check on Horovod's size that the gradients depend on."""
+        from horovod.tensorflow.mpi_ops import size_op
+
+        now = size_op(process_set_id=self.process_set.process_set_id)
+        check = tf.debugging.assert_equal(
+            now, tf.constant(self.world_size, now.dtype),
+            message=f"{self.who}: this exchange was traced for {self.world_size} ranks, but the job now has a "
+                    "different number (a Horovod Elastic reset); trace the training step again after a reset: "
+                    "build its tf.function inside the function hvc.elastic.run wraps (Keras' fit and "
+                    "train_on_batch are traced again by hvc.elastic.KerasState)")
+        with tf.control_dependencies([check]):
+            return [g if g is None else
+                    (tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape)
+                     if isinstance(g, tf.IndexedSlices) else tf.identity(g)) for g in grads]
 
     def _exchange_sparse(self, grads, positions) -> List[tf.IndexedSlices]:
         """Horovod's exchange of sparse gradients (values and indices allgathered, averaged by
@@ -121,8 +142,8 @@ class Exchanger:
 
     def check_model(self, grads, variables=None) -> None:
         """Once per gradient signature: the same model on every rank (``tf_ops.model_check``)."""
-        if self.world_size < 2:
-            return
+        if self.world_size < 2 or os.environ.get("HOROVOD_ELASTIC", "0") == "1":
+            return  # under elastic the state's sync checks the model (tf_ops.elastic)
         key = signature(grads)
         if key in self._checked:
             return
