@@ -188,6 +188,7 @@ class CostModel:
     meta: Mapping[str, object] = field(default_factory=dict)
     decompress: Mapping[str, ComputeFit] = field(default_factory=dict)
     launch_seconds: float = 0.0  # CPU time to hand one collective to Horovod (on the compute stream)
+    exchange_skew: float = 0.0  # an exchange ends this x (compression + transfer) late: see exchange_seconds
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -197,6 +198,8 @@ class CostModel:
         object.__setattr__(self, "decompress", {str(resolve(k)): v for k, v in dict(self.decompress).items()})
         if not (math.isfinite(self.launch_seconds) and self.launch_seconds >= 0):
             raise ValueError(f"cost model: launch_seconds must be finite and >= 0; got {self.launch_seconds!r}")
+        if not (math.isfinite(self.exchange_skew) and self.exchange_skew >= 0):
+            raise ValueError(f"cost model: exchange_skew must be finite and >= 0; got {self.exchange_skew!r}")
         object.__setattr__(self, "hosts", tuple(sorted(set(self.hosts))))
 
     @property
@@ -223,6 +226,19 @@ class CostModel:
             scale = model.world_size if r.kind == GATHERED else 1
             total = total + r.collectives * fit.alpha + fit.beta * scale * r.nbytes
         return total
+
+    def exchange_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
+                         density: Optional[float] = None):
+        """The exchange time the planner uses: ``comm_seconds`` plus ``exchange_skew`` x (the
+        group's compression and launch time + its transfer time). A collective completes only when
+        the *slowest* rank has compressed its group and contributed: rank skew, which grows with
+        the work before the collective, lands in the exchange and not in an alpha-beta fit timed
+        with the ranks lined up by a barrier. ``exchange_skew`` is 0 in a fitted model and is
+        measured in training steps (``torch_ops.scheduling``, ``skew_factor``)."""
+        t_c = self.comm_seconds(spec, dense_bytes, world_size, itemsize, density)
+        if not self.exchange_skew:
+            return t_c
+        return t_c + self.exchange_skew * (t_c + self.group_cpu_seconds(spec, dense_bytes, itemsize))
 
     def has_compress_fit(self, spec) -> bool:
         spec = resolve(spec)
@@ -265,7 +281,14 @@ class CostModel:
             return {name: ComputeFit(f.form, f.a * k, f.b * k, f.errors) for name, f in fits.items()}
         meta = dict(self.meta, calibration={"compress": compress, "decompress": decompress})
         return CostModel(self.world_size, self.allreduce, self.allgather, times(self.compress, compress), self.hosts,
-                         meta, times(self.decompress, decompress), self.launch_seconds * compress)
+                         meta, times(self.decompress, decompress), self.launch_seconds * compress,
+                         self.exchange_skew)
+
+    def with_skew(self, exchange_skew: float) -> "CostModel":
+        """This model with ``exchange_skew`` set (see ``exchange_seconds``)."""
+        meta = dict(self.meta, exchange_skew=float(exchange_skew))
+        return CostModel(self.world_size, self.allreduce, self.allgather, self.compress, self.hosts, meta,
+                         self.decompress, self.launch_seconds, float(exchange_skew))
 
     # -- other worlds --------------------------------------------------------------------------
     def for_world_size(self, world_size: int, gbit_per_s: Optional[float] = None,
@@ -290,7 +313,7 @@ class CostModel:
             fits.append(LinearFit(alpha, beta))
         meta = dict(self.meta, scaled_from=self.world_size)
         return CostModel(int(world_size), fits[0], fits[1], self.compress, self.hosts, meta, self.decompress,
-                         self.launch_seconds)
+                         self.launch_seconds, self.exchange_skew)
 
     @classmethod
     def from_link(cls, world_size: int, gbit_per_s: float, latency_s: float,
@@ -310,7 +333,7 @@ class CostModel:
                 "allreduce": self.allreduce.to_dict(), "allgather": self.allgather.to_dict(),
                 "compress": {k: v.to_dict() for k, v in self.compress.items()}, "meta": dict(self.meta),
                 "decompress": {k: v.to_dict() for k, v in self.decompress.items()},
-                "launch_seconds": self.launch_seconds}
+                "launch_seconds": self.launch_seconds, "exchange_skew": self.exchange_skew}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "CostModel":
@@ -320,7 +343,7 @@ class CostModel:
                    {k: ComputeFit.from_dict(v) for k, v in d.get("compress", {}).items()},
                    tuple(d.get("hosts", ())), dict(d.get("meta", {})),
                    {k: ComputeFit.from_dict(v) for k, v in d.get("decompress", {}).items()},
-                   float(d.get("launch_seconds", 0.0)))
+                   float(d.get("launch_seconds", 0.0)), float(d.get("exchange_skew", 0.0)))
 
     def save(self, path: Optional[str] = None) -> str:
         """Write JSON to ``path`` (default: ``cache_path`` of this world and host set); returns it."""
@@ -365,6 +388,21 @@ def fit_cost_model(world_size: int, allreduce_samples, allgather_samples, compre
                      dict(meta or {}), fits(decompress_samples), float(launch_seconds))
 
 
+def skew_factor(measured_seconds: float, transfer_seconds: float, cpu_seconds: float,
+                limit: float = 20.0) -> float:
+    """``exchange_skew`` from one measured exchange: how much longer than modelled (``transfer``,
+    the alpha-beta time) it took from its launch to its completion, over the work it stands for
+    (its compression and launch on the compute stream, ``cpu``, plus ``transfer``); 0 when it
+    took no longer, at most ``limit``."""
+    vals = (measured_seconds, transfer_seconds, cpu_seconds)
+    if not all(math.isfinite(v) and v >= 0 for v in vals):
+        raise ValueError(f"skew_factor: times must be finite and >= 0; got {vals}")
+    work = transfer_seconds + cpu_seconds
+    if work <= 0:
+        return 0.0
+    return float(min(limit, max(0.0, (measured_seconds - transfer_seconds) / work)))
+
+
 def describe(model: CostModel) -> str:
     """A few lines a person can read: the fits and their errors."""
     lines = [f"cost model {model.key} (world size {model.world_size})"]
@@ -380,4 +418,7 @@ def describe(model: CostModel) -> str:
                          f"{fit.b * 1e6:.1f} us (rel. RMS error: {alt})")
     if model.launch_seconds:
         lines.append(f"  launch: {model.launch_seconds * 1e6:.1f} us per collective handed to Horovod")
+    if model.exchange_skew:
+        lines.append(f"  exchange skew: an exchange ends {model.exchange_skew:.3g} x (compression + transfer) "
+                     "later than the fits say (measured in training steps)")
     return "\n".join(lines)

@@ -147,10 +147,11 @@ class Plan:
     overlap: str
     gap: Optional[float] = None         # seconds above the optimum at most (0: optimal; None: unknown)
     notes: Tuple[str, ...] = ()
+    tuning: Optional[dict] = None       # measured validation (hvdcompress.tuning): candidates, medians, kept
 
     def as_dict(self) -> dict:
         return {"schedule": self.schedule, "groups": self.groups, "predicted_seconds": self.predicted_seconds,
-                "overlap": self.overlap, "gap": self.gap, "notes": list(self.notes),
+                "overlap": self.overlap, "gap": self.gap, "notes": list(self.notes), "tuning": self.tuning,
                 "timeline": self.timeline.as_dict() if self.timeline is not None else None}
 
 
@@ -179,7 +180,7 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
         world = cost_model.world_size if world_size is None else int(world_size)
 
         def t_c(b):
-            return cost_model.comm_seconds(spec, b, world, itemsize, density)
+            return cost_model.exchange_seconds(spec, b, world, itemsize, density)
 
         if not cost_model.has_compress_fit(spec):
             notes.append(f"no compression-time fit for '{spec}': compression counted as 0 s")

@@ -39,6 +39,7 @@ def make(spec, schedule, model=None, lr=0.1, momentum=0.9, **kw):
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
     model = model if model is not None else _model()
+    kw.setdefault("tune_steps", 0)  # the model's plan as made (measured validation: tests/test_mp_tuning.py)
     opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
                                    named_parameters=model.named_parameters(), compression=spec,
                                    schedule=schedule, **kw)

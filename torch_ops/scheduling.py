@@ -14,7 +14,25 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
   At the end of step ``profile_steps`` the cost model is taken (the one given, else the cached
   fit for this world and host set, else a few seconds of profiling on the live transport,
   ``torch_ops.profiling.load_or_profile``), calibrated to the profiled steps (``_calibrate``),
-  and the plan is made.
+  and the plan is made. The calibration also measures ``exchange_skew`` (``CostModel.exchange_seconds``):
+  whatever the profiled steps took beyond the calibrated model's prediction for their one group
+  is charged to that group's exchange -- a collective ends when the slowest rank has compressed
+  and contributed, which no fit timed behind a barrier sees -- in proportion to the group's
+  compression and transfer time, and so to every group of every plan.
+* measured validation (``tune_steps`` > 0, the default for cost-model schedules): the model can
+  still be wrong, so ``hvdcompress.tuning.propose`` lists a few candidate plans (the model's,
+  the other search's, ``single``, two size plans, perhaps ``layerwise``) and each runs for one
+  settling step and ``tune_steps`` measured steps, the model's first. Every rank records its own
+  step times (end of the previous step to the end of the update); after the last candidate they
+  are gathered, rank 0 keeps the candidate whose median step (slowest rank) is smallest
+  (``hvdcompress.tuning.select``: within 2% of it, the earliest) and broadcasts it, and every rank
+  regroups at the same step. While candidates run, ``plan`` is the model's plan and ``groups``
+  the candidate's; afterwards ``plan`` holds the kept groups, their predicted time and
+  ``plan.tuning`` (every candidate's groups and median). Compressor state is per parameter, so
+  switching plans loses none of it. A checkpoint taken while candidates run saves the progress
+  (candidates, position, this rank's times) and a resumed run goes on from there, on every rank
+  alike; one taken afterwards holds the kept plan, which a resume with the same schedule uses
+  without tuning again.
 
 Rank 0 makes the plan and broadcasts it, so every rank exchanges the same groups, and a failure
 there is raised on every rank. A fixed schedule given a ``cost_model`` also gets a predicted step
@@ -35,7 +53,8 @@ from dataclasses import replace
 import numpy as np
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from hvdcompress.costmodel import CostModel
+from hvdcompress import tuning
+from hvdcompress.costmodel import CostModel, skew_factor
 from hvdcompress.groups import check_mergeable
 from hvdcompress.planner import Plan, Schedule, Workload, make_plan, parse_schedule
 from hvdcompress.spec import CompressionSpec
@@ -57,6 +76,10 @@ def check_profile_steps(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1000:
         raise ValueError(f"profile_steps: must be an int in [1, 1000]; got {n!r}")
     return n
+
+
+check_tune_steps = tuning.check_tune_steps
+DEFAULT_TUNE_STEPS = tuning.DEFAULT_TUNE_STEPS
 
 
 def check_cost_model(model) -> Optional[CostModel]:
@@ -104,8 +127,10 @@ class Scheduler:
     """Holds the schedule, collects the profiled steps and makes the plan (see the module doc)."""
 
     def __init__(self, schedule, spec: CompressionSpec, cost_model: Optional[CostModel], profile_steps: int,
-                 sizes_bytes: Dict[str, float], world_size: int, comm=None):
+                 sizes_bytes: Dict[str, float], world_size: int, comm=None, tune_steps: int = 0):
         self.comm = comm  # the optimizer's Communicator: every collective here runs on its process set
+        self.tune_steps = check_tune_steps(tune_steps)
+        self._tuner: Optional[_Tuner] = None  # candidates being measured (measured validation)
         self.schedule = check_schedule(schedule)
         if not check_mergeable(self.text, spec):  # a compressor that cannot merge: auto -> layerwise
             self.schedule = parse_schedule("layerwise")
@@ -123,6 +148,8 @@ class Scheduler:
         self.order: Optional[List[str]] = None
         self._runs: List[StepClock] = []
         self._profiled_groups: List[List[int]] = []  # the groups exchanged while profiling (indices)
+        self._calibrated: Optional[CostModel] = None  # the model the plan was made with (_calibrate)
+        self._step_seconds = 0.0
 
     @property
     def text(self) -> str:
@@ -136,8 +163,13 @@ class Scheduler:
     @property
     def done(self) -> bool:
         """Nothing left to measure or decide."""
-        return self.plan is not None and (self.plan.predicted_seconds is not None or self.cost_model is None
-                                          and not self.needs_model)
+        return self._tuner is None and self.plan is not None and (
+            self.plan.predicted_seconds is not None or self.cost_model is None and not self.needs_model)
+
+    @property
+    def tuning(self) -> bool:
+        """Candidate plans are being measured now (see the module doc)."""
+        return self._tuner is not None
 
     def adopt(self, plan: Plan, order: Sequence[str]) -> None:
         """A plan restored from a checkpoint (same schedule): used as is; only a missing prediction
@@ -155,11 +187,32 @@ class Scheduler:
         return named == sorted(sorted(g) for g in self.schedule)
 
     def plan_dict(self):
-        """The plan in use as checkpoint data (None before one is made)."""
+        """The plan in use as checkpoint data (None before one is made). While candidates are
+        measured, ``groups`` are the candidate's and ``tuning["in_progress"]`` the progress."""
         if self.plan is None:
             return None
-        return {"schedule": self.text, "resolved": self.plan.schedule, "order": list(self.order),
-                "groups": self.plan.groups, "predicted_seconds": self.plan.predicted_seconds}
+        out = {"schedule": self.text, "resolved": self.plan.schedule, "order": list(self.order),
+               "groups": self.plan.groups, "predicted_seconds": self.plan.predicted_seconds,
+               "tuning": self.plan.tuning}
+        if self._tuner is not None:
+            out["groups"] = [list(g) for g in self._tuner.current.groups]
+            out["tuning"] = {"in_progress": self._tuner.to_dict(), "model_groups": self.plan.groups}
+        return out
+
+    def restore(self, saved) -> Optional[List[List[str]]]:
+        """A checkpoint's plan (``plan_dict``) for this schedule: adopted (a measured validation in
+        progress goes on where it was); returns the groups (names) to use now, or None when the
+        checkpoint has no plan for this schedule."""
+        if not self.same_schedule(saved):
+            return None
+        order, tuned = list(saved["order"]), saved.get("tuning")
+        progress = tuned.get("in_progress") if isinstance(tuned, dict) else None
+        plan_groups = tuned["model_groups"] if progress else saved["groups"]
+        plan = Plan(saved.get("resolved", saved["schedule"]), [list(g) for g in plan_groups],
+                    saved["predicted_seconds"], None, "shared", tuning=None if progress else tuned)
+        self.adopt(plan, order)
+        self._tuner = _Tuner.from_dict(progress) if progress else None
+        return [[order[i] for i in g] for g in saved["groups"]]
 
     def end_of_step(self, clock: StepClock) -> Optional[List[List[str]]]:
         """Called on every rank after each step with its clock; returns the groups (names) to use
@@ -167,6 +220,8 @@ class Scheduler:
         due, which is at the same step on every rank."""
         if self.done:
             return None
+        if self._tuner is not None:
+            return self._tune(clock)
         if self.order is None:  # the first step: learn the backward order
             self.order = self._comm().broadcast_object(self._order(clock), "hvc.plan.order")
             if self.needs_model:  # measure with one group: no exchange competes with backward
@@ -185,14 +240,47 @@ class Scheduler:
             model = self.cost_model = load_or_profile([self.spec], max_bytes=sum(self.sizes.values()),
                                                       comm=self._comm())
         calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
-        plan = _broadcast_result(self._comm(), lambda: self._model_plan(calibrated), "hvc.plan.model")
+        plan, candidates = _broadcast_result(self._comm(), lambda: self._model_plan(calibrated), "hvc.plan.model")
         note = ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
-                "decompression x{decompress:.3g}".format(**self.calibration))
+                "decompression x{decompress:.3g}, exchange skew {skew:.3g}".format(**self.calibration))
         plan = replace(plan, notes=plan.notes + (note,))
         changed = self.plan is None or plan.groups != self.plan.groups
         self.plan = plan
         self._runs = []
+        if len(candidates) > 1:  # measured validation: the candidates run, the model's first
+            self._tuner = _Tuner(candidates, self.tune_steps)
+            return [[self.order[i] for i in g] for g in candidates[0].groups]
         return self._names(plan) if changed else None
+
+    def _tune(self, clock: StepClock) -> Optional[List[List[str]]]:
+        """One step of the measured validation (module doc); the same decisions on every rank."""
+        t = self._tuner
+        if t.step_in > 0:  # the first step of a candidate settles, uncounted
+            end = clock.update[1] or clock.sync[1]
+            t.times[t.index].append(end - clock.prev_end if clock.prev_end is not None else float("nan"))
+        t.step_in += 1
+        if t.step_in <= t.tune_steps:
+            return None
+        t.index, t.step_in = t.index + 1, 0
+        if t.index < len(t.candidates):
+            return [[self.order[i] for i in g] for g in t.current.groups]
+        per_rank = self._comm().allgather_object(t.times, "hvc.plan.tune.times")
+        chosen, medians = _broadcast_result(self._comm(), lambda: tuning.select(tuning.step_times(per_rank)),
+                                            "hvc.plan.tune.kept")
+        kept = t.candidates[chosen]
+        record = {"candidates": [c.to_dict() for c in t.candidates], "medians_seconds": medians,
+                  "kept": chosen, "kept_label": kept.label, "tune_steps": t.tune_steps}
+        timeline = None
+        if self.workload is not None and self._calibrated is not None:
+            timeline = predict_explicit(kept.groups, self.workload, self._calibrated, self.spec, self.world).timeline
+        plan = self.plan
+        self.plan = replace(plan, groups=[list(g) for g in kept.groups], predicted_seconds=kept.predicted_seconds,
+                            timeline=timeline if chosen else plan.timeline, gap=plan.gap if chosen == 0 else None,
+                            notes=plan.notes + (tuning.summary(t.candidates, medians, chosen),), tuning=record)
+        self._tuner = None
+        if chosen == len(t.candidates) - 1:
+            return None  # the last candidate measured is the one kept: nothing changes
+        return self._names(self.plan)
 
     # -- internals -------------------------------------------------------------------------------
     def _comm(self):
@@ -219,10 +307,17 @@ class Scheduler:
         sizes = [self.sizes[n] for n in self.order]
         return make_plan(self.schedule, sizes, spec=self.spec, world_size=self.world)
 
-    def _model_plan(self, model: CostModel) -> Plan:
+    def _model_plan(self, model: CostModel):
+        """(the plan, the candidates to measure: empty unless tuning applies) -- on rank 0."""
         if isinstance(self.schedule, list):
-            return predict_explicit(self.plan.groups, self.workload, model, self.spec, self.world)
-        return self.workload.plan(self.schedule, model, self.spec, self.world)
+            return predict_explicit(self.plan.groups, self.workload, model, self.spec, self.world), []
+        plan = self.workload.plan(self.schedule, model, self.spec, self.world)
+        if not (self.needs_model and self.tune_steps):
+            return plan, []
+        candidates = tuning.propose(lambda s: plan if s == plan.schedule else
+                                    self.workload.plan(s, model, self.spec, self.world),
+                                    plan.schedule, self.workload.sizes_bytes)
+        return plan, candidates
 
     def _workload(self) -> Workload:
         """Per profiled step, the slowest rank -- a group's exchange starts when its last gradient
@@ -235,13 +330,15 @@ class Scheduler:
             gaps = c.backward_gaps()
             fwd = c.hooks[0][1] - c.prev_end if c.hooks else 0.0
             hooks = sum(b - a for _, a, b in c.hooks)
+            end = c.update[1] or c.sync[1]
             mine.append((np.cumsum([gaps.get(n, 0.0) for n in self.order]).tolist(), fwd,
-                         c.update[1] - c.update[0], hooks, c.finish))
+                         c.update[1] - c.update[0], hooks, c.finish,
+                         end - c.prev_end if c.prev_end is not None else 0.0))
         ranks = self._comm().allgather_object(mine, "hvc.plan.workload")
         steps = [[r[s] for r in ranks] for s in range(len(mine))]
         ready = np.median([np.max([r[0] for r in step], axis=0) for step in steps], axis=0)
-        fwd, upd, self._hook_seconds, self._finish_seconds = (
-            float(np.median([max(r[k] for r in step) for step in steps])) for k in (1, 2, 3, 4))
+        fwd, upd, self._hook_seconds, self._finish_seconds, self._step_seconds = (
+            float(np.median([max(r[k] for r in step) for step in steps])) for k in (1, 2, 3, 4, 5))
         t_b = np.diff(np.maximum.accumulate(ready), prepend=0.0).clip(min=0.0).tolist()
         return Workload(tuple(self.order), tuple(self.sizes[n] for n in self.order), tuple(t_b), fwd, upd)
 
@@ -249,7 +346,11 @@ class Scheduler:
         """Scale the model's compression (and launch) and decompression times so that, for the
         groups the profiled steps ran with, they add up to what those steps measured (slowest rank,
         median step): isolated micro-benchmarks miss cache effects, the other ranks' threads
-        competing for the cores and rank skew. Factors outside [0.25, 10] are clipped."""
+        competing for the cores and rank skew. Factors outside [0.25, 10] are clipped.
+
+        Cost-model schedules profile with one group; what their steps took (slowest rank, median)
+        beyond the calibrated model's prediction for it is charged to that group's exchange
+        (``CostModel.exchange_skew``, ``costmodel.skew_factor``)."""
         groups = self._profiled_groups
         sizes = np.array([sum(self.sizes[self.order[i]] for i in g) for g in groups])
         factors = []
@@ -257,8 +358,16 @@ class Scheduler:
                                    (self._finish_seconds, model.decompress_seconds(self.spec, sizes))):
             total = float(np.sum(modelled))
             factors.append(min(10.0, max(0.25, measured / total)) if total > 0 and measured > 0 else 1.0)
-        self.calibration = {"compress": factors[0], "decompress": factors[1]}
-        return model.scaled(*factors)
+        calibrated = model.scaled(*factors).with_skew(0.0)
+        skew = 0.0
+        if self.needs_model and len(groups) == 1 and self._step_seconds > 0:
+            predicted = predict_explicit(groups, self.workload, calibrated, self.spec, self.world).predicted_seconds
+            transfer = float(calibrated.comm_seconds(self.spec, sizes, self.world)[0])
+            cpu = float(calibrated.group_cpu_seconds(self.spec, sizes)[0])
+            skew = skew_factor(transfer + max(0.0, self._step_seconds - predicted), transfer, cpu)
+        self.calibration = {"compress": factors[0], "decompress": factors[1], "skew": skew}
+        self._calibrated = calibrated.with_skew(skew)
+        return self._calibrated
 
     def _names(self, plan: Plan) -> List[List[str]]:
         return [[self.order[i] for i in g] for g in plan.groups]
@@ -268,9 +377,33 @@ def predict_explicit(plan_groups, workload: Workload, model: CostModel, spec, wo
     """Explicit groups (indices in backward order) with their prediction under ``model``."""
     t_d = (lambda b: model.decompress_seconds(spec, b)) if model.has_decompress_fit(spec) else None
     tl = predict(plan_groups, workload.sizes_bytes, workload.t_b, lambda b: model.group_cpu_seconds(spec, b),
-                 lambda b: model.comm_seconds(spec, b, world), "shared", t_d)
+                 lambda b: model.exchange_seconds(spec, b, world), "shared", t_d)
     return Plan("explicit", [list(g) for g in plan_groups], workload.forward_seconds + tl.end +
                 workload.update_seconds, tl, "shared")
+
+
+class _Tuner:
+    """Progress of a measured validation: the candidates, the one running, the steps it has run
+    (its first settles, uncounted) and this rank's measured step times per candidate."""
+
+    def __init__(self, candidates, tune_steps: int, index: int = 0, step_in: int = 0, times=None):
+        self.candidates = list(candidates)
+        self.tune_steps = int(tune_steps)
+        self.index, self.step_in = int(index), int(step_in)
+        self.times: List[List[float]] = times if times is not None else [[] for _ in self.candidates]
+
+    @property
+    def current(self) -> tuning.Candidate:
+        return self.candidates[self.index]
+
+    def to_dict(self) -> dict:
+        return {"candidates": [c.to_dict() for c in self.candidates], "tune_steps": self.tune_steps,
+                "index": self.index, "step_in": self.step_in, "times": [list(t) for t in self.times]}
+
+    @classmethod
+    def from_dict(cls, d) -> "_Tuner":
+        return cls([tuning.Candidate.from_dict(c) for c in d["candidates"]], d["tune_steps"], d["index"],
+                   d["step_in"], [[float(x) for x in t] for t in d["times"]])
 
 
 def _broadcast_result(comm, fn, name: str):

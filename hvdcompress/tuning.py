@@ -1,0 +1,151 @@
+"""Measured validation of cost-model plans: try a few candidate plans for some steps, keep the fastest.
+
+The cost model can be wrong where it matters most (a collective completes only when the slowest
+rank has compressed and contributed; rank skew and load are not in an alpha-beta fit), so a plan
+it calls optimal may be slower than a plain fixed one. Horovod's own autotuner meets the same
+problem for its fusion threshold by measuring; this module does the same for merge plans. Pure
+functions over plans and step times (no torch, no Horovod); ``torch_ops.scheduling`` runs them.
+
+After profiling, ``propose`` lists the candidates, in this order, duplicates (same groups) and
+candidates beyond ``max_candidates`` dropped:
+
+1. the plan the schedule asked for (the model's optimum for "mgs"/"mgwfbp", the greedy rule's
+   plan for ":greedy") -- first, so that it wins ties;
+2. the other search's plan (greedy for the exact search, exact for greedy);
+3. ``single`` (one group after backward);
+4. two Horovod-fusion-like size plans, thresholds 1/4 and 1/16 of the model's gradient bytes
+   (``size_fractions``): a few large groups, and many mid-sized ones;
+5. ``layerwise``, only when the model predicts it within ``layerwise_within`` (1.5x) of the best
+   predicted candidate (one exchange per tensor is rarely worth trying on a deep model: a
+   ResNet-50 has 161 tensors).
+
+Each candidate runs one settling step (new buffers, Horovod's response cache learning the new
+collective names: not counted) and then ``tune_steps`` measured steps. A step's time is the
+slowest rank's (every rank waits for it); a candidate's time is the median of its steps
+(``step_times``). ``select`` keeps the candidate with the smallest median; candidates within
+``tolerance`` (2%) of it count as ties, and the earliest of them wins, so the model's own plan
+is kept unless another is measurably faster.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+MAX_TUNE_STEPS = 100
+DEFAULT_TUNE_STEPS = 3
+SIZE_FRACTIONS = (1 / 4, 1 / 16)
+MAX_CANDIDATES = 5
+LAYERWISE_WITHIN = 1.5
+TOLERANCE = 0.02
+
+
+def check_tune_steps(n) -> int:
+    """``tune_steps``: measured steps per candidate plan, an int in [0, 100]; 0 disables tuning."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TUNE_STEPS:
+        raise ValueError(f"tune_steps: must be an int in [0, {MAX_TUNE_STEPS}] (0: no measured validation "
+                         f"of the cost model's plan); got {n!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan to measure: a label ("mgs", "single", "size:4.1", ...), its groups (tensor indices in
+    backward order) and the model's predicted step time (None if unknown)."""
+
+    label: str
+    groups: Tuple[Tuple[int, ...], ...]
+    predicted_seconds: Optional[float]
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "groups": [list(g) for g in self.groups],
+                "predicted_seconds": self.predicted_seconds}
+
+    @classmethod
+    def from_dict(cls, d) -> "Candidate":
+        p = d.get("predicted_seconds")
+        return cls(str(d["label"]), tuple(tuple(int(i) for i in g) for g in d["groups"]),
+                   None if p is None else float(p))
+
+
+def size_label(threshold_bytes: float) -> str:
+    """The schedule string of a size plan with this threshold (MiB, 3 significant digits)."""
+    return f"size:{threshold_bytes / (1 << 20):.3g}"
+
+
+def propose(plan_fn, asked: str, sizes_bytes: Sequence[float], *, size_fractions=SIZE_FRACTIONS,
+            max_candidates: int = MAX_CANDIDATES, layerwise_within: float = LAYERWISE_WITHIN) -> List[Candidate]:
+    """The candidates of the module doc. ``plan_fn(schedule_string)`` makes a plan with the
+    (calibrated) cost model and returns an object with ``groups`` and ``predicted_seconds`` (a
+    ``hvdcompress.planner.Plan``); ``asked`` is the resolved cost-model schedule ("mgs",
+    "mgwfbp:greedy", ...)."""
+    if max_candidates < 1:
+        raise ValueError(f"max_candidates: must be >= 1; got {max_candidates!r}")
+    kind, _, search = asked.partition(":")
+    other = kind if search == "greedy" else f"{kind}:greedy"
+    total = float(np.sum(np.asarray(sizes_bytes, dtype=float)))
+    schedules = [asked, other, "single"]
+    schedules += [size_label(total * f) for f in size_fractions if total * f > 0]
+    out: List[Candidate] = []
+    seen = set()
+
+    def add(label, plan):
+        groups = tuple(tuple(int(i) for i in g) for g in plan.groups)
+        if groups not in seen and len(out) < max_candidates:
+            seen.add(groups)
+            out.append(Candidate(label, groups, plan.predicted_seconds))
+
+    for s in schedules:
+        add(s, plan_fn(s))
+    lw = plan_fn("layerwise")
+    known = [c.predicted_seconds for c in out if c.predicted_seconds is not None]
+    if lw.predicted_seconds is not None and known and lw.predicted_seconds <= layerwise_within * min(known):
+        add("layerwise", lw)
+    return out
+
+
+def step_times(per_rank: Sequence[Sequence[Sequence[float]]]) -> List[List[float]]:
+    """``per_rank[r][c][s]``: rank r's time of step s of candidate c -> the slowest rank's time
+    of every step (every rank waits for the slowest one)."""
+    if not per_rank:
+        raise ValueError("step_times: no ranks")
+    shape = [len(c) for c in per_rank[0]]
+    for r in per_rank:
+        if [len(c) for c in r] != shape:
+            raise ValueError("step_times: every rank must report the same steps of the same candidates")
+    return [[max(float(r[c][s]) for r in per_rank) for s in range(n)] for c, n in enumerate(shape)]
+
+
+def select(times: Sequence[Sequence[float]], tolerance: float = TOLERANCE) -> Tuple[int, List[float]]:
+    """(index of the candidate to keep, median step time of each). Candidates whose median is
+    within ``tolerance`` (relative) of the smallest are ties; the earliest of them is kept.
+    Candidates without a finite measurement are never kept unless none has one (then the first)."""
+    if not times:
+        raise ValueError("select: no candidates")
+    if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < 1):
+        raise ValueError(f"tolerance: must be in [0, 1); got {tolerance!r}")
+    medians = []
+    for t in times:
+        finite = [float(x) for x in t if x is not None and math.isfinite(float(x))]
+        medians.append(float(np.median(finite)) if finite else math.inf)
+    best = min(medians)
+    if not math.isfinite(best):
+        return 0, medians
+    for i, m in enumerate(medians):
+        if m <= best * (1.0 + tolerance):
+            return i, medians
+    return int(np.argmin(medians)), medians  # unreachable: the minimum is within any tolerance
+
+
+def summary(candidates: Sequence[Candidate], medians: Sequence[float], chosen: int) -> str:
+    """One line for ``Plan.notes``: every candidate's measured median, and which was kept."""
+    parts = [f"{c.label} ({len(c.groups)} groups) {m * 1e3:.1f} ms" for c, m in zip(candidates, medians)]
+    return (f"measured validation, median step of the slowest rank: {'; '.join(parts)}; kept "
+            f"{candidates[chosen].label}")
+
+
+__all__ = ["Candidate", "DEFAULT_TUNE_STEPS", "check_tune_steps", "propose", "select", "step_times", "summary",
+           "size_label"]

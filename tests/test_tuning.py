@@ -1,0 +1,256 @@
+"""Measured validation of cost-model plans (hvdcompress.tuning) and the exchange-skew term of the
+cost model: pure functions, no Horovod."""
+
+import math
+
+import numpy as np
+import pytest
+
+from hvdcompress import tuning
+from hvdcompress.costmodel import ComputeFit, CostModel, skew_factor
+from hvdcompress.planner import MIB, Workload, make_plan
+from torch_ops.scheduling import Scheduler, StepClock
+
+SIZES = [4e6, 4e6, 1e6, 1e6, 2e5, 2e5, 1e5, 1e5]  # bytes, backward order
+T_B = [0.0, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01]
+FIT = ComputeFit("linear", 2e-9, 1e-4)
+
+
+def _model(latency=2e-3, skew=0.0):
+    m = CostModel.from_link(2, gbit_per_s=1.0, latency_s=latency, compress={"topk:ratio=0.01": FIT})
+    return m.with_skew(skew)
+
+
+def _plan_fn(model, spec="topk:ratio=0.01"):
+    work = Workload(tuple(f"p{i}" for i in range(len(SIZES))), tuple(SIZES), tuple(T_B), 0.05, 0.01)
+    return lambda s: work.plan(s, model, spec, 2)
+
+
+# --- check_tune_steps ---------------------------------------------------------------------------
+@pytest.mark.parametrize("good", [0, 1, 3, 100])
+def test_tune_steps_accepts_ints_in_range(good):
+    assert tuning.check_tune_steps(good) == good
+
+
+@pytest.mark.parametrize("bad", [-1, 101, 2.0, True, "3", None])
+def test_tune_steps_errors_name_the_parameter_and_range(bad):
+    with pytest.raises(ValueError, match=r"^tune_steps: must be an int in \[0, 100\]"):
+        tuning.check_tune_steps(bad)
+
+
+# --- propose ------------------------------------------------------------------------------------
+def test_propose_puts_the_asked_plan_first_then_the_other_search_single_and_size_plans():
+    plan_fn = _plan_fn(_model())
+    cands = tuning.propose(plan_fn, "mgs", SIZES, max_candidates=10)
+    labels = [c.label for c in cands]
+    assert labels[0] == "mgs"
+    assert [list(g) for g in cands[0].groups] == plan_fn("mgs").groups
+    assert cands[0].predicted_seconds == pytest.approx(plan_fn("mgs").predicted_seconds)
+    # duplicates (same groups) are dropped, whatever their label
+    groups = [c.groups for c in cands]
+    assert len(set(groups)) == len(groups)
+    expected = ["mgs", "mgs:greedy", "single", tuning.size_label(sum(SIZES) / 4),
+                tuning.size_label(sum(SIZES) / 16), "layerwise"]
+    kept = []
+    seen = set()
+    for s in expected:
+        p = plan_fn(s)
+        g = tuple(tuple(x) for x in p.groups)
+        if g in seen:
+            continue
+        if s == "layerwise":
+            best = min(c.predicted_seconds for c in cands if c.label != "layerwise")
+            if p.predicted_seconds > tuning.LAYERWISE_WITHIN * best:
+                continue
+        seen.add(g)
+        kept.append(s)
+    assert labels == kept
+    for c in cands:  # every candidate partitions the tensors in order
+        assert [i for g in c.groups for i in g] == list(range(len(SIZES)))
+
+
+def test_propose_greedy_schedule_offers_the_exact_search_second():
+    cands = tuning.propose(_plan_fn(_model()), "mgwfbp:greedy", SIZES, max_candidates=10)
+    assert cands[0].label == "mgwfbp:greedy"
+    exact = _plan_fn(_model())("mgwfbp").groups
+    if exact != _plan_fn(_model())("mgwfbp:greedy").groups:
+        assert cands[1].label == "mgwfbp"
+
+
+def test_propose_caps_the_number_of_candidates():
+    assert len(tuning.propose(_plan_fn(_model()), "mgs", SIZES, max_candidates=2)) == 2
+    with pytest.raises(ValueError, match="max_candidates"):
+        tuning.propose(_plan_fn(_model()), "mgs", SIZES, max_candidates=0)
+
+
+def test_propose_leaves_layerwise_out_when_the_model_predicts_it_far_slower():
+    slow_start = _model(latency=50e-3)  # 50 ms per collective: 16 exchanges of layerwise cost far more
+    assert "layerwise" not in [c.label for c in tuning.propose(_plan_fn(slow_start), "mgs", SIZES, max_candidates=10)]
+    cheap = _model(latency=1e-7)
+    lw = _plan_fn(cheap)("layerwise").predicted_seconds
+    best = min(c.predicted_seconds for c in tuning.propose(_plan_fn(cheap), "mgs", SIZES, max_candidates=10))
+    assert lw <= tuning.LAYERWISE_WITHIN * best  # nearly free collectives: layerwise is worth trying
+    labels_or_groups = tuning.propose(_plan_fn(cheap), "mgs", SIZES, max_candidates=10)
+    assert any(len(c.groups) == len(SIZES) for c in labels_or_groups)
+
+
+def test_candidate_round_trips_through_a_dict():
+    c = tuning.Candidate("size:1", ((0, 1), (2,)), 0.25)
+    assert tuning.Candidate.from_dict(c.to_dict()) == c
+    assert tuning.Candidate.from_dict(tuning.Candidate("single", ((0,),), None).to_dict()).predicted_seconds is None
+
+
+# --- step_times and select ----------------------------------------------------------------------
+def test_step_times_take_the_slowest_rank_per_step():
+    per_rank = [[[1.0, 2.0], [3.0]], [[1.5, 1.0], [2.0]]]
+    assert tuning.step_times(per_rank) == [[1.5, 2.0], [3.0]]
+    with pytest.raises(ValueError, match="same steps"):
+        tuning.step_times([[[1.0, 2.0]], [[1.0]]])
+
+
+def test_select_keeps_the_smallest_median():
+    kept, medians = tuning.select([[0.50, 0.52, 0.90], [0.40, 0.41, 0.60], [0.45, 0.30, 0.46]])
+    assert medians == pytest.approx([0.52, 0.41, 0.45])
+    assert kept == 1
+
+
+def test_select_breaks_ties_within_tolerance_towards_the_earliest():
+    times = [[1.015, 1.015, 1.015], [1.0, 1.0, 1.0]]
+    assert tuning.select(times, tolerance=0.02)[0] == 0  # 1.5% slower: a tie, the model's plan kept
+    assert tuning.select(times, tolerance=0.01)[0] == 1
+    assert tuning.select(times, tolerance=0.0)[0] == 1
+
+
+def test_select_ignores_candidates_without_a_measurement():
+    kept, medians = tuning.select([[float("nan")], [0.7, None, 0.9], []])
+    assert kept == 1 and math.isinf(medians[0]) and medians[1] == pytest.approx(0.8)
+    assert tuning.select([[], [float("nan")]])[0] == 0
+    with pytest.raises(ValueError, match="tolerance"):
+        tuning.select([[1.0]], tolerance=1.0)
+    with pytest.raises(ValueError, match="no candidates"):
+        tuning.select([])
+
+
+def test_summary_names_every_candidate_and_the_kept_one():
+    cands = [tuning.Candidate("mgs", ((0, 1),), 0.3), tuning.Candidate("single", ((0,), (1,)), 0.4)]
+    line = tuning.summary(cands, [0.5, 0.25], 1)
+    assert "mgs (1 groups) 500.0 ms" in line and "single (2 groups) 250.0 ms" in line and line.endswith("kept single")
+
+
+# --- the exchange-skew term ---------------------------------------------------------------------
+def test_skew_factor_charges_the_unexplained_time_to_compression_plus_transfer():
+    assert skew_factor(0.05, 0.01, 0.03) == pytest.approx(1.0)  # 40 ms unexplained over 40 ms of work
+    assert skew_factor(0.005, 0.01, 0.03) == 0.0  # faster than modelled: no negative skew
+    assert skew_factor(10.0, 0.01, 0.0) == 20.0  # capped
+    assert skew_factor(0.5, 0.0, 0.0) == 0.0  # nothing to scale
+    with pytest.raises(ValueError):
+        skew_factor(float("nan"), 0.0, 0.0)
+
+
+def test_exchange_seconds_adds_skew_times_compression_and_transfer_and_round_trips():
+    m0, m1 = _model(), _model(skew=0.5)
+    b = np.array([1e5, 4e6])
+    t_c = m0.comm_seconds("topk:ratio=0.01", b)
+    cpu = m0.group_cpu_seconds("topk:ratio=0.01", b)
+    assert np.allclose(m0.exchange_seconds("topk:ratio=0.01", b), t_c)
+    assert np.allclose(m1.exchange_seconds("topk:ratio=0.01", b), t_c + 0.5 * (t_c + cpu))
+    assert CostModel.from_dict(m1.to_dict()).exchange_skew == 0.5
+    assert m1.scaled(2.0, 1.0).exchange_skew == 0.5 and m1.for_world_size(4).exchange_skew == 0.5
+    with pytest.raises(ValueError, match="exchange_skew"):
+        _model(skew=-1.0)
+
+
+def test_skew_makes_the_planner_split_a_large_group_whose_exchange_waits():
+    # the plan with no skew sends one group; with a large measured skew, exchanging a big group
+    # after backward costs more than several that overlap backward
+    sizes, t_b = [8e6, 8e6, 8e6, 8e6], [0.0, 0.02, 0.02, 0.02]
+    fit = {"topk:ratio=0.01": ComputeFit("linear", 5e-9, 0.005)}  # 5 ms per group: merging saves it
+    base = CostModel.from_link(2, gbit_per_s=10.0, latency_s=5e-3, compress=fit)
+    no_skew = make_plan("mgs", sizes, t_b, base, "topk:ratio=0.01", 2)
+    skewed = make_plan("mgs", sizes, t_b, base.with_skew(3.0), "topk:ratio=0.01", 2)
+    assert len(no_skew.groups) == 1 and len(skewed.groups) > 1
+    assert skewed.predicted_seconds > no_skew.predicted_seconds
+
+
+# --- the scheduler's measured validation, driven without Horovod ----------------------------------
+class _OneRank:
+    """A Communicator of one rank: collectives return what this rank gives."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+    def broadcast_object(self, obj, name):
+        return obj
+
+    def allgather_object(self, obj, name):
+        return [obj]
+
+
+def _clock(prev_end, names, step_seconds, hook=1e-4):
+    c = StepClock(prev_end)
+    t = prev_end + 0.01
+    for n in names:
+        c.hooks.append((n, t, t + hook))
+        t += 0.002
+    c.sync = (t, t + 0.001)
+    c.update = (t + 0.001, prev_end + step_seconds)
+    return c
+
+
+def test_scheduler_measures_each_candidate_and_keeps_the_fastest_and_resumes_mid_way():
+    sizes = {f"p{i}": float(s) for i, s in enumerate(SIZES)}
+    names = list(sizes)
+    sched = Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=2)
+    t = 0.0
+    groups = sched.end_of_step(_first_clock(names))
+    assert groups == [names]  # profiling with one group
+    groups = sched.end_of_step(_clock(t, names, 0.2))
+    assert sched.tuning and sched.plan is not None and sched.plan.schedule == "mgs"
+    cands = sched._tuner.candidates
+    assert [[names[i] for i in g] for g in cands[0].groups] == groups
+    # the candidate labelled "single" is the fastest; each runs 1 settling + 2 measured steps
+    fast = next(i for i, c in enumerate(cands) if c.label == "single")
+    saved = None
+    for ci in range(len(cands)):
+        for k in range(3):
+            if ci == 1 and k == 1 and saved is None:
+                saved = sched.plan_dict()
+            out = sched.end_of_step(_clock(t, names, 0.05 if ci == fast else 0.3 + 0.01 * ci))
+            if k < 2:
+                assert out is None
+    assert not sched.tuning and sched.done
+    assert sched.plan.tuning["kept_label"] == "single" and sched.plan.groups == [list(range(len(names)))]
+    assert sched.plan.tuning["medians_seconds"][fast] == pytest.approx(0.05)
+    assert any("kept single" in n for n in sched.plan.notes)
+    # a checkpoint saved mid-way goes on where it was: the candidate's groups, then the rest
+    assert saved["tuning"]["in_progress"]["index"] == 1
+    again = Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=2)
+    in_use = again.restore(saved)
+    assert in_use == [[names[i] for i in g] for g in cands[1].groups] and again.tuning
+    assert again._tuner.times[0] == saved["tuning"]["in_progress"]["times"][0]
+    # a checkpoint saved afterwards holds the kept plan: no tuning again
+    done = Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=2)
+    assert done.restore(sched.plan_dict()) == [names] and done.done
+    assert done.plan.tuning["kept_label"] == "single"
+
+
+def test_scheduler_without_tuning_keeps_the_model_plan():
+    sizes = {f"p{i}": float(s) for i, s in enumerate(SIZES)}
+    names = list(sizes)
+    sched = Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=0)
+    sched.end_of_step(_first_clock(names))
+    sched.end_of_step(_clock(0.0, names, 0.2))
+    assert sched.done and not sched.tuning and sched.plan.tuning is None
+    assert set(sched.calibration) == {"compress", "decompress", "skew"} and sched.calibration["skew"] >= 0
+
+
+def _first_clock(names):
+    return _clock(-1.0, names, 0.5)
+
+
+def _spec():
+    from hvdcompress.spec import resolve
+    return resolve("topk:ratio=0.01")
