@@ -233,6 +233,54 @@ def resume_with_corrections_pending(tmp: str) -> dict:
     return out
 
 
+NONFINITE_DELAY = 2
+
+
+def nonfinite_with_corrections_pending() -> dict:
+    """A NaN (then an inf) in one gradient entry on rank 1 at step 2, delay 2, DGC (local
+    velocity) and top-k, under tf.function: rank 1 sees it at step 2, every rank at step 4 (the
+    guarded exchange's correction); skipping those steps keeps training finite, a flush makes the
+    replicas identical, and no non-finite value stays in the delayed state."""
+    import hvdcompress.tensorflow as hvc
+    import numpy as np
+    import tensorflow as tf
+    out = {}
+    loss_fn = _loss()
+    for spec in (DGC, "topk:ratio=0.1"):
+        for bad in (float("nan"), float("inf")):
+            model = _model()
+            opt = tf.keras.optimizers.SGD(0.05)
+            comp = hvc.GradientCompression(spec, delay=NONFINITE_DELAY)
+
+            @tf.function
+            def grads_of(x, y):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, model(x, training=True))
+                tape = hvc.DistributedGradientTape(tape, compression=comp)
+                gs = tape.gradient(loss, model.trainable_variables)
+                return gs
+
+            # the bad value enters through rank 1's input: its gradients of that step are non-finite
+            seen = []
+            for step in range(8):
+                x, y = _batch(hvc.rank(), step)
+                if step == 2 and hvc.rank() == 1:
+                    x = x.copy()
+                    x[0, 0] = bad
+                gs = grads_of(tf.constant(x), tf.constant(y))
+                if not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in gs):
+                    seen.append(step)
+                    continue  # the skip pattern
+                opt.apply_gradients(zip(gs, model.trainable_variables))
+            state = [v for v in comp.delayed.ring + comp.delayed.vel if v is not None]
+            finite_state = all(bool(np.all(np.isfinite(v.numpy()))) for v in state)
+            finite = bool(np.all(np.isfinite(_flat(model))))
+            comp.flush(opt, model.trainable_variables)
+            out[f"{spec}|{bad}"] = {"seen": seen, "state_finite": finite_state, "params_finite": finite,
+                                    "identical": _identical(model, f"nonfinite.{spec}.{bad}")}
+    return out
+
+
 def everything() -> dict:
     import horovod.tensorflow as hvd
     import tensorflow as tf
@@ -243,6 +291,7 @@ def everything() -> dict:
     tmp = tempfile.mkdtemp()
     for name, fn, args in (("identity", unrolled_identity, ()), ("momentum", unrolled_identity_with_momentum, ()),
                            ("zero", zero_delay_is_the_synchronous_path, ()),
+                           ("nonfinite", nonfinite_with_corrections_pending, ()),
                            ("flush", flush_makes_replicas_identical, ()),
                            ("resume", resume_with_corrections_pending, (tmp,))):
         start = time.perf_counter()

@@ -95,6 +95,14 @@ def test_unrolled_identity_with_the_momentum_in_the_compressor(results):
     assert parts[0]["3|1|avg"] != parts[1]["3|1|avg"]
 
 
+def test_nonfinite_values_with_corrections_pending_are_seen_and_never_kept(results):
+    d = sc.NONFINITE_DELAY
+    for rank, r in enumerate(part(results, "nonfinite")):
+        for key, v in r.items():
+            assert v["seen"] == ([2, 2 + d] if rank == 1 else [2 + d]), (rank, key, v)
+            assert v["state_finite"] and v["params_finite"] and v["identical"], (rank, key, v)
+
+
 def test_zero_delay_is_bit_identical_to_the_synchronous_path(results):
     for r in part(results, "zero"):
         assert r and all(r.values()), r
