@@ -179,12 +179,41 @@ def bad_arguments() -> dict:
     return out
 
 
+def elastic_bad_arguments() -> dict:
+    """(Run here to share the launch with the sparse scenarios.) What cannot follow an elastic
+    reset is refused when ``hvc.elastic.KerasState`` is made: ValueError naming the argument,
+    on every rank, before any collective."""
+    import horovod.tensorflow as hvd
+    import hvdcompress.keras as hvc
+    import tensorflow as tf
+    from hvdcompress.costmodel import CostModel
+    out = {}
+    cases = {"delay": dict(compression="topk:ratio=0.1", delay=1),
+             "backward_passes_per_step": dict(compression="topk:ratio=0.1", backward_passes_per_step=2),
+             "schedule": dict(compression="none", schedule="mgwfbp",
+                              cost_model=CostModel.from_link(hvd.size(), gbit_per_s=1.0, latency_s=1e-4))}
+    for name, kwargs in cases.items():
+        model = _model()
+        opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), name=f"el_{name}", **kwargs)
+        try:
+            hvc.elastic.KerasState(model, opt, batch=0)
+            out[name] = "accepted"
+        except ValueError as exc:
+            out[name] = str(exc)
+    try:
+        hvc.elastic.KerasState(_model(), tf.keras.optimizers.SGD(0.1), compression="topk:ratio=0.1")
+    except ValueError as exc:
+        out["compression"] = str(exc)
+    out["after"] = float(hvd.allreduce(tf.ones([2]), name="elastic.after").numpy()[0])
+    return out
+
+
 def everything() -> dict:
     import horovod.tensorflow as hvd
     hvd.init()
     start = time.time()
     res = {}
-    jobs = {"bad_arguments": bad_arguments, "nonfinite": nonfinite}
+    jobs = {"bad_arguments": bad_arguments, "nonfinite": nonfinite, "elastic_bad_arguments": elastic_bad_arguments}
     for spec in ("none", "topk:ratio=0.1"):
         for dense in (False, True):
             jobs[f"tape:{spec}:{dense}"] = (lambda s=spec, d=dense: tape(s, d))

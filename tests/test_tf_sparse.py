@@ -76,3 +76,12 @@ def test_a_bad_sparse_as_dense_is_refused_on_every_rank(results):
         assert r["keras"].startswith("sparse_as_dense:") and "'yes'" in r["keras"], r
         assert r["tape"].startswith("sparse_as_dense:"), r
         assert r["after"] == 1.0, r
+
+
+def test_elastic_state_refuses_what_cannot_follow_a_reset_on_every_rank(results):
+    for r in part(results, "elastic_bad_arguments"):
+        for arg in ("delay", "backward_passes_per_step", "schedule"):
+            assert r[arg].startswith(f"{arg}:"), (arg, r[arg])
+        assert "delayed averaging" in r["delay"] and "'mgwfbp'" in r["schedule"], r
+        assert r["compression"].startswith("compression:") and "GradientCompression" in r["compression"], r
+        assert r["after"] == 1.0, r

@@ -109,7 +109,7 @@ def check_elastic(optimizer, compressions: List[GradientCompression]) -> None:
     """What cannot follow a reset raises here (module doc), on every rank, before any collective."""
     for c in compressions:
         if c.delayed is not None:
-            raise ValueError("compression: delayed averaging (delay/sync_every) keeps corrections of exchanges "
+            raise ValueError("delay: delayed averaging (delay/sync_every) keeps corrections of exchanges "
                              "among the current ranks and cannot follow an elastic reset; use delay=0, "
                              "sync_every=1 with elastic training")
         if needs_cost_model(c.parsed_schedule):
