@@ -297,7 +297,7 @@ def test_both_paths_dgc_candidate_list_edge_cases(request, mode):
     starts from last step's threshold: the oracle's indices, u and v in the cases that stress it --
     DGC's flat steady state (a constant gradient, many entries just under the threshold), a state
     whose scale drops by 1000x between steps (the remembered threshold is far too high: a rescan),
-    all-equal magnitudes (the list cannot be cut at a value: ties), zeros, and NaNs."""
+    all-equal magnitudes (the list cannot be cut at a value: ties), zeros, NaNs and infs."""
     request.getfixturevalue(mode)
     n = 200_003
     rng = np.random.default_rng(5)
@@ -308,6 +308,8 @@ def test_both_paths_dgc_candidate_list_edge_cases(request, mode):
         "ties": [np.full(n, 0.5, np.float32)] * 3,
         "zeros": [np.zeros(n, np.float32)] * 2,
         "nan": [np.where(np.arange(n) % 9973 == 0, np.nan, rng.standard_normal(n)).astype(np.float32)] * 2,
+        # every |v| the maximum (inf): no threshold can make room in the list (it once overflowed)
+        "inf": [np.full(n, np.inf, np.float32), np.where(np.arange(n) % 2 == 0, np.inf, 1.0).astype(np.float32)],
     }
     for name, grads in cases.items():
         for k in (1, 200, n // 50):

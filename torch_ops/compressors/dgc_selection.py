@@ -195,7 +195,7 @@ def _native_accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, 
     # entries to collect, and room for the threshold to drift down before a rescan is needed
     ks3 = 3 * sample_k(k, sample.size, n)
     _hints[(v.data_ptr(), n, k)] = float(_np_kth_largest(sample, ks3)) if cap and ks3 <= sample.size else 0.0
-    if cap == 0 or not thr0 > 0:  # no candidate list, or no filter to apply: the rule on the updated v
+    if cap == 0 or c < 0 or not thr0 > 0:  # no (usable) candidate list, or no filter: the rule on the updated v
         return torch.from_numpy(_np_sampled_select(x, k, sample, adapt_iters))
     cidx, cmag = cidx.numpy()[:c], cmag.numpy()[:c]
     thr = thr0

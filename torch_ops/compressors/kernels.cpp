@@ -130,13 +130,16 @@ inline uint32_t block_bits<double>(const double* x, int64_t lo, int64_t hi, doub
 //     not leave room) and the buffer is cut to the entries >= t: those entries are final (the
 //     pass is past them), so the list stays exactly {i : |v_i| >= t} for the final t, written
 //     to *t_out. `work` holds cap entries (for nth_element).
-// Returns how many candidates there are (<= cap).
+// Returns how many candidates there are (<= cap), or -1 when no threshold can make room (the
+// collected magnitudes are all equal to the largest one, e.g. all inf): the update and the sample
+// are still complete, the caller scans v instead.
 template <typename T>
 int64_t dgc_pass(const T* __restrict g, T* __restrict u, T* __restrict v, int64_t n, T m, int mode,
                  int64_t offset, int64_t stride, T* __restrict sample, T t0, int64_t* __restrict idx,
                  T* __restrict mags, int64_t cap, T* __restrict work, T* t_out) {
   int64_t c = 0, next = offset, ns = 0;
   T t = t0;
+  bool collecting = true;
   for (int64_t lo = 0; lo < n; lo += B) {
     const int64_t hi = std::min(n, lo + B);
     int any = 0;
@@ -168,7 +171,7 @@ int64_t dgc_pass(const T* __restrict g, T* __restrict u, T* __restrict v, int64_
       }
     }
     for (; next < hi; next += stride) sample[ns++] = mag(v[next]);
-    if (!any) continue;
+    if (!any || !collecting) continue;
     if (c + (hi - lo) > cap) {  // may not fit: raise t to keep at most about cap/2
       std::copy(mags, mags + c, work);
       const int64_t h = cap / 2;
@@ -186,6 +189,10 @@ int64_t dgc_pass(const T* __restrict g, T* __restrict u, T* __restrict v, int64_
         j += (a >= t);
       }
       c = j;
+      if (c + (hi - lo) > cap) {  // t could not rise (every collected |v| is the maximum, e.g. inf)
+        collecting = false;
+        continue;
+      }
     }
     uint32_t bits = block_bits(v, lo, hi, t);  // fits: the passing entries, one store each
     while (bits) {
@@ -197,7 +204,7 @@ int64_t dgc_pass(const T* __restrict g, T* __restrict u, T* __restrict v, int64_
     }
   }
   *t_out = t;
-  return c;
+  return collecting ? c : -1;
 }
 
 // values[i] <- v[idx[i]]; v[idx[i]] <- 0; and u[idx[i]] <- 0 when u is given (momentum masking).
