@@ -254,3 +254,34 @@ def _first_clock(names):
 def _spec():
     from hvdcompress.spec import resolve
     return resolve("topk:ratio=0.01")
+
+
+# --- the benchmark's '+tune' schedules and their table ---------------------------------------------
+def test_bench_tuned_schedule_entries_parse():
+    from hvdcompress.bench import schedules
+    assert schedules.split("mgs+tune") == ("mgs", True)
+    assert schedules.split("mgs:greedy") == ("mgs:greedy", False)
+    assert schedules.split("auto+tune") == ("auto", True)
+    for bad in ("single+tune", "size:2+tune", "mgs+tune+tune"):
+        with pytest.raises(ValueError):
+            schedules.split(bad)
+
+
+def test_bench_tuning_summary_compares_the_kept_plan_with_the_fixed_ones():
+    from hvdcompress.bench.report import tuning_summary
+
+    def row(schedule, t, plan=None, **kw):
+        return dict({"workers": 2, "bandwidth": "1gbit", "compression": "topk:ratio=0.001", "status": "ok",
+                     "schedule": schedule, "step_time_s": t, "plan": plan or {"groups": 1}}, **kw)
+
+    tuned_plan = {"groups": 5, "calibration": {"skew": 1.5},
+                  "tuning": {"kept_label": "size:2", "kept": 1, "tune_steps": 3,
+                             "candidates": [{"label": "mgs", "groups": 1, "predicted_seconds": 0.4},
+                                            {"label": "size:2", "groups": 5, "predicted_seconds": 0.45}],
+                             "medians_seconds": [0.6, 0.46]}}
+    report = {"results": [row("layerwise", 0.57), row("single", 0.66), row("size:2", 0.46), row("mgs", 0.61),
+                          row("mgs+tune", 0.45, tuned_plan, predicted_step_time_s=0.45, prediction_error=0.0)]}
+    table = tuning_summary(report)
+    assert "| 570.0 (layerwise) | 460.0 (size:2) | 610.0 (1) | size:2 (5) | 450.0 | +21% | -2% |" in table
+    assert "450.0 (+0%) | 1.50 | mgs (1) 600.0; size:2 (5) 460.0 |" in table
+    assert tuning_summary({"results": [row("mgs", 0.61)]}) == ""

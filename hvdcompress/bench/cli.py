@@ -24,10 +24,11 @@ from typing import List, Optional
 from hvdcompress.planner import parse_schedule
 from hvdcompress.spec import parse_spec
 
-from . import netns
+from . import netns, schedules
 from .figures import DEFINITIONS, add_relative, summarize
 from .launch import Placement, WorkerFailure, run_workers
-from .report import markdown_table, pipelining_summary, pipelining_table, write_chart, write_json, write_timeline_chart
+from .report import (markdown_table, pipelining_summary, pipelining_table, tuning_summary, write_chart, write_json,
+                     write_timeline_chart)
 from .signals import raise_on_sigterm
 
 MODELS = ("vgg", "mlp", "deep")
@@ -45,7 +46,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                     metavar="SPEC", help="compression specs to measure (space-separated)")
     ap.add_argument("--schedules", "-s", default="auto",
                     help="comma-separated merge schedules (DistributedOptimizer(schedule=...)): layerwise, single, "
-                         "size:<MB>, mgs, mgwfbp, auto; every spec is timed with every schedule")
+                         "size:<MB>, mgs, mgwfbp, auto; a cost-model schedule followed by '+tune' (e.g. mgs+tune) runs "
+                         "with measured validation (--tune-steps), without it with the model's plan as made; every "
+                         "spec is timed with every schedule")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="do not fit the cost model on the link at the start of each launch (then only the "
                          "cost-model schedules profile, through the cache, and the others get no prediction)")
@@ -53,6 +56,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                     help="largest collective (MiB per rank) timed for the cost model's fit")
     ap.add_argument("--profile-steps", type=int, default=3,
                     help="optimizer steps measured before a cost-model plan is made (warm-up must exceed it)")
+    ap.add_argument("--tune-steps", type=int, default=3,
+                    help="measured steps per candidate plan for the '+tune' schedules (DistributedOptimizer("
+                         "tune_steps=)); their warm-up is extended until the validation is done")
     ap.add_argument("--bandwidths", "-b", default=argparse.SUPPRESS,
                     help="comma-separated per-worker link rates, e.g. 10mbit,100mbit,1gbit,10gbit,unlimited "
                          "(default: 100mbit; with --loopback only 'unlimited')")
@@ -114,7 +120,9 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
         if not args.schedule_list:
             raise ValueError("schedules: give at least one schedule")
         for sched in args.schedule_list:
-            parse_schedule(sched)
+            schedules.split(sched)
+        if not 1 <= args.tune_steps <= 100:
+            raise ValueError(f"tune-steps: must be in [1, 100]; got {args.tune_steps!r}")
         args.worker_counts = [int(w) for w in args.workers.split(",") if w.strip()]
         if not args.worker_counts or min(args.worker_counts) < 2:
             raise ValueError(f"workers: every worker count must be >= 2; got {args.workers!r}")
@@ -129,7 +137,7 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
         _positive("warmup", args.warmup, 0)
         _positive("profile-steps", args.profile_steps, 1)
         _positive("profile-max-mib", args.profile_max_mib, 0.01)
-        kinds = {parse_schedule(x).kind for x in args.schedule_list}
+        kinds = {parse_schedule(schedules.split(x)[0]).kind for x in args.schedule_list}
         if (args.profile or kinds & {"auto", "mgs", "mgwfbp"}) and args.warmup <= args.profile_steps:
             raise ValueError(f"warmup: must exceed --profile-steps ({args.profile_steps}) so every plan is made "
                              f"before timing; got {args.warmup}")
@@ -245,7 +253,7 @@ def _new_report(args: argparse.Namespace, argv: List[str]) -> dict:
             "latency_note": "injected into the completion of every exchange round in the worker process "
                             "(LatencyDriver), not network-emulated" if args.latency_ms else "none injected",
             "compression": list(args.compression), "schedules": args.schedule_list,
-            "cost_model_profiled_per_launch": args.profile, "profile_steps": args.profile_steps,
+            "cost_model_profiled_per_launch": args.profile, "profile_steps": args.profile_steps, "tune_steps": args.tune_steps,
             "bandwidths": args.bandwidth_list,
             "workers": args.worker_counts, "cpu_count": os.cpu_count(),
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -295,7 +303,7 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
                       "phase_budget_s": args.phase_budget_s, "schedules": args.schedule_list,
                       "profile": args.profile, "profile_max_mib": args.profile_max_mib,
                       "profile_steps": args.profile_steps, "emulated_scale": args.emulated_scale,
-                      "trace_steps": args.trace_steps}
+                      "trace_steps": args.trace_steps, "tune_steps": args.tune_steps}
             workdir = os.path.join(tmp, f"launch{k}")
             try:
                 ranks = _launch(args, n, bw, k, config, workdir, bar.write)
@@ -347,6 +355,9 @@ def _finish(args: argparse.Namespace, report: dict) -> None:
         f.write(markdown_table(report))
         if args.emulated:
             f.write("\n" + pipelining_table(report) + "\n" + pipelining_summary(report))
+            tuned = tuning_summary(report)
+            if tuned:
+                f.write("\n" + tuned)
     write_chart(report, args.out + ".png")
     if args.trace_steps:  # the cost-model plans' traced steps, predicted vs measured
         rows = [r for r in report["results"] if r.get("status") == "ok" and r.get("traces_rank0")

@@ -59,7 +59,9 @@ def _schedule(r: dict) -> str:
         return "–"
     plan = r.get("plan") or {}
     name = r["schedule"]
-    if plan.get("schedule") and plan["schedule"] != name:
+    if plan.get("tuning"):  # measured validation: the candidate kept
+        name = f"{name}→{plan['tuning']['kept_label']}"
+    elif plan.get("schedule") and plan["schedule"] != name:
         name = f"{name}→{plan['schedule']}"
     return f"{name} ({plan['groups']})" if plan.get("groups") else name
 
@@ -334,3 +336,45 @@ def pipelining_summary(report: dict) -> str:
             f"{gain:+.0%} | {vs_fixed:+.0%} | {_ms(m.get('predicted_step_time_s'))} "
             + (f"({err:+.0%})" if err is not None else "") + " |")
     return "\n".join(lines) + "\n"
+
+
+def _is_model_schedule(schedule) -> bool:
+    return str(schedule or "").startswith(("mgs", "mgwfbp", "auto"))
+
+
+def tuning_summary(report: dict) -> str:
+    """One row per (workers, link, compression) with a '+tune' schedule: the better of
+    layerwise/single, the best fixed schedule, the model's plan as made, the measured validation's
+    kept plan (label, groups) and its candidates' medians, the tuned plan against both, and its
+    prediction's error; empty without '+tune' rows."""
+    lines = ["| workers | link | compression | better of layerwise/single ms | best fixed ms | model's plan ms (groups) "
+             "| tuned: kept (groups) | tuned ms | tuned faster than better of layerwise/single by | tuned vs best fixed "
+             "| tuned predicted ms (error) | exchange skew | candidates' medians during validation, ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows_out = 0
+    for (n, bw, spec), rows in sorted(_config_rows(report).items(), key=lambda kv: (kv[0][0], _bw_key(kv[0][1]))):
+        by = {r.get("schedule"): r for r in rows}
+        tuned = [r for r in rows if str(r.get("schedule", "")).endswith("+tune")]
+        base = min((by[s] for s in FIXED if s in by), key=lambda r: r["step_time_s"], default=None)
+        fixed = min((r for r in rows if not _is_model_schedule(r.get("schedule"))),
+                    key=lambda r: r["step_time_s"], default=None)
+        for t in tuned:
+            plan = t.get("plan") or {}
+            info = plan.get("tuning") or {}
+            model = by.get(t["schedule"][:-len("+tune")])
+            err = t.get("prediction_error")
+            meds = "; ".join(f"{c['label']} ({c['groups']}) {_ms(m)}" for c, m in
+                             zip(info.get("candidates", []), info.get("medians_seconds", [])))
+            skew = (plan.get("calibration") or {}).get("skew")
+            lines.append(
+                f"| {n} | {format_bandwidth(parse_bandwidth(bw))} | `{spec}` | "
+                + (f"{_ms(base['step_time_s'])} ({base['schedule']})" if base else "–") + " | "
+                + (f"{_ms(fixed['step_time_s'])} ({fixed['schedule']})" if fixed else "–") + " | "
+                + (f"{_ms(model['step_time_s'])} ({(model.get('plan') or {}).get('groups')})" if model else "–") + " | "
+                f"{info.get('kept_label', '–')} ({plan.get('groups')}) | {_ms(t['step_time_s'])} | "
+                + (f"{1.0 - t['step_time_s'] / base['step_time_s']:+.0%}" if base else "–") + " | "
+                + (f"{t['step_time_s'] / fixed['step_time_s'] - 1.0:+.0%}" if fixed else "–") + " | "
+                f"{_ms(t.get('predicted_step_time_s'))} " + (f"({err:+.0%})" if err is not None else "") + " | "
+                + (f"{skew:.2f}" if skew is not None else "–") + f" | {meds or '–'} |")
+            rows_out += 1
+    return "\n".join(lines) + "\n" if rows_out else ""

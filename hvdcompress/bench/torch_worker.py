@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch_ops.collectives import Communicator
 from torch_ops.optimizer import DistributedOptimizer
 
+from . import schedules
 from .injected_latency import LatencyDriver
 from .torch_models import build, count_parameters, synthetic_batch
 
@@ -57,7 +58,8 @@ MIN_STEPS = 3  # timed rounds, whatever the time budget
 REQUIRED = ("model", "batch", "steps", "warmup", "threads", "seed", "compute_only", "specs",
             "latency_ms", "epoch", "phase_budget_s", "iface", "out")
 OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3,
-            "emulated_scale": 1.0, "trace_steps": 0}
+            "emulated_scale": 1.0, "trace_steps": 0, "tune_steps": 3}
+MAX_EXTRA_WARMUP = 500  # warm-up steps added for a measured validation to finish
 TIMING_KEYS = ("backward_seconds", "hook_seconds", "synchronize_seconds", "update_seconds")
 
 
@@ -89,9 +91,11 @@ class Phase:
                 from .emulated import tracing_driver
                 base = tracing_driver(base)
             driver = base(latency_s) if latency_s > 0 else base()
+            base, tuned = schedules.split(schedule or "auto")
             opt = DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
-                                       compression=spec, driver=driver, schedule=schedule,
-                                       cost_model=cost_model, profile_steps=cfg["profile_steps"])
+                                       compression=spec, driver=driver, schedule=base,
+                                       cost_model=cost_model, profile_steps=cfg["profile_steps"],
+                                       tune_steps=cfg["tune_steps"] if tuned else 0)
             opt.set_epoch(cfg["epoch"])  # schedules (DGC's density warm-up) at the epoch asked for
         self.opt = opt
         self.iface = cfg["iface"]
@@ -143,12 +147,16 @@ class Phase:
         """Keep the step time the optimizer measured (end of the previous step to the end of this
         one) for warm-up steps that ran with the final plan, back to back."""
         plan = getattr(self.opt, "plan", None)
+        if _validating(self):  # candidate plans are running, not the final one
+            self._planned_before = False
+            return
         if plan is not None and plan.predicted_seconds is not None and self.opt.timings.get("iteration_seconds"):
             if self.opt.timings["step"] > 0 and self._planned_before:
                 self.back_to_back.append(self.opt.timings["iteration_seconds"])
             self._planned_before = True
 
     _planned_before = False
+    extra_warmup = 0
 
     def _stats(self) -> Dict[str, float]:
         s = self.opt.stats
@@ -185,7 +193,7 @@ class Phase:
                         "dense_bytes_per_step": (now["dense"] - was["dense"]) / n,
                         "compute_seconds_per_step": (now["compute"] - was["compute"]) / n,
                         "schedule": self.schedule, "plan": plan_figures(self.opt),
-                        "back_to_back_step_times_s": self.back_to_back,
+                        "back_to_back_step_times_s": self.back_to_back, "extra_warmup_steps": self.extra_warmup,
                         "timings": {k: statistics.median(t[k] for t in self.timings) for k in TIMING_KEYS}})
         if self.iface:
             out.update({f"iface_{k}": v for k, v in self.wire.items()})
@@ -203,7 +211,17 @@ def plan_figures(opt) -> Optional[dict]:
     if plan is None:
         return None
     out = {"schedule": plan.schedule, "groups": len(plan.groups),
-           "tensors_per_group": [len(g) for g in plan.groups], "predicted_seconds": plan.predicted_seconds}
+           "tensors_per_group": [len(g) for g in plan.groups], "predicted_seconds": plan.predicted_seconds,
+           "notes": list(plan.notes)}
+    if plan.tuning is not None:  # measured validation: candidates (group counts), medians, the kept one
+        t = plan.tuning
+        out["tuning"] = {"kept_label": t["kept_label"], "kept": t["kept"], "tune_steps": t["tune_steps"],
+                         "candidates": [{"label": c["label"], "groups": len(c["groups"]),
+                                         "predicted_seconds": c["predicted_seconds"]} for c in t["candidates"]],
+                         "medians_seconds": t["medians_seconds"]}
+    calibration = getattr(getattr(opt, "_hvc_scheduler", None), "calibration", None)
+    if calibration:
+        out["calibration"] = dict(calibration)
     if opt.workload is not None:
         w = opt.workload
         out["workload"] = {"forward_seconds": w.forward_seconds, "backward_seconds": sum(w.t_b),
@@ -229,6 +247,13 @@ def cost_model_for(cfg: dict, hvd):
     return model
 
 
+def _validating(phase) -> bool:
+    """The phase's optimizer is still measuring candidate plans (``tune_steps``)."""
+    scheduler = getattr(phase.opt, "_hvc_scheduler", None)
+    return bool(scheduler is not None and (scheduler.tuning or scheduler.tune_steps and scheduler.needs_model
+                                           and scheduler.plan is None))
+
+
 def timed_rounds(cfg: dict, last_round_s: float, phases: int, hvd) -> int:
     """``steps``, or fewer when ``phase_budget_s`` is set: as many rounds as fit in the budget at
     rank 0's last warm-up round's pace (at least ``MIN_STEPS``). Rank 0 decides, every rank follows."""
@@ -252,6 +277,12 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
         for _ in range(cfg["warmup"]):
             last = p.step()
             p.note_warmup_step()
+        extra = 0  # a measured validation still running: warm up until it is done (same step on every rank)
+        while _validating(p) and extra < MAX_EXTRA_WARMUP:
+            last = p.step()
+            p.note_warmup_step()
+            extra += 1
+        p.extra_warmup = extra
         last_round_s += last
     rounds = timed_rounds(cfg, last_round_s, len(phases), hvd)
     if hvd.rank() == 0:

@@ -1,0 +1,22 @@
+"""Schedule entries of ``hvdcompress bench -s``: a ``DistributedOptimizer`` schedule string, with
+``+tune`` appended for a cost-model schedule timed with measured validation (``tune_steps`` =
+``--tune-steps``; ``hvdcompress.tuning``). Without the suffix a cost-model schedule runs with
+``tune_steps=0`` -- the model's plan as made -- so one launch can time both side by side."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+from hvdcompress.planner import parse_schedule
+
+TUNED = "+tune"
+
+
+def split(entry: str) -> Tuple[str, bool]:
+    """(the schedule string, whether it is tuned); ValueError for a bad entry."""
+    tuned = entry.endswith(TUNED)
+    base = entry[:-len(TUNED)] if tuned else entry
+    sched = parse_schedule(base)
+    if tuned and sched.kind not in ("mgs", "mgwfbp", "auto"):
+        raise ValueError(f"schedules: '{TUNED}' applies to the cost-model schedules (mgs, mgwfbp, auto); got {entry!r}")
+    return base, tuned
