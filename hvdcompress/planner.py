@@ -25,7 +25,8 @@ The API the optimizer calls::
     "auto" or None   "mgs" for gathered (sparse) compressors, "mgwfbp" for summed (dense) ones
 
 ``cost_model`` is a ``hvdcompress.costmodel.CostModel``; it gives t_c for the compressor ``spec``
-at ``world_size``, t_s (compression, when the model has a fit for the spec, plus the CPU time of
+at ``world_size`` (``CostModel.exchange_seconds``: the alpha-beta time plus the measured
+``exchange_skew`` term), t_s (compression, when the model has a fit for the spec, plus the CPU time of
 handing the group's collectives to Horovod: ``CostModel.group_cpu_seconds``) and, when fitted,
 t_d (decompression and scatter after backward; in the prediction only, see ``timeline``). ``layerwise``/``single``/``size`` need no cost model; without one (or without t_b) the
 prediction is None.
