@@ -38,7 +38,6 @@ from hvdcompress.spec import CompressionSpec
 from ..collectives import Allgather, Allreduce
 from .base import Compressor, ExchangeContext, scaled, selected_count, TakesMomentum
 from .selection import sampled_threshold_select, sampling_offset, wire_index_dtype
-from .sparse import scatter
 
 
 @tf.function(experimental_attributes={"_noinline": True}, autograph=False)
@@ -48,6 +47,31 @@ def _grouped_add(a, b):
     ((v + g) + m*u), which rounds differently than the oracle; a function it may not inline keeps
     the parenthesised sum."""
     return a + b
+
+
+def _update_in_place(u: tf.Variable, v: tf.Variable, g: tf.Tensor, momentum, nesterov: bool) -> None:
+    """DGC's state update, in the variables' own buffers:
+
+        momentum given:  u <- m*u + g;  v <- v + u   (nesterov: v <- v + (g + m*u))
+        momentum None:   v <- v + g
+
+    For float32/float64 with momentum this is TF's fused momentum kernel
+    (``ResourceApplyMomentum``: accum <- accum*momentum + grad; var <- var - lr*accum, Nesterov
+    var <- var - (grad*lr + accum*momentum*lr)) with var = v, accum = u and lr = -1: one pass that
+    reads g, u, v and writes u, v, with the oracle's roundings (multiplying by -1 and negating a
+    sum are exact). Other dtypes: the same operations one at a time."""
+    if momentum is None:
+        v.assign_add(g, read_value=False)
+        return
+    dtype = v.dtype
+    if dtype in (tf.float32, tf.float64):
+        tf.raw_ops.ResourceApplyMomentum(var=v.handle, accum=u.handle, lr=tf.constant(-1, dtype), grad=g,
+                                         momentum=tf.constant(momentum, dtype), use_nesterov=nesterov)
+        return
+    m = tf.cast(momentum, dtype)
+    u_new = u * m + g
+    u.assign(u_new, read_value=False)
+    v.assign_add(_grouped_add(g, u_new * m) if nesterov else u_new, read_value=False)
 
 
 class DGCCompressor(TakesMomentum, Compressor):
@@ -119,28 +143,26 @@ class DGCCompressor(TakesMomentum, Compressor):
             return total if self.correction else self._momentum_after(total, u)
 
         v = ctx.state["v"]
-        if self.correction:
-            u_new = u * m + g
-            v_new = v + (_grouped_add(g, u_new * m) if self.nesterov else u_new)
-        else:
-            u_new, v_new = None, v + g
+        _update_in_place(u, v, g, self.m if self.correction else None, self.nesterov)
+        v_new = v.read_value()  # after the update (automatic control dependencies, or eager order)
         p = self.spec.params
         n = int(x.shape[0])
         k = selected_count(self.density(ctx), n)
         offset = sampling_offset(sample_stride(p["sample_ratio"]), n, p["seed"], ctx.step, ctx.key)
         idx = sampled_threshold_select(v_new, k, p["sample_ratio"], p["adapt_iters"], offset)
         values = tf.gather(v_new, idx)
+        dtype = v_new.dtype
+        del v_new  # no reference left when v is written: it is zeroed in place, not copied first
         if p["fp16_values"]:
             values = tf.cast(values, tf.float16)
-        at, zeros = idx[:, None], tf.zeros(tf.shape(idx), v_new.dtype)
-        # store, then zero the sent entries in place (a sparse update of the variable, not a
-        # scattered copy of the whole tensor)
-        v.assign(v_new, read_value=False)
-        v.scatter_nd_update(at, zeros)
-        if self.correction:
-            u.assign(u_new, read_value=False)
-        if self.masking:
-            u.scatter_nd_update(at, zeros)
+        at, zeros = idx[:, None], tf.zeros(tf.shape(idx), dtype)
+        # zero the sent entries in place (a sparse update of the variable), once the values and
+        # the selection are read
+        with tf.control_dependencies([values, idx]):
+            v.scatter_nd_update(at, zeros)
+            if self.masking:
+                u.scatter_nd_update(at, zeros)
         indices, gathered = yield (Allgather(tf.cast(idx, wire_index_dtype(n))), Allgather(values))
-        total = scaled(scatter(indices, gathered, v_new), ctx.scale)
+        total = scaled(tf.scatter_nd(tf.cast(indices, tf.int64)[:, None], tf.cast(gathered, dtype),
+                                     tf.constant([n], tf.int64)), ctx.scale)
         return total if self.correction else self._momentum_after(total, u)

@@ -16,8 +16,9 @@
 ``sampled_threshold_select``  DGC's rule (``hvdcompress.sampling``): estimate the k-th largest |v|
                         from a strided sample; select |v| >= thr; above 1.3k selected take the exact
                         top-k among them, below 0.8k lower thr by x0.8 and count again, at most
-                        ``adapt_iters`` times. The adaptation is a ``tf.while_loop`` over counts;
-                        on large tensors counts and selection go through the block maxima too.
+                        ``adapt_iters`` times. The adaptation is a ``tf.while_loop`` that carries
+                        the candidates it found; on large tensors they are found through the
+                        block maxima.
 """
 
 from __future__ import annotations
@@ -195,15 +196,19 @@ def sampled_threshold_select(v: tf.Tensor, k: Count, sample_ratio: float, adapt_
         return ((10 * count > ACCEPT_HIGH_TENTHS * k) | (10 * count >= ACCEPT_LOW_TENTHS * k)
                 | tf.equal(it, adapt_iters))
 
-    def body(it, thr, count, done):
-        count = tf.size(at_least(thr)[0], out_type=tf.int64)
+    def body(it, thr, count, done, idx, mag):
+        idx, mag = at_least(thr)
+        count = tf.size(idx, out_type=tf.int64)
         done = accepted(it, count)
-        return it + 1, tf.where(done, thr, thr * lower), count, done
+        return it + 1, tf.where(done, thr, thr * lower), count, done, idx, mag
 
-    _, thr, count, _ = tf.while_loop(
-        lambda it, thr, count, done: tf.logical_not(done), body,
-        (tf.constant(0), thr0, tf.constant(0, tf.int64), tf.constant(False)))
-    idx, mag = at_least(thr)
+    # the accepted candidates are carried out of the loop (not found again)
+    _, thr, count, _, idx, mag = tf.while_loop(
+        lambda it, thr, count, done, idx, mag: tf.logical_not(done), body,
+        (tf.constant(0), thr0, tf.constant(0, tf.int64), tf.constant(False), tf.zeros([0], tf.int64),
+         tf.zeros([0], v.dtype)),
+        shape_invariants=(tf.TensorShape([]), thr0.shape, tf.TensorShape([]), tf.TensorShape([]),
+                          tf.TensorShape([None]), tf.TensorShape([None])))
     return tf.cond(10 * count > ACCEPT_HIGH_TENTHS * k,
                    lambda: _exact_among(idx, mag, tf.cast(k, tf.int32)),
                    lambda: idx)
