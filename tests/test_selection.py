@@ -312,7 +312,7 @@ def test_both_paths_dgc_candidate_list_edge_cases(request, mode):
         "inf": [np.full(n, np.inf, np.float32), np.where(np.arange(n) % 2 == 0, np.inf, 1.0).astype(np.float32)],
     }
     for name, grads in cases.items():
-        for k in (1, 200, n // 50):
+        for k in (1, 200, n // 50, n // 4):  # n // 4: a dense selection, no candidate list
             u, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
             tu, tv = torch.zeros(n), torch.zeros(n)
             for step, g in enumerate(grads):

@@ -139,7 +139,7 @@ int64_t dgc_pass(const T* __restrict g, T* __restrict u, T* __restrict v, int64_
                  T* __restrict mags, int64_t cap, T* __restrict work, T* t_out) {
   int64_t c = 0, next = offset, ns = 0;
   T t = t0;
-  bool collecting = true;
+  bool collecting = cap > 0;  // cap 0: no list (the caller scans v); t0 = inf would still pass infs
   for (int64_t lo = 0; lo < n; lo += B) {
     const int64_t hi = std::min(n, lo + B);
     int any = 0;
