@@ -488,8 +488,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
     Training across high-latency links (``torch_ops.delayed`` states the math):
         delay: steps between launching an exchange and applying its result (int >= 0; 0, the
-            default, is synchronous). Each step applies the local gradient at once and the
-            correction ``R - g_local`` of the exchange launched ``delay`` steps earlier.
+            default, is synchronous). Each step applies its local term at once (the local
+            gradient; for DGC and the sketch, which keep the momentum, a local velocity) and the
+            correction ``R - L`` of the exchange launched ``delay`` steps earlier.
             ``opt.flush()`` completes what is in flight and makes the replicas identical.
         sync_every: exchange once every this many steps, local steps in between (int >= 1).
 
