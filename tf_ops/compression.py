@@ -107,7 +107,7 @@ class GradientCompression(tf.Module):
 
     Delayed averaging (``tf_ops.delayed``; the arithmetic of PyTorch's, the link latency not
     overlapped: TF collectives complete within the step):
-        delay: steps between an exchange and applying its correction ``R - g_local`` (int >= 0;
+        delay: steps between an exchange and applying its correction ``R - L`` (L: the local term; int >= 0;
             0 = synchronous, the same code path bit for bit). Each step applies the local gradient.
         sync_every: exchange once every this many steps, local steps in between (int >= 1).
         ``flush(optimizer, variables)`` applies what is pending and makes the replicas identical.
