@@ -19,8 +19,10 @@ candidates beyond ``max_candidates`` dropped:
    predicted candidate (one exchange per tensor is rarely worth trying on a deep model: a
    ResNet-50 has 161 tensors).
 
-Each candidate runs one settling step (new buffers, Horovod's response cache learning the new
-collective names: not counted) and then ``tune_steps`` measured steps. A step's time is the
+The candidates take turns, one step each, the model's first: one settling round (new buffers,
+Horovod's response cache learning the new collective names: not counted), then ``tune_steps``
+measured rounds -- interleaved, so a load that drifts (a shared machine, another job) weighs on
+every candidate alike instead of on whichever ran last. A step's time is the
 slowest rank's (every rank waits for it); a candidate's time is the median of its steps
 (``step_times``). ``select`` keeps the candidate with the smallest median; candidates within
 ``tolerance`` (2%) of it count as ties, and the earliest of them wins, so the model's own plan

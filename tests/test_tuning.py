@@ -211,26 +211,28 @@ def test_scheduler_measures_each_candidate_and_keeps_the_fastest_and_resumes_mid
     assert sched.tuning and sched.plan is not None and sched.plan.schedule == "mgs"
     cands = sched._tuner.candidates
     assert [[names[i] for i in g] for g in cands[0].groups] == groups
-    # the candidate labelled "single" is the fastest; each runs 1 settling + 2 measured steps
+    # the candidate labelled "single" is the fastest; they take turns: a settling round, 2 measured
     fast = next(i for i, c in enumerate(cands) if c.label == "single")
-    saved = None
-    for ci in range(len(cands)):
-        for k in range(3):
-            if ci == 1 and k == 1 and saved is None:
-                saved = sched.plan_dict()
+    n, saved = len(cands), None
+    for rnd in range(3):
+        for ci in range(n):
+            if rnd == 1 and ci == 1:
+                saved = sched.plan_dict()  # mid-way: round 1, candidate 1 next
             out = sched.end_of_step(_clock(t, names, 0.05 if ci == fast else 0.3 + 0.01 * ci))
-            if k < 2:
-                assert out is None
+            if (rnd, ci) != (2, n - 1):  # every step but the last switches to the next candidate
+                assert out == [[names[i] for i in g] for g in cands[(ci + 1) % n].groups]
     assert not sched.tuning and sched.done
     assert sched.plan.tuning["kept_label"] == "single" and sched.plan.groups == [list(range(len(names)))]
     assert sched.plan.tuning["medians_seconds"][fast] == pytest.approx(0.05)
-    assert any("kept single" in n for n in sched.plan.notes)
+    assert len(sched.plan.tuning["candidates"]) == n and sched.plan.tuning["tune_steps"] == 2
+    assert any("kept single" in note for note in sched.plan.notes)
     # a checkpoint saved mid-way goes on where it was: the candidate's groups, then the rest
-    assert saved["tuning"]["in_progress"]["index"] == 1
+    progress = saved["tuning"]["in_progress"]
+    assert progress["index"] == 1 and progress["round"] == 1 and progress["times"][0] and not progress["times"][1]
     again = Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=2)
     in_use = again.restore(saved)
     assert in_use == [[names[i] for i in g] for g in cands[1].groups] and again.tuning
-    assert again._tuner.times[0] == saved["tuning"]["in_progress"]["times"][0]
+    assert again._tuner.times == progress["times"] and again.plan.groups == sched.plan.tuning["candidates"][0]["groups"]
     # a checkpoint saved afterwards holds the kept plan: no tuning again
     done = Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=2)
     assert done.restore(sched.plan_dict()) == [names] and done.done

@@ -21,8 +21,9 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
   compression and transfer time, and so to every group of every plan.
 * measured validation (``tune_steps`` > 0, the default for cost-model schedules): the model can
   still be wrong, so ``hvdcompress.tuning.propose`` lists a few candidate plans (the model's,
-  the other search's, ``single``, two size plans, perhaps ``layerwise``) and each runs for one
-  settling step and ``tune_steps`` measured steps, the model's first. Every rank records its own
+  the other search's, ``single``, two size plans, perhaps ``layerwise``) take turns, one step each,
+  the model's first: a settling round (uncounted), then ``tune_steps`` measured rounds, so a load
+  that drifts weighs on every candidate alike. Every rank records its own
   step times (end of the previous step to the end of the update); after the last candidate they
   are gathered, rank 0 keeps the candidate whose median step (slowest rank) is smallest
   (``hvdcompress.tuning.select``: within 2% of it, the earliest) and broadcasts it, and every rank
@@ -255,14 +256,13 @@ class Scheduler:
     def _tune(self, clock: StepClock) -> Optional[List[List[str]]]:
         """One step of the measured validation (module doc); the same decisions on every rank."""
         t = self._tuner
-        if t.step_in > 0:  # the first step of a candidate settles, uncounted
+        if t.round > 0:  # round 0 settles every candidate, uncounted
             end = clock.update[1] or clock.sync[1]
             t.times[t.index].append(end - clock.prev_end if clock.prev_end is not None else float("nan"))
-        t.step_in += 1
-        if t.step_in <= t.tune_steps:
-            return None
-        t.index, t.step_in = t.index + 1, 0
-        if t.index < len(t.candidates):
+        t.index += 1
+        if t.index == len(t.candidates):
+            t.index, t.round = 0, t.round + 1
+        if t.round <= t.tune_steps:  # the candidates take turns, one step each, so a drifting load hits all alike
             return [[self.order[i] for i in g] for g in t.current.groups]
         per_rank = self._comm().allgather_object(t.times, "hvc.plan.tune.times")
         chosen, medians = _broadcast_result(self._comm(), lambda: tuning.select(tuning.step_times(per_rank)),
@@ -383,13 +383,14 @@ def predict_explicit(plan_groups, workload: Workload, model: CostModel, spec, wo
 
 
 class _Tuner:
-    """Progress of a measured validation: the candidates, the one running, the steps it has run
-    (its first settles, uncounted) and this rank's measured step times per candidate."""
+    """Progress of a measured validation: the candidates, the one running, the round (round 0
+    settles each candidate, uncounted; rounds 1..tune_steps are measured) and this rank's measured
+    step times per candidate."""
 
-    def __init__(self, candidates, tune_steps: int, index: int = 0, step_in: int = 0, times=None):
+    def __init__(self, candidates, tune_steps: int, index: int = 0, round: int = 0, times=None):
         self.candidates = list(candidates)
         self.tune_steps = int(tune_steps)
-        self.index, self.step_in = int(index), int(step_in)
+        self.index, self.round = int(index), int(round)
         self.times: List[List[float]] = times if times is not None else [[] for _ in self.candidates]
 
     @property
@@ -398,12 +399,12 @@ class _Tuner:
 
     def to_dict(self) -> dict:
         return {"candidates": [c.to_dict() for c in self.candidates], "tune_steps": self.tune_steps,
-                "index": self.index, "step_in": self.step_in, "times": [list(t) for t in self.times]}
+                "index": self.index, "round": self.round, "times": [list(t) for t in self.times]}
 
     @classmethod
     def from_dict(cls, d) -> "_Tuner":
         return cls([tuning.Candidate.from_dict(c) for c in d["candidates"]], d["tune_steps"], d["index"],
-                   d["step_in"], [[float(x) for x in t] for t in d["times"]])
+                   d["round"], [[float(x) for x in t] for t in d["times"]])
 
 
 def _broadcast_result(comm, fn, name: str):
