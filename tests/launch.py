@@ -1,5 +1,7 @@
 """Launching real Horovod workers from the tests: ``run_workers`` (local Gloo processes through
-``horovod.runner.run``) and ``part`` (one scenario's results from every rank, failing on errors).
+``horovod.runner.run``), ``run_scenarios`` (several scenarios in sequence in one launch: every
+launch costs seconds of Python, PyTorch/TensorFlow and Horovod start-up per worker) and ``part``
+(one scenario's results from every rank, failing on errors).
 
 The workers inherit this process's environment plus: the tests' directory on PYTHONPATH (the
 scenario modules), one torch/OMP thread, Horovod's 1 ms cycle (these runs are latency bound), and
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Dict, Optional
+import time
+import traceback
+from typing import Dict, Optional, Sequence, Tuple
 
 
 def worker_cache_dir() -> str:
@@ -48,3 +52,36 @@ def part(results, name):
     for r in results:
         assert "error" not in r[name], r[name].get("error")
     return [r[name] for r in results]
+
+
+def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> dict:
+    """Worker side of ``run_scenarios``: initialize Horovod once, run each ``(name, fn, args)`` in
+    order and return ``{name: fn(*args)}`` (``{"error": traceback}`` where one raised, so the other
+    scenarios still run and the test shows the worker's error), plus ``"seconds"`` per scenario.
+
+    The scenarios may call ``hvd.init()``/``hvd.shutdown()`` themselves, as they do when launched
+    alone: a second ``init`` does nothing, and ``shutdown`` is held back until the last one ran."""
+    import importlib
+    hvd = importlib.import_module({"torch": "horovod.torch", "tf": "horovod.tensorflow"}[framework])
+    hvd.init()
+    shutdown, hvd.shutdown = hvd.shutdown, lambda: None
+    out = {"seconds": {}}
+    try:
+        for name, fn, args in calls:
+            start = time.perf_counter()
+            try:
+                out[name] = fn(*args)
+            except Exception:  # report, do not hang the next scenarios on a worker traceback
+                out[name] = {"error": traceback.format_exc()}
+            out["seconds"][name] = round(time.perf_counter() - start, 2)
+    finally:
+        hvd.shutdown = shutdown
+    shutdown()
+    return out
+
+
+def run_scenarios(framework: str, np_: int, calls, **kwargs):
+    """One launch of ``np_`` workers running ``calls`` (``(name, fn, args)``, ``fn`` importable in
+    the workers: a scenario module's function) in sequence; each rank's ``in_sequence`` result.
+    Read one scenario's results with ``part(results, name)``."""
+    return run_workers(in_sequence, np_, framework, [(n, f, tuple(a)) for n, f, a in calls], **kwargs)

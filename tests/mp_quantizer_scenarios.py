@@ -14,12 +14,21 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 SPECS = ["signsgd", "efsignsgd", "onebit", "terngrad:bucket=100", "qsgd:levels=3,bucket=64", "powersgd:rank=2",
          "terngrad:share_scale=true,bucket=100,residual=true"]
+# TF on 3 workers (each compressor costs a Keras trace per process, 3 processes on the CI's 2
+# cores): one per exchange kind -- signSGD's vote (gathered, odd world), QSGD (gathered, stochastic
+# rounding), PowerSGD (summed, two rounds, state Q), TernGrad with its shared scale (a max round,
+# then gathered; residual). efsignsgd, onebit and terngrad:bucket=100 run on 3 workers in PyTorch
+# and on 2 in TF.
+TF3_SPECS = ["signsgd", "qsgd:levels=3,bucket=64", "powersgd:rank=2",
+             "terngrad:share_scale=true,bucket=100,residual=true"]
 # resume bit-identical: every new compressor on 2 workers (state: residuals, PowerSGD's Q, and the
 # step counter that seeds the stochastic rounding), the stateful ones on 3
 RESUME = {2: ["powersgd:rank=2", "efsignsgd", "onebit", "signsgd", "qsgd:levels=3,bucket=64",
               "terngrad:share_scale=true,bucket=100,residual=true"],
           3: ["powersgd:rank=2", "terngrad:share_scale=true,bucket=100,residual=true"]}
-TF_RESUME = {2: [("keras", "powersgd:rank=2"), ("tape", "efsignsgd"), ("tape", "onebit"), ("keras", "signsgd"),
+# TF: the Keras resumes ride on the training runs (``_keras_one``); the tape path, which traces two
+# functions of its own, takes the cheaper-to-trace signSGD and TernGrad (residual, shared scale).
+TF_RESUME = {2: [("keras", "powersgd:rank=2"), ("keras", "efsignsgd"), ("keras", "onebit"), ("tape", "signsgd"),
                  ("keras", "qsgd:levels=3,bucket=64"), ("tape", "terngrad:share_scale=true,bucket=100,residual=true")],
              3: [("keras", "powersgd:rank=2"), ("tape", "terngrad:share_scale=true,bucket=100,residual=true")]}
 BAD = {"levels": "qsgd:levels=0", "bucket": "terngrad:bucket=-1", "rank": "powersgd:rank=0"}
@@ -233,19 +242,39 @@ def torch_everything() -> dict:
 
 
 # -- TensorFlow / Keras -------------------------------------------------------------------------------
-def _keras_one(spec):
+def _keras_one(spec, resume_to=None):
+    """STEPS Keras steps: identical ranks and the declared bytes after every step. With
+    ``resume_to`` (a path prefix), this run is also the straight run of the Keras resume check
+    (TensorFlow traces each model's step once per process: the costly part of these runs): the
+    weights (optimizer and compression state included) saved after step 2 are loaded into a fresh
+    model, which repeats steps 2-3; returned as ``_tf_resume`` returns it."""
     import hvdcompress.keras as hvc
+    import numpy as np
     from mp_tf_scenarios import _batch, _flat, _identical, _keras, _model
     model, opt, _ = _keras(spec, momentum=0.9)
     start = _flat(_model()).numpy()
     identical, sent = [], []
+    path = f"{resume_to}-{spec.split(':')[0]}-rank{hvc.rank()}" if resume_to else None
     for step in range(STEPS):
+        if path and step == 2:
+            model.save_weights(path)
+        opt.gradient_compression.set_epoch(step)  # as _tf_resume's runs (epoch_every=1)
         model.train_on_batch(*_batch(hvc.rank(), step))
         identical.append(_identical(model))
         sent.append(opt.stats.last_bytes)
-    return {"identical": identical, "sent": sent,
-            "expected": expected_bytes(spec, [tuple(v.shape) for v in model.trainable_variables]),
-            "moved": float(abs(_flat(model).numpy() - start).max())}
+    out = {"identical": identical, "sent": sent,
+           "expected": expected_bytes(spec, [tuple(v.shape) for v in model.trainable_variables]),
+           "moved": float(abs(_flat(model).numpy() - start).max())}
+    if path:
+        straight = _flat(model).numpy()
+        model2, opt2, run2 = _keras(spec, momentum=0.9, epoch_every=1)
+        model2.load_weights(path)
+        run2(2, STEPS)
+        resumed = _flat(model2).numpy()
+        out["resume"] = {"equal": bool(np.array_equal(straight, resumed)), "identical": [_identical(model2)],
+                         "max_diff": float(np.abs(straight - resumed).max()),
+                         "state": sorted({k for s in opt2.gradient_compression.slots for k in s})}
+    return out
 
 
 def _tf_resume(kind, spec, tmp):
@@ -347,11 +376,15 @@ def tf_everything() -> dict:
     import hvdcompress.keras as hvc
     world = hvd.size()
     out = {"world": world, "train": {}, "resume": {}, "bad": {}, "interop": {}}
-    for spec in SPECS:
-        out["train"][spec] = _guard(_keras_one, spec)
     tmp = tempfile.mkdtemp()
+    keras_resume = {spec for kind, spec in TF_RESUME[world] if kind == "keras"}
+    for spec in SPECS if world == 2 else TF3_SPECS:
+        out["train"][spec] = got = _guard(_keras_one, spec, os.path.join(tmp, "train") if spec in keras_resume else None)
+        if spec in keras_resume:  # the Keras resume check rode on this run
+            out["resume"][spec] = got.pop("resume") if "resume" in got else got
     for kind, spec in TF_RESUME[world]:
-        out["resume"][spec] = _guard(_tf_resume, kind, spec, tmp)
+        if kind == "tape":
+            out["resume"][spec] = _guard(_tf_resume, kind, spec, tmp)
     out["tie"] = _guard(_tf_tie)
     if world == 2:  # Horovod's own Keras optimizer with our specs
         for name in INTEROP:

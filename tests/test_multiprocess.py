@@ -1,21 +1,38 @@
-"""Real Horovod: 2 and 3 worker processes on the Gloo CPU backend (horovod.runner.run)."""
+"""Real Horovod: 2 and 3 worker processes on the Gloo CPU backend (horovod.runner.run).
+
+Two launches: every scenario of tests/mp_scenarios.py in sequence on 2 workers, and the training
+scenario on 3 (a module fixture; each test checks one part of what came back)."""
 
 import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
 import mp_scenarios  # noqa: E402
-from launch import run_workers  # noqa: E402
+from launch import part, run_scenarios  # noqa: E402
 from mp_scenarios import TRAIN_SPECS  # noqa: E402
 
 
-def _run(fn, np_, *args):
-    return run_workers(fn, np_, *args)
+@pytest.fixture(scope="module")
+def launches():
+    """One launch per world size, made when a test first needs it: on 2 workers every scenario."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            calls = [("training", mp_scenarios.training, (world,))]
+            if world == 2:
+                calls += [("empty", mp_scenarios.empty_selection, ()), ("bad", mp_scenarios.bad_arguments, ()),
+                          ("resume", mp_scenarios.checkpoint_resume, ())]
+            cache[world] = run_scenarios("torch", world, calls)
+            assert len(cache[world]) == world
+            print(f"scenario seconds on {world} workers:", [r["seconds"] for r in cache[world]])
+        return cache[world]
+    return get
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2workers", "3workers"])
-def trained(request):
-    return request.param, _run(mp_scenarios.training, request.param, request.param)
+def trained(request, launches):
+    return request.param, part(launches(request.param), "training")
 
 
 def test_every_compressor_leaves_identical_parameters_on_all_ranks(trained):
@@ -53,8 +70,8 @@ def test_backward_passes_per_step_exchanges_the_accumulated_gradient(trained):
         assert r["bpps_max_diff"] < 1e-6
 
 
-def test_empty_selection_on_one_rank_does_not_hang():
-    results = _run(mp_scenarios.empty_selection, 2)
+def test_empty_selection_on_one_rank_does_not_hang(launches):
+    results = part(launches(2), "empty")
     assert all(r["identical"] for r in results)
     assert results[1]["sent"] == [0, 0, 0]  # rank 1 had nothing above the threshold
     for r in results:  # the default schedule measures with one group before it plans (after 6 steps)
@@ -62,8 +79,8 @@ def test_empty_selection_on_one_rank_does_not_hang():
     assert all(b > 0 for b in results[0]["sent"])
 
 
-def test_bad_arguments_raise_on_every_rank_before_any_collective():
-    results = _run(mp_scenarios.bad_arguments, 2)
+def test_bad_arguments_raise_on_every_rank_before_any_collective(launches):
+    results = part(launches(2), "bad")
     expected = {
         "ratio": "parameter 'ratio' must be float in (0.0, 1.0]",
         "unknown": "unknown compressor 'zip'",
@@ -81,8 +98,8 @@ def test_bad_arguments_raise_on_every_rank_before_any_collective():
             assert r["errors"][label] is not None and needle in r["errors"][label], (label, r["errors"][label])
 
 
-def test_checkpoint_resume_continues_bit_identically():
-    results = _run(mp_scenarios.checkpoint_resume, 2)
+def test_checkpoint_resume_continues_bit_identically(launches):
+    results = part(launches(2), "resume")
     for r in results:
         for spec, res in r.items():
             assert "error" not in res, res.get("error")

@@ -1,16 +1,27 @@
 """Reliability on real Horovod: sparse gradients exchanged sparse (SparseAdam works, as with
-Horovod's own optimizer), and a model that differs across ranks is a clear error on every rank."""
+Horovod's own optimizer), and a model that differs across ranks is a clear error on every rank.
+
+One 2-worker launch runs the scenarios in sequence (a module fixture); the dying-worker tests
+launch their own (the job ends with them)."""
 
 import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
 import mp_reliability_scenarios as sc  # noqa: E402
-from launch import run_workers  # noqa: E402
+from launch import part, run_scenarios, run_workers  # noqa: E402
 
 
-def test_sparse_gradients_are_exchanged_sparse_like_horovod():
-    for r in run_workers(sc.sparse_gradients, 2):
+@pytest.fixture(scope="module")
+def results():
+    out = run_scenarios("torch", 2, [("sparse", sc.sparse_gradients, ()), ("models", sc.different_models, ()),
+                                     ("faults", sc.nonfinite_faults, ()), ("partial", sc.partial_gradients, ())])
+    print("scenario seconds per rank:", [r["seconds"] for r in out])
+    return out
+
+
+def test_sparse_gradients_are_exchanged_sparse_like_horovod(results):
+    for r in part(results, "sparse"):
         assert "error" not in r, r.get("error")
         assert r["identical"] and r["dense_identical"]
         assert r["groups"] == [["emb.weight"]]
@@ -19,15 +30,15 @@ def test_sparse_gradients_are_exchanged_sparse_like_horovod():
         assert r["max_diff_vs_horovod_emb"] < 1e-6
 
 
-def test_a_model_that_differs_across_ranks_is_refused_on_every_rank():
-    for r in run_workers(sc.different_models, 2):
+def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):
+    for r in part(results, "models"):
         assert "error" not in r, r.get("error")
         assert r["raised"] and "0.weight" in r["raised"] and "(16, 4)" in r["raised"] and "(17, 4)" in r["raised"]
         assert r["after"] == 1.0  # a collective still works afterwards (average of ones)
 
 
-def test_non_finite_gradients_are_never_hidden_and_never_kept():
-    for r in run_workers(sc.nonfinite_faults, 2):
+def test_non_finite_gradients_are_never_hidden_and_never_kept(results):
+    for r in part(results, "faults"):
         assert "error" not in r, r.get("error")
         for key, v in r.items():
             spec, bad, mode = key.split("|")
@@ -39,8 +50,8 @@ def test_non_finite_gradients_are_never_hidden_and_never_kept():
                 assert not v["params_finite"], (key, v)  # as with Horovod: the step applied it
 
 
-def test_a_parameter_with_a_gradient_on_some_ranks_only_neither_hangs_nor_diverges():
-    for r in run_workers(sc.partial_gradients, 2):
+def test_a_parameter_with_a_gradient_on_some_ranks_only_neither_hangs_nor_diverges(results):
+    for r in part(results, "partial"):
         assert "error" not in r, r.get("error")
         assert all(r.pop("horovod_identical"))
         for key, v in r.items():
