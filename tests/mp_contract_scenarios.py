@@ -199,12 +199,3 @@ if __name__ == "__main__":  # under horovodrun: python mp_contract_scenarios.py 
     import horovod.tensorflow as _hvd  # noqa: F401  (rank from the environment horovodrun set)
     with open(os.path.join(sys.argv[2], f"rank{os.environ.get('HOROVOD_RANK', '0')}.json"), "w") as f:
         json.dump(result, f)
-
-
-if __name__ == "__main__":  # under horovodrun: python mp_contract_scenarios.py <scenario> <out dir>
-    import json
-    import sys
-    result = globals()[sys.argv[1]]()
-    import horovod.tensorflow as _hvd  # noqa: F401  (rank from the environment horovodrun set)
-    with open(os.path.join(sys.argv[2], f"rank{os.environ.get('HOROVOD_RANK', '0')}.json"), "w") as f:
-        json.dump(result, f)

@@ -12,7 +12,14 @@ import traceback
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-from mp_reliability_scenarios import FAULT_SPECS  # noqa: E402  the compressors of the PyTorch matrix
+# The fault matrix under tf.function: one compressor per exchange kind and kind of state (each costs
+# a trace per process): dense, gathered with a residual (top-k), summed sparse (random-k), DGC's
+# momenta, signSGD's vote, PowerSGD's two rounds and factors, the sketch's tables. threshold,
+# efsignsgd and qsgd (gathered, as top-k and signSGD) are in the PyTorch matrix
+# (mp_reliability_scenarios.FAULT_SPECS).
+FAULT_SPECS = ["none", "topk:ratio=0.05", "randomk:ratio=0.1,seed=2",
+               "dgc:ratio=0.05,warmup_epochs=0,min_sparse_numel=64", "signsgd",
+               "sketch:ratio=0.05,min_sketch_numel=64", "powersgd"]
 
 INJECT = {2: float("inf"), 4: float("nan")}  # step -> the bad value rank 1 puts into one gradient entry
 STEPS = 6

@@ -111,11 +111,17 @@ def test_tf_toy_matches_its_oracle(world):
 hvd_runner = pytest.importorskip("horovod.runner")
 
 
-def test_toy_algorithm_trains_through_the_real_optimizer():
-    from launch import run_workers
-    import mp_contract_scenarios
-    results = run_workers(mp_contract_scenarios.toy_training, 2)
-    for r in results:
+@pytest.fixture(scope="module")
+def two_workers():
+    """One 2-worker launch for the toy algorithm and DGC's default warm-up, in sequence."""
+    from launch import run_scenarios
+    import mp_contract_scenarios as sc
+    return run_scenarios("torch", 2, [("toy", sc.toy_training, ()), ("warmup", sc.dgc_default_warmup, ())])
+
+
+def test_toy_algorithm_trains_through_the_real_optimizer(two_workers):
+    from launch import part
+    for r in part(two_workers, "toy"):
         assert "error" not in r, r.get("error")
         assert all(r["identical"]), r["identical"]
         assert all(len(g) == 1 for g in r["groups"])  # auto -> layerwise: the toy cannot merge
@@ -124,11 +130,10 @@ def test_toy_algorithm_trains_through_the_real_optimizer():
         assert r["stats"]["bytes_per_step"] == sum(4 + 4 * n for n in (12 * 16, 16, 16 * 3, 3))
 
 
-def test_default_dgc_leaves_warmup_without_set_epoch():
-    from launch import run_workers
-    import mp_contract_scenarios
+def test_default_dgc_leaves_warmup_without_set_epoch(two_workers):
+    from launch import part
     from hvdcompress.reference.dgc import dgc_density
-    for r in run_workers(mp_contract_scenarios.dgc_default_warmup, 2):
+    for r in part(two_workers, "warmup"):
         assert "error" not in r, r.get("error")
         spec = Compression.dgc(ratio=0.01, warmup_epoch_steps=2)
         assert r["densities"] == [dgc_density(spec, s // 2) for s in range(12)]

@@ -22,6 +22,7 @@ def results():
 @pytest.mark.parametrize("scenario", ["faults", "eager"])
 def test_non_finite_gradients_are_seen_on_every_rank_and_never_kept(results, scenario):
     for r in part(results, scenario):
+        assert set(r) == set(sc.FAULT_SPECS if scenario == "faults" else sc.EAGER_SPECS), sorted(r)
         for spec, v in r.items():
             assert v["seen"] == [True, True], (spec, v)  # inf at step 2, NaN at step 4: every rank skips
             assert v["skipped"] == 2 and v["state_finite"], (spec, v)
