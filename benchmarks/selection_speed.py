@@ -17,7 +17,9 @@ Columns, all on the same tensor, alternating within every repeat (median of ``--
     EF pure       the same on the pure path (a = g + r, then the chunked numpy scan)
     DGC step      DGC's compression (``DGCCompressor.exchange`` up to its send): u = m*u + g,
                   v += u, sampled selection, values, zeroing of v[I] and u[I] (compiled: the
-                  update and the threshold scan in one pass)
+                  update, DGC's sample and a self-tightening candidate list in one pass, then
+                  the rule on the sample and the candidates, one loop to take and zero the sent
+                  entries)
     DGC pure      the same on the pure path (chunked torch update, then a numpy scan of v)
     (g,u,v) pass  ``v.addcmul_(u, g)``: one read of g, u, v and one write of v -- the floor of a
                   step that must read g and update u and v

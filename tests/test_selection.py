@@ -332,3 +332,26 @@ def test_both_paths_dgc_candidate_list_edge_cases(request, mode):
                 v[want], u[want] = 0, 0
                 np.testing.assert_array_equal(tv.numpy(), v, err_msg=msg)
                 np.testing.assert_array_equal(tu.numpy(), u, err_msg=msg)
+
+
+@pytest.mark.parametrize("mode", ["pure", "compiled"])
+def test_both_paths_dgc_small_tensor_start_threshold(request, mode):
+    """Tensors too small for the compiled pass to estimate its start threshold from an eighth of
+    DGC's sample (it takes the whole sample then): the oracle's indices, u and v over steps."""
+    request.getfixturevalue(mode)
+    rng = np.random.default_rng(8)
+    n = 20_011
+    for k in (1, 3, 40):
+        u, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        tu, tv = torch.zeros(n), torch.zeros(n)
+        for step in range(4):
+            g = (rng.standard_t(3, n) * 0.1).astype(np.float32)
+            u = u * np.float32(0.9) + g
+            v = v + u
+            want = np_select(v, k, 0.01, 4, step + 1)
+            got = ds.accumulate_and_select(torch.from_numpy(g), tu, tv, 0.9, False, k, 0.01, 4, step + 1)
+            np.testing.assert_array_equal(got.numpy(), want, err_msg=f"k={k} step {step}")
+            np.testing.assert_array_equal(tv.numpy(), v)
+            np.testing.assert_array_equal(tu.numpy(), u)
+            ds.take_and_zero(tv, tu, got)
+            v[want], u[want] = 0, 0

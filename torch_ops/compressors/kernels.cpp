@@ -6,6 +6,7 @@
 //
 //   ge          indices (ascending) of |x| >= t
 //   add_ge      r <- r + g, then the indices of |r| >= t               (error feedback, one pass)
+//   dgc_sample  DGC's sample of |v| after the update, computed before the update runs
 //   dgc_pass    DGC's u/v update, its sample of |v| and a self-tightening candidate list (one pass)
 //   take_and_zero  the sent values gathered, v (and u) zeroed there
 //   topk_small  the k largest |x|, ties toward the lower index (small tensors: a copy, nth_element)
@@ -120,6 +121,33 @@ inline uint32_t block_bits<double>(const double* x, int64_t lo, int64_t hi, doub
   return bits;
 }
 #endif
+
+// |v| after DGC's update at offset, offset + stride, ... (its sample), computed before the
+// update runs, with the update's float operations in its order (u and v untouched): the rule's
+// first threshold is then known before the pass. Returns how many were written.
+template <typename T>
+int64_t dgc_sample(const T* __restrict g, const T* __restrict u, const T* __restrict v, int64_t n, T m,
+                   int mode, int64_t offset, int64_t stride, T* __restrict out) {
+  int64_t c = 0;
+  for (int64_t i = offset; i < n; i += stride) {
+    T a;
+    if (mode == 0) {
+      a = v[i] + g[i];
+    } else {
+      T un = u[i] * m;
+      un = un + g[i];
+      if (mode == 1) {
+        a = v[i] + un;
+      } else {
+        T s = un * m;
+        s = g[i] + s;
+        a = v[i] + s;
+      }
+    }
+    out[c++] = mag(a);
+  }
+  return c;
+}
 
 // DGC's update in place (mode 0: v <- v + g;  mode 1: u <- u*m + g, v <- v + u;  mode 2,
 // Nesterov: u <- u*m + g, v <- v + (g + u*m)), in one pass that also
@@ -290,6 +318,14 @@ int64_t hvdc_add_ge_f32(const float* g, float* r, int64_t n, float t, int64_t* i
 }
 int64_t hvdc_add_ge_f64(const double* g, double* r, int64_t n, double t, int64_t* idx, int64_t cap) {
   return add_ge<double>(g, r, n, t, idx, cap);
+}
+int64_t hvdc_dgc_sample_f32(const float* g, const float* u, const float* v, int64_t n, float m, int mode,
+                            int64_t offset, int64_t stride, float* out) {
+  return dgc_sample<float>(g, u, v, n, m, mode, offset, stride, out);
+}
+int64_t hvdc_dgc_sample_f64(const double* g, const double* u, const double* v, int64_t n, double m, int mode,
+                            int64_t offset, int64_t stride, double* out) {
+  return dgc_sample<double>(g, u, v, n, m, mode, offset, stride, out);
 }
 int64_t hvdc_dgc_pass_f32(const float* g, float* u, float* v, int64_t n, float m, int mode, int64_t offset,
                           int64_t stride, float* sample, float t0, int64_t* idx, float* mags, int64_t cap,

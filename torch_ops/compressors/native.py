@@ -81,6 +81,7 @@ def _bind(path: str):
         fns = {
             "ge": [p, i64, real, p, i64],
             "add_ge": [p, p, i64, real, p, i64],
+            "dgc_sample": [p, p, p, i64, real, i32, i64, i64, p],
             "dgc_pass": [p, p, p, i64, real, i32, i64, i64, p, real, p, p, i64, p, p],
             "take_and_zero": [p, p, i64, p, i64, p],
             "topk_small": [p, i64, i64, p, p],
