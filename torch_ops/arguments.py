@@ -101,7 +101,7 @@ def check_checkpoint(ours, spec, compressor, numel: Dict[str, int]) -> None:
     from hvdcompress.spec import CompressionSpec
 
     from .nonfinite import check_state_finite
-    from .optimizer import STATE_KEY, STATE_VERSION
+    from .checkpoint import STATE_KEY, STATE_VERSION
 
     if not isinstance(ours, dict) or ours.get("version") != STATE_VERSION:
         raise ValueError(f"load_state_dict: state_dict['{STATE_KEY}'] is not hvdcompress state "

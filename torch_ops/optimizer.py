@@ -44,8 +44,10 @@ from hvdcompress.warmup import auto_epoch
 from hvdcompress.planner import Plan
 
 from .collectives import Communicator, PendingExchange, PendingQueue
-from .arguments import check_arguments, check_checkpoint, check_same_model, parameter_names
-from .delayed import DelayedAveraging, average_over_ranks
+from . import checkpoint
+from .arguments import check_arguments, check_same_model, parameter_names
+from .delayed import DelayedAveraging
+from .flush import flush
 from .nonfinite import guard
 from .elastic import elastic_mode
 from .sparse_grads import sparse_exchange, split_out
@@ -53,8 +55,6 @@ from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
 from .scheduling import DEFAULT_TUNE_STEPS, Scheduler, StepClock, check_tune_steps, now
 
-STATE_KEY = "hvdcompress"
-STATE_VERSION = 1
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -257,38 +257,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """Delayed averaging: complete every exchange in flight, apply the corrections not yet
-        applied (one step of the wrapped optimizer with them as the gradient; temporal sparsity's
-        accumulated local gradients are exchanged first), then average the parameters and the
-        optimizer's per-parameter state over the ranks, so every rank holds identical parameters.
-        Call it on every rank, between steps (before evaluating or comparing replicas). Nothing to
-        do when training is synchronous (delay=0, sync_every=1)."""
-        delayed = self._hvc_delayed
-        if not delayed.active:
-            return
-        if self._hvc_launched_now():
-            raise AssertionError("optimizer.flush() was called between backward() and step(); call it between steps")
-        with torch.no_grad():
-            self._hvc_complete_in_flight()
-            if delayed.accumulated:  # temporal sparsity: exchange what was only applied locally
-                delayed.flushing = True
-                for gi, group in enumerate(self._hvc_groups):
-                    for name in group.names:
-                        if self._hvc_by_name[name].grad is None:
-                            self._hvc_by_name[name].grad = torch.zeros_like(self._hvc_by_name[name])
-                        self._hvc_by_name[name].grad.zero_()
-                    self._hvc_launch(gi)
-                delayed.flushing = False
-                for (s, gi), ex in self._hvc_pending.finish(None).items():
-                    delayed.completed((s, gi), ex.result, due_step=s)
-            corrections = delayed.pending_corrections()
-            for name, p in self._hvc_by_name.items():
-                c = corrections.get(name)
-                p.grad = c.view_as(p).clone() if c is not None else torch.zeros_like(p)
-            self._hvc_compressor.before_step(self.param_groups, self.state)
-        super(self.__class__, self).step()
-        average_over_ranks(self._hvc_driver, self._hvc_params, self.state, "hvc.flush")
-        for p in self._hvc_params:
-            p.grad = None
+        applied, then average the parameters and the optimizer's per-parameter state over the
+        ranks, so every rank holds identical parameters (``torch_ops.flush``). Call it on every
+        rank, between steps (before evaluating or comparing replicas). Nothing to do when training
+        is synchronous (delay=0, sync_every=1)."""
+        flush(self, super(self.__class__, self).step)
 
     @property
     def delay(self) -> int:
@@ -309,48 +282,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvc_delayed.completed(key, ex.result)
 
     def state_dict(self):
-        if self._hvc_delayed.active and not self._hvc_launched_now():
-            with torch.no_grad():
-                self._hvc_complete_in_flight()  # saved as corrections due at their steps: resume is exact
-        sd = super(self.__class__, self).state_dict()
-        sd[STATE_KEY] = {
-            "version": STATE_VERSION,
-            "compression": self._hvc_spec.to_dict(),
-            "step": self._hvc_step,
-            "epoch": self._hvc_epoch,
-            "epoch_set": self._hvc_epoch_set,
-            "state": self._hvc_param_state(),
-            "plan": self._hvc_scheduler.plan_dict(),
-            "delayed": self._hvc_delayed.state() if self._hvc_delayed.active else None,
-            "compressor": self._hvc_compressor.global_state(),
-        }
-        return sd
+        """The wrapped optimizer's state and ours under ``"hvdcompress"`` (``torch_ops.checkpoint``)."""
+        return checkpoint.save(self, super(self.__class__, self).state_dict())
 
     def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        ours = state_dict.pop(STATE_KEY, None)
-        if ours is not None:
-            check_checkpoint(ours, self._hvc_spec, self._hvc_compressor,  # before anything is loaded
-                             {self._hvc_names[p]: p.numel() for p in self._hvc_params})
+        state_dict, ours = checkpoint.split(self, state_dict)  # checked before anything is loaded
         super(self.__class__, self).load_state_dict(state_dict)
-        self._hvc_compressor.after_load(self.param_groups)
-        if ours is None:
-            warnings.warn("load_state_dict: the state dict has no compression state (saved by a "
-                          "plain optimizer?); residuals start from zero.")
-            return
-        self._hvc_step = int(ours["step"])
-        self._hvc_epoch = int(ours["epoch"])
-        self._hvc_epoch_set = bool(ours.get("epoch_set", True))
-        self._hvc_compressor.load_global_state(ours.get("compressor"))
-        by_name = self._hvc_by_name
-        per = {n: {} for n in by_name}
-        per.update({key: {k: t.detach().clone().to(by_name[key].device) for k, t in st.items()}
-                    for key, st in ours["state"].items()})
-        groups = self._hvc_scheduler.restore(ours.get("plan")) or self.groups  # same schedule: its plan
-        self._hvc_state = {n: {} for n in by_name}
-        self._hvc_pending = PendingQueue()
-        self._hvc_delayed.load(ours.get("delayed"), lambda n: by_name[n].device)
-        self._hvc_regroup(groups, per)
+        checkpoint.load(self, ours)
 
     # -- internals -------------------------------------------------------------------------------
     def _hvc_hook(self, p: torch.Tensor) -> None:
