@@ -5,6 +5,7 @@ One 2-worker launch runs the scenarios in sequence (a module fixture); the dying
 launch their own (the job ends with them)."""
 
 import pytest
+import torch
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
@@ -75,3 +76,16 @@ def test_a_worker_that_dies_mid_step_ends_the_others_within_the_timeout(kind, tm
         assert survivor["error"].startswith("HorovodInternalError"), survivor
     assert survivor["seconds"] < 30, survivor  # far inside Horovod's Gloo timeout (30 s): no hang
     assert not (tmp_path / f"{kind}.1.json").exists()  # rank 1 really died
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_non_finite_count_is_exact_also_when_a_finite_sum_overflows(dtype):
+    from torch_ops.nonfinite import count_nonfinite
+    big = torch.finfo(dtype).max
+    cases = {(): 0, (1.0, 2.0): 0, (big, big, -1.0): 0, (big, -big): 0, (float("nan"),): 1,
+             (1.0, float("inf"), float("-inf")): 2, (big, big, float("nan"), 3.0): 1}
+    for values, bad in cases.items():
+        assert count_nonfinite(torch.tensor(values, dtype=dtype)) == bad, (values, dtype)
+    x = torch.randn(1000, dtype=torch.float32).to(dtype)
+    x[17] = float("nan")
+    assert count_nonfinite(x) == 1

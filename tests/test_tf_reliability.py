@@ -56,3 +56,17 @@ def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):
         assert "rank 0 has 4 gradients, rank 1 has 6" in r["tape.extra"], r["tape.extra"]
         assert "kernel" in r["keras.width"] and "(16, 33)" in r["keras.width"], r["keras.width"]
         assert r["after"] == 1.0  # a collective still works afterwards (average of ones)
+
+
+def test_the_non_finite_flag_is_exact_also_when_a_finite_sum_overflows():
+    tf = pytest.importorskip("tensorflow")
+    from tf_ops.nonfinite import _flag
+    for dtype in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
+        big = float(dtype.max)
+        cases = {(): 0.0, (1.0, 2.0): 0.0, (big, big, -1.0): 0.0, (big, -big): 0.0, (float("nan"),): 1.0,
+                 (1.0, float("inf")): 1.0, (big, big, float("nan")): 1.0}
+        for values, flag in cases.items():
+            x = tf.constant(values, dtype=tf.float64 if dtype == tf.float64 else tf.float32, shape=[len(values)])
+            x = tf.cast(x, dtype) if dtype != tf.float64 else x
+            assert float(_flag(x)[0]) == flag, (values, dtype)
+            assert float(tf.function(_flag)(x)[0]) == flag, (values, dtype)

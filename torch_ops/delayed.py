@@ -75,6 +75,7 @@ import torch
 from hvdcompress.delay import check_delay, check_sync_every
 
 from .grouping import Group, scatter
+from .nonfinite import count_nonfinite
 
 
 class DelayedAveraging:
@@ -121,7 +122,7 @@ class DelayedAveraging:
                 u = self.velocity[name] = torch.zeros_like(g)
             u.mul_(m).add_(g)
             out = self.parts[name] = g + u * m if nesterov else u.clone()
-            if not bool(torch.isfinite(out).all()):  # applied now (not hidden), never kept in the state
+            if count_nonfinite(out):  # applied now (not hidden), never kept in the state
                 u.masked_fill_(~torch.isfinite(u), 0.0)
         return out
 
