@@ -132,3 +132,33 @@ def test_groups_with_different_momenta_are_refused():
     opt = torch.optim.SGD([{"params": [a], "momentum": 0.9}, {"params": [b], "momentum": 0.5}], lr=0.1)
     with pytest.raises(ValueError, match="different momenta"):
         adopt_momentum(Compression.dgc(), opt.param_groups)
+
+
+@pytest.mark.parametrize("spec", ["dgc:ratio=0.01,warmup_epochs=0", "topk:ratio=0.01"])
+def test_a_result_built_in_the_offered_buffer_is_the_same_result(spec):
+    """``ExchangeContext.out``: DGC's and top-k's sparse sum is built in the buffer the optimizer
+    offers (its gradient buffer), bit for bit the result of a fresh tensor, on every rank and step."""
+    import torch
+    from hvdcompress.spec import resolve
+    from local_world import run_lockstep
+    from torch_ops.compressors import ExchangeContext, build_compressor
+
+    world, n = 3, 5000  # a matrix (DGC sends vectors dense)
+    gen = torch.Generator().manual_seed(7)
+    grads = [[torch.randn(n, generator=gen) for _ in range(world)] for _ in range(4)]
+    results = {}
+    for offer in (False, True):
+        comps = [build_compressor(resolve(spec)) for _ in range(world)]
+        states = [{} for _ in range(world)]
+        results[offer] = []
+        for step, gs in enumerate(grads):
+            xs = [g.clone() for g in gs]
+            ctxs = [ExchangeContext("w", step, world, 1.0 / world, states[r], (50, 100), 0, r,
+                                    out=xs[r] if offer else None) for r in range(world)]
+            outs, _ = run_lockstep([comps[r].exchange(xs[r], ctxs[r]) for r in range(world)])
+            if offer and step > 0:  # from the second step on (top-k's first has no residual yet)
+                assert all(o.data_ptr() == x.data_ptr() for o, x in zip(outs, xs))
+            results[offer].append([o.clone() for o in outs])
+    for fresh, built in zip(results[False], results[True]):
+        for a, b in zip(fresh, built):
+            assert torch.equal(a, b)

@@ -340,7 +340,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 x = x.mul_(self._hvc_prescale) if len(grads) > 1 else x * self._hvc_prescale
             ctx = ExchangeContext(group.key, step, self._hvc_world, self._hvc_scale,
                                   self._hvc_state[group.key], group.shape, self._hvc_current_epoch(),
-                                  self._hvc_driver.rank(), group.layout)
+                                  self._hvc_driver.rank(), group.layout, out=x)  # x: scattered into anyway
             self._hvc_pending.poll()  # earlier groups' next rounds go out as soon as they can
             exchange = guard(self._hvc_compressor.exchange(x, ctx), x, ctx.state)  # non-finite never hidden
             self._hvc_pending.add((step, gi), PendingExchange(exchange, name, self._hvc_driver), step + delayed.delay)

@@ -13,7 +13,8 @@ Three roles, three small interfaces:
 
 An *exchange* is a generator::
 
-    def exchange(self, x, ctx):             # x: flat gradient (a view; do not modify it in place)
+    def exchange(self, x, ctx):             # x: flat gradient (a view; do not modify it in place,
+                                            # except as ctx.out, after the last read of x)
         ...                                 # compress, update memory
         results = yield (Allgather(values), Allgather(indices))   # one round
         ...                                 # may yield again: multi-round (sketch, PowerSGD)
@@ -61,6 +62,11 @@ class ExchangeContext:
     members     the tensors of the exchange (name, shape, offset into x), as DDP's GradBucket
                 tells them: per-tensor rules (dense 1-D tensors, per-tensor scales, matrix
                 shapes) apply to each member. One member, at offset 0, when not merged.
+    out         None, or a buffer the size and dtype of x that the exchange may write its result
+                into (and return) once it no longer reads x: the caller would copy the result
+                there anyway (the optimizer passes the group's gradient buffer, so a result built
+                in it needs neither a fresh allocation nor the copy; Horovod's allreduce_ is in
+                place on the gradient too). Only an optimisation: returning a new tensor is fine.
     """
 
     key: str
@@ -72,6 +78,7 @@ class ExchangeContext:
     epoch: int = 0
     rank: int = 0
     members: Tuple[Member, ...] = ()
+    out: Optional[torch.Tensor] = None
 
     def member_views(self, x: torch.Tensor) -> List[Tuple[Member, torch.Tensor]]:
         """(member, its slice of the flat ``x`` reshaped to its shape) for every member."""

@@ -36,6 +36,7 @@ from hvdcompress.spec import CompressionSpec, num_selected
 from ..collectives import Allgather, Allreduce
 from .base import Compressor, ExchangeContext, TakesMomentum
 from .dgc_selection import accumulate_and_select, take_and_zero
+from .sparse import scaled_sum
 
 
 class DGCCompressor(TakesMomentum, Compressor):
@@ -125,8 +126,7 @@ class DGCCompressor(TakesMomentum, Compressor):
             values = values.to(torch.float16)
         wire_idx = idx.to(torch.int32) if v.numel() <= torch.iinfo(torch.int32).max else idx
         indices, gathered = yield (Allgather(wire_idx), Allgather(values))
-        total = torch.zeros_like(v).index_add_(0, indices.long(), gathered.to(v.dtype))
-        total.mul_(ctx.scale)
+        total = scaled_sum(indices, gathered.to(v.dtype), v, ctx.scale, ctx.out)
         return total if self.correction else self._momentum_after(total, ctx)
 
 

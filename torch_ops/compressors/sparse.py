@@ -57,6 +57,20 @@ class _GatheredSparse(OneRoundCompressor):
         return torch.zeros_like(like).index_add_(0, indices.long(), values)
 
 
+def scaled_sum(indices: torch.Tensor, values: torch.Tensor, like: torch.Tensor, scale: float,
+               out=None) -> torch.Tensor:
+    """The dense sum of the gathered (index, value) pairs, times ``scale``: ``zeros.index_add_``,
+    then only the entries some rank sent are scaled (each to ``sum * scale``, the same rounding as
+    scaling the whole tensor, whose other entries stay 0) instead of a pass over all of it. Built
+    in ``out`` (``ExchangeContext.out``) when it fits ``like``, else in a new tensor."""
+    indices = indices.long()
+    fits = out is not None and out.shape == like.shape and out.dtype == like.dtype
+    total = (out.zero_() if fits else torch.zeros_like(like)).index_add_(0, indices, values)
+    if scale != 1.0:
+        total[indices] = total[indices] * scale  # repeated indices write the same value
+    return total
+
+
 class TopKCompressor(_GatheredSparse):
     name = "topk"
 
@@ -74,10 +88,7 @@ class TopKCompressor(_GatheredSparse):
         payload = (idx.to(_torch_index_dtype(r.numel())), r[idx])
         self.memory.update(lambda: self.unsent(payload, r, ctx), ctx.state)
         results = yield (Allgather(payload[0]), Allgather(payload[1]))
-        total = self.aggregate(results, r, ctx)
-        if ctx.scale != 1.0:
-            total.mul_(ctx.scale)
-        return total
+        return scaled_sum(results[0], results[1], r, ctx.scale, ctx.out)
 
 
 class ThresholdCompressor(_GatheredSparse):
