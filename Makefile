@@ -3,7 +3,7 @@ PYTHON ?= python3
 NP ?= 2
 COMPRESSION ?= topk:ratio=0.01
 
-.PHONY: install digits test test-fast bench bench-schedules
+.PHONY: install digits test test-full test-fast bench bench-schedules
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install.sh
@@ -14,6 +14,10 @@ digits: install
 
 test: install
 	$(PYTHON) -m pytest tests -q
+
+# The default suite plus the extended tier (tests/conftest.py: costly repeats of covered paths).
+test-full: install
+	HVDC_EXTENDED_TESTS=1 $(PYTHON) -m pytest tests -q
 
 # Single-process tests only (no Horovod processes).
 test-fast:

@@ -13,11 +13,11 @@ import pytest
 hvd_runner = pytest.importorskip("horovod.runner")
 
 import mp_dgc_recipe_scenarios  # noqa: E402
+import shared_tf_launch  # noqa: E402
 from launch import part, run_workers  # noqa: E402
 
 WORLD = 2
 TOLERANCE = 1e-5  # max |dense - dgc| over the parameters after 40 steps, lr 0.05 (measured: ~1e-7)
-ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def torch_results():
 
 @pytest.fixture(scope="module")
 def tf_results():
-    out = run_workers(mp_dgc_recipe_scenarios.tf_all, WORLD, start_timeout=120, env=ENV)
+    out = shared_tf_launch.results("test_dgc_recipes")  # tf_all() on 2 workers (tests/shared_tf_launch.py)
     _show(out)
     return out
 

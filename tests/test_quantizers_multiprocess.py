@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("horovod.runner")
 
 import mp_quantizer_scenarios as sc  # noqa: E402
+import shared_tf_launch  # noqa: E402
 from launch import run_workers  # noqa: E402
 
 NEEDLES = {"levels": "qsgd: parameter 'levels' must be int in [1, 127]",
@@ -27,10 +28,13 @@ STATE = {"powersgd": ["q", "residual"], "efsignsgd": ["residual"], "onebit": ["r
          "signsgd": [], "qsgd": []}
 
 
-@pytest.fixture(scope="module", params=[("torch", 2), ("tf", 2), ("torch", 3), ("tf", 3)],
-                ids=["torch-2", "tf-2", "torch-3", "tf-3"])
+@pytest.fixture(scope="module", params=[("torch", 2), ("tf", 2), ("torch", 3),
+                                        pytest.param(("tf", 3), marks=pytest.mark.extended)],
+                ids=["torch-2", "tf-2", "torch-3", "tf-3"])  # TF on 3 workers: extended tier (conftest)
 def launched(request):
     backend, world = request.param
+    if (backend, world) == ("tf", 2):  # tf_everything() in the session's shared TF launch
+        return backend, world, shared_tf_launch.results("test_quantizers_multiprocess")
     fn = sc.torch_everything if backend == "torch" else sc.tf_everything
     return backend, world, run_workers(fn, world)
 

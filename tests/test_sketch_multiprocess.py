@@ -11,9 +11,9 @@ import pytest
 hvd_runner = pytest.importorskip("horovod.runner")
 
 import mp_sketch_scenarios as sc  # noqa: E402
+import shared_tf_launch  # noqa: E402
 from launch import part, run_workers  # noqa: E402
 
-TF_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2workers", "3workers"])
@@ -25,7 +25,7 @@ def torch_run(request):
 
 @pytest.fixture(scope="module")
 def tf_run():
-    out = run_workers(sc.tf_all, 2, 2, start_timeout=120, env=TF_ENV)
+    out = shared_tf_launch.results("test_sketch_multiprocess")  # sc.tf_all(2) (tests/shared_tf_launch.py)
     assert len(out) == 2
     return out
 

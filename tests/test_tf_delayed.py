@@ -16,7 +16,8 @@ import tensorflow as tf  # noqa: E402
 
 import hvdcompress.tensorflow as hvc  # noqa: E402
 import mp_tf_delayed_scenarios as sc  # noqa: E402
-from launch import part, run_workers  # noqa: E402
+import shared_tf_launch  # noqa: E402
+from launch import part  # noqa: E402
 
 WORLD = 2
 
@@ -63,8 +64,7 @@ def reference(world, delay, every, op, m=0.0):
 
 @pytest.fixture(scope="module")
 def results():
-    out = run_workers(sc.everything, WORLD, start_timeout=120,
-                      env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    out = shared_tf_launch.results("test_tf_delayed")  # sc.everything() on 2 workers (tests/shared_tf_launch.py)
     assert len(out) == WORLD
     print("scenario seconds per rank:", [r["seconds"] for r in out])
     return out

@@ -18,7 +18,7 @@ pytest.importorskip("horovod.runner")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("mode", ["keras", "tape"])
+@pytest.mark.parametrize("mode", ["keras", pytest.param("tape", marks=pytest.mark.extended)])  # tape: extended tier
 def test_training_continues_identical_through_a_worker_joining_and_leaving(tmp_path, mode):
     out = str(tmp_path)
     with open(os.path.join(out, "hosts"), "w") as f:

@@ -1,30 +1,31 @@
 """Real Horovod, TensorFlow backend: 2 worker processes on the Gloo CPU backend (horovod.runner.run).
 
-TensorFlow takes seconds to import in every worker, so one launch (a module fixture) runs all
-scenarios of tests/mp_tf_scenarios.py; each test below checks one part of what it returned.
+TensorFlow takes seconds to import in every worker, so one launch runs all scenarios of
+tests/mp_tf_scenarios.py (the session's shared TF launch: tests/shared_tf_launch.py); each test
+below checks one part of what it returned.
 """
-
 
 import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_tf_scenarios  # noqa: E402
-from launch import part as _part, run_workers  # noqa: E402
+import shared_tf_launch  # noqa: E402
+from launch import part as _part  # noqa: E402
 from mp_tf_scenarios import TAPE_SPECS  # noqa: E402
 
 WORLD = 2
-DIGITS_EPOCHS = 20
+# training to an accuracy (the Keras digits example, dense and DGC): extended tier (conftest)
+DIGITS_EPOCHS = shared_tf_launch.digits_epochs()
 
 
 @pytest.fixture(scope="module")
 def results():
-    out = run_workers(mp_tf_scenarios.everything, WORLD, WORLD, DIGITS_EPOCHS, start_timeout=120,
-                      env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    out = shared_tf_launch.results("test_tf_multiprocess")  # mp_tf_scenarios.everything(WORLD, DIGITS_EPOCHS)
     assert len(out) == WORLD
     print("scenario seconds (wall, cpu) per rank:", [r["seconds"] for r in out])
-    print("digits:", {k: (v["test_accuracy"], v["bytes_per_step_last_epoch"]) for k, v in out[0]["digits"].items()}
-          if "error" not in out[0]["digits"] else out[0]["digits"])
+    if DIGITS_EPOCHS:
+        print("digits:", {k: (v["test_accuracy"], v["bytes_per_step_last_epoch"]) for k, v in out[0]["digits"].items()}
+              if "error" not in out[0]["digits"] else out[0]["digits"])
     return out
 
 
@@ -95,6 +96,7 @@ def test_empty_selection_and_sparse_gradients(results):
     assert all(b > 0 for b in parts[0]["empty"]["sent"])
 
 
+@pytest.mark.extended
 def test_dgc_with_warmup_converges_on_digits_within_2pp_of_dense(results):
     r = _part(results, "digits")[0]
     dense, dgc = r["none"], r["dgc:ratio=0.001"]
