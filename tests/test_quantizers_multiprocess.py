@@ -1,7 +1,8 @@
 """Quantizers and PowerSGD on real Horovod: 2 and 3 Gloo workers, PyTorch and TF/Keras (one launch
-per backend and world size). TF on 3 workers trains one compressor per exchange kind
-(``sc.TF3_SPECS``: a Keras trace per compressor and process is what these runs cost); every
-compressor runs on 3 workers in PyTorch and on 2 in both.
+per backend and world size; TF on 2 workers runs in the session's shared TF launch,
+tests/shared_tf_launch.py). TF on 3 workers trains one compressor per exchange kind
+(``sc.TF3_SPECS``: a Keras trace per compressor and process is what these runs cost) and is in the
+extended tier (tests/conftest.py); every compressor runs on 3 workers in PyTorch and on 2 in both.
 
 For every new compressor (TernGrad's shared scale included): parameters identical on every rank
 after every step, the bytes per step ``opt.stats`` measured equal to the declared packed layout,
