@@ -16,7 +16,8 @@ the round's other collectives), and when any rank flagged one,
 
 Both are ``tf.cond`` on the summed flag, so a finite step reads nothing more than the gradient
 (its sum; the elementwise ``is_finite`` check only when the sum is not finite). Under
-``tf.function`` the guard's state assignments follow the compressor's own (automatic control dependencies order ops on the same variable).
+``tf.function`` the guard's state assignments follow the compressor's own (automatic control
+dependencies order ops on the same variable).
 
 A checkpoint whose compression state holds NaN/inf is refused: restoring one marks the state
 (``RestoreMarker``, saved with the ``GradientCompression``), and the first exchange after the
@@ -44,7 +45,6 @@ def _flag(x: tf.Tensor) -> tf.Tensor:
         return tf.zeros([1], tf.float32)
     # a NaN/inf entry makes the sum non-finite: a finite sum (one read) proves there is none, and
     # only a non-finite one (a bad entry, or an overflowing sum) pays for the elementwise check
-
     def exact():
         return tf.reshape(tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(x))), tf.float32), [1])
     return tf.cond(tf.math.is_finite(tf.reduce_sum(x)), lambda: tf.zeros([1], tf.float32), exact)

@@ -380,7 +380,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_waiting = [len(g.names) for g in self._hvc_groups]
 
 
-
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step: int = 1, op=None,
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
