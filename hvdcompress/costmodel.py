@@ -188,7 +188,7 @@ class CostModel:
     meta: Mapping[str, object] = field(default_factory=dict)
     decompress: Mapping[str, ComputeFit] = field(default_factory=dict)
     launch_seconds: float = 0.0  # CPU time to hand one collective to Horovod (on the compute stream)
-    exchange_skew: float = 0.0  # an exchange ends this x (compression + transfer) late: see exchange_seconds
+    exchange_skew: float = 0.0  # the closing exchange ends this x (compression + transfer) late: closing_seconds
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -228,17 +228,29 @@ class CostModel:
         return total
 
     def exchange_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
-                         density: Optional[float] = None):
-        """The exchange time the planner uses: ``comm_seconds`` plus ``exchange_skew`` x (the
-        group's compression and launch time + its transfer time). A collective completes only when
-        the *slowest* rank has compressed its group and contributed: rank skew, which grows with
-        the work before the collective, lands in the exchange and not in an alpha-beta fit timed
-        with the ranks lined up by a barrier. ``exchange_skew`` is 0 in a fitted model and is
-        measured in training steps (``torch_ops.scheduling``, ``skew_factor``)."""
+                         density: Optional[float] = None, closing: bool = False):
+        """The exchange time the planner uses: ``comm_seconds``, plus ``closing_seconds`` for the
+        exchange that closes the step (``closing=True``: the last group's)."""
         t_c = self.comm_seconds(spec, dense_bytes, world_size, itemsize, density)
-        if not self.exchange_skew:
+        if not (closing and self.exchange_skew):
             return t_c
-        return t_c + self.exchange_skew * (t_c + self.group_cpu_seconds(spec, dense_bytes, itemsize))
+        return t_c + self.closing_seconds(spec, dense_bytes, world_size, itemsize, density)
+
+    def closing_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
+                        density: Optional[float] = None):
+        """How late the *closing* exchange (the last group's, launched once backward is done) ends
+        beyond its alpha-beta time: ``exchange_skew`` x (its compression and launch time + its
+        transfer time). A collective completes only when the *slowest* rank has compressed its
+        group and contributed; the ranks drift apart over a step, and the drift lands in the
+        exchange that closes it, not in an alpha-beta fit timed with the ranks lined up by a
+        barrier, nor (mostly) in the exchanges launched during backward, which the rest of
+        backward hides. ``exchange_skew`` is 0 in a fitted model and is measured in training steps
+        (``torch_ops.scheduling``, ``skew_factor``); ``hvdcompress.timeline`` (``t_close``)."""
+        d = np.asarray(dense_bytes, dtype=float)
+        if not self.exchange_skew:
+            return np.zeros_like(d)
+        t_c = self.comm_seconds(spec, d, world_size, itemsize, density)
+        return self.exchange_skew * (t_c + self.group_cpu_seconds(spec, d, itemsize))
 
     def has_compress_fit(self, spec) -> bool:
         spec = resolve(spec)
@@ -419,6 +431,6 @@ def describe(model: CostModel) -> str:
     if model.launch_seconds:
         lines.append(f"  launch: {model.launch_seconds * 1e6:.1f} us per collective handed to Horovod")
     if model.exchange_skew:
-        lines.append(f"  exchange skew: an exchange ends {model.exchange_skew:.3g} x (compression + transfer) "
-                     "later than the fits say (measured in training steps)")
+        lines.append(f"  exchange skew: the exchange closing a step ends {model.exchange_skew:.3g} x "
+                     "(compression + transfer) later than the fits say (measured in training steps)")
     return "\n".join(lines)

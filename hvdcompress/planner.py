@@ -25,8 +25,9 @@ The API the optimizer calls::
     "auto" or None   "mgs" for gathered (sparse) compressors, "mgwfbp" for summed (dense) ones
 
 ``cost_model`` is a ``hvdcompress.costmodel.CostModel``; it gives t_c for the compressor ``spec``
-at ``world_size`` (``CostModel.exchange_seconds``: the alpha-beta time plus the measured
-``exchange_skew`` term), t_s (compression, when the model has a fit for the spec, plus the CPU time of
+at ``world_size`` (``CostModel.exchange_seconds``: the alpha-beta time; the last group's exchange,
+which closes the step, also gets ``CostModel.closing_seconds``, the measured ``exchange_skew``
+term), t_s (compression, when the model has a fit for the spec, plus the CPU time of
 handing the group's collectives to Horovod: ``CostModel.group_cpu_seconds``) and, when fitted,
 t_d (decompression and scatter after backward; in the prediction only, see ``timeline``). ``layerwise``/``single``/``size`` need no cost model; without one (or without t_b) the
 prediction is None.
@@ -176,12 +177,16 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
         check_inputs(sizes, np.zeros_like(sizes))
     n = len(sizes)
     notes: List[str] = []
-    t_s = t_c = gap = None
+    t_s = t_c = gap = t_close = None
     if cost_model is not None:
         world = cost_model.world_size if world_size is None else int(world_size)
 
         def t_c(b):
             return cost_model.exchange_seconds(spec, b, world, itemsize, density)
+
+        if cost_model.exchange_skew:
+            def t_close(b):  # the last group's exchange: what the ranks' drift adds (costmodel)
+                return cost_model.closing_seconds(spec, b, world, itemsize, density)
 
         if not cost_model.has_compress_fit(spec):
             notes.append(f"no compression-time fit for '{spec}': compression counted as 0 s")
@@ -204,7 +209,7 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
                              "fit for it (profile it, or use 'mgwfbp', which ignores compression time)")
         search_ts = t_s if sched.kind == "mgs" else (lambda b: np.zeros_like(np.asarray(b, dtype=float)))
         search = optimal if sched.search == "dp" else greedy
-        found = search(sizes, t_b, search_ts, t_c, overlap)
+        found = search(sizes, t_b, search_ts, t_c, overlap, t_close=t_close)
         groups, gap = found.groups, found.gap
         if sched.kind == "mgwfbp":
             gap = None  # optimal for the search's model (no compression time), not the predicted one
@@ -217,7 +222,7 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
 
     timeline = predicted = None
     if cost_model is not None and t_b is not None:
-        timeline = predict(groups, sizes, t_b, t_s, t_c, overlap, t_d)
+        timeline = predict(groups, sizes, t_b, t_s, t_c, overlap, t_d, t_close)
         predicted = float(forward_seconds) + timeline.end + float(update_seconds)
     return Plan(str(sched), [list(g) for g in groups], predicted, timeline, overlap, gap, tuple(notes))
 

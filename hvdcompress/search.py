@@ -28,6 +28,10 @@ and S at most eps larger, eps = (S range) / max_front. The result is then certif
 ``gap`` = min(sum of the eps used, result - least lower bound of a dropped state): the end time is
 1-Lipschitz in S, and an optimal path that lost a state is no shorter than that state's bound.
 
+``t_close(bytes)`` (optional, ``hvdcompress.timeline``): extra exchange time of the last group
+only. ``optimal`` adds it on the transitions that close the partition (k = L), and to the
+cheapest-last-exchange bound; the other bounds stay valid without it (it is >= 0).
+
 ``greedy``: the rule of MGS (Shi et al., INFOCOM 2020) and MG-WFBP: walking in backward order,
 the next tensor joins the open group when the extra time the group's data would wait for it is
 less than the start-up cost saved, t_c(a) + t_c(b) - t_c(a + b). ``brute_force``: every partition.
@@ -144,7 +148,7 @@ def default_max_front(n: int) -> int:
 
 
 def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
-            max_front: Optional[int] = None) -> Search:
+            max_front: Optional[int] = None, t_close: Optional[Callable] = None) -> Search:
     """The partition with the least modelled end time (module doc)."""
     check_overlap(overlap)
     sizes, t_b = check_inputs(sizes, t_b)
@@ -152,16 +156,18 @@ def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
     if n == 0:
         return Search([], 0.0, 0.0)
     ts_fn, tc_fn = as_cost_fn(t_s), as_cost_fn(t_c)
+    close_fn = as_cost_fn(t_close) if t_close is not None else (lambda b: np.zeros_like(b))
     shared = overlap == "shared"
     cum = np.concatenate([[0.0], np.cumsum(sizes)])
     ready = np.concatenate([[0.0], np.cumsum(t_b)])
     if shared:  # bounds for branch and bound
-        best = min((predict(g, sizes, t_b, ts_fn, tc_fn, overlap).end, g) for g in
-                   (greedy(sizes, t_b, ts_fn, tc_fn, overlap).groups, layerwise(n), single(n),
-                    optimal(sizes, t_b, ts_fn, tc_fn, "parallel").groups))
+        best = min((predict(g, sizes, t_b, ts_fn, tc_fn, overlap, t_close=t_close).end, g) for g in
+                   (greedy(sizes, t_b, ts_fn, tc_fn, overlap, t_close).groups, layerwise(n), single(n),
+                    optimal(sizes, t_b, ts_fn, tc_fn, "parallel", t_close=t_close).groups))
         upper, upper_groups = best
         min_tc, min_ts = _min_sum_suffix(cum, tc_fn), _min_sum_suffix(cum, ts_fn)
-        min_last = np.append(np.minimum.accumulate(tc_fn(cum[-1] - cum[:-1])[::-1])[::-1], 0.0)
+        last_bytes = cum[-1] - cum[:-1]
+        min_last = np.append(np.minimum.accumulate((tc_fn(last_bytes) + close_fn(last_bytes))[::-1])[::-1], 0.0)
         slack = 1e-12 * max(upper, 1e-300)
     pool = _Pool(4 * n + 16)
     eps_sum, dropped_bound = 0.0, math.inf
@@ -171,6 +177,8 @@ def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
         spent, comm, boundary = pool.spent[:m], pool.comm[:m], pool.boundary[:m]
         group_bytes = cum[k] - cum[:k]  # the group [b, k) for every boundary b < k
         ts, tc = ts_fn(group_bytes)[boundary], tc_fn(group_bytes)[boundary]
+        if k == n:  # the closing exchange
+            tc = tc + close_fn(group_bytes)[boundary]
         if shared:
             new_spent = spent + ts
             new_comm = np.maximum(comm, ready[k] + new_spent) + tc
@@ -199,8 +207,9 @@ def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
     return Search(groups_from_ends(pool.ends(state)), found, gap)
 
 
-def greedy(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared") -> Search:
-    """The MGS / MG-WFBP greedy rule (module doc)."""
+def greedy(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
+           t_close: Optional[Callable] = None) -> Search:
+    """The MGS / MG-WFBP greedy rule (module doc); ``t_close`` only enters the returned time."""
     check_overlap(overlap)
     sizes, t_b = check_inputs(sizes, t_b)
     n = len(sizes)
@@ -232,11 +241,11 @@ def greedy(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared") ->
             now = (alone_ready if overlap == "shared" else now) + float(t_b[x])
             start, open_bytes = x, float(sizes[x])
     groups.append(list(range(start, n)))
-    return Search(groups, predict(groups, sizes, t_b, ts_fn, tc_fn, overlap).end, None)
+    return Search(groups, predict(groups, sizes, t_b, ts_fn, tc_fn, overlap, t_close=t_close).end, None)
 
 
 def brute_force(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
-                max_tensors: int = 16) -> Search:
+                max_tensors: int = 16, t_close: Optional[Callable] = None) -> Search:
     """Every one of the 2^(L-1) partitions, timed by ``timeline.predict`` (for tests)."""
     sizes, t_b = check_inputs(sizes, t_b)
     n = len(sizes)
@@ -247,7 +256,7 @@ def brute_force(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared
     best, best_groups = math.inf, None
     for cuts in itertools.product((False, True), repeat=n - 1):
         groups = groups_from_ends([i + 1 for i, cut in enumerate(cuts) if cut] + [n])
-        end = predict(groups, sizes, t_b, t_s, t_c, overlap).end
+        end = predict(groups, sizes, t_b, t_s, t_c, overlap, t_close=t_close).end
         if end < best:
             best, best_groups = end, groups
     return Search(best_groups, best, 0.0)

@@ -33,6 +33,14 @@ stream once backward is done, group after group as their exchanges end::
 
 The searches leave t_d out (it is nearly proportional to the total size, whatever the grouping);
 predictions include it when the cost model has a fit.
+
+Optionally ``t_close(bytes)``: extra time of the *closing* exchange, the last group's, which is
+launched once backward is done. A collective ends when the slowest rank has contributed, and the
+ranks drift apart over a step (load, unequal shares of the cores), so the exchange that closes the
+step waits for the latest rank; exchanges launched during backward wait mostly for the backward
+that follows them anyway. ``CostModel.closing_seconds`` measures it (``exchange_skew``)::
+
+    comm_end[G] = max(comm_end[G-1], compress_end[G]) + t_c(G) + t_close(G)
 """
 
 from __future__ import annotations
@@ -141,8 +149,9 @@ def groups_from_ends(ends: Sequence[int]) -> List[List[int]]:
 
 
 def predict(groups: Sequence[Sequence[int]], sizes: Sequence[float], t_b: Sequence[float],
-            t_s: Callable, t_c: Callable, overlap: str = "shared", t_d: Optional[Callable] = None) -> Timeline:
-    """The timeline of the module doc for this partition (``t_d``: see the module doc)."""
+            t_s: Callable, t_c: Callable, overlap: str = "shared", t_d: Optional[Callable] = None,
+            t_close: Optional[Callable] = None) -> Timeline:
+    """The timeline of the module doc for this partition (``t_d``, ``t_close``: see the module doc)."""
     check_overlap(overlap)
     sizes, t_b = check_inputs(sizes, t_b)
     groups = check_partition(groups, len(sizes))
@@ -152,8 +161,10 @@ def predict(groups: Sequence[Sequence[int]], sizes: Sequence[float], t_b: Sequen
     starts = [0] + ends[:-1]
     nbytes = np.array([cum[e] - cum[s] for s, e in zip(starts, ends)], dtype=float)
     ts = as_cost_fn(t_s)(nbytes)
-    tc = as_cost_fn(t_c)(nbytes)
+    tc = np.array(as_cost_fn(t_c)(nbytes), dtype=float)  # a copy: the closing term is added in place
     n = len(groups)
+    if t_close is not None and n:
+        tc[-1] += float(as_cost_fn(t_close)(nbytes[-1:])[0])
     ready, cs, ce, ms, me = (np.zeros(n) for _ in range(5))
     stream = 0.0  # shared: compression done so far, pushing the compute stream back
     comm_free = 0.0

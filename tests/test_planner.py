@@ -47,6 +47,39 @@ def test_dp_equals_brute_force_on_random_instances(overlap):
         assert predict(groups, sizes, t_b, t_s, t_c, overlap).end == pytest.approx(best, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("overlap", OVERLAPS)
+def test_dp_equals_brute_force_with_a_closing_exchange_term(overlap):
+    # t_close lengthens the last group's exchange only: the DP stays exact (same optimum as every
+    # partition timed), and the thinned shared search still certifies its gap
+    rng = np.random.default_rng(16)
+    for trial in range(80):
+        sizes, t_b, t_s, t_c = _instance(rng, int(rng.integers(1, 10)))
+        k = rng.uniform(0.5, 8.0)
+
+        def t_close(b, k=k, t_s=t_s, t_c=t_c):
+            return k * (t_s(b) + t_c(b))
+
+        found = optimal(sizes, t_b, t_s, t_c, overlap, t_close=t_close)
+        brute = brute_force(sizes, t_b, t_s, t_c, overlap, t_close=t_close)
+        assert found.seconds == pytest.approx(brute.seconds, rel=1e-12, abs=1e-15), (trial, overlap)
+        assert predict(found.groups, sizes, t_b, t_s, t_c, overlap, t_close=t_close).end == \
+            pytest.approx(found.seconds, rel=1e-12, abs=1e-15)
+        if overlap == "shared" and len(sizes) >= 6:
+            thin = optimal(sizes, t_b, t_s, t_c, overlap, max_front=2, t_close=t_close)
+            assert brute.seconds * (1 - 1e-12) <= thin.seconds <= brute.seconds + thin.gap + 1e-12 * brute.seconds
+
+
+def test_closing_term_lengthens_only_the_last_exchange():
+    sizes, t_b = [1e6, 2e6, 3e6], [0.01, 0.01, 0.01]
+    t_s, t_c = (lambda b: 1e-9 * np.asarray(b)), (lambda b: 1e-3 + 1e-9 * np.asarray(b))
+    groups = [[0], [1], [2]]
+    plain = predict(groups, sizes, t_b, t_s, t_c)
+    closed = predict(groups, sizes, t_b, t_s, t_c, t_close=lambda b: 0.5 + 0 * np.asarray(b))
+    assert np.array_equal(plain.comm_end[:-1], closed.comm_end[:-1])
+    assert closed.comm_end[-1] == pytest.approx(plain.comm_end[-1] + 0.5)
+    assert closed.end - plain.end == pytest.approx(0.5)
+
+
 def test_greedy_is_never_better_than_dp_and_its_gap_is_reported():
     rng = np.random.default_rng(7)
     for overlap in OVERLAPS:

@@ -14,11 +14,13 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
   At the end of step ``profile_steps`` the cost model is taken (the one given, else the cached
   fit for this world and host set, else a few seconds of profiling on the live transport,
   ``torch_ops.profiling.load_or_profile``), calibrated to the profiled steps (``_calibrate``),
-  and the plan is made. The calibration also measures ``exchange_skew`` (``CostModel.exchange_seconds``):
+  and the plan is made. The calibration also measures ``exchange_skew`` (``CostModel.closing_seconds``):
   whatever the profiled steps took beyond the calibrated model's prediction for their one group
   is charged to that group's exchange -- a collective ends when the slowest rank has compressed
   and contributed, which no fit timed behind a barrier sees -- in proportion to the group's
-  compression and transfer time, and so to every group of every plan.
+  compression and transfer time; every plan's *closing* exchange (its last group's, launched when
+  backward is done, as the profiled one was) is charged the same way. Exchanges launched during
+  backward are not: the rest of backward hides the ranks' drift.
 * measured validation (``tune_steps`` > 0, the default for cost-model schedules): the model can
   still be wrong, so ``hvdcompress.tuning.propose`` lists a few candidate plans (the model's,
   the other search's, ``single``, two size plans, perhaps ``layerwise``) take turns, one step each,
@@ -350,7 +352,8 @@ class Scheduler:
 
         Cost-model schedules profile with one group; what their steps took (slowest rank, median)
         beyond the calibrated model's prediction for it is charged to that group's exchange
-        (``CostModel.exchange_skew``, ``costmodel.skew_factor``)."""
+        (``CostModel.exchange_skew``, ``costmodel.skew_factor``); plans pay it on their closing
+        exchange only (``CostModel.closing_seconds``)."""
         groups = self._profiled_groups
         sizes = np.array([sum(self.sizes[self.order[i]] for i in g) for g in groups])
         factors = []
@@ -377,7 +380,8 @@ def predict_explicit(plan_groups, workload: Workload, model: CostModel, spec, wo
     """Explicit groups (indices in backward order) with their prediction under ``model``."""
     t_d = (lambda b: model.decompress_seconds(spec, b)) if model.has_decompress_fit(spec) else None
     tl = predict(plan_groups, workload.sizes_bytes, workload.t_b, lambda b: model.group_cpu_seconds(spec, b),
-                 lambda b: model.exchange_seconds(spec, b, world), "shared", t_d)
+                 lambda b: model.exchange_seconds(spec, b, world), "shared", t_d,
+                 lambda b: model.closing_seconds(spec, b, world))
     return Plan("explicit", [list(g) for g in plan_groups], workload.forward_seconds + tl.end +
                 workload.update_seconds, tl, "shared")
 
