@@ -63,9 +63,24 @@ def test_gradients_are_deterministic(profile_file):
     for n in ga:
         assert torch.equal(ga[n], gb[n]) and torch.equal(ga[n], ga2[n])
         assert ga[n].abs().sum() > 0
-    # the gradient is the layer's fixed pattern times the upstream gradient's mean: proportional
+    # the gradient is the layer's fixed pattern times the upstream gradient's mean |.|: proportional
     c = build_emulated(profile_file, seed=6)
     assert not torch.equal(_step(c, x, y)["layers.fc.weight"], ga["layers.fc.weight"])
+
+
+def test_gradients_have_a_realistic_scale_on_every_rank():
+    # every rank's batch (the harness seeds it by rank) gives gradients of a sane magnitude on a
+    # cross-entropy loss; the plain mean of the upstream gradient made them 0 on some ranks and
+    # ~1e-10 on others (selection then ran on its slow paths, differently per rank)
+    from hvdcompress.bench.torch_models import synthetic_batch
+    model = build_emulated("vgg16-v100", scale=512)
+    for rank in range(4):
+        x, y = synthetic_batch(8, seed=1000 * (1 + rank))
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for n, p in model.named_parameters():
+            rms = float(p.grad.pow(2).mean().sqrt())
+            assert 1e-5 < rms < 1.0, (rank, n, rms)
 
 
 def test_time_spent_waiting_matches_the_profile(profile_file):

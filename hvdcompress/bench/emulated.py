@@ -16,8 +16,12 @@ user's machine.
 
 Gradients are deterministic: a layer's backward returns, for every parameter, a fixed seeded
 random pattern (made once per shape, seed and parameter, shared by every model built from the
-same profile in a process) times the mean of the upstream gradient. The upstream gradient flows
-through a small carrier tensor (batch x 10 "logits"); the loss the harness computes on it is real.
+same profile in a process) times the mean *absolute* value of the upstream gradient. The upstream
+gradient flows through a small carrier tensor (batch x 10 "logits"); the loss the harness computes
+on it is real. (Not the plain mean: a cross-entropy gradient's rows sum to zero, so its mean is 0
+or rounding noise, which made every gradient 0 or ~1e-10 -- data on which selection runs on its
+slow paths and whose cost differed between ranks by 8x. Measurements made before this change
+carry that artefact; README "Pipelining, measured with emulated GPU compute" says which.)
 
 Waiting follows a stream clock, as queued GPU kernels would: a layer's wait ends at the end the
 previous wait was meant to have, plus the CPU time spent between the previous layer's wake-up and
@@ -141,7 +145,8 @@ class StreamClock:
 
 class _Wait(torch.autograd.Function):
     """Forward: wait the layer's forward time, pass the carrier on. Backward: the fixed gradient
-    patterns times the upstream gradient's mean, then wait out the layer's backward time."""
+    patterns times the upstream gradient's mean absolute value, then wait out the layer's
+    backward time."""
 
     @staticmethod
     def forward(ctx, carrier, layer, *params):
@@ -152,7 +157,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         layer = ctx.layer
-        s = grad_out.mean()
+        s = grad_out.abs().mean()  # > 0: a cross-entropy gradient's plain mean is ~0 (module doc)
         grads = tuple(pat * s for pat in layer.patterns)  # before the wait: counted in its time
         layer.clock.run(layer.backward_s)
         return (grad_out, None) + grads
