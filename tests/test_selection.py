@@ -21,7 +21,7 @@ from torch_ops.compressors import dgc_selection as ds
 from torch_ops.compressors import selection as ts
 
 SIZES = [1, 2, 7, 100, 4095, 4096, 4097, 70_001, 300_007]
-KINDS = ["normal", "ties", "constant", "zeros", "heavy", "spikes", "periodic", "sorted", "sampled_big"]
+KINDS = ["normal", "ties", "constant", "zeros", "few", "heavy", "spikes", "periodic", "sorted", "sampled_big"]
 
 
 def _vector(kind: str, n: int, seed: int = 0) -> np.ndarray:
@@ -35,6 +35,11 @@ def _vector(kind: str, n: int, seed: int = 0) -> np.ndarray:
     elif kind == "zeros":
         x = np.zeros(n)
         x[n // 2:] = -0.0
+    elif kind == "few":  # mostly zeros (a frozen part of a model): 37 nonzeros, some tied
+        x = np.zeros(n)
+        x[n // 3:] = -0.0
+        where = rng.permutation(n)[:37]
+        x[where] = rng.integers(-2, 3, where.size) * 0.25 + np.where(rng.random(where.size) < 0.5, 1e-3, 0)
     elif kind == "heavy":  # Cauchy: a few huge values, most tiny
         x = rng.standard_cauchy(n)
     elif kind == "spikes":  # a few equal spikes above a sea of small values
@@ -65,6 +70,14 @@ def test_torch_topk_is_the_oracle(kind, n):
         got = ts.topk_indices(torch.from_numpy(x), k)
         assert got.dtype == torch.int64
         np.testing.assert_array_equal(got.numpy(), np_topk(x, k), err_msg=f"k={k}")
+
+
+def test_torch_topk_mostly_zero_tensors_with_a_nan_take_the_general_path():
+    x = np.zeros(300_007, dtype=np.float32)
+    x[[5, 70_000, 123_456]] = [1.0, np.nan, -2.0]
+    assert ts._np_mostly_zero(x, 2) is None  # a NaN among the nonzeros: not the zero shortcut
+    got = ts.topk_indices(torch.from_numpy(x), 2).numpy()
+    np.testing.assert_array_equal(got, ts._np_positions(np.abs(x), 2))
 
 
 @pytest.mark.parametrize("size", [None, 32, 64])  # the word-wise scan, or block filters of either size

@@ -16,7 +16,9 @@ on CPU ``torch.ge`` into bools and ``torch.nonzero`` cost more than a pass over 
   so C holds every entry of the exact answer and the tie rule is applied among C alone (the k-th
   largest value w of C; every entry > w, then the lowest-index entries == w). When |C| < k (an
   unlucky sample, adversarial data), a lower threshold is tried once, then the full path runs:
-  never a wrong answer, only a slower one.
+  never a wrong answer, only a slower one. A sample that is mostly zeros (t = 0: a zero or
+  nearly-zero gradient) takes the nonzero entries as the candidates (then the lowest-index zeros
+  if they are fewer than k), instead of a top-k over the whole.
 * **Scans with numpy on CPU.** {|a| >= t} is found chunk by chunk (|a| and the mask stay in
   cache) with numpy, reading the tensor's memory in place: numpy's compare and nonzero are
   several times faster than torch's, and a numpy call costs a fraction of a torch call, which
@@ -220,12 +222,36 @@ def _np_topk(x: np.ndarray, k: int) -> np.ndarray:
         if 8 * r > m:  # a dense selection: a candidate set would be no cheaper than the whole
             break
         t = _np_kth_largest(sample, r)
+        if t == 0:  # the sample is mostly zeros: the tensor's few nonzeros hold the answer
+            found = _np_mostly_zero(x, k)
+            if found is not None:
+                return found
         if not t > 0:  # everything would pass
             break
         idx, mag = _ge_numpy(x, t, 2 * (r * n // m) + 1024)
         if idx.size >= k:  # every entry of the answer has |x| >= the k-th largest >= t
             return idx if idx.size == k else idx[_np_positions(mag, k)]
     return _np_positions(np.abs(x), k)
+
+
+def _np_mostly_zero(x: np.ndarray, k: int) -> Optional[np.ndarray]:
+    """``topk_indices`` of a tensor that is mostly zeros (a gradient that is zero, or nearly: a
+    frozen or unused part of a model): its nonzero entries, when there are at least k, hold the
+    answer; otherwise all of them and then the lowest-index zeros (|0| ties at the bottom). One
+    scan instead of a top-k over the whole; None (the caller's general path) if a NaN is among
+    the nonzeros."""
+    nz = np.flatnonzero(x)
+    if nz.size and np.isnan(x[nz]).any():
+        return None
+    if nz.size >= k:
+        return nz if nz.size == k else nz[_np_positions(np.abs(x[nz]), k)]
+    picked, need, lo = [nz], k - nz.size, 0
+    while need > 0:
+        zeros = np.flatnonzero(x[lo:lo + NP_CHUNK] == 0)[:need]
+        picked.append(zeros + lo)
+        need -= zeros.size
+        lo += NP_CHUNK
+    return np.sort(np.concatenate(picked))
 
 
 # -- exact top-k among a set -------------------------------------------------------------------
