@@ -228,13 +228,10 @@ class CostModel:
         return total
 
     def exchange_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
-                         density: Optional[float] = None, closing: bool = False):
-        """The exchange time the planner uses: ``comm_seconds``, plus ``closing_seconds`` for the
-        exchange that closes the step (``closing=True``: the last group's)."""
-        t_c = self.comm_seconds(spec, dense_bytes, world_size, itemsize, density)
-        if not (closing and self.exchange_skew):
-            return t_c
-        return t_c + self.closing_seconds(spec, dense_bytes, world_size, itemsize, density)
+                         density: Optional[float] = None):
+        """The exchange time the planner uses for every group: ``comm_seconds``; the last group's
+        exchange, which closes the step, also takes ``closing_seconds``."""
+        return self.comm_seconds(spec, dense_bytes, world_size, itemsize, density)
 
     def closing_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
                         density: Optional[float] = None):
