@@ -18,6 +18,7 @@ from hvdcompress import parse_spec
 from local_world import run_lockstep
 from torch_ops.compressors import ExchangeContext, build_compressor
 from torch_ops.compressors import dgc_selection as ds
+from torch_ops.compressors import cpu_selection as cs
 from torch_ops.compressors import selection as ts
 
 SIZES = [1, 2, 7, 100, 4095, 4096, 4097, 70_001, 300_007]
@@ -52,7 +53,7 @@ def _vector(kind: str, n: int, seed: int = 0) -> np.ndarray:
         x = np.sort(rng.standard_normal(n))
     else:  # "sampled_big": large values exactly where top-k's threshold sample looks
         x = rng.standard_normal(n) * 1e-3
-        stride = ts._sample_stride(n)
+        stride = cs._sample_stride(n)
         x[stride // 2::stride] = 10.0 + rng.random(len(x[stride // 2::stride]))
         x[rng.integers(0, n, max(1, n // 50))] = 5.0
     return x.astype(np.float32)
@@ -75,9 +76,9 @@ def test_torch_topk_is_the_oracle(kind, n):
 def test_torch_topk_mostly_zero_tensors_with_a_nan_take_the_general_path():
     x = np.zeros(300_007, dtype=np.float32)
     x[[5, 70_000, 123_456]] = [1.0, np.nan, -2.0]
-    assert ts._np_mostly_zero(x, 2) is None  # a NaN among the nonzeros: not the zero shortcut
+    assert cs._np_mostly_zero(x, 2) is None  # a NaN among the nonzeros: not the zero shortcut
     got = ts.topk_indices(torch.from_numpy(x), 2).numpy()
-    np.testing.assert_array_equal(got, ts._np_positions(np.abs(x), 2))
+    np.testing.assert_array_equal(got, cs._np_positions(np.abs(x), 2))
 
 
 @pytest.mark.parametrize("size", [None, 32, 64])  # the word-wise scan, or block filters of either size
@@ -169,7 +170,7 @@ def test_torch_error_feedback_in_place_residual_is_the_oracle(text):
     payloads and residuals, over steps, on a tensor of several scan chunks."""
     spec = parse_spec(text)
     comp = build_compressor(spec)
-    n = ts.NP_CHUNK * 2 + 17
+    n = cs.NP_CHUNK * 2 + 17
     rng = np.random.default_rng(9)
     states, np_res = [{}, {}], [None, None]
     for step in range(3):

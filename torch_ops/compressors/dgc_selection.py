@@ -7,7 +7,6 @@ buffers) is shared with the exact top-k in ``selection``.
 from __future__ import annotations
 
 import ctypes
-import ctypes
 import math
 from typing import Optional
 
@@ -17,8 +16,8 @@ import torch
 from hvdcompress.sampling import ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, sample_k, sample_stride
 
 from . import native
-from .selection import (_TORCH_SUFFIX, CHUNK, DIRECT_BELOW, Blocks, _at_least, _empty, _ge_numpy, _np_kth_largest,
-                        _np_positions, _numpy_view, _scratch, _topk_positions, block_absmax, block_size)
+from .cpu_selection import _TORCH_SUFFIX, _ge_numpy, _np_kth_largest, _np_positions, _numpy_view
+from .selection import CHUNK, DIRECT_BELOW, Blocks, _at_least, _empty, _scratch, _topk_positions, block_absmax, block_size
 
 
 def _sampled_select(v: torch.Tensor, k: int, sample: torch.Tensor, adapt_iters: int,
