@@ -38,7 +38,6 @@ The bytes handed to the collectives and the dense size are counted per step (``s
 
 from __future__ import annotations
 
-import warnings
 from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
@@ -50,10 +49,10 @@ from hvdcompress.stats import WireStats
 from .collectives import HorovodDriver, run_exchanges
 from .compressors import ExchangeContext, build_compressor
 from .nonfinite import RestoreMarker, guard
+from .slots import ensure_slots, group_state, step_density
 from .delayed import DelayedAveraging, apply_and_average, check_delay, check_sync_every
-from .grouping import (Group, cached_cost_model, check_cost_model, check_plannable, check_schedule, flatten,
-                       join_state, make_groups, member_slots, needs_cost_model, schedule_text, split,
-                       split_state)
+from .grouping import (Group, cached_cost_model, check_cost_model, check_plannable, check_schedule, flatten, make_groups,
+                       needs_cost_model, schedule_text, split, split_state)
 
 
 class _Local:
@@ -312,25 +311,6 @@ class GradientCompression(tf.Module):
             drv = self._local.drivers[id(process_set)] = HorovodDriver(process_set)
         return drv
 
-    def _ensure_slots(self, grads, groups: Sequence[Group]) -> None:
-        for i in range(len(self.slots), len(grads)):
-            self.slots.append({})
-        for group in groups:
-            for i in group.positions:
-                g = grads[i]
-                shape = tuple(g.shape)
-                slots = self.slots[i]
-                for name in member_slots(self._compressor, group, shape):
-                    var = slots.get(name)
-                    numel = self._compressor.slot_numel(name, shape)
-                    if var is None:
-                        slots[name] = self._compressor.make_slot(name, numel, g.dtype, f"{self.name}_{i}_{name}")
-                    elif tuple(var.shape) != (numel,) or var.dtype != g.dtype:
-                        raise ValueError(
-                            f"compression state: gradient {i} needs {numel} elements of {g.dtype.name}, its "
-                            f"state '{name}' has {var.shape.num_elements()} of {var.dtype.name}; one "
-                            "GradientCompression serves one list of variables (a checkpoint of another model?)")
-
     def _groups(self, grads, world_size: int, process_set) -> List[Group]:
         signature = (world_size, tuple(None if g is None else (tuple(g.shape), g.dtype.name) for g in grads))
         found = self._local.plans.get(signature)
@@ -339,22 +319,6 @@ class GradientCompression(tf.Module):
             found = self._local.plans[signature] = make_groups(self._schedule, grads, self._spec, world_size, model)
         self._local.last = found
         return found[0]
-
-    def _group_state(self, group: Group) -> Dict[str, tf.Variable]:
-        """The state the compressor works on: the member's slots for a group of one; for a merged
-        group, group-sized working variables joined from the members' slots (``grouping``)."""
-        if len(group.positions) == 1:
-            return self.slots[group.positions[0]]
-        names = self._compressor.state_slots(group.shape)
-        dtype = self.slots[group.positions[0]][names[0]].dtype if names else None
-        scratch = {}
-        for name in names:
-            key = (group.key, name, group.numel, dtype)
-            if key not in self._local.scratch:
-                self._local.scratch[key] = self._compressor.make_slot(
-                    name, group.numel, dtype, f"{self.name}_group_{group.op_name}_{name}")
-            scratch[name] = self._local.scratch[key]
-        return join_state(group, [self.slots[i] for i in group.positions], names, scratch)
 
     def start_exchange(self, grads: Sequence[Optional[tf.Tensor]], *, world_size: int, scale: float,
                        prescale: float = 1.0, process_set=None) -> "PendingExchange":
@@ -368,7 +332,7 @@ class GradientCompression(tf.Module):
                 raise ValueError(f"gradient {i} has shape {tuple(g.shape)}, not fully known when traced; "
                                  "compressed exchange needs static shapes")
         groups = self._groups(grads, world_size, process_set)
-        self._ensure_slots(grads, groups)
+        ensure_slots(self._compressor, self.slots, grads, groups, self.name)
         check = [tf.debugging.assert_equal(
             self.spec_text, str(self._spec),
             message=f"compression state was saved with another compression spec; this object uses "
@@ -383,7 +347,7 @@ class GradientCompression(tf.Module):
                 x = flatten([grads[i] for i in group.positions])
             if prescale != 1.0:
                 x = x * tf.cast(prescale, x.dtype)
-            state = self._group_state(group)
+            state = group_state(self._compressor, self.slots, self._local.scratch, group, self.name)
             ctx = ExchangeContext(group.key, step, world_size, scale, state, group.shape, 0, density,
                                   rank, group.layout)
             where = f"gradient {group.positions[0]}" if len(group.positions) == 1 else \
@@ -394,27 +358,13 @@ class GradientCompression(tf.Module):
         return PendingExchange(self, grads, groups, states, gens, names)
 
     def _step_density(self, step):
-        """The density of this exchange: the variable set_epoch / the warm-up callback move, or,
-        when set_epoch was never called and the compressor warms up, the warm-up's density for
-        epoch ``step // warmup_epoch_steps`` (also written to the variable, so ``density`` and the
-        stats callback report what is used)."""
+        """The density of this exchange (``slots.step_density``); None without a ratio."""
         if self._density is None:
             return None
-        steps = self._compressor.warmup_epoch_steps
-        if steps is None:
-            return self._density.read_value()
-        warm = int(self._spec["warmup_epochs"])
-        if not self._local.warned_epoch and not bool(self.epoch_set.numpy() if tf.executing_eagerly()
-                                                     else False):
-            self._local.warned_epoch = True
-            warnings.warn(f"hvdcompress: compression '{self._spec.name}' warms its density up over epochs; "
-                          f"unless set_epoch() is called (SparsityWarmupCallback does it for fit), epochs of "
-                          f"{steps} steps are counted (the spec's warmup_epoch_steps)")
-        table = tf.constant([self._compressor.scheduled_density(e) for e in range(warm + 1)], tf.float64)
-        auto = tf.gather(table, tf.minimum(step // steps, warm))
-        density = tf.where(self.epoch_set.read_value(), self._density.read_value(), auto)
-        with tf.control_dependencies([self._density.assign(density)]):
-            return tf.identity(density)
+        warned, density = step_density(self._compressor, self._spec, self._density, self.epoch_set, step,
+                                       self._local.warned_epoch)
+        self._local.warned_epoch = warned
+        return density
 
     def _exchange(self, grads, world_size, scale, prescale, process_set):
         if self.delayed is None:
