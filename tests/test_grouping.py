@@ -275,3 +275,23 @@ def test_scheduler_checks_its_other_arguments():
     fit = ComputeFit("linear", 1e-9, 1e-5)
     model = CostModel.from_link(2, 1.0, 1e-4, compress={"topk:ratio=0.5": fit})
     assert _scheduler("mgs", cost_model=model).cost_model is model
+
+
+def test_flat_buffers_are_reused_from_step_to_step():
+    from torch_ops.grouping import FlatBuffers
+    bufs = FlatBuffers()
+    grads = [torch.arange(6, dtype=torch.float32).view(2, 3), torch.tensor([7.0, 8.0])]
+    x = bufs.flatten("g", grads)
+    torch.testing.assert_close(x, torch.tensor([0.0, 1, 2, 3, 4, 5, 7, 8]))
+    grads[0].mul_(2)
+    y = bufs.flatten("g", grads)
+    assert y.data_ptr() == x.data_ptr()  # the same memory, written again
+    torch.testing.assert_close(y, torch.tensor([0.0, 2, 4, 6, 8, 10, 7, 8]))
+    lone = bufs.flatten("p", grads[:1])  # a group of one is a view of its gradient, no buffer
+    assert lone.data_ptr() == grads[0].data_ptr()
+    z = bufs.flatten("g", grads + [torch.ones(1)])  # another size: a new buffer
+    assert z.numel() == 9 and z.data_ptr() != x.data_ptr()
+    w = bufs.flatten("g", [g.double() for g in grads])  # another dtype: a new buffer
+    assert w.dtype == torch.float64
+    bufs.clear()
+    assert not bufs._buffers  # the groups changed: nothing kept

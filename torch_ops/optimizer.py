@@ -52,7 +52,7 @@ from .nonfinite import guard
 from .elastic import elastic_mode
 from .sparse_grads import sparse_exchange, split_out
 from .compressors import ExchangeContext, build_compressor, compressor_class
-from .grouping import Group, flatten, join_state, make_groups, scatter, split_state
+from .grouping import FlatBuffers, Group, flatten, join_state, make_groups, scatter, split_state
 from .scheduling import DEFAULT_TUNE_STEPS, Scheduler, StepClock, check_tune_steps, now
 
 
@@ -97,6 +97,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_sparse_names = set()  # parameters whose gradient came sparse: exchanged alone, sparse
         self._hvc_sparse_keys = set()  # (step, group) of the sparse exchanges in flight
         self._hvc_groups: List[Group] = []
+        self._hvc_flat = FlatBuffers()  # merged groups' flat gradients, reused from step to step
         self._hvc_group_of: Dict[torch.Tensor, int] = {}
         self._hvc_waiting: List[int] = []
         self._hvc_regroup([[n] for n in self._hvc_by_name])  # layerwise until the scheduler decides
@@ -329,7 +330,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = p.grad.to_dense()
             grads.append(p.grad)
         with torch.no_grad():
-            x = flatten(grads)
+            x = flatten(grads) if delayed.active else self._hvc_flat.flatten(group.key, grads)
             name = f"hvc.{group.key}"
             if delayed.active:  # the local gradient stays in .grad; the exchange gets its own copy
                 local = delayed.local_term(group, x)
@@ -373,6 +374,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             groups = split_out(groups, self._hvc_sparse_names)
         shapes = {n: tuple(p.shape) for n, p in self._hvc_by_name.items()}
         self._hvc_groups = make_groups(groups, shapes)
+        self._hvc_flat.clear()
         self._hvc_state = {g.key: join_state([per.get(n, {}) for n in g.names], g.numels)
                            for g in self._hvc_groups}
         self._hvc_group_of = {self._hvc_by_name[n]: gi for gi, g in enumerate(self._hvc_groups)
