@@ -293,5 +293,8 @@ def test_flat_buffers_are_reused_from_step_to_step():
     assert z.numel() == 9 and z.data_ptr() != x.data_ptr()
     w = bufs.flatten("g", [g.double() for g in grads])  # another dtype: a new buffer
     assert w.dtype == torch.float64
-    bufs.clear()
-    assert not bufs._buffers  # the groups changed: nothing kept
+    bufs.reset()  # the groups changed: the same memory is handed out again, nothing allocated
+    again = bufs.flatten("h", grads)
+    assert again.untyped_storage().data_ptr() == z.untyped_storage().data_ptr()  # z's arena, from its start
+    assert again.data_ptr() == z.untyped_storage().data_ptr()
+    torch.testing.assert_close(again, y)

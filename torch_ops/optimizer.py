@@ -97,9 +97,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_sparse_names = set()  # parameters whose gradient came sparse: exchanged alone, sparse
         self._hvc_sparse_keys = set()  # (step, group) of the sparse exchanges in flight
         self._hvc_groups: List[Group] = []
-        self._hvc_flat = FlatBuffers()  # merged groups' flat gradients, reused from step to step
-        self._hvc_group_of: Dict[torch.Tensor, int] = {}
-        self._hvc_waiting: List[int] = []
+        self._hvc_flat = FlatBuffers()  # merged groups' flat gradients, memory kept from step to step
         self._hvc_regroup([[n] for n in self._hvc_by_name])  # layerwise until the scheduler decides
         self._hvc_step = 0
         self._hvc_epoch = 0
@@ -374,7 +372,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             groups = split_out(groups, self._hvc_sparse_names)
         shapes = {n: tuple(p.shape) for n, p in self._hvc_by_name.items()}
         self._hvc_groups = make_groups(groups, shapes)
-        self._hvc_flat.clear()
+        self._hvc_flat.reset()
         self._hvc_state = {g.key: join_state([per.get(n, {}) for n in g.names], g.numels)
                            for g in self._hvc_groups}
         self._hvc_group_of = {self._hvc_by_name[n]: gi for gi, g in enumerate(self._hvc_groups)
