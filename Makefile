@@ -13,7 +13,7 @@ digits: install
 	horovodrun -np $(NP) -H localhost:$(NP) --gloo $(PYTHON) examples/pytorch_digits.py --compression $(COMPRESSION)
 
 test: install
-	$(PYTHON) -m pytest tests -q
+	$(PYTHON) -m pytest tests -q --durations=25
 
 # The default suite plus the extended tier (tests/conftest.py: costly repeats of covered paths).
 test-full: install
