@@ -20,9 +20,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 # Gloo's own default is 30 s per collective. On the 2-core CI machine, 3 workers and their Horovod
 # threads share 2 cores, and the 3-rank process-set test (one rank waiting in a global barrier while
-# the other two profile and train) aborted there once in CI and 1 time in 7-12 in a loop here (stop
-# 24), every rank in "Timed out waiting 30000ms for recv". The tests' workers get Horovod's
-# advertised remedy, a longer Gloo timeout; a real hang still fails, later.
+# the other two profile and train) aborted once in CI with every rank in "Timed out waiting 30000ms
+# for recv"; in a loop here (stop 24) 2 of 4 runs aborted so, then 2 of 47 stalled past 22 s. The
+# cause was not found. The workers get the remedy Horovod's maintainers give, a longer Gloo
+# timeout; a real hang still fails, later.
 GLOO_TIMEOUT_S = "300"
 
 
