@@ -55,7 +55,7 @@ def bench(size: int, density: float, repeats: int, rng: np.random.Generator):
     @tf.function
     def dgc_step(x):
         step.assign_add(1)
-        ctx = ExchangeContext("w", step, 2, 0.5, state, (1, size), 0, tf.constant(density, tf.float64))
+        ctx = ExchangeContext("w", step, 2, 0.5, state, (1, size), 0, density=tf.constant(density, tf.float64))
         return tuple(r.tensor for r in next(dgc.exchange(x, ctx)))
 
     fns = {

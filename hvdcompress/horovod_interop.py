@@ -7,7 +7,9 @@ and allreduce the payload in between (summed, then averaged by Horovod for ``op=
 in ours. They forward here, which picks the backend from the tensor's type (torch or
 TensorFlow; the backend module is imported on first use) and the codec from the spec.
 
-Only specs whose payload one allreduce can sum, with no state, fit that protocol:
+Only specs whose payload one allreduce can sum, with no state, fit that protocol; an algorithm
+declares it (``register(..., horovod_codec=True)``, or ``horovod_refusal=`` with the reason it
+cannot) and each backend's compressor class carries the codec (``horovod_codec``). The built-ins:
 
     none   the tensor itself
     fp16   floating tensors cast to IEEE half, summed in half by Horovod, cast back (what
@@ -20,7 +22,7 @@ Only specs whose payload one allreduce can sum, with no state, fit that protocol
            but 4 bytes per entry on the wire, not 2 -- no bytes saved
 
 Everything else raises ``ValueError`` from ``compress`` -- on every rank, before Horovod launches
-any collective -- saying why and what to use instead (``HOROVOD_REFUSALS``).
+any collective -- saying why and what to use instead (``refusal``).
 """
 
 from __future__ import annotations
@@ -28,31 +30,28 @@ from __future__ import annotations
 import importlib
 from typing import Any, Tuple
 
-SUPPORTED = ("none", "fp16", "bf16")
+from .registry import registered
 
-_BACKENDS = {"torch": "torch_ops.horovod_compression", "tensorflow": "tf_ops.horovod_compression"}
+_BACKENDS = {"torch": "torch_ops.compressors", "tensorflow": "tf_ops.compressors"}
 
 _USE_OURS = "use hvdcompress's own DistributedOptimizer (same arguments) with this spec instead"
 
-HOROVOD_REFUSALS = {
-    "randomk": "its indices are shared through (seed, step, tensor name), and Horovod's compress(tensor) "
-               "is told neither the step nor the name (and its error-feedback residual would be state "
-               "Horovod does not checkpoint)",
-    "powersgd": "it needs two allreduce rounds (P, then Q) and state (Q, the residual); Horovod's "
-                "protocol has one allreduce and no state",
-    "sketch": "it needs two rounds (the summed sketch, then the values at the candidates)",
-}
+
+def supported() -> Tuple[str, ...]:
+    """The specs that run inside Horovod's own optimizers (declared ``horovod_codec=True``)."""
+    return tuple(sorted(n for n, info in registered().items() if info.horovod_codec))
 
 
 def refusal(spec) -> str:
     """Why ``spec`` cannot run inside Horovod's own optimizer ('' when it can)."""
-    if spec.name in SUPPORTED:
+    info = spec.info
+    if info.horovod_codec:
         if spec.params.get("residual"):
             return ("error feedback (residual=true) keeps a residual per tensor, and Horovod's "
                     "compress(tensor) is told no tensor name and saves no compression state")
         return ""
-    if spec.name in HOROVOD_REFUSALS:
-        return HOROVOD_REFUSALS[spec.name]
+    if info.horovod_refusal:
+        return info.horovod_refusal
     if spec.exchange != "allreduce":
         return "its payload is gathered (allgather), not summed: Horovod's protocol sums one payload"
     return "it has no codec for Horovod's one-allreduce protocol"
@@ -63,12 +62,12 @@ def _codec(spec, tensor):
     if why:
         raise ValueError(f"compression {str(spec)!r} cannot run inside Horovod's own DistributedOptimizer: "
                          f"{why}; {_USE_OURS}. Horovod's optimizers take: "
-                         f"{', '.join('Compression.' + n for n in SUPPORTED)} (without residual)")
+                         f"{', '.join('Compression.' + n for n in supported())} (without residual)")
     root = type(tensor).__module__.split(".")[0]
     if root not in _BACKENDS:
         raise TypeError(f"compression {str(spec)!r}: compress() takes a torch or TensorFlow tensor; "
                         f"got {type(tensor).__name__}")
-    return importlib.import_module(_BACKENDS[root]).CODECS[spec.name]
+    return importlib.import_module(_BACKENDS[root]).compressor_class(spec).horovod_codec
 
 
 def compress(spec, tensor) -> Tuple[Any, Any]:

@@ -11,7 +11,7 @@ for those configurations is printed next to them with its relative error.
     efficiency(N) = (forward + backward + update) / step(N)   (1.0: communication fully hidden)
     speedup(N)    = N * efficiency(N)                          (vs one worker without exchange)
 
-Usage (the profile comes from ``python -m torch_ops.profiling --model ... --out profile.json``)::
+Usage (the profile comes from ``python -m hvdcompress.bench.profile transport --model ... --out profile.json``)::
 
     python -m hvdcompress.simulate --profile profile.json --gbps 0.1,1,10 \\
         --compression none --compression topk:ratio=0.01 --out sim.json --plot sim.png
@@ -205,7 +205,7 @@ def _inputs(args) -> tuple:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hvdcompress.simulate", description=__doc__.split("\n\n")[0] +
                                  ". " + NOTE + ".", formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", help="JSON from python -m torch_ops.profiling --out (cost model + workload)")
+    ap.add_argument("--profile", help="JSON from python -m hvdcompress.bench.profile transport --out (cost model + workload)")
     ap.add_argument("--cost-model", help="a CostModel JSON (e.g. from ~/.cache/hvdcompress)")
     ap.add_argument("--workload", help="a Workload JSON (sizes, t_b, forward/update seconds)")
     ap.add_argument("--link", type=_floats, help="hand-built model: GBPS,LATENCY_US per ring hop")

@@ -49,7 +49,7 @@ def train(state):
         size = hvd.size()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         rows = hvd.allgather(flat.unsqueeze(0), name=f"check.{state.step}")
-        steps = hvd.allgather(torch.tensor([opt._hvc_step]), name=f"steps.{state.step}")
+        steps = hvd.allgather(torch.tensor([opt.engine.step]), name=f"steps.{state.step}")
         residual = sum(float(st["residual"].norm()) for st in opt.state_dict()["hvdcompress"]["state"].values()
                        if "residual" in st)
         log.write(json.dumps({"step": state.step, "rank": hvd.rank(), "size": size, "phase": state.phase,

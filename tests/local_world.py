@@ -12,7 +12,9 @@ compared quickly and exactly.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence
+
+from hvdcompress.contract import Allgather, Allreduce, lockstep
 
 
 class _Torch:
@@ -69,45 +71,35 @@ class _TF:
         return [cat] * len(tensors)
 
 
-def _backend(request):
-    return _TF if type(request).__module__.startswith("tf_ops") else _Torch
+def _backend(tensor):
+    return _TF if type(tensor).__module__.startswith("tensorflow") else _Torch
+
+
+def _answer(rounds):
+    """Each rank's results for one round (``hvdcompress.contract.lockstep``'s ``answer``)."""
+    n = len(rounds)
+    assert len({len(x) for x in rounds}) == 1, "ranks disagree on the number of requests"
+    answers = [[] for _ in range(n)]
+    for i in range(len(rounds[0])):
+        backend = _backend(rounds[0][i].tensor)
+        tensors = [rounds[r][i].tensor for r in range(n)]
+        if isinstance(rounds[0][i], Allreduce):  # Flag too: a control value summed with a round
+            out = backend.allreduce(tensors)
+        elif isinstance(rounds[0][i], Allgather):
+            out = backend.allgather(tensors)
+        else:
+            raise TypeError(rounds[0][i])
+        for r in range(n):
+            answers[r].append(out[r])
+    return [tuple(a) for a in answers]
 
 
 def run_lockstep(gens: Sequence) -> tuple:
     """Returns (result per rank, bytes sent per rank)."""
-    n = len(gens)
-    sent = [0] * n
-    results: List = [None] * n
-    inbox: List = [None] * n
-    live = list(range(n))
-    while live:
-        requests = {}
-        for r in live:
-            try:
-                requests[r] = gens[r].send(inbox[r]) if inbox[r] is not None else next(gens[r])
-            except StopIteration as stop:
-                results[r] = stop.value
-        live = [r for r in live if r in requests]
-        if not live:
-            break
-        assert len(live) == n, "ranks disagree on the number of rounds"
-        rounds = [requests[r] for r in range(n)]
-        assert len({len(x) for x in rounds}) == 1, "ranks disagree on the number of requests"
-        backend = _backend(rounds[0][0]) if rounds[0] else _Torch
-        for r in range(n):
-            sent[r] += backend.nbytes(rounds[r])
-        answers = [[] for _ in range(n)]
-        for i in range(len(rounds[0])):
-            kinds = {type(rounds[r][i]).__name__ for r in range(n)}
-            assert len(kinds) == 1, "ranks disagree on the collective"
-            tensors = [rounds[r][i].tensor for r in range(n)]
-            if kinds in ({"Allreduce"}, {"Flag"}):  # Flag: a control value summed with a round
-                out = backend.allreduce(tensors)
-            elif kinds == {"Allgather"}:
-                out = backend.allgather(tensors)
-            else:
-                raise TypeError(kinds)
-            for r in range(n):
-                answers[r].append(out[r])
-        inbox = [tuple(a) for a in answers]
-    return results, sent
+    sent = [0] * len(gens)
+
+    def count(rank, requests):
+        if requests:
+            sent[rank] += _backend(requests[0].tensor).nbytes(requests)
+
+    return lockstep(gens, _answer, count), sent

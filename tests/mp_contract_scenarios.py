@@ -63,6 +63,7 @@ def toy_training() -> dict:
     import horovod.torch as hvd
     import torch
     import hvdcompress.torch as hvc
+    import toy_algorithm.reference_toy  # noqa: F401  (declares the algorithm)
     import toy_algorithm.torch_toy  # noqa: F401  (registers the PyTorch implementation)
     hvd.init()
     try:

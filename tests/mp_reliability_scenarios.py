@@ -83,6 +83,25 @@ def sparse_gradients() -> dict:
         out["bytes"] = opts[0].stats.as_dict()["bytes_per_step"]
         ref, _ = _train(horovods, steps=8)
         out["max_diff_vs_horovod_emb"] = float((model.emb.weight - ref.emb.weight).abs().max())
+        # SparseAdam with sparse_as_dense=True: exchanged dense, given back sparse, as Horovod does
+        def ours_as_dense(model):
+            return [hvc.DistributedOptimizer(torch.optim.SparseAdam([model.emb.weight], lr=0.05),
+                                             named_parameters=[("emb.weight", model.emb.weight)],
+                                             compression="none", sparse_as_dense=True),
+                    hvc.DistributedOptimizer(torch.optim.Adam(model.head.parameters(), lr=0.05),
+                                             named_parameters=list(model.head.named_parameters()),
+                                             compression="none")]
+
+        def horovods_as_dense(model):
+            return [hvd.DistributedOptimizer(torch.optim.SparseAdam([model.emb.weight], lr=0.05),
+                                             named_parameters=[("emb.weight", model.emb.weight)],
+                                             sparse_as_dense=True),
+                    hvd.DistributedOptimizer(torch.optim.Adam(model.head.parameters(), lr=0.05),
+                                             named_parameters=list(model.head.named_parameters()))]
+
+        as_dense, _ = _train(ours_as_dense, steps=4)
+        ref_as_dense, _ = _train(horovods_as_dense, steps=4)
+        out["as_dense_max_diff_vs_horovod"] = float((as_dense.emb.weight - ref_as_dense.emb.weight).abs().max())
         # SGD with sparse gradients, sparse_as_dense=True: densified and compressed
         model2 = _EmbedNet.make()
         opt2 = hvc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1),

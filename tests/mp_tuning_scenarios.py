@@ -56,7 +56,7 @@ def _steps(model, opt, start, stop):
         log.append({"identical": _identical_across_ranks(model), "groups": opt.groups,
                     "switched": opt.groups != groups_before, "state_kept": _same(before, _state(opt)),
                     "residual": float(sum(t.abs().sum() for st in before.values() for t in st.values())),
-                    "tuning": opt._hvc_scheduler.tuning})
+                    "tuning": opt.engine.scheduler.tuning})
     return log
 
 
@@ -71,13 +71,13 @@ def tuned(world) -> dict:
     steps = 16
     log = _steps(model, opt, 0, 6)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    tuning_at_save, groups_at_save = opt._hvc_scheduler.tuning, opt.groups
+    tuning_at_save, groups_at_save = opt.engine.scheduler.tuning, opt.groups
     log += _steps(model, opt, 6, steps)
     # a fresh optimizer resumed from the checkpoint taken while candidates ran
     model2, opt2 = _make(world, _model())
     model2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
-    resumed_at_load = {"tuning": opt2._hvc_scheduler.tuning, "groups": opt2.groups}
+    resumed_at_load = {"tuning": opt2.engine.scheduler.tuning, "groups": opt2.groups}
     log2 = _steps(model2, opt2, 6, steps)
     return {"log": log, "plan": _plan(opt), "groups": opt.groups, "tuning_at_save": tuning_at_save,
             "groups_at_save": groups_at_save, "saved_progress": saved_opt["hvdcompress"]["plan"]["tuning"],

@@ -188,7 +188,7 @@ def run_tf(spec, shape, steps, dtype="float32", scale=None):
     states = [comp.new_state(shape, TF_DTYPES[dtype]) for _ in range(world)]
     for step, grads in enumerate(steps):
         gens = [comp.exchange(tf.cast(tf.constant(g.reshape(-1)), TF_DTYPES[dtype]),
-                              tfc.ExchangeContext(KEY, step, world, scale, s, shape, _epoch(step), None, r))
+                              tfc.ExchangeContext(KEY, step, world, scale, s, shape, _epoch(step), r))
                 for r, (g, s) in enumerate(zip(grads, states))]
         results, sent = run_lockstep(gens)
         yield results, [int(b) for b in sent], [{k: tf.identity(v) for k, v in s.items()} for s in states]

@@ -85,7 +85,7 @@ def run_tf(spec, steps, world, shape, members=(), graph=False):
     def one_step(step, *grads):
         sent = []
         gens = [_tap(comp.exchange(tf.reshape(g, [-1]),
-                                   tfc.ExchangeContext(KEY, step, world, 1.0 / world, st, shape, 0, None, r, members)),
+                                   tfc.ExchangeContext(KEY, step, world, 1.0 / world, st, shape, 0, r, members)),
                      sent, tf.identity)
                 for r, (g, st) in enumerate(zip(grads, states))]
         results, nbytes = run_lockstep(gens)

@@ -29,6 +29,7 @@ def test_sparse_gradients_are_exchanged_sparse_like_horovod(results):
         assert r["horovod_attributes"] == (["emb.weight"], 1, True, 2)  # Horovod's introspection names
         assert r["bytes"] < 50 * 8 * 4  # indices + values of the touched rows, not the dense table
         assert r["max_diff_vs_horovod_emb"] < 1e-6
+        assert r["as_dense_max_diff_vs_horovod"] < 1e-6  # SparseAdam with sparse_as_dense=True works, as in Horovod
 
 
 def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):

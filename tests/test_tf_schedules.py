@@ -103,7 +103,7 @@ def _reference(spec, group_positions, steps, **kw):
     out = []
     for step in steps:
         flats = [tf.concat([tf.reshape(_grads(r, step)[p], [-1]) for p in group_positions], 0) for r in range(WORLD)]
-        gens = [comp.exchange(flats[r], ExchangeContext(key, step, WORLD, 1.0 / WORLD, states[r], shape, 0, density,
+        gens = [comp.exchange(flats[r], ExchangeContext(key, step, WORLD, 1.0 / WORLD, states[r], shape, 0, density=density,
                                                          rank=r, members=members))
                 for r in range(WORLD)]
         results, _ = run_lockstep(gens)

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from hvdcompress.spec import names_with_param
 from hvdcompress.warmup import density_at, warmup_densities
 
 from .compression import GradientCompression
@@ -81,7 +82,7 @@ class SparsityWarmupCallback(tf.keras.callbacks.Callback):
         comp = _compression_of(self, self._given)
         if comp.density is None:
             raise ValueError(f"SparsityWarmupCallback: compression '{comp.compression}' has no density "
-                             "to warm up (use topk, randomk or dgc)")
+                             f"to warm up (use one with a 'ratio': {', '.join(names_with_param('ratio'))})")
         if self._own_schedule():  # checked against the target before the first step
             warmup_densities(comp.compression["ratio"], self.warmup_epochs or 0, self.warmup_schedule)
         elif not comp.compressor.has_schedule:

@@ -1,4 +1,4 @@
-"""Collective requests, and the Horovod driver that carries them out, for TensorFlow.
+"""The Horovod communicator that carries out the contract's collective requests, for TensorFlow.
 
 The compressor contract is the one of ``torch_ops``: an exchange is a generator that *yields* a
 tuple of requests and is *sent* their results.
@@ -22,44 +22,17 @@ threshold sparsifier's payload size is only known when the step runs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Generator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-
-@dataclass(frozen=True)
-class Allreduce:
-    tensor: tf.Tensor
-
-
-@dataclass(frozen=True)
-class Allgather:
-    tensor: tf.Tensor
-
-
-@dataclass(frozen=True)
-class Flag(Allreduce):
-    """A control value summed with a round (the non-finite flag of ``tf_ops.nonfinite``): a
-    4-byte allreduce that ``stats`` does not count as payload."""
-
-
-@dataclass(frozen=True)
-class Alltoall:
-    tensor: tf.Tensor
-    splits: Tuple[int, ...]
-
-
-Request = Any  # Allreduce | Allgather | Alltoall
-Exchange = Generator[Tuple[Request, ...], Tuple[tf.Tensor, ...], tf.Tensor]
+from hvdcompress.contract import Allgather, Allreduce, Alltoall, Exchange, Flag, Request, payload_requests
 
 
 def request_bytes(requests: Sequence[Request]) -> tf.Tensor:
     """Bytes this rank contributes to the collectives of one round (an int64 scalar tensor)."""
     total = tf.constant(0, tf.int64)
-    for r in requests:
-        if isinstance(r, Flag):
-            continue
+    for r in payload_requests(requests):
         total += tf.size(r.tensor, out_type=tf.int64) * r.tensor.dtype.size
     return total
 

@@ -348,8 +348,8 @@ class GradientCompression(tf.Module):
             if prescale != 1.0:
                 x = x * tf.cast(prescale, x.dtype)
             state = group_state(self._compressor, self.slots, self._local.scratch, group, self.name)
-            ctx = ExchangeContext(group.key, step, world_size, scale, state, group.shape, 0, density,
-                                  rank, group.layout)
+            ctx = ExchangeContext(group.key, step, world_size, scale, state, group.shape, 0, rank, group.layout,
+                                  density=density)
             where = f"gradient {group.positions[0]}" if len(group.positions) == 1 else \
                 f"gradients {', '.join(map(str, group.positions))}"
             gens.append(guard(self._compressor.exchange(x, ctx), x, state, restored, where))  # never hidden

@@ -77,8 +77,6 @@ from .compression import GradientCompression
 from .grouping import needs_cost_model
 from .model_check import check_same_model
 
-SHARED_SLOTS = ("q",)  # slots every rank holds identically (PowerSGD's q): synced from rank 0
-
 
 def elastic_mode() -> bool:
     """Running under ``horovodrun`` elastic (Horovod sets HOROVOD_ELASTIC=1 in its workers)."""
@@ -159,7 +157,7 @@ def sync_compression(c: GradientCompression, bcast_object) -> None:
               "epoch_set": bool(c.epoch_set.numpy()),
               "density": None if c._density is None else float(c._density.numpy()),
               "slots": {(i, name): var.numpy() for i, slots in enumerate(c.slots) for name, var in slots.items()
-                        if name in SHARED_SLOTS}}
+                        if name in c.compressor.shared_slots}}
     shared = bcast_object(shared)
     c.step.assign(shared["step"])
     c.epoch.assign(shared["epoch"])

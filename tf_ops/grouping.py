@@ -146,7 +146,7 @@ def cached_cost_model(world_size: int, process_set=None, use_horovod: bool = Tru
             f"cost_model: the schedule needs a cost model, none was given and none is cached for {world_size} "
             f"ranks on hosts {sorted(set(hosts))}{missing}: looked for {cache_path(world_size, hosts)}. "
             "Pass cost_model=hvdcompress.costmodel.CostModel.from_link(world_size, gbit_per_s=..., "
-            "latency_s=...), or profile one on these hosts: horovodrun -np N python -m torch_ops.profiling "
+            "latency_s=...), or profile one on these hosts: horovodrun -np N python -m hvdcompress.bench.profile transport "
             "--compression <spec> (it caches the fit), or use 'layerwise', 'single' or 'size:<MB>'")
     return model
 

@@ -92,39 +92,3 @@ def parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
                                  f"{tuple(p.shape)} that is not in named_parameters)")
             names[p] = by_id[id(p)]
     return names
-
-
-def check_checkpoint(ours, spec, compressor, numel: Dict[str, int]) -> None:
-    """``state_dict()["hvdcompress"]`` of a checkpoint must fit this optimizer (ValueError
-    otherwise, before anything is loaded): the state version, the same compression spec, known
-    parameters, state the compressor accepts, finite values, a plan over the same parameters."""
-    from hvdcompress.spec import CompressionSpec
-
-    from .nonfinite import check_state_finite
-    from .checkpoint import STATE_KEY, STATE_VERSION
-
-    if not isinstance(ours, dict) or ours.get("version") != STATE_VERSION:
-        raise ValueError(f"load_state_dict: state_dict['{STATE_KEY}'] is not hvdcompress state "
-                         f"version {STATE_VERSION}")
-    saved = CompressionSpec.from_dict(ours["compression"])
-    if saved != spec:
-        raise ValueError(f"load_state_dict: the checkpoint was saved with compression '{saved}', "
-                         f"this optimizer uses '{spec}'")
-    unknown = sorted(set(ours["state"]) - set(numel))
-    if unknown:
-        raise ValueError("load_state_dict: the checkpoint holds compression state for parameters this "
-                         f"optimizer does not have: {', '.join(unknown[:5])}")
-    for key, st in ours["state"].items():
-        compressor.check_state(key, st, numel[key])
-        check_state_finite(key, st)
-    delayed = ours.get("delayed") or {}
-    for part in ("velocity", "accumulated", "applied"):  # delayed averaging (torch_ops.delayed)
-        for key, t in (delayed.get(part) or {}).items():
-            check_state_finite(key, {f"delayed {part}": t})
-    for due, corrections in (delayed.get("corrections") or {}).items():
-        for key, t in corrections.items():
-            check_state_finite(key, {f"delayed correction due at step {due}": t})
-    plan = ours.get("plan")
-    if plan is not None and sorted(plan.get("order", ())) != sorted(numel):
-        raise ValueError("load_state_dict: the checkpoint's plan groups other parameters than this "
-                         "optimizer has (a checkpoint of a different model?)")

@@ -1,74 +1,59 @@
-"""The optimizer's own state in ``state_dict()``: what compression keeps between steps.
+"""The format of the optimizer's own state in ``state_dict()``: what compression keeps between steps.
 
-Saved under the key ``"hvdcompress"`` next to the wrapped optimizer's state: the step counter and
-epoch (warm-ups), the compressor's state per parameter name whatever the grouping (residuals,
-DGC's momenta, sketches' errors), the plan in use, delayed averaging's in-flight corrections and
-local terms, and the compressor's global state. Residuals differ per rank, so each rank saves and
-loads its own. Loading checks the saved state against this optimizer (``check_checkpoint``) before
-anything is changed, and restores the plan only when the schedule is the same.
+Saved under the key ``"hvdcompress"`` next to the wrapped optimizer's state (``pack``): the step
+counter and epoch (warm-ups), the compressor's state per parameter name whatever the grouping
+(residuals, DGC's momenta, sketches' errors), the plan in use, the sync policy's state (delayed
+averaging's in-flight corrections and local terms, under ``"delayed"``), and the compressor's
+global state. Residuals differ per rank, so each rank saves and loads its own. ``check`` validates
+saved state against an optimizer before anything is changed; the engine
+(``torch_ops.engine.Engine.state_dict`` / ``load_state_dict``) saves and restores it.
 """
 
 from __future__ import annotations
 
-import warnings
+from typing import Dict, Optional
 
-import torch
+from hvdcompress.spec import CompressionSpec
 
-from .arguments import check_checkpoint
-from .collectives import PendingQueue
+from .nonfinite import check_state_finite
 
 STATE_KEY = "hvdcompress"
 STATE_VERSION = 1
 
 
-def save(opt, sd: dict) -> dict:
-    """``sd`` (the wrapped optimizer's state dict) with our state added under ``STATE_KEY``.
-    Delayed exchanges in flight are completed first and saved as corrections due at their steps,
-    so that resuming is exact."""
-    if opt._hvc_delayed.active and not opt._hvc_launched_now():
-        with torch.no_grad():
-            opt._hvc_complete_in_flight()
-    sd[STATE_KEY] = {
-        "version": STATE_VERSION,
-        "compression": opt._hvc_spec.to_dict(),
-        "step": opt._hvc_step,
-        "epoch": opt._hvc_epoch,
-        "epoch_set": opt._hvc_epoch_set,
-        "state": opt._hvc_param_state(),
-        "plan": opt._hvc_scheduler.plan_dict(),
-        "delayed": opt._hvc_delayed.state() if opt._hvc_delayed.active else None,
-        "compressor": opt._hvc_compressor.global_state(),
-    }
-    return sd
+def pack(*, spec: CompressionSpec, step: int, epoch: int, epoch_set: bool, state: dict, plan: Optional[dict],
+         policy: Optional[dict], compressor) -> dict:
+    """The saved form (a plain dict of tensors and Python values)."""
+    return {"version": STATE_VERSION, "compression": spec.to_dict(), "step": step, "epoch": epoch,
+            "epoch_set": epoch_set, "state": state, "plan": plan, "delayed": policy, "compressor": compressor}
 
 
-def split(opt, state_dict: dict):
-    """(the wrapped optimizer's part, ours or None), ours checked before anything is loaded."""
-    state_dict = dict(state_dict)
-    ours = state_dict.pop(STATE_KEY, None)
-    if ours is not None:
-        check_checkpoint(ours, opt._hvc_spec, opt._hvc_compressor,
-                         {opt._hvc_names[p]: p.numel() for p in opt._hvc_params})
-    return state_dict, ours
-
-
-def load(opt, ours) -> None:
-    """Restore our part (after the wrapped optimizer's own ``load_state_dict``)."""
-    opt._hvc_compressor.after_load(opt.param_groups)
-    if ours is None:
-        warnings.warn("load_state_dict: the state dict has no compression state (saved by a "
-                      "plain optimizer?); residuals start from zero.")
-        return
-    opt._hvc_step = int(ours["step"])
-    opt._hvc_epoch = int(ours["epoch"])
-    opt._hvc_epoch_set = bool(ours.get("epoch_set", True))
-    opt._hvc_compressor.load_global_state(ours.get("compressor"))
-    by_name = opt._hvc_by_name
-    per = {n: {} for n in by_name}
-    per.update({key: {k: t.detach().clone().to(by_name[key].device) for k, t in st.items()}
-                for key, st in ours["state"].items()})
-    groups = opt._hvc_scheduler.restore(ours.get("plan")) or opt.groups  # same schedule: its plan
-    opt._hvc_state = {n: {} for n in by_name}
-    opt._hvc_pending = PendingQueue()
-    opt._hvc_delayed.load(ours.get("delayed"), lambda n: by_name[n].device)
-    opt._hvc_regroup(groups, per)
+def check(ours, spec, compressor, numel: Dict[str, int]) -> None:
+    """``state_dict()["hvdcompress"]`` of a checkpoint must fit this optimizer (ValueError
+    otherwise, before anything is loaded): the state version, the same compression spec, known
+    parameters, state the compressor accepts, finite values, a plan over the same parameters."""
+    if not isinstance(ours, dict) or ours.get("version") != STATE_VERSION:
+        raise ValueError(f"load_state_dict: state_dict['{STATE_KEY}'] is not hvdcompress state "
+                         f"version {STATE_VERSION}")
+    saved = CompressionSpec.from_dict(ours["compression"])
+    if saved != spec:
+        raise ValueError(f"load_state_dict: the checkpoint was saved with compression '{saved}', "
+                         f"this optimizer uses '{spec}'")
+    unknown = sorted(set(ours["state"]) - set(numel))
+    if unknown:
+        raise ValueError("load_state_dict: the checkpoint holds compression state for parameters this "
+                         f"optimizer does not have: {', '.join(unknown[:5])}")
+    for key, st in ours["state"].items():
+        compressor.check_state(key, st, numel[key])
+        check_state_finite(key, st)
+    delayed = ours.get("delayed") or {}
+    for part in ("velocity", "accumulated", "applied"):  # delayed averaging (torch_ops.delayed)
+        for key, t in (delayed.get(part) or {}).items():
+            check_state_finite(key, {f"delayed {part}": t})
+    for due, corrections in (delayed.get("corrections") or {}).items():
+        for key, t in corrections.items():
+            check_state_finite(key, {f"delayed correction due at step {due}": t})
+    plan = ours.get("plan")
+    if plan is not None and sorted(plan.get("order", ())) != sorted(numel):
+        raise ValueError("load_state_dict: the checkpoint's plan groups other parameters than this "
+                         "optimizer has (a checkpoint of a different model?)")

@@ -1,7 +1,7 @@
-"""Collective requests, and the Horovod driver that carries them out.
+"""The Horovod communicator that carries out the contract's collective requests.
 
-The compressor contract (see ``torch_ops.compressors.base``) keeps compressors free of Horovod:
-an exchange is a generator that *yields* a tuple of requests and is *sent* their results.
+The compressor contract (``hvdcompress.contract``) keeps compressors free of Horovod: an exchange
+is a generator that *yields* a tuple of requests and is *sent* their results.
 
     Allreduce(t)        -- sum ``t`` over all ranks, in place; the result is ``t`` itself.
     Allgather(t)        -- concatenate every rank's ``t`` along dim 0, in rank order; sizes may
@@ -21,41 +21,16 @@ across hooks and steps, advancing them by polling.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-
-@dataclass(frozen=True)
-class Allreduce:
-    tensor: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Allgather:
-    tensor: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Flag(Allreduce):
-    """A control value summed with a round (the non-finite count of ``torch_ops.nonfinite``): a
-    4-byte allreduce that ``opt.stats`` does not count as payload."""
-
-
-@dataclass(frozen=True)
-class Alltoall:
-    tensor: torch.Tensor
-    splits: Tuple[int, ...]  # rows of ``tensor`` for each rank, in rank order
-
-
-Request = Any  # Allreduce | Allgather | Alltoall
-Exchange = Generator[Tuple[Request, ...], Tuple[torch.Tensor, ...], torch.Tensor]
+from hvdcompress.contract import Allgather, Allreduce, Alltoall, Exchange, Flag, Request, payload_requests
 
 
 def request_bytes(requests: Sequence[Request]) -> int:
     """Bytes this rank contributes to the collectives of one round."""
-    return sum(r.tensor.numel() * r.tensor.element_size() for r in requests if not isinstance(r, Flag))
+    return sum(r.tensor.numel() * r.tensor.element_size() for r in payload_requests(requests))
 
 
 class Communicator:
@@ -152,10 +127,11 @@ HorovodDriver = Communicator  # the name used before the communicator also carri
 
 
 class PendingExchange:
-    """One exchange in flight: its generator, the current round's handles, and its byte count."""
+    """One exchange in flight: its generator, the current round's handles, its byte count, and
+    (``apply``) what to do with its result when it is written back."""
 
     __slots__ = ("gen", "name", "driver", "handles", "round", "bytes_sent", "result", "compute_seconds",
-                 "first_seconds")
+                 "first_seconds", "apply")
 
     def __init__(self, gen: Exchange, name: str, driver: Communicator):
         self.gen, self.name, self.driver = gen, name, driver
@@ -164,6 +140,7 @@ class PendingExchange:
         self.bytes_sent = 0
         self.compute_seconds = 0.0  # time spent in the exchange's own code (compress, decompress)
         self.result: Optional[torch.Tensor] = None
+        self.apply = None  # where the result goes when written back (set by whoever launched it)
         self._advance(None)
         self.first_seconds = self.compute_seconds  # the compress step, before the first round
 

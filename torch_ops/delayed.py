@@ -32,9 +32,9 @@ the worker applies on its own, and what the correction takes back out) is in the
   is a velocity too, from a local momentum buffer of this worker's gradients,
   ``u_j <- m*u_j + g_i,j; L_i,j = u_j`` (Nesterov: ``L_i,j = g_i,j + m*u_j``), saved with the
   checkpoint. The local steps then move like local momentum SGD, and the correction swaps them for
-  the exchanged velocity D steps later. (With L = g, the first version, the local steps had no
-  momentum while the delayed result had all of it: measured on digits, DGC 0.1% with D=4 fell from
-  0.979 to 0.491 test accuracy.) The compressor's own memories (u, v, masking) are untouched.
+  the exchanged velocity D steps later (with L = g the local steps would have no momentum while
+  the delayed result has all of it, and training degrades badly). The compressor's own memories
+  (u, v, masking) are untouched.
 
 With temporal sparsity, the exchange input is the sum of the K raw local gradients, and the local
 term the sum of the K local terms applied. Over a run, the sum of every step's ``d`` equals the
@@ -74,13 +74,14 @@ import torch
 
 from hvdcompress.delay import check_delay, check_sync_every
 
-from .grouping import Group, scatter
+from .grouping import Group, flatten
 from .nonfinite import count_nonfinite
+from .policy import SyncPolicy
 
 
-class DelayedAveraging:
-    """The bookkeeping of delayed and temporally sparse exchanges (module doc); the optimizer
-    owns the exchanges, this owns what is applied when."""
+class DelayedAveraging(SyncPolicy):
+    """The sync policy of delayed and temporally sparse exchanges (module doc): the engine owns
+    the exchanges, this owns what each sends and what is applied when."""
 
     def __init__(self, delay: int, sync_every: int, local_factor: float,
                  momentum: Optional[Tuple[float, bool]] = None):
@@ -99,6 +100,70 @@ class DelayedAveraging:
     @property
     def active(self) -> bool:
         return self.delay > 0 or self.every > 1
+
+    # -- the policy interface (torch_ops.policy) ---------------------------------------------------
+    def exchange_input(self, engine, gi: int, group: Group, grads: List[torch.Tensor]) -> Tuple[torch.Tensor, str]:
+        """The exchange gets its own copy (the local gradient stays in ``.grad``): the step's
+        gradient plus what temporal sparsity accumulated; its local term is remembered for the
+        correction. Named by step slot, unique among the exchanges in flight."""
+        local = self.local_term(group, flatten(grads))
+        self.remember(engine.step, gi, group, self.applied_term(group, grads, local))
+        x = local * engine.prescale if engine.prescale != 1.0 else local.clone()
+        return x, f"hvc.{group.key}.s{engine.step % self.slots()}"
+
+    def write_back(self, engine, step: int, pending: Dict, exchanging: bool) -> None:
+        for key, ex in pending.items():
+            self.completed(key, ex.result)
+        if not exchanging:  # temporal sparsity: a local step; its gradient joins the next exchange
+            for name, p in engine.by_name.items():
+                self.accumulate(name, p.grad)
+        self.apply(step, engine.by_name)
+
+    def complete_in_flight(self, engine) -> None:
+        """Wait for every exchange in flight; their corrections stay due at their steps
+        (checkpoints and regrouping need no exchange in flight)."""
+        for key, ex in engine.pending.finish(None).items():
+            self.completed(key, ex.result)
+
+    def flush(self, engine, optimizer, wrapped_step) -> None:
+        """Make the replicas identical, on every rank between steps:
+
+        1. wait for every exchange in flight (their corrections ``R - L`` become due);
+        2. temporal sparsity: exchange the accumulated local gradients (zero gradients, so the
+           launch's local term is what was accumulated) and wait for that too;
+        3. apply all the due corrections as one step of the wrapped optimizer (the compressor's
+           ``before_step`` first, as in any step);
+        4. average the parameters and the optimizer's per-parameter state over the ranks
+           (``average_over_ranks``): what the corrections cannot make equal (the optimizer's own
+           nonlinear state, rounding) is equal afterwards, bit for bit.
+        """
+        if not self.active:
+            return
+        if engine.launched_now():
+            raise AssertionError("optimizer.flush() was called between backward() and step(); call it between steps")
+        by_name = engine.by_name
+        with torch.no_grad():
+            self.complete_in_flight(engine)
+            if self.accumulated:
+                self.flushing = True
+                for gi, group in enumerate(engine.groups):
+                    for name in group.names:
+                        if by_name[name].grad is None:
+                            by_name[name].grad = torch.zeros_like(by_name[name])
+                        by_name[name].grad.zero_()
+                    engine.launch(gi)
+                self.flushing = False
+                for (s, gi), ex in engine.pending.finish(None).items():
+                    self.completed((s, gi), ex.result, due_step=s)
+            corrections = self.pending_corrections()
+            for name, p in by_name.items():
+                c = corrections.get(name)
+                p.grad = c.view_as(p).clone() if c is not None else torch.zeros_like(p)
+            engine.compressor.before_step(optimizer.param_groups, optimizer.state)
+        wrapped_step()
+        average_over_ranks(engine.comm, engine.params, optimizer.state, "hvc.flush")
+        for p in engine.params:
+            p.grad = None
 
     def exchanges_at(self, step: int) -> bool:
         """Whether step ``step`` launches exchanges (every K-th step)."""
@@ -242,4 +307,4 @@ def average_over_ranks(comm, params: List[torch.Tensor], optimizer_state, name: 
                     comm.allreduce_(t, f"{name}.p{i}.{k}", average=True)
 
 
-__all__ = ["DelayedAveraging", "average_over_ranks", "check_delay", "check_sync_every", "scatter"]
+__all__ = ["DelayedAveraging", "average_over_ranks", "check_delay", "check_sync_every"]

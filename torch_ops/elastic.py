@@ -47,8 +47,6 @@ import os
 
 import torch
 
-from .collectives import PendingQueue
-from .scheduling import Scheduler, StepClock
 
 
 def elastic_mode() -> bool:
@@ -57,44 +55,21 @@ def elastic_mode() -> bool:
 
 
 def is_compressed(optimizer) -> bool:
-    return hasattr(optimizer, "_hvc_compressor")
+    """An hvdcompress optimizer (it has an exchange engine)."""
+    return hasattr(optimizer, "engine") and hasattr(optimizer.engine, "sync_from_root")
 
 
 def after_reinit(opt) -> None:
     """Local part of a reset (no collective): drop what belonged to the old Horovod, follow the
-    new world size, start the scheduler over. Idempotent."""
-    import horovod.torch as hvd
-
-    opt._hvc_pending = PendingQueue()
-    opt._hvc_sparse_keys = set()
-    world = opt._hvc_driver.size()
-    average = opt.op == hvd.Average
-    opt._hvc_scale = opt.gradient_predivide_factor / world if average else 1.0
-    old = opt._hvc_scheduler
-    opt._hvc_scheduler = Scheduler(old.schedule if isinstance(old.schedule, list) else old.text, old.spec,
-                                   old.cost_model if old.world == world else None, old.profile_steps, old.sizes,
-                                   world, opt._hvc_driver)
-    opt._hvc_world = world
-    opt._hvc_passes_left = {p: opt._hvc_passes for p in opt._hvc_params}
-    opt._synchronized = False
-    opt._hvc_clock = StepClock(None)
-    opt._hvc_regroup([[n] for n in opt._hvc_by_name])  # layerwise until the new plan; state carried per parameter
+    new world size, start the scheduler over (``Engine.reset``). Idempotent."""
+    opt.engine.reset()
 
 
 def sync(opt) -> None:
     """Collective part (every rank, new ones included): the same model everywhere, rank 0's exchange
-    counter, epoch and compressor global state; each rank's own compression state is kept."""
-    from .arguments import check_same_model
-
-    after_reinit(opt)
-    comm = opt._hvc_driver
-    if opt._hvc_world > 1:
-        check_same_model(comm, opt._hvc_by_name)
-    shared = comm.broadcast_object({"step": opt._hvc_step, "epoch": opt._hvc_epoch,
-                                    "epoch_set": opt._hvc_epoch_set,
-                                    "compressor": opt._hvc_compressor.global_state()}, "hvc.elastic.sync")
-    opt._hvc_step, opt._hvc_epoch, opt._hvc_epoch_set = shared["step"], shared["epoch"], shared["epoch_set"]
-    opt._hvc_compressor.load_global_state(shared["compressor"])
+    counter, epoch and compressor global state (``Engine.sync_from_root``); each rank's own
+    compression state is kept; the wrapped optimizer's state from rank 0."""
+    opt.engine.sync_from_root()
     _broadcast_wrapped_state(opt)
 
 
@@ -133,7 +108,7 @@ def make_torch_state():
         def __init__(self, model=None, optimizer=None, **kwargs):
             optimizers = [v for v in [optimizer, *kwargs.values()] if is_compressed(v)]
             for opt in optimizers:
-                if opt._hvc_delayed.active:
+                if opt.engine.policy.active:
                     raise ValueError("optimizer: delayed averaging (delay/sync_every) keeps corrections of exchanges "
                                      "among the current ranks and cannot follow an elastic reset; use delay=0, "
                                      "sync_every=1 with elastic training")

@@ -16,15 +16,12 @@ Every rank ends with the *same* numbers: times are averaged over ranks with an a
 parameter order of rank 0 is broadcast, so every rank builds the same plan (a plan that differed
 between ranks would pair different collectives). Call these on every rank.
 
-From a shell (writes the fitted model to the cache, and to --out)::
-
-    horovodrun -np 2 -H localhost:2 --gloo python -m torch_ops.profiling \\
-        --compression topk:ratio=0.01 --compression none --model deep --out profile.json
+From a shell: ``python -m hvdcompress.bench.profile transport`` (writes the fitted model to the
+cache, and to --out).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import statistics
@@ -34,7 +31,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from hvdcompress.costmodel import CostModel, cache_path, describe, fit_compute, fit_cost_model
+from hvdcompress.costmodel import CostModel, fit_compute, fit_cost_model
 from hvdcompress.planner import Workload
 from hvdcompress.spec import resolve
 
@@ -347,55 +344,3 @@ def load_or_profile(specs: Iterable = ("none",), max_bytes: Optional[float] = No
     if kwargs.get("save", True) and _host_leader(names, comm):
         model.save()
     return model
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torch_ops.profiling",
-                                 description="Profile collectives, compression and (optionally) a model's "
-                                             "backward pass under horovodrun; fit and cache the cost model.")
-    ap.add_argument("--compression", action="append", default=None,
-                    help="compressor spec to time (repeatable; default: none and topk:ratio=0.01)")
-    ap.add_argument("--model", default=None, help="also profile this benchmark model's backward pass "
-                    "(hvdcompress.bench.torch_models: e.g. deep, mlp, vgg)")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--max-mib", type=float, default=16.0, help="largest collective timed, MiB per rank")
-    ap.add_argument("--out", default=None, help="write {cost_model, workload, plans} JSON here (rank 0)")
-    args = ap.parse_args(argv)
-
-    import horovod.torch as hvd
-    hvd.init()
-    specs = args.compression or ["none", "topk:ratio=0.01"]
-    comm_bytes = [b for b in DEFAULT_COMM_BYTES if b <= args.max_mib * (1 << 20)] or [DEFAULT_COMM_BYTES[0]]
-    model = profile_cost_model(specs, comm_bytes=comm_bytes, repeats=args.repeats)
-    report = {"cost_model": model.to_dict(), "cache": cache_path(model.world_size, model.hosts)}
-    if args.model:
-        from hvdcompress.bench import torch_models
-        net = torch_models.build(args.model)
-        x, y = torch_models.synthetic_batch(args.batch_size, seed=hvd.rank())
-        sgd = torch.optim.SGD(net.parameters(), lr=0.01)
-        workload = profile_workload(net, lambda: torch.nn.functional.cross_entropy(net(x), y),
-                                    optimizer=sgd)
-        report["workload"] = workload.to_dict()
-        report["plans"] = {}
-        for spec in specs:
-            for sched in ("layerwise", "single", "size:64", "auto"):
-                plan = workload.plan(sched, model, spec)
-                report["plans"][f"{resolve(spec)} {sched}"] = {
-                    "schedule": plan.schedule, "groups": len(plan.groups),
-                    "predicted_seconds": plan.predicted_seconds}
-    if hvd.rank() == 0:
-        print(describe(model))
-        print(f"cached at {report['cache']}")
-        for name, p in report.get("plans", {}).items():
-            print(f"  predicted step {name:>40}: {p['predicted_seconds'] * 1e3:8.2f} ms "
-                  f"({p['groups']} groups, {p['schedule']})")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
-    hvd.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

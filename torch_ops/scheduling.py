@@ -154,6 +154,14 @@ class Scheduler:
         self._calibrated: Optional[CostModel] = None  # the model the plan was made with (_calibrate)
         self._step_seconds = 0.0
 
+    def restarted(self, world_size: int) -> "Scheduler":
+        """A scheduler for the same schedule starting over on ``world_size`` ranks (Horovod Elastic
+        reset): the cost model is kept only for the same world size, and the plan is made anew
+        without measured validation (the candidates would be timed on a changing set of ranks)."""
+        return Scheduler(self.schedule if isinstance(self.schedule, list) else self.text, self.spec,
+                         self.cost_model if self.world == world_size else None, self.profile_steps, self.sizes,
+                         world_size, self.comm)
+
     @property
     def text(self) -> str:
         """The schedule as given: its string, or "explicit" for explicit groups."""

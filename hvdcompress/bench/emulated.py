@@ -11,7 +11,7 @@ other threads and processes), as long as a profile says the layer takes on the a
 A *profile* (JSON) lists the layers in forward order, each with its parameter shapes and its
 forward and backward seconds (:func:`load_profile`; shipped ones in ``hvdcompress/bench/profiles``,
 named by file stem, e.g. ``resnet50-v100``). :func:`record_profile` /
-``python -m hvdcompress.bench.emulated record`` writes one from a user's own model, timed on the
+``python -m hvdcompress.bench.profile emulation record`` writes one from a user's own model, timed on the
 user's machine.
 
 Gradients are deterministic: a layer's backward returns, for every parameter, a fixed seeded
@@ -42,7 +42,6 @@ start-up costs are unchanged. ``scale=1``: full-size tensors, compression at rea
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -318,54 +317,3 @@ def tracing_driver(base_cls):
             self._trace_init()
     Traced.__name__ = "Tracing" + base_cls.__name__
     return Traced
-
-
-# -- command line ------------------------------------------------------------------------------------
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hvdcompress.bench.emulated",
-                                 description="Emulation profiles: list the shipped ones, show one, or record "
-                                             "one from a model on this machine.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="shipped profiles")
-    show = sub.add_parser("show", help="a profile's totals")
-    show.add_argument("profile")
-    rec = sub.add_parser("record", help="time a model here and write its profile (single process)")
-    rec.add_argument("--model", default="deep", help="an hvdcompress.bench.torch_models model, or "
-                     "module:function returning an nn.Module that takes (batch, 3, 32, 32) inputs")
-    rec.add_argument("--batch", type=int, default=32)
-    rec.add_argument("--iters", type=int, default=5)
-    rec.add_argument("--threads", type=int, default=1)
-    rec.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    if args.cmd == "list":
-        print("\n".join(shipped()))
-        return 0
-    if args.cmd == "show":
-        p = load_profile(args.profile)
-        n = sum(math.prod(s) for l in p["layers"] for s in l["params"].values())
-        print(f"{p['name']}: {len(p['layers'])} layers, {n / 1e6:.2f}M parameters, batch {p['batch']}, "
-              f"forward {sum(l['forward_s'] for l in p['layers']) * 1e3:.1f} ms, backward "
-              f"{sum(l['backward_s'] for l in p['layers']) * 1e3:.1f} ms; {p.get('source', '')}")
-        return 0
-    torch.set_num_threads(args.threads)
-    from . import torch_models
-    if ":" in args.model:
-        import importlib
-        mod, fn = args.model.split(":", 1)
-        model = getattr(importlib.import_module(mod), fn)()
-    else:
-        model = torch_models.build(args.model)
-    x, y = torch_models.synthetic_batch(args.batch, seed=1)
-    prof = record_profile(model, lambda: nn.functional.cross_entropy(model(x), y), iters=args.iters,
-                          name=os.path.splitext(os.path.basename(args.out))[0], batch=args.batch,
-                          note=f"model {args.model}, batch {args.batch}, {args.threads} torch thread(s)")
-    with open(args.out, "w") as f:
-        json.dump(prof, f, indent=1)
-        f.write("\n")
-    print(f"wrote {args.out}: {len(prof['layers'])} layers, forward {prof['forward_s_total'] * 1e3:.1f} ms, "
-          f"backward {prof['backward_s_total'] * 1e3:.1f} ms")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

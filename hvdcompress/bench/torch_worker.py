@@ -121,14 +121,14 @@ class Phase:
         """One untimed step with the driver tracing: per tensor the gradient hook's entry and exit,
         per round of collectives its launch and completion (a polling thread), synchronize and
         update -- seconds from the first hook (the predicted timeline's time 0)."""
-        driver = self.opt._hvc_driver
+        driver = self.opt.engine.comm
         driver.start_trace()
         start = time.perf_counter()
         self.opt.zero_grad()
         loss = F.cross_entropy(self.model(self.x), self.y)
         bwd = time.perf_counter()
         loss.backward()
-        clock = self.opt._hvc_clock  # this step's readings (bench side: read, never changed)
+        clock = self.opt.engine.clock  # this step's readings (bench side: read, never changed)
         self.opt.step()
         end = time.perf_counter()
         rounds = driver.stop_trace()
@@ -138,8 +138,8 @@ class Phase:
             "step_start": rel(start), "backward_call": rel(bwd), "step_end": rel(end),
             "hooks": [[n, rel(a), rel(b)] for n, a, b in clock.hooks],
             "rounds": {k: [rel(a), rel(b)] for k, (a, b) in rounds.items()},
-            "group_keys": [f"hvc.{g.key}" for g in self.opt._hvc_groups],
-            "groups": [list(g.names) for g in self.opt._hvc_groups],
+            "group_keys": [f"hvc.{g.key}" for g in self.opt.engine.groups],
+            "groups": [list(g.names) for g in self.opt.engine.groups],
             "synchronize": [rel(clock.sync[0]), rel(clock.sync[1])],
             "update": [rel(clock.update[0]), rel(clock.update[1])]})
 
@@ -219,7 +219,7 @@ def plan_figures(opt) -> Optional[dict]:
                          "candidates": [{"label": c["label"], "groups": len(c["groups"]),
                                          "predicted_seconds": c["predicted_seconds"]} for c in t["candidates"]],
                          "medians_seconds": t["medians_seconds"]}
-    calibration = getattr(getattr(opt, "_hvc_scheduler", None), "calibration", None)
+    calibration = getattr(getattr(getattr(opt, "engine", None), "scheduler", None), "calibration", None)
     if calibration:
         out["calibration"] = dict(calibration)
     if opt.workload is not None:
@@ -249,7 +249,7 @@ def cost_model_for(cfg: dict, hvd):
 
 def _validating(phase) -> bool:
     """The phase's optimizer is still measuring candidate plans (``tune_steps``)."""
-    scheduler = getattr(phase.opt, "_hvc_scheduler", None)
+    scheduler = getattr(getattr(phase.opt, "engine", None), "scheduler", None)
     return bool(scheduler is not None and (scheduler.tuning or scheduler.tune_steps and scheduler.needs_model
                                            and scheduler.plan is None))
 

@@ -46,7 +46,8 @@ from ..spec import GATHERED, RATIO_RANGE, CompressionSpec, Param, num_selected, 
 from ..warmup import density_at
 from ..wire import sparse_gathered
 from ..clipping import CLIP_SCOPES, clip_coefficient
-from .oracle import Allgather, Allreduce, Member, Oracle, OracleContext, simulate
+from ..contract import Allgather, Allreduce, ExchangeContext
+from .oracle import Oracle, simulate
 from .selection import topk_indices
 
 F32 = np.float32
@@ -77,7 +78,7 @@ def sum_of_squares(g: np.ndarray) -> float:
     return float(np.sum(np.asarray(g, dtype=np.float64) ** 2))
 
 
-def _clip(g: np.ndarray, p: Dict[str, Any], ctx: OracleContext) -> np.ndarray:
+def _clip(g: np.ndarray, p: Dict[str, Any], ctx: ExchangeContext) -> np.ndarray:
     """Local clipping (the module doc): per member tensor, or by the previous step's global norm."""
     if p["clip_norm"] is None:
         return g
@@ -85,7 +86,7 @@ def _clip(g: np.ndarray, p: Dict[str, Any], ctx: OracleContext) -> np.ndarray:
         coef = clip_coefficient(ctx.state.get("global_norm"), p["clip_norm"], ctx.world_size)
         return g if coef is None else g * F32(coef)
     out = g
-    for m in ctx.members or (Member(ctx.key, tuple(ctx.shape), 0),):
+    for m in ctx.member_list():
         part = g[m.offset:m.offset + m.numel]
         coef = clip_coefficient(math.sqrt(sum_of_squares(part)), p["clip_norm"], ctx.world_size)
         if coef is not None:
@@ -123,7 +124,7 @@ class DGCOracle(Oracle):
 
     name = "dgc"
 
-    def exchange(self, x, ctx: OracleContext):
+    def exchange(self, x, ctx: ExchangeContext):
         p = self.spec.params
         world = ctx.world_size
         scale = F32(ctx.scale)

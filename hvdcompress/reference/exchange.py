@@ -12,11 +12,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..spec import CompressionSpec
-from .oracle import OracleContext, oracle_for, simulate
+from ..contract import ExchangeContext
+from .oracle import oracle_for, simulate
 
 
-def _ctx(key: str, step: int, numel: int) -> OracleContext:
-    return OracleContext(key, step, 1, 1.0, {}, (numel,))
+def _ctx(key: str, step: int, numel: int) -> ExchangeContext:
+    return ExchangeContext(key, step, 1, 1.0, {}, (numel,))
 
 
 def reference_payload(spec: CompressionSpec, a: np.ndarray, key: str = "", step: int = 0) -> Dict[str, np.ndarray]:

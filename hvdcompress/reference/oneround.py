@@ -16,7 +16,8 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from .oracle import Allgather, Allreduce, Oracle, OracleContext
+from ..contract import Allgather, Allreduce, ExchangeContext
+from .oracle import Oracle
 
 
 class OneRoundOracle(Oracle):
@@ -24,15 +25,15 @@ class OneRoundOracle(Oracle):
     fields: Tuple[str, ...] = ()  # the payload dict's keys, in wire order
 
     @abstractmethod
-    def payload(self, a: np.ndarray, ctx: OracleContext) -> Dict[str, np.ndarray]:
+    def payload(self, a: np.ndarray, ctx: ExchangeContext) -> Dict[str, np.ndarray]:
         """What this rank puts on the wire for the compensated ``a``, by field name."""
 
     @abstractmethod
-    def decompress(self, payload: Dict[str, np.ndarray], numel: int, dtype, ctx: OracleContext) -> np.ndarray:
+    def decompress(self, payload: Dict[str, np.ndarray], numel: int, dtype, ctx: ExchangeContext) -> np.ndarray:
         """The dense tensor this rank's own payload stands for."""
 
     @abstractmethod
-    def aggregate(self, results, numel: int, dtype, ctx: OracleContext) -> np.ndarray:
+    def aggregate(self, results, numel: int, dtype, ctx: ExchangeContext) -> np.ndarray:
         """The collective results -> the dense sum over ranks."""
 
     def exchange(self, x, ctx):

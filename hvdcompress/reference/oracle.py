@@ -19,96 +19,47 @@ for 3 ranks; 2 ranks are exact).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
+from abc import abstractmethod
+from typing import Dict, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..contract import (Allgather, Allreduce, Alltoall, ExchangeContext, Flag, Member, Registered, discover,
+                        lockstep)
 from ..spec import CompressionSpec, resolve
-
-
-@dataclass(frozen=True)
-class Allreduce:
-    tensor: np.ndarray
-
-
-@dataclass(frozen=True)
-class Allgather:
-    tensor: np.ndarray
-
-
-@dataclass(frozen=True)
-class Alltoall:
-    tensor: np.ndarray
-    splits: Tuple[int, ...]  # rows sent to each rank, in rank order
-
-
-@dataclass(frozen=True)
-class Member:
-    """One tensor of a (possibly merged) exchange: name, original shape, offset in the flat buffer."""
-
-    name: str
-    shape: Tuple[int, ...]
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
-
-
-@dataclass
-class OracleContext:
-    """What an oracle exchange may know besides the tensor (as the backends' ExchangeContext)."""
-
-    key: str
-    step: int
-    world_size: int
-    scale: float
-    state: Dict[str, np.ndarray] = field(default_factory=dict)
-    shape: Tuple[int, ...] = ()
-    epoch: int = 0
-    rank: int = 0
-    members: Tuple[Member, ...] = ()
-
 
 ORACLES: Dict[str, type] = {}
 
 
-class Oracle(ABC):
+class Oracle(Registered):
     """Base of the numpy oracles; subclasses set ``name`` and define ``exchange``."""
 
-    name: Optional[str] = None
-
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        if cls.__dict__.get("name"):
-            ORACLES[cls.name] = cls
+    registry = ORACLES
 
     def __init__(self, spec: CompressionSpec):
         self.spec = spec
 
     @abstractmethod
-    def exchange(self, x: np.ndarray, ctx: OracleContext) -> Generator:
+    def exchange(self, x: np.ndarray, ctx: ExchangeContext) -> Generator:
         """One rank's exchange: yields rounds of requests, returns the dense result (module doc)."""
 
 
 def oracle_for(spec) -> Oracle:
     spec = resolve(spec)
     if spec.name not in ORACLES:
+        discover("hvdcompress.reference")
+    if spec.name not in ORACLES:
         raise ValueError(f"reference: no numpy oracle for compressor {spec.name!r}")
     return ORACLES[spec.name](spec)
 
 
-def _answer(requests_per_rank: List[Tuple[Any, ...]]) -> List[Tuple[np.ndarray, ...]]:
+def answer_round(requests_per_rank: List[Tuple[object, ...]]) -> List[Tuple[np.ndarray, ...]]:
+    """Each rank's results for one round, as the collectives define them (module doc)."""
     world = len(requests_per_rank)
-    kinds = [tuple(type(r).__name__ for r in reqs) for reqs in requests_per_rank]
-    if len(set(kinds)) != 1:
-        raise AssertionError(f"simulate: ranks yielded different rounds {kinds}: a real run would hang")
     answers: List[List[np.ndarray]] = [[] for _ in range(world)]
     for i, req in enumerate(requests_per_rank[0]):
         parts = [np.asarray(reqs[i].tensor) for reqs in requests_per_rank]
-        if isinstance(req, Allreduce):
+        if isinstance(req, (Allreduce, Flag)):
             total = parts[0].copy()
             for p in parts[1:]:
                 total = (total + p).astype(parts[0].dtype)
@@ -144,27 +95,14 @@ def simulate(spec, grads: Sequence[np.ndarray], states: Optional[List[Dict[str, 
     flat = [np.asarray(g).reshape(-1) for g in grads]
     shape = tuple(shape) if shape is not None else tuple(np.asarray(grads[0]).shape)
     members = tuple(members) or (Member(key, shape, 0),)
-    gens = [oracle_for(spec).exchange(x, OracleContext(key, step, world, scale, st, shape, epoch, r, members))
+    gens = [oracle_for(spec).exchange(x, ExchangeContext(key, step, world, scale, st, shape, epoch, r, members))
             for r, (x, st) in enumerate(zip(flat, states))]
     sent: List[List[Tuple[np.ndarray, ...]]] = [[] for _ in range(world)]
-    answers: Optional[List[Tuple[np.ndarray, ...]]] = None
-    results: List[Optional[np.ndarray]] = [None] * world
-    while True:
-        requests, finished = [], 0
-        for r, gen in enumerate(gens):
-            try:
-                reqs = next(gen) if answers is None else gen.send(answers[r])
-            except StopIteration as stop:
-                results[r] = stop.value
-                finished += 1
-                continue
-            requests.append(tuple(reqs))
-            sent[r].append(tuple(np.asarray(q.tensor) for q in reqs))
-        if finished:
-            if finished != world:
-                raise AssertionError("simulate: some ranks finished while others yielded another round")
-            break
-        answers = _answer(requests)
+
+    def keep(rank, requests):
+        sent[rank].append(tuple(np.asarray(q.tensor) for q in requests))
+
+    results = lockstep(gens, answer_round, keep)
     for r in range(1, world):
         if not np.array_equal(results[r], results[0], equal_nan=True):
             raise AssertionError(f"simulate: rank {r} ended with another result than rank 0")

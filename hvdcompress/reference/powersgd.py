@@ -32,7 +32,8 @@ import numpy as np
 
 from ..rng import uniform
 from ..spec import SUMMED, LAYERWISE, Param, Round, register, residual_param
-from .oracle import Allreduce, Oracle, OracleContext
+from ..contract import Allreduce, ExchangeContext
+from .oracle import Oracle
 
 F32 = np.float32
 
@@ -68,7 +69,9 @@ register("powersgd", SUMMED, "PowerSGD: rank-r factors P, Q of each matrix by on
          "(warm-started Q, Gram-Schmidt on P, error feedback), two allreduces; 1-D tensors dense",
          Param("rank", int, 2, "rank r of the approximation", low=1, high=2 ** 16),
          Param("seed", int, 0, "seed of the initial Q (the same on every rank)", low=0, high=2 ** 32 - 1),
-         residual_param(True), wire=_wire, merge=LAYERWISE)
+         residual_param(True), wire=_wire, merge=LAYERWISE,
+         horovod_refusal="it needs two allreduce rounds (P, then Q) and state (Q, the residual); Horovod's "
+                         "protocol has one allreduce and no state")
 
 
 def orthogonalize(p: np.ndarray) -> np.ndarray:
@@ -90,7 +93,7 @@ def initial_q(m: int, rank: int, seed: int, step: int, key: str) -> np.ndarray:
 class PowerSGDOracle(Oracle):
     name = "powersgd"
 
-    def exchange(self, x, ctx: OracleContext):
+    def exchange(self, x, ctx: ExchangeContext):
         p = self.spec.params
         r = p["rank"]
         x = np.asarray(x, dtype=F32).reshape(-1)

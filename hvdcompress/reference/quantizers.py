@@ -48,7 +48,7 @@ from ..packing import bits_for_levels, pack, packed_size, unpack
 from ..rng import uniform
 from ..spec import GATHERED, PER_MEMBER, Param, Round, register, residual_param
 from .oneround import OneRoundOracle
-from .oracle import Allgather
+from ..contract import Allgather
 
 F32 = np.float32
 SCALE_BYTES = 4

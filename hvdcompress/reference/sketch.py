@@ -40,7 +40,8 @@ import numpy as np
 from ..hashing import MAX_COLS, cells, row_keys
 from ..spec import RATIO_RANGE, SUMMED, Param, Round, num_selected, register
 from ..wire import selected
-from .oracle import Allreduce, Oracle, OracleContext
+from ..contract import Allreduce, ExchangeContext
+from .oracle import Oracle
 from .selection import topk_indices
 
 F32 = np.float32
@@ -116,7 +117,7 @@ class SketchOracle(Oracle):
 
     name = "sketch"
 
-    def exchange(self, x, ctx: OracleContext):
+    def exchange(self, x, ctx: ExchangeContext):
         p = self.spec.params
         g = np.asarray(x).reshape(-1)
         st = ctx.state
@@ -179,4 +180,5 @@ register("sketch", SUMMED, "Sketched-SGD (Ivkin et al., NeurIPS 2019): momentum 
          Param("seed", int, 0, "seed of the sketch hashes, shared by all ranks", low=0, high=2**63 - 1),
          Param("min_sketch_numel", int, 1024, "tensors with fewer elements are sent dense (so are "
                "tensors whose sketch is not smaller: rows*cols + p2*k >= numel)", low=1),
-         wire=_wire)
+         wire=_wire,
+         horovod_refusal="it needs two rounds (the summed sketch, then the values at the candidates)")

@@ -26,7 +26,10 @@ register("randomk", SUMMED, "send k = ceil(ratio * numel) entries at indices dra
          "by all ranks, so the values can be allreduced",
          Param("ratio", float, 0.01, "fraction of entries sent", **RATIO_RANGE),
          Param("seed", int, 0, "seed shared by all ranks", low=0, high=2**63 - 1),
-         residual_param(True), wire=sparse_summed)
+         residual_param(True), wire=sparse_summed,
+         horovod_refusal="its indices are shared through (seed, step, tensor name), and Horovod's compress(tensor) "
+                         "is told neither the step nor the name (and its error-feedback residual would be state "
+                         "Horovod does not checkpoint)")
 register("threshold", GATHERED, "send every entry with |x| >= threshold as (indices, values)",
          Param("threshold", float, 1e-3, "magnitude threshold", low=0.0, low_open=True),
          residual_param(True), wire=sparse_gathered)

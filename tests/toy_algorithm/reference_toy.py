@@ -10,8 +10,9 @@ algorithm declares merge=LAYERWISE (its tensors are never merged; schedule "auto
 
 import numpy as np
 
-from hvdcompress.reference.oracle import Allreduce, Oracle
-from hvdcompress.spec import LAYERWISE, SUMMED, Param, Round, register
+from hvdcompress.contract import LAYERWISE, Allreduce
+from hvdcompress.reference.oracle import Oracle
+from hvdcompress.spec import SUMMED, Param, Round, register
 
 
 def _wire(params, d, itemsize, world, density):

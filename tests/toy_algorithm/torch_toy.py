@@ -2,10 +2,8 @@
 
 import torch
 
-from torch_ops.collectives import Allreduce
+from hvdcompress.contract import Allreduce
 from torch_ops.compressors.base import Compressor
-
-from . import reference_toy  # noqa: F401  (declares the algorithm)
 
 
 class ToySignCompressor(Compressor):

@@ -30,48 +30,13 @@ from typing import Any, Dict, List, Optional, Tuple, Type, Union
 import numpy as np
 import tensorflow as tf
 
-from hvdcompress.reference.oracle import Member
-from hvdcompress.spec import ELEMENTWISE, CompressionSpec, info_for, num_selected
+from hvdcompress.contract import ELEMENTWISE, ExchangeContext, Member, Registered
+from hvdcompress.spec import CompressionSpec, info_for, num_selected
 
 from ..collectives import Allgather, Allreduce, Exchange
 from ..memory import Memory, memory_for
 
 Scalar = Union[int, float, tf.Tensor]
-
-
-@dataclass
-class ExchangeContext:
-    """What an exchange may know besides the tensor.
-
-    key         the tensor's name, identical on all ranks (it seeds random-k and DGC's sampling)
-    step        exchanges of this state before this one (int or int64 tensor), same on all ranks
-    world_size  number of ranks taking part
-    scale       factor for the summed result: 1/world_size for op=Average, 1 for Sum
-    state       this tensor's persistent flat variables (residual, u, v), see ``state_slots``
-    shape       the tensor's original shape (x arrives flattened)
-    epoch       the training epoch (drives warm-up schedules when ``density`` is not given)
-    density     the fraction of entries a ratio-based sparsifier sends this step (float or float64
-                tensor); None: the spec's value for ``epoch``
-    rank        this rank's index in the process set
-    members     the tensors of the exchange (name, shape, offset into x), as in torch_ops: one
-                member at offset 0 when not merged. TF names members by gradient position.
-    """
-
-    key: str
-    step: Scalar
-    world_size: int
-    scale: float
-    state: Dict[str, tf.Variable] = field(default_factory=dict)
-    shape: Tuple[int, ...] = ()
-    epoch: int = 0
-    density: Optional[Scalar] = None
-    rank: int = 0
-    members: Tuple[Member, ...] = ()
-
-    def member_views(self, x: tf.Tensor) -> List[Tuple[Member, tf.Tensor]]:
-        """(member, its slice of the flat ``x`` reshaped to its shape) for every member."""
-        members = self.members or (Member(self.key, tuple(self.shape) or tuple(x.shape), 0),)
-        return [(m, tf.reshape(x[m.offset:m.offset + m.numel], m.shape)) for m in members]
 
 
 COMPRESSORS: Dict[str, Type["Compressor"]] = {}
@@ -90,7 +55,7 @@ def selected_count(density: Scalar, numel: int) -> Scalar:
     return tf.cast(tf.clip_by_value(k, 1.0, float(numel)), tf.int32)
 
 
-class Compressor(ABC):
+class Compressor(Registered, ABC):
     """Base of every compressor: holds the validated spec; subclasses define ``exchange``.
 
     As in ``torch_ops``: a subclass names the registered algorithm it implements (``name =
@@ -101,17 +66,16 @@ class Compressor(ABC):
     is flat variables created outside ``tf.function``).
     """
 
-    name: Optional[str] = None
+    registry = COMPRESSORS
     summed: bool = True
+    horovod_codec: Any = None  # the codec Horovod's own optimizers use, for a spec declared horovod_codec=True
     uses_step: bool = False  # True: the result depends on ctx.step (seeded selections)
     has_schedule: bool = False  # True: the spec sets the density per epoch (warm-up)
+    shared_slots: Tuple[str, ...] = ()  # state slots every rank holds identically (Horovod Elastic syncs them from rank 0)
 
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        name = cls.__dict__.get("name")
-        if name:
-            info_for(name)  # the algorithm must be declared (ValueError otherwise)
-            COMPRESSORS[name] = cls
+    @classmethod
+    def _check_name(cls, name: str) -> None:
+        info_for(name)  # the algorithm must be declared (ValueError otherwise)
 
     def __init__(self, spec: CompressionSpec):
         self.spec = spec

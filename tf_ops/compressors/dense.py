@@ -14,8 +14,52 @@ import tensorflow as tf
 from .base import OneRoundCompressor
 
 
+# Codecs for Horovod's own Compression protocol (``hvdcompress.horovod_interop``): Horovod's
+# optimizers call ``compress(tensor)``, allreduce the payload and call ``decompress(payload, ctx)``.
+# Non-floating tensors pass through unchanged, as in Horovod's own FP16Compressor.
+
+class NoneCodec:
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Codec:
+    """As ``horovod.tensorflow.Compression.fp16``: half on the wire, summed in half by Horovod."""
+
+    @staticmethod
+    def compress(tensor):
+        if not tensor.dtype.is_floating:
+            return tensor, None
+        return tf.cast(tensor, tf.float16), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+class BF16Codec:
+    """Horovod 0.28.1 cannot carry bfloat16: round to bfloat16 (``tf.cast``: nearest even, as our
+    ``bf16``), send the rounded values as float32 (4 bytes per entry), cast the sum back."""
+
+    @staticmethod
+    def compress(tensor):
+        if not tensor.dtype.is_floating:
+            return tensor, None
+        return tf.cast(tf.cast(tensor, tf.bfloat16), tf.float32), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
 class NoneCompressor(OneRoundCompressor):
     name = "none"
+    horovod_codec = NoneCodec
     summed = True
 
     def compress(self, a, sel, ctx):
@@ -30,6 +74,7 @@ class NoneCompressor(OneRoundCompressor):
 
 class FP16Compressor(OneRoundCompressor):
     name = "fp16"
+    horovod_codec = FP16Codec
     summed = True
 
     def compress(self, a, sel, ctx):
@@ -44,6 +89,7 @@ class FP16Compressor(OneRoundCompressor):
 
 class BF16Compressor(OneRoundCompressor):
     name = "bf16"
+    horovod_codec = BF16Codec
     summed = False
 
     def compress(self, a, sel, ctx):

@@ -112,7 +112,7 @@ class DGCCompressor(TakesMomentum, Compressor):
         if self.clip_norm is None:
             return g
         parts = []
-        for m, view in ctx.member_views(g):
+        for m, view in ctx.member_views(g, tf.reshape):
             part = tf.reshape(view, [-1])
             norm = tf.sqrt(tf.reduce_sum(tf.square(tf.cast(part, tf.float64))))
             coef = (self.clip_norm / math.sqrt(ctx.world_size)) / (norm + 1e-6)

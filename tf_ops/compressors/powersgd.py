@@ -35,6 +35,7 @@ class PowerSGDCompressor(Compressor):
     name = "powersgd"
     summed = True
     uses_step = True  # the initial Q is drawn from (seed, step, key)
+    shared_slots = ("q",)  # the warm-started factor is the same on every rank
 
     def _compressed(self, shape) -> bool:
         return is_compressed(tuple(shape), self.spec["rank"])

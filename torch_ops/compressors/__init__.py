@@ -1,21 +1,18 @@
 """PyTorch compressors: one module per algorithm family, one class per registered algorithm.
 
-A class names the algorithm it implements (``name = "topk"``) and is registered by that;
-the algorithm itself (spec, parameters, wire cost, oracle) is declared in ``hvdcompress.reference``.
+A class names the algorithm it implements (``name = "topk"``) and is registered by that; the
+algorithm itself (spec, parameters, wire cost, oracle) is declared in ``hvdcompress.reference``.
+The family modules are not listed here: every module of this folder is imported when a
+compressor is first looked up (``hvdcompress.contract.discover``), so adding an algorithm is
+adding its module.
 """
 
+from hvdcompress.contract import discover
 from hvdcompress.spec import CompressionSpec, build_from
 
 from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor, TakesMomentum
-# the built-in algorithm families (importing a module registers its classes)
-from .dense import BF16Compressor, FP16Compressor, NoneCompressor
-from .dgc import DGCCompressor
-from .powersgd import PowerSGDCompressor
-from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor
 from .dgc_selection import sampled_threshold_select
 from .selection import topk_indices
-from .sketch import SketchCompressor
-from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 
 
 def compressor_class(spec: CompressionSpec):
@@ -28,8 +25,7 @@ def build_compressor(spec: CompressionSpec) -> Compressor:
     return build_from(COMPRESSORS, spec, "PyTorch")
 
 
+discover(__name__)  # the family modules of this folder register their classes
+
 __all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "TakesMomentum", "COMPRESSORS", "build_compressor",
-           "compressor_class", "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
-           "ThresholdCompressor", "TopKCompressor", "DGCCompressor", "SketchCompressor", "PowerSGDCompressor",
-           "EFSignSGDCompressor", "OneBitCompressor", "QSGDCompressor", "SignSGDCompressor", "TernGradCompressor",
-           "topk_indices", "sampled_threshold_select"]
+           "compressor_class", "topk_indices", "sampled_threshold_select"]

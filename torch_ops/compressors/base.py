@@ -39,57 +39,17 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 
-from hvdcompress.reference.oracle import Member
-from hvdcompress.spec import ELEMENTWISE, CompressionSpec, info_for
+from hvdcompress.contract import ELEMENTWISE, ExchangeContext, Member, Registered
+from hvdcompress.spec import CompressionSpec, info_for
 
 from ..collectives import Allgather, Allreduce, Exchange
 from ..memory import Memory, memory_for
 
 
-@dataclass
-class ExchangeContext:
-    """What an exchange may know besides the tensor.
-
-    key         the tensor's (or merged group's) name, identical on all ranks
-    step        how many exchanges of this optimizer came before, identical on all ranks
-    world_size  number of ranks taking part
-    scale       factor for the summed result: 1/world_size for op=Average, 1 for Sum
-    state       this key's persistent tensors (residual, momenta, ...), saved with the optimizer
-    shape       the tensor's original shape (x arrives flattened); a merged group's shape is
-                ``hvdcompress.groups`` 's rule ((n,) when every member is 1-D, else (1, n))
-    epoch       the training epoch set by the user (drives warm-up schedules)
-    rank        this rank's index in the process set
-    members     the tensors of the exchange (name, shape, offset into x), as DDP's GradBucket
-                tells them: per-tensor rules (dense 1-D tensors, per-tensor scales, matrix
-                shapes) apply to each member. One member, at offset 0, when not merged.
-    out         None, or a buffer the size and dtype of x that the exchange may write its result
-                into (and return) once it no longer reads x: the caller would copy the result
-                there anyway (the optimizer passes the group's gradient buffer, so a result built
-                in it needs neither a fresh allocation nor the copy; Horovod's allreduce_ is in
-                place on the gradient too). Only an optimisation: returning a new tensor is fine.
-    """
-
-    key: str
-    step: int
-    world_size: int
-    scale: float
-    state: Dict[str, torch.Tensor] = field(default_factory=dict)
-    shape: Tuple[int, ...] = ()
-    epoch: int = 0
-    rank: int = 0
-    members: Tuple[Member, ...] = ()
-    out: Optional[torch.Tensor] = None
-
-    def member_views(self, x: torch.Tensor) -> List[Tuple[Member, torch.Tensor]]:
-        """(member, its slice of the flat ``x`` reshaped to its shape) for every member."""
-        members = self.members or (Member(self.key, tuple(self.shape) or tuple(x.shape), 0),)
-        return [(m, x[m.offset:m.offset + m.numel].view(m.shape)) for m in members]
-
-
 COMPRESSORS: Dict[str, Type["Compressor"]] = {}
 
 
-class Compressor(ABC):
+class Compressor(Registered, ABC):
     """Base of every compressor: holds the validated spec; subclasses define ``exchange``.
 
     A subclass implements the registered algorithm it names (``name = "topk"``; the algorithm is
@@ -97,15 +57,13 @@ class Compressor(ABC):
     The optimizer calls the hooks below for every compressor alike; none is special-cased.
     """
 
-    name: Optional[str] = None
+    registry = COMPRESSORS
     summed: bool = True
+    horovod_codec: Any = None  # the codec Horovod's own optimizers use, for a spec declared horovod_codec=True
 
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        name = cls.__dict__.get("name")
-        if name:
-            info_for(name)  # the algorithm must be declared (ValueError otherwise)
-            COMPRESSORS[name] = cls
+    @classmethod
+    def _check_name(cls, name: str) -> None:
+        info_for(name)  # the algorithm must be declared (ValueError otherwise)
 
     def __init__(self, spec: CompressionSpec):
         self.spec = spec

@@ -1,0 +1,338 @@
+"""The PyTorch exchange engine: groups, compression state, exchanges in flight, write-back.
+
+``DistributedOptimizer`` (``torch_ops.optimizer``) is a thin Horovod-compatible wrapper around one
+``Engine``; checkpoints, Horovod Elastic and ``flush()`` use the engine's public API below.
+
+A step, as the engine runs it:
+
+1. ``gradient_ready(p)`` (the parameter's post-accumulate-grad hook): after
+   ``backward_passes_per_step`` passes the parameter is final; when it is the last of its group,
+   ``launch(gi)`` flattens the group, compresses it and starts its exchange (a generator of
+   collective rounds, ``hvdcompress.contract``) on the communicator, while backward goes on;
+2. ``synchronize()`` launches what did not come (zeros, as Horovod does, so every rank takes part),
+   drives the exchanges due at this step to completion and lets the *sync policy* write the
+   gradients back;
+3. after the wrapped optimizer's update, ``end_of_step()`` records the step's timings and gives
+   the scheduler its turn (it may regroup, at the same step on every rank).
+
+The sync policy (``torch_ops.policy``) is chosen once, at construction: ``Synchronous`` writes
+each exchanged average back; ``Delayed`` (``delay`` / ``sync_every``) applies local terms now and
+corrections when their exchanges arrive, and knows how to flush. The engine never branches on
+which one it has.
+
+State: compression state is kept per group (``group_state``) and handed out per parameter
+(``param_state``), so checkpoints do not depend on the grouping. ``state_dict()`` /
+``load_state_dict()`` carry the step counter, epoch, per-parameter compression state, the plan,
+the policy's state and the compressor's global state (``torch_ops.checkpoint`` defines and checks
+the format).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from hvdcompress.spec import CompressionSpec
+from hvdcompress.stats import WireStats
+from hvdcompress.warmup import auto_epoch
+
+from . import checkpoint
+from .arguments import check_same_model
+from .collectives import PendingExchange, PendingQueue
+from .compressors import ExchangeContext, build_compressor
+from .grouping import FlatBuffers, Group, join_state, make_groups, scatter, split_state
+from .nonfinite import guard
+from .delayed import DelayedAveraging
+from .policy import SyncPolicy, Synchronous
+from .scheduling import Scheduler, StepClock, now
+from .sparse_grads import sparse_exchange, split_out
+
+
+def make_policy(delay: int, sync_every: int, local_factor: float, momentum) -> SyncPolicy:
+    """The sync policy for ``delay`` / ``sync_every`` (validated already): synchronous for 0 / 1."""
+    if delay == 0 and sync_every == 1:
+        return Synchronous()
+    return DelayedAveraging(delay, sync_every, local_factor, momentum)
+
+
+class Engine:
+    """Exchanges the gradients of ``params`` (name -> tensor) among the communicator's ranks.
+
+    ``average``: op=Average (the sum is scaled by ``predivide / world``) or Sum; ``predivide``:
+    Horovod's ``gradient_predivide_factor``; ``passes``: ``backward_passes_per_step``.
+    """
+
+    def __init__(self, spec: CompressionSpec, by_name: Dict[str, torch.Tensor], comm, *, average: bool,
+                 predivide: float, passes: int, sparse_as_dense: bool, schedule, cost_model, profile_steps: int,
+                 tune_steps: int, delay: int, sync_every: int, check_model: bool):
+        self.spec = spec
+        self.compressor = build_compressor(spec)
+        self.by_name: Dict[str, torch.Tensor] = dict(by_name)
+        self.params: List[torch.Tensor] = list(by_name.values())
+        self.name_of: Dict[torch.Tensor, str] = {p: n for n, p in by_name.items()}
+        self.comm = comm  # one communicator for every collective: exchanges, scheduler, profiler
+        self.world = comm.size()
+        if self.world > 1 and check_model:
+            check_same_model(comm, self.by_name)
+        self.average = average
+        self.predivide = predivide
+        self.prescale = 1.0 / predivide
+        self.scale = predivide / self.world if average else 1.0
+        self.passes = passes
+        self.sparse_as_dense = sparse_as_dense
+        self.scheduler = Scheduler(schedule, spec, cost_model, profile_steps,
+                                   {n: float(p.numel() * p.element_size()) for n, p in self.by_name.items()},
+                                   self.world, comm, tune_steps)
+        # the local gradient in result units: x1 for Average, xN for Sum
+        self.policy = make_policy(delay, sync_every, self.prescale * self.scale * self.world,
+                                  self.compressor.local_momentum())
+        self.pending = PendingQueue()  # exchanges in flight, keyed by (step, group index)
+        self.group_state: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in self.by_name}
+        self.groups: List[Group] = []
+        self.flat = FlatBuffers()  # merged groups' flat gradients, memory kept from step to step
+        self.sparse_names = set()  # parameters whose gradient came sparse: exchanged alone
+        self.step = 0
+        self.epoch = 0
+        self.epoch_set = False  # set_epoch() called: warm-ups follow it, else count steps
+        self.stats = WireStats()
+        self.timings: Dict[str, Optional[float]] = {}
+        self.clock = StepClock(None)
+        self.synchronized = False  # synchronize() ran and step() has not yet (Horovod's flag)
+        self._warned_sparse = False
+        self._warned_epoch = False
+        self._sparse_now = set()  # parameters whose gradient came sparse this step (given back sparse)
+        self._passes_left: Dict[torch.Tensor, int] = {}
+        self._waiting: List[int] = []
+        self._group_of: Dict[torch.Tensor, int] = {}
+        self.regroup([[n] for n in self.by_name])  # layerwise until the scheduler decides
+        self._new_step()
+
+    # -- what the optimizer asks -----------------------------------------------------------------
+    @property
+    def plan(self):
+        return self.scheduler.plan
+
+    def group_names(self) -> List[List[str]]:
+        return [list(g.names) for g in self.groups]
+
+    def launched_now(self) -> bool:
+        """Exchanges of the current step were launched (backward ran) and not synchronized yet."""
+        return any(s == self.step for s, _ in self.pending.keys())
+
+    def set_epoch(self, epoch: int) -> None:
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch: epoch must be an int >= 0; got {epoch!r}")
+        self.epoch = epoch
+        self.epoch_set = True
+
+    def current_epoch(self) -> int:
+        """The last ``set_epoch``, else (for a compressor with a warm-up) ``step // warmup_epoch_steps``."""
+        steps = self.compressor.warmup_epoch_steps
+        if self.epoch_set or steps is None:
+            return self.epoch
+        if not self._warned_epoch:
+            self._warned_epoch = True
+            warnings.warn(f"hvdcompress: compression '{self.spec.name}' warms its density up over epochs, and "
+                          f"set_epoch() was not called: counting epochs of {steps} steps (the spec's "
+                          "warmup_epoch_steps). Call optimizer.set_epoch(epoch) at the start of every epoch to "
+                          "follow your epochs instead.")
+        return auto_epoch(self.step, steps)
+
+    # -- a step ------------------------------------------------------------------------------------
+    def gradient_ready(self, p: torch.Tensor) -> None:
+        """The gradient hook: count the pass; launch the group when its last gradient is final."""
+        entered = now()
+        if self._passes_left[p] == 0:
+            raise AssertionError("Gradients were computed more than backward_passes_per_step times "
+                                 "before call to step(). Increase backward_passes_per_step to "
+                                 "accumulate gradients locally.")
+        self._passes_left[p] -= 1
+        if self._passes_left[p] == 0:
+            gi = self._group_of[p]
+            self._waiting[gi] -= 1
+            if self._waiting[gi] == 0 and self.policy.exchanges_at(self.step):
+                self.launch(gi)
+            self.clock.hooks.append((self.name_of[p], entered, now()))
+
+    def launch(self, gi: int) -> None:
+        """Compress group ``gi`` and start its exchange (due when the policy says)."""
+        group = self.groups[gi]
+        step, policy = self.step, self.policy
+        grads = []
+        for name in group.names:
+            p = self.by_name[name]
+            if p.grad.is_sparse:
+                self.sparse_names.add(name)
+                if self.sparse_as_dense:
+                    self._sparse_now.add(name)
+                if len(group.names) == 1 and not (self.sparse_as_dense or policy.active):
+                    self._launch_sparse(gi, p, group)  # exchanged as Horovod does (torch_ops.sparse_grads)
+                    return
+                if not (self.sparse_as_dense or self._warned_sparse):
+                    warnings.warn("hvdcompress: a sparse gradient is exchanged densified (sparse_as_dense=True "
+                                  "does this silently); it is exchanged sparse when its parameter is in a group "
+                                  "of its own and delay=0.")
+                    self._warned_sparse = True
+                p.grad = p.grad.to_dense()
+            grads.append(p.grad)
+        with torch.no_grad():
+            x, name = policy.exchange_input(self, gi, group, grads)
+            ctx = ExchangeContext(group.key, step, self.world, self.scale, self.group_state[group.key],
+                                  group.shape, self.current_epoch(), self.comm.rank(), group.layout,
+                                  out=x)  # x: scattered into anyway
+            self.pending.poll()  # earlier groups' next rounds go out as soon as they can
+            exchange = guard(self.compressor.exchange(x, ctx), x, ctx.state)  # non-finite never hidden
+            ex = PendingExchange(exchange, name, self.comm)
+            ex.apply = self._scatter_to(group)
+            self.pending.add((step, gi), ex, step + policy.delay)
+
+    def _launch_sparse(self, gi: int, p: torch.Tensor, group: Group) -> None:
+        ex = PendingExchange(sparse_exchange(p.grad, self.prescale * self.scale), f"hvc.{group.key}.sparse", self.comm)
+
+        def apply(result, p=p):
+            p.grad = result
+        ex.apply = apply
+        self.pending.add((self.step, gi), ex, self.step)
+
+    def _scatter_to(self, group: Group) -> Callable[[torch.Tensor], None]:
+        def apply(result):
+            scatter(result, [self.by_name[n].grad for n in group.names])
+        return apply
+
+    def synchronize(self) -> None:
+        """Finish the exchanges due at this step and write the gradients into ``p.grad``."""
+        start = now()
+        step = self.step
+        exchanging = self.policy.exchanges_at(step)
+        launched = {gi for s, gi in self.pending.keys() if s == step}
+        for gi, group in enumerate(self.groups):
+            for name in group.names:
+                p = self.by_name[name]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if exchanging and gi not in launched:
+                self.launch(gi)
+        with torch.no_grad():
+            pending = self.pending.finish(step)
+            scattered = now()
+            self.policy.write_back(self, step, pending, exchanging)
+            for name in self._sparse_now:  # sparse_as_dense: the average is given back sparse, as Horovod does
+                p = self.by_name[name]
+                if not p.grad.is_sparse:
+                    p.grad = p.grad.to_sparse()
+        self.clock.finish = now() - scattered + sum(ex.compute_seconds - ex.first_seconds
+                                                    for ex in pending.values())
+        dense = sum(p.numel() * p.element_size() for p in self.params)
+        self.stats.record(sum(ex.bytes_sent for ex in pending.values()), dense,
+                          sum(ex.compute_seconds for ex in pending.values()),
+                          self.compressor.density(self.current_epoch()))
+        self.step += 1
+        self._new_step()
+        self.synchronized = True
+        self.clock.sync = (start, now())
+
+    def _new_step(self) -> None:
+        self._passes_left = {p: self.passes for p in self.params}
+        self._waiting = [len(g.names) for g in self.groups]
+        self._sparse_now = set()
+
+    def end_of_step(self) -> None:
+        """The step's timings; the scheduler's turn (it may regroup, at the same step on all ranks)."""
+        plan = self.scheduler.plan
+        self.timings = self.clock.timings(self.step - 1, plan.predicted_seconds if plan else None)
+        groups = self.scheduler.end_of_step(self.clock)
+        if groups is not None:
+            with torch.no_grad():
+                self.policy.complete_in_flight(self)  # delayed exchanges finish under the groups they began in
+            self.regroup(groups)
+        self.clock = StepClock(now())
+
+    def flush(self, optimizer, wrapped_step: Callable[[], None]) -> None:
+        """Make the replicas identical (the policy's flush; nothing to do when synchronous)."""
+        self.policy.flush(self, optimizer, wrapped_step)
+
+    # -- groups and state --------------------------------------------------------------------------
+    def param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Compression state per parameter name (copies), whatever the grouping."""
+        out = {}
+        for g in self.groups:
+            out.update(zip(g.names, split_state(self.group_state[g.key], g.numels)))
+        return out
+
+    def regroup(self, groups: List[List[str]], per_param=None) -> None:
+        """Exchange ``groups`` (names) from now on; state is carried over per parameter."""
+        if self.pending:
+            raise AssertionError("hvdcompress: regrouping while exchanges are in flight")
+        per = per_param if per_param is not None else self.param_state()
+        if not self.sparse_as_dense:  # parameters with sparse gradients are exchanged alone
+            groups = split_out(groups, self.sparse_names)
+        shapes = {n: tuple(p.shape) for n, p in self.by_name.items()}
+        self.groups = make_groups(groups, shapes)
+        self.flat.reset()
+        self.group_state = {g.key: join_state([per.get(n, {}) for n in g.names], g.numels) for g in self.groups}
+        self._group_of = {self.by_name[n]: gi for gi, g in enumerate(self.groups) for n in g.names}
+        self._waiting = [len(g.names) for g in self.groups]
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What ``state_dict()["hvdcompress"]`` holds (``torch_ops.checkpoint``). Exchanges in
+        flight of a delaying policy are completed first and saved as corrections due at their
+        steps, so that resuming is exact."""
+        if not self.launched_now():
+            with torch.no_grad():
+                self.policy.complete_in_flight(self)
+        return checkpoint.pack(spec=self.spec, step=self.step, epoch=self.epoch, epoch_set=self.epoch_set,
+                               state=self.param_state(), plan=self.scheduler.plan_dict(),
+                               policy=self.policy.state(), compressor=self.compressor.global_state())
+
+    def check_state_dict(self, saved: dict) -> None:
+        """ValueError, before anything is loaded, if ``saved`` does not fit this engine."""
+        checkpoint.check(saved, self.spec, self.compressor, {n: p.numel() for n, p in self.by_name.items()})
+
+    def load_state_dict(self, saved: Optional[dict], param_groups) -> None:
+        """Restore ``saved`` (checked already) after the wrapped optimizer's own state."""
+        self.compressor.after_load(param_groups)
+        if saved is None:
+            warnings.warn("load_state_dict: the state dict has no compression state (saved by a "
+                          "plain optimizer?); residuals start from zero.")
+            return
+        self.step = int(saved["step"])
+        self.epoch = int(saved["epoch"])
+        self.epoch_set = bool(saved.get("epoch_set", True))
+        self.compressor.load_global_state(saved.get("compressor"))
+        per = {n: {} for n in self.by_name}
+        per.update({key: {k: t.detach().clone().to(self.by_name[key].device) for k, t in st.items()}
+                    for key, st in saved["state"].items()})
+        groups = self.scheduler.restore(saved.get("plan")) or self.group_names()  # same schedule: its plan
+        self.group_state = {n: {} for n in self.by_name}
+        self.pending = PendingQueue()
+        self.policy.load(saved.get("delayed"), lambda n: self.by_name[n].device)
+        self.regroup(groups, per)
+
+    # -- Horovod Elastic -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """After Horovod was initialised again (an elastic reset), locally: drop the exchanges of
+        the old Horovod, follow the new world size, start the scheduler over (layerwise until the
+        new plan; state carried per parameter). Idempotent."""
+        self.pending = PendingQueue()
+        self.world = self.comm.size()
+        self.scale = self.predivide / self.world if self.average else 1.0
+        self.scheduler = self.scheduler.restarted(self.world)
+        self.clock = StepClock(None)
+        self.synchronized = False
+        self.regroup([[n] for n in self.by_name])
+        self._new_step()
+
+    def sync_from_root(self) -> None:
+        """After ``reset``, on every rank (new ones included): the same model everywhere, and rank
+        0's step counter, epoch and compressor global state; each rank keeps its own compression
+        state (it is that rank's unsent gradient)."""
+        self.reset()
+        if self.world > 1:
+            check_same_model(self.comm, self.by_name)
+        shared = self.comm.broadcast_object({"step": self.step, "epoch": self.epoch, "epoch_set": self.epoch_set,
+                                             "compressor": self.compressor.global_state()}, "hvc.elastic.sync")
+        self.step, self.epoch, self.epoch_set = shared["step"], shared["epoch"], shared["epoch_set"]
+        self.compressor.load_global_state(shared["compressor"])

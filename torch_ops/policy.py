@@ -1,0 +1,85 @@
+"""Sync policies: when the engine exchanges, what a group sends, what is written back, how to flush.
+
+The engine (``torch_ops.engine``) asks its policy a few questions and never branches on which
+policy it has:
+
+    exchanges_at(step)            does this step launch exchanges?
+    exchange_input(engine, ...)   the flat tensor a group sends this step, and the exchange's name
+    write_back(engine, ...)       write the step's gradients into ``p.grad`` from the completed exchanges
+    complete_in_flight(engine)    finish exchanges that span steps (before a checkpoint or a regroup)
+    flush(engine, ...)            make the replicas identical
+    state() / load(saved)         what the policy keeps between steps, in the checkpoint
+
+``Synchronous`` (here) exchanges every step and writes each exchanged average back; ``Delayed``
+(``torch_ops.delayed``: delayed averaging and temporal sparsity) is the other implementation.
+An outer-optimizer mode is a third one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+
+class SyncPolicy:
+    """The interface (see the module doc); ``delay`` is how many steps after its launch an
+    exchange is due, ``active`` whether replicas may differ between flushes."""
+
+    delay = 0
+    every = 1
+    active = False
+
+    def exchanges_at(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def exchange_input(self, engine, gi: int, group, grads) -> Tuple[torch.Tensor, str]:
+        raise NotImplementedError
+
+    def write_back(self, engine, step: int, pending: Dict, exchanging: bool) -> None:
+        raise NotImplementedError
+
+    def complete_in_flight(self, engine) -> None:
+        raise NotImplementedError
+
+    def flush(self, engine, optimizer, wrapped_step: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+    def state(self) -> Optional[dict]:
+        raise NotImplementedError
+
+    def load(self, saved: Optional[dict], device_of) -> None:
+        raise NotImplementedError
+
+
+class Synchronous(SyncPolicy):
+    """Every step exchanges every group, and the exchanged averages are the step's gradients."""
+
+    def exchanges_at(self, step: int) -> bool:
+        return True
+
+    def exchange_input(self, engine, gi: int, group, grads) -> Tuple[torch.Tensor, str]:
+        """The group's gradients, flat (a merged group's buffer is the engine's, reused from step
+        to step; a lone gradient is the parameter's own ``.grad``, scaled into a new tensor)."""
+        x = engine.flat.flatten(group.key, grads)
+        if engine.prescale != 1.0:
+            x = x.mul_(engine.prescale) if len(grads) > 1 else x * engine.prescale
+        return x, f"hvc.{group.key}"
+
+    def write_back(self, engine, step: int, pending: Dict, exchanging: bool) -> None:
+        for ex in pending.values():
+            ex.apply(ex.result)  # the exchange knows where its result goes (dense groups, sparse gradients)
+
+    def complete_in_flight(self, engine) -> None:
+        """Nothing spans steps."""
+
+    def flush(self, engine, optimizer, wrapped_step) -> None:
+        """Replicas are identical after every step: nothing to do."""
+
+    def state(self) -> Optional[dict]:
+        return None
+
+    def load(self, saved: Optional[dict], device_of) -> None:
+        if saved is not None:
+            raise ValueError(f"load_state_dict: the checkpoint was saved with delay={saved['delay']}, "
+                             f"sync_every={saved['sync_every']}; this optimizer uses delay=0, sync_every=1")
