@@ -180,3 +180,50 @@ def test_every_collective_runs_on_the_process_set_tf(tmp_path):
         if rank < 2:
             for schedule in ("layerwise", "single", "mgwfbp"):
                 assert all(r[schedule]), (schedule, r[schedule])
+
+
+def test_an_algorithm_is_added_by_dropping_its_three_modules_into_the_family_folders(tmp_path):
+    """tests/toy_algorithm's three modules, copied unchanged into the oracle, PyTorch and TF family
+    folders of a copy of the tree (nothing else edited): the spec factory, both backends and TF's
+    GradientCompression find the algorithm, and both backends match the oracle."""
+    import shutil
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    for pkg in ("hvdcompress", "torch_ops", "tf_ops"):
+        shutil.copytree(os.path.join(root, pkg), tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    toy = os.path.join(here, "toy_algorithm")
+    shutil.copy(os.path.join(toy, "reference_toy.py"), tmp_path / "hvdcompress" / "reference" / "toysign.py")
+    shutil.copy(os.path.join(toy, "torch_toy.py"), tmp_path / "torch_ops" / "compressors" / "toysign.py")
+    shutil.copy(os.path.join(toy, "tf_toy.py"), tmp_path / "tf_ops" / "compressors" / "toysign.py")
+    script = """
+import os
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+import numpy as np, tensorflow as tf, torch
+from hvdcompress import Compression
+from hvdcompress.contract import ExchangeContext
+from hvdcompress.reference import simulate
+from torch_ops.compressors import build_compressor as torch_build
+from tf_ops.compressors import build_compressor as tf_build
+from tf_ops.compression import GradientCompression
+import torch_ops.compressors.toysign as t, tf_ops.compressors.toysign as f, hvdcompress.reference.toysign as r
+assert all(os.path.dirname(m.__file__).endswith(d) for m, d in
+           ((t, "torch_ops/compressors"), (f, "tf_ops/compressors"), (r, "hvdcompress/reference")))
+spec = Compression.toysign(gain=0.5)
+GradientCompression("toysign:gain=0.5")
+grads = [np.arange(6, dtype=np.float32) - 2.5, np.ones(6, np.float32)]
+want, _, _ = simulate(spec, grads, key="w")
+for build, tensor in ((torch_build, torch.from_numpy), (tf_build, tf.constant)):
+    comp = build(spec)
+    states = [{} for _ in grads] if build is torch_build else [comp.new_state((6,), tf.float32) for _ in grads]
+    gens = [comp.exchange(tensor(g.copy()), ExchangeContext("w", 0, 2, 0.5, st, (6,))) for g, st in zip(grads, states)]
+    from local_world import run_lockstep
+    got, _ = run_lockstep(gens)
+    assert all(np.array_equal(np.asarray(x), want) for x in got), (got, want)
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), here]))
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
