@@ -56,7 +56,7 @@ class ExchangeContext:
     scale       factor for the summed result: 1/world_size for op=Average, 1 for Sum
     state       this key's persistent tensors (residual, momenta, ...), saved with the optimizer
     shape       the tensor's original shape (x arrives flattened); a merged group's shape is
-                ``hvdcompress.groups`` 's rule ((n,) when every member is 1-D, else (1, n))
+                ``hvdcompress.schedule.groups`` 's rule ((n,) when every member is 1-D, else (1, n))
     epoch       the training epoch set by the user (drives warm-up schedules)
     rank        this rank's index in the process set
     members     the tensors of the exchange (name, shape, offset into x), as DDP's GradBucket
