@@ -151,8 +151,8 @@ def process_set_tf() -> dict:
     import numpy as np
     import tensorflow as tf
     import hvdcompress.tensorflow as hvc
-    from hvdcompress.costmodel import CostModel
-    from hvdcompress.groups import process_set_size
+    from hvdcompress.schedule.costmodel import CostModel
+    from hvdcompress.schedule.groups import process_set_size
     ps = hvd.ProcessSet([0, 1])
     hvd.init(process_sets=[ps])
     out = {}

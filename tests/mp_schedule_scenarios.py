@@ -30,7 +30,7 @@ EXACT_SPECS = ["none", "fp16", "topk:ratio=1.0"]  # elementwise exact with 2 ran
 def hand_model(world, *specs):
     """A cost model built by hand (no profiling): 5 ms per hop makes every exchange latency
     bound, so the cost-model schedules merge; a compression fit for each of ``specs``."""
-    from hvdcompress.costmodel import ComputeFit, CostModel
+    from hvdcompress.schedule.costmodel import ComputeFit, CostModel
     fit = ComputeFit("linear", 1e-9, 2e-5)
     return CostModel.from_link(world, gbit_per_s=1.0, latency_s=5e-3, compress={s: fit for s in specs})
 

@@ -55,7 +55,7 @@ def _tape_loop(compression, steps=STEPS, **kw):
 def dense_merged_equals_layerwise() -> dict:
     """``none`` with merged schedules leaves the parameters layerwise leaves, on every rank."""
     import numpy as np
-    from hvdcompress.costmodel import CostModel
+    from hvdcompress.schedule.costmodel import CostModel
     out = {"identical": {}, "equal": {}, "groups": {}}
     base_fit = _flat(_keras_fit("none")[0]).numpy()
     base_tape = _flat(_tape_loop("none")[0]).numpy()

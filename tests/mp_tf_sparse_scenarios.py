@@ -186,7 +186,7 @@ def elastic_bad_arguments() -> dict:
     import horovod.tensorflow as hvd
     import hvdcompress.keras as hvc
     import tensorflow as tf
-    from hvdcompress.costmodel import CostModel
+    from hvdcompress.schedule.costmodel import CostModel
     out = {}
     cases = {"delay": dict(compression="topk:ratio=0.1", delay=1),
              "backward_passes_per_step": dict(compression="topk:ratio=0.1", backward_passes_per_step=2),

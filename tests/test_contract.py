@@ -9,7 +9,7 @@ import pytest
 
 import toy_algorithm.reference_toy  # noqa: F401  (declares "toysign")
 from hvdcompress import Compression, parse_spec
-from hvdcompress.costmodel import CostModel, payload, rounds
+from hvdcompress.schedule.costmodel import CostModel, payload, rounds
 from hvdcompress.reference import simulate
 from hvdcompress.contract import Allgather, Allreduce, Alltoall
 from hvdcompress.reference.oracle import Oracle, simulate as sim

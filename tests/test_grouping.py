@@ -8,8 +8,8 @@ Scheduler construction). The multi-process behaviour is in tests/test_multiproce
 import pytest
 import torch
 
-from hvdcompress.costmodel import ComputeFit, CostModel
-from hvdcompress.planner import Schedule
+from hvdcompress.schedule.costmodel import ComputeFit, CostModel
+from hvdcompress.schedule.planner import Schedule
 from hvdcompress.spec import resolve
 from torch_ops.grouping import Group, flatten, join_state, make_groups, scatter, split_state
 from torch_ops.scheduling import Scheduler, StepClock, check_cost_model, check_profile_steps, check_schedule
@@ -228,7 +228,7 @@ def test_check_cost_model():
     assert check_cost_model(model) is model
     assert check_cost_model(None) is None
     for bad in ({"world_size": 2}, "cached", model.to_dict()):
-        with pytest.raises(ValueError, match=r"^cost_model: expected an hvdcompress.costmodel.CostModel or None.*"
+        with pytest.raises(ValueError, match=r"^cost_model: expected an hvdcompress.schedule.costmodel.CostModel or None.*"
                                              + type(bad).__name__):
             check_cost_model(bad)
 

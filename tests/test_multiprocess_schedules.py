@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from hvdcompress import planner, search
+from hvdcompress.schedule import planner, search
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
@@ -218,7 +218,7 @@ def test_bad_schedule_arguments_raise_on_every_rank(results):
         "explicit_empty": "schedule: group 1 is empty",
         "profile_steps": "profile_steps: must be an int in [1, 1000]; got 0",
         "profile_steps_type": "profile_steps: must be an int in [1, 1000]; got 2.5",
-        "cost_model": "cost_model: expected an hvdcompress.costmodel.CostModel or None",
+        "cost_model": "cost_model: expected an hvdcompress.schedule.costmodel.CostModel or None",
         "not_consecutive": "schedule: explicit groups must hold parameters that are consecutive in backward order",
         "mgs_without_fit": "schedule 'mgs' needs the compression time of 'topk:ratio=0.1",
     }

@@ -6,11 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from hvdcompress.costmodel import (ComputeFit, CostModel, LinearFit, cache_path, describe, fit_compute,
+from hvdcompress.schedule.costmodel import (ComputeFit, CostModel, LinearFit, cache_path, describe, fit_compute,
                                    fit_cost_model, fit_linear, payload)
-from hvdcompress.planner import MIB, Schedule, make_plan, parse_schedule
-from hvdcompress.search import brute_force, by_size, greedy, layerwise, optimal, single
-from hvdcompress.timeline import predict
+from hvdcompress.schedule.planner import MIB, Schedule, make_plan, parse_schedule
+from hvdcompress.schedule.search import brute_force, by_size, greedy, layerwise, optimal, single
+from hvdcompress.schedule.timeline import predict
 
 OVERLAPS = ("shared", "parallel")
 
@@ -309,13 +309,13 @@ def test_carrying_a_model_to_more_workers_keeps_the_fixed_start_up():
 
 
 def test_simulation_predicts_efficiency_and_compares_with_measurements(tmp_path, capsys):
-    from hvdcompress import simulate
+    from hvdcompress.schedule import scaling
 
-    work = simulate.synthetic_workload(60, 40.0, 80.0, 40.0)
+    work = scaling.synthetic_workload(60, 40.0, 80.0, 40.0)
     assert len(work.names) == 60 and sum(work.sizes_bytes) == pytest.approx(40 * MIB, rel=0.01)
     assert sum(work.t_b) == pytest.approx(0.08)
     model = CostModel.from_link(4, 10.0, 20e-6, {"topk:ratio=0.01": ComputeFit("dlogd", 1e-9, 5e-5)})
-    rows = simulate.sweep(work, model, ["none", "topk:ratio=0.01"], ["layerwise", "single", "auto"],
+    rows = scaling.sweep(work, model, ["none", "topk:ratio=0.01"], ["layerwise", "single", "auto"],
                           [16, 256], [1.0, 10.0])
     assert len(rows) == 2 * 2 * 3 * 2
     for r in rows:
@@ -326,12 +326,12 @@ def test_simulation_predicts_efficiency_and_compares_with_measurements(tmp_path,
         assert pick[(g, c, "auto", n)] >= max(pick[(g, c, "layerwise", n)], pick[(g, c, "single", n)]) - 1e-12
     assert pick[(1.0, "none", "auto", 16)] < pick[(10.0, "none", "auto", 16)]  # slower links hurt dense
     measured = [{"workers": 4, "compression": "none", "schedule": "single", "seconds": 0.2}]
-    (row,) = simulate.compare(measured, work, model)
+    (row,) = scaling.compare(measured, work, model)
     assert row["rel_error"] == pytest.approx(row["step_seconds"] / 0.2 - 1)
 
     out = tmp_path / "sim.json"
     (tmp_path / "measured.json").write_text(json.dumps(measured))
-    assert simulate.main(["--link", "1,50", "--synthetic", "30,10,50,20", "--workers", "16,64",
+    assert scaling.main(["--link", "1,50", "--synthetic", "30,10,50,20", "--workers", "16,64",
                           "--gbps", "1,10", "--schedule", "single", "--schedule", "mgwfbp",
                           "--measured", str(tmp_path / "measured.json"), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -339,7 +339,7 @@ def test_simulation_predicts_efficiency_and_compares_with_measurements(tmp_path,
     assert len(result["measured"]) == 1 and (tmp_path / "sim.png").stat().st_size > 0
     assert "PREDICTIONS" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown schedule"):
-        simulate.main(["--link", "1,50", "--synthetic", "3,1,1,1", "--schedule", "fast", "--out", str(out)])
+        scaling.main(["--link", "1,50", "--synthetic", "3,1,1,1", "--schedule", "fast", "--out", str(out)])
 
 
 def test_decompression_runs_after_backward_in_group_order():

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import hvdcompress.tensorflow as hvc
-from hvdcompress.costmodel import ComputeFit, CostModel
+from hvdcompress.schedule.costmodel import ComputeFit, CostModel
 from local_world import run_lockstep
 from tf_ops.compressors import ExchangeContext, build_compressor
 
@@ -204,7 +204,7 @@ def test_bad_schedules_raise_naming_the_argument(bad):
 def test_schedule_errors_found_before_any_collective():
     with pytest.raises(ValueError, match="needs the compression time"):  # mgs needs a compression fit
         hvc.GradientCompression("topk:ratio=0.1", schedule="mgs", cost_model=_link())
-    with pytest.raises(ValueError, match="cost_model: expected an hvdcompress.costmodel.CostModel"):
+    with pytest.raises(ValueError, match="cost_model: expected an hvdcompress.schedule.costmodel.CostModel"):
         hvc.GradientCompression("none", schedule="mgs", cost_model="fast")
     comp = hvc.GradientCompression("none", driver=_NoDriver(), schedule=[[0, 7]])
     with pytest.raises(ValueError, match="gradient position 7, but the exchange got 4 gradients"):

@@ -1,4 +1,4 @@
-"""Measured validation of cost-model plans (hvdcompress.tuning) and the exchange-skew term of the
+"""Measured validation of cost-model plans (hvdcompress.schedule.tuning) and the exchange-skew term of the
 cost model: pure functions, no Horovod."""
 
 import math
@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from hvdcompress import tuning
-from hvdcompress.costmodel import ComputeFit, CostModel, skew_factor
-from hvdcompress.planner import MIB, Workload, make_plan
+from hvdcompress.schedule import tuning
+from hvdcompress.schedule.costmodel import ComputeFit, CostModel, skew_factor
+from hvdcompress.schedule.planner import MIB, Workload, make_plan
 from torch_ops.scheduling import Scheduler, StepClock
 
 SIZES = [4e6, 4e6, 1e6, 1e6, 2e5, 2e5, 1e5, 1e5]  # bytes, backward order

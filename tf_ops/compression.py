@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
-from hvdcompress.groups import check_mergeable
+from hvdcompress.schedule.groups import check_mergeable
 from hvdcompress.spec import CompressionSpec, resolve
 from hvdcompress.stats import WireStats
 
@@ -99,7 +99,7 @@ class GradientCompression(tf.Module):
         schedule: which gradients are exchanged together (``tf_ops.grouping``): "layerwise"
             (default; None means the same), "single", "size:<MB>", "mgs", "mgwfbp" (":greedy"),
             "auto", or explicit groups of gradient positions ``[[0, 1], [2, 3]]``.
-        cost_model: an ``hvdcompress.costmodel.CostModel`` for "mgs"/"mgwfbp"/"auto" (None: the
+        cost_model: an ``hvdcompress.schedule.costmodel.CostModel`` for "mgs"/"mgwfbp"/"auto" (None: the
             cached one for the world size and host set, found at the first exchange or by
             ``prepare``; a ValueError if there is none). With a fixed schedule it only gives
             ``plan.predicted_seconds``.
@@ -181,7 +181,7 @@ class GradientCompression(tf.Module):
 
     @property
     def plan(self):
-        """The ``hvdcompress.planner.Plan`` of the latest traced exchange (its groups index the
+        """The ``hvdcompress.schedule.planner.Plan`` of the latest traced exchange (its groups index the
         present gradients in reverse list order; ``predicted_seconds`` is compression plus exchange
         time when there is a cost model); None for explicit groups or before the first exchange."""
         return None if self._local.last is None else self._local.last[1]

@@ -71,7 +71,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from hvdcompress.groups import process_set_size
+from hvdcompress.schedule.groups import process_set_size
 
 from .compression import GradientCompression
 from .grouping import needs_cost_model

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 import tensorflow as tf
 
-from hvdcompress.groups import process_set_size
+from hvdcompress.schedule.groups import process_set_size
 from hvdcompress.spec import resolve
 
 from .compression import GradientCompression

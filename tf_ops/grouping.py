@@ -6,7 +6,7 @@ compresses and exchanges together, and how a group's state is made of per-gradie
     "layerwise" (default)  one exchange per gradient
     "single"               every gradient in one exchange
     "size:<MB>"            consecutive gradients join the open group while it stays <= MB MiB
-    "mgs", "mgwfbp"        the partition into consecutive groups ``hvdcompress.planner.make_plan``
+    "mgs", "mgwfbp"        the partition into consecutive groups ``hvdcompress.schedule.planner.make_plan``
                            finds fastest under a cost model (":greedy": the papers' greedy rule);
     "auto"                 "mgs" for gathered compressors, "mgwfbp" for summed ones
     [[0, 1], [2, 3, 4]]    explicit groups of gradient positions (indices into the gradient list)
@@ -17,7 +17,7 @@ only saves per-exchange start-ups and per-tensor compression overhead, and chang
 sparsifier selects (top-k of the group instead of per tensor). The cost-model schedules therefore
 plan with t_b = 0 for every tensor: all gradients are ready at time 0 and the plan minimises
 compression plus exchange time (compression on the compute stream, exchanges one after the other:
-the planner's "shared" model). They need a ``cost_model`` (``hvdcompress.costmodel.CostModel``);
+the planner's "shared" model). They need a ``cost_model`` (``hvdcompress.schedule.costmodel.CostModel``);
 without one the cached fit for this world size and host set is used (``cached_cost_model``), and
 without that a ValueError says how to get one.
 
@@ -44,9 +44,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
-from hvdcompress.costmodel import CostModel, cache_path
-from hvdcompress.groups import MergedGroup
-from hvdcompress.planner import COST_MODEL_SCHEDULES, Plan, Schedule, make_plan, parse_schedule
+from hvdcompress.schedule.costmodel import CostModel, cache_path
+from hvdcompress.schedule.groups import MergedGroup
+from hvdcompress.schedule.planner import COST_MODEL_SCHEDULES, Plan, Schedule, make_plan, parse_schedule
 
 ACCEPTED = ("'layerwise' (default), 'single', 'size:<MB>' (e.g. 'size:64'), 'mgs' or 'mgwfbp' (either "
             "followed by ':greedy'; planned with a cost model), 'auto' (mgs for gathered compressors, "
@@ -102,7 +102,7 @@ def needs_cost_model(schedule: ScheduleArg) -> bool:
 
 def check_cost_model(model) -> Optional[CostModel]:
     if model is not None and not isinstance(model, CostModel):
-        raise ValueError("cost_model: expected an hvdcompress.costmodel.CostModel or None (then the cached "
+        raise ValueError("cost_model: expected an hvdcompress.schedule.costmodel.CostModel or None (then the cached "
                          f"one for this world size and host set is used); got {type(model).__name__}")
     return model
 
@@ -145,7 +145,7 @@ def cached_cost_model(world_size: int, process_set=None, use_horovod: bool = Tru
         raise ValueError(
             f"cost_model: the schedule needs a cost model, none was given and none is cached for {world_size} "
             f"ranks on hosts {sorted(set(hosts))}{missing}: looked for {cache_path(world_size, hosts)}. "
-            "Pass cost_model=hvdcompress.costmodel.CostModel.from_link(world_size, gbit_per_s=..., "
+            "Pass cost_model=hvdcompress.schedule.costmodel.CostModel.from_link(world_size, gbit_per_s=..., "
             "latency_s=...), or profile one on these hosts: horovodrun -np N python -m hvdcompress.bench.profile transport "
             "--compression <spec> (it caches the fit), or use 'layerwise', 'single' or 'size:<MB>'")
     return model

@@ -177,7 +177,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         schedule: for a spec given as ``compression``: which gradients are exchanged together
             ("layerwise" when None, "single", "size:<MB>", "mgs", "mgwfbp", "auto" or explicit
             groups of positions; see ``tf_ops.grouping``). A ``GradientCompression`` carries its own.
-        cost_model: an ``hvdcompress.costmodel.CostModel`` for the cost-model schedules (None:
+        cost_model: an ``hvdcompress.schedule.costmodel.CostModel`` for the cost-model schedules (None:
             the cached one; a ValueError here if there is none).
         delay: steps between an exchange and applying its correction (int >= 0; None/0: synchronous,
             the same code path bit for bit). A ``GradientCompression`` carries its own.

@@ -89,7 +89,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         schedule: for a spec given as ``compression``: which gradients are exchanged together
             ("layerwise" when None, "single", "size:<MB>", "mgs", "mgwfbp", "auto" or explicit
             groups of positions; see ``tf_ops.grouping``).
-        cost_model: an ``hvdcompress.costmodel.CostModel`` for the cost-model schedules (None:
+        cost_model: an ``hvdcompress.schedule.costmodel.CostModel`` for the cost-model schedules (None:
             the cached one; a ValueError here if there is none).
         delay, sync_every: delayed averaging (``tf_ops.delayed``). They keep state between steps,
             so they belong to the ``GradientCompression`` (``GradientCompression(spec, delay=2)``);

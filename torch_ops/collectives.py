@@ -59,7 +59,7 @@ class Communicator:
         return self.process_set.rank()
 
     def size(self) -> int:
-        from hvdcompress.groups import process_set_size
+        from hvdcompress.schedule.groups import process_set_size
         return process_set_size(self.process_set)
 
     def included(self) -> bool:

@@ -1,6 +1,6 @@
 """Merged groups of gradient tensors: one flat buffer per group, and per-parameter state.
 
-A plan (``hvdcompress.planner``) partitions the parameters, in backward order, into consecutive
+A plan (``hvdcompress.schedule.planner``) partitions the parameters, in backward order, into consecutive
 groups. The optimizer compresses and exchanges each group as one flat tensor::
 
     x      = cat(g_1.flatten(), ..., g_n.flatten())     (a view of g_1 when n == 1)
@@ -25,7 +25,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from hvdcompress.groups import MergedGroup
+from hvdcompress.schedule.groups import MergedGroup
 
 State = Dict[str, torch.Tensor]
 

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from hvdcompress.planner import Plan
+from hvdcompress.schedule.planner import Plan
 from hvdcompress.spec import CompressionSpec, resolve
 
 from . import checkpoint
@@ -92,7 +92,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def plan(self) -> Optional[Plan]:
-        """The plan in use (``hvdcompress.planner.Plan``: groups as indices in backward order,
+        """The plan in use (``hvdcompress.schedule.planner.Plan``: groups as indices in backward order,
         ``predicted_seconds``, ``notes``), or None until the scheduler has decided."""
         return self.engine.scheduler.plan
 
@@ -103,7 +103,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def workload(self):
-        """The profiled ``hvdcompress.planner.Workload`` the plan was made from (or None)."""
+        """The profiled ``hvdcompress.schedule.planner.Workload`` the plan was made from (or None)."""
         return self.engine.scheduler.workload
 
     @property
@@ -243,7 +243,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             "mgs", "mgwfbp" (":greedy" for the papers' greedy rule), "layerwise" (one exchange
             per tensor), "single" (one for all), "size:<MB>" (Horovod-fusion-like), or explicit
             groups: a list of lists of parameter names, consecutive in backward order.
-        cost_model: an ``hvdcompress.costmodel.CostModel`` for the cost-model schedules (and for
+        cost_model: an ``hvdcompress.schedule.costmodel.CostModel`` for the cost-model schedules (and for
             predicted step times with the others); default: the cached fit for this world and
             host set, else profiled on the live transport at first use (a few seconds).
         profile_steps: steps measured (after the first) before a cost-model plan is made; until

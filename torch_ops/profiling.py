@@ -8,7 +8,7 @@
                                      decompression) and the copy back into the gradient
     time_launch()                    the CPU time of handing one collective to Horovod
     profile_workload(model, closure) per-parameter backward times from gradient hooks, forward and
-                                     update times: a ``hvdcompress.planner.Workload``
+                                     update times: a ``hvdcompress.schedule.planner.Workload``
     profile_cost_model(specs)        all of the first two, fitted into a ``CostModel`` and cached
     load_or_profile(specs)           the cached model for this world and host set, else profile
 
@@ -31,8 +31,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from hvdcompress.costmodel import CostModel, fit_compute, fit_cost_model
-from hvdcompress.planner import Workload
+from hvdcompress.schedule.costmodel import CostModel, fit_compute, fit_cost_model
+from hvdcompress.schedule.planner import Workload
 from hvdcompress.spec import resolve
 
 from .compressors import ExchangeContext, build_compressor

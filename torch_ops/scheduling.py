@@ -1,6 +1,6 @@
 """Which gradient groups the optimizer exchanges, when they are chosen, and what each step measured.
 
-``schedule`` (the ``DistributedOptimizer`` argument) is one of ``hvdcompress.planner``'s schedule
+``schedule`` (the ``DistributedOptimizer`` argument) is one of ``hvdcompress.schedule.planner``'s schedule
 strings -- "layerwise", "single", "size:<MB>", "mgs", "mgwfbp" (":greedy"), "auto" (default: mgs
 for gathered compressors, mgwfbp for summed ones) -- or an explicit list of groups of parameter
 names. Groups are consecutive in *backward order*, which only a backward pass shows, so:
@@ -22,13 +22,13 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
   backward is done, as the profiled one was) is charged the same way. Exchanges launched during
   backward are not: the rest of backward hides the ranks' drift.
 * measured validation (``tune_steps`` > 0, the default for cost-model schedules): the model can
-  still be wrong, so ``hvdcompress.tuning.propose`` lists a few candidate plans (the model's,
+  still be wrong, so ``hvdcompress.schedule.tuning.propose`` lists a few candidate plans (the model's,
   the other search's, ``single``, two size plans, perhaps ``layerwise``) take turns, one step each,
   the model's first: a settling round (uncounted), then ``tune_steps`` measured rounds, so a load
   that drifts weighs on every candidate alike. Every rank records its own
   step times (end of the previous step to the end of the update); after the last candidate they
   are gathered, rank 0 keeps the candidate whose median step (slowest rank) is smallest
-  (``hvdcompress.tuning.select``: within 2% of it, the earliest) and broadcasts it, and every rank
+  (``hvdcompress.schedule.tuning.select``: within 2% of it, the earliest) and broadcasts it, and every rank
   regroups at the same step. While candidates run, ``plan`` is the model's plan and ``groups``
   the candidate's; afterwards ``plan`` holds the kept groups, their predicted time and
   ``plan.tuning`` (every candidate's groups and median). Compressor state is per parameter, so
@@ -56,12 +56,12 @@ from dataclasses import replace
 import numpy as np
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from hvdcompress import tuning
-from hvdcompress.costmodel import CostModel, skew_factor
-from hvdcompress.groups import check_mergeable
-from hvdcompress.planner import Plan, Schedule, Workload, make_plan, parse_schedule
+from hvdcompress.schedule import tuning
+from hvdcompress.schedule.costmodel import CostModel, skew_factor
+from hvdcompress.schedule.groups import check_mergeable
+from hvdcompress.schedule.planner import Plan, Schedule, Workload, make_plan, parse_schedule
 from hvdcompress.spec import CompressionSpec
-from hvdcompress.timeline import check_partition, predict
+from hvdcompress.schedule.timeline import check_partition, predict
 
 Explicit = List[List[str]]
 
@@ -87,7 +87,7 @@ DEFAULT_TUNE_STEPS = tuning.DEFAULT_TUNE_STEPS
 
 def check_cost_model(model) -> Optional[CostModel]:
     if model is not None and not isinstance(model, CostModel):
-        raise ValueError("cost_model: expected an hvdcompress.costmodel.CostModel or None (cached or "
+        raise ValueError("cost_model: expected an hvdcompress.schedule.costmodel.CostModel or None (cached or "
                          f"profiled at first use); got {type(model).__name__}")
     return model
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import List, Optional
 
-from hvdcompress.planner import parse_schedule
+from hvdcompress.schedule.planner import parse_schedule
 from hvdcompress.spec import parse_spec
 
 from . import netns, schedules

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from hvdcompress.costmodel import cache_path, describe
+from hvdcompress.schedule.costmodel import cache_path, describe
 from hvdcompress.spec import resolve
 from torch_ops.profiling import DEFAULT_COMM_BYTES, profile_cost_model, profile_workload
 

@@ -1,13 +1,13 @@
 """Schedule entries of ``hvdcompress bench -s``: a ``DistributedOptimizer`` schedule string, with
 ``+tune`` appended for a cost-model schedule timed with measured validation (``tune_steps`` =
-``--tune-steps``; ``hvdcompress.tuning``). Without the suffix a cost-model schedule runs with
+``--tune-steps``; ``hvdcompress.schedule.tuning``). Without the suffix a cost-model schedule runs with
 ``tune_steps=0`` -- the model's plan as made -- so one launch can time both side by side."""
 
 from __future__ import annotations
 
 from typing import Tuple
 
-from hvdcompress.planner import parse_schedule
+from hvdcompress.schedule.planner import parse_schedule
 
 TUNED = "+tune"
 

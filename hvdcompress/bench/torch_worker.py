@@ -226,7 +226,7 @@ def plan_figures(opt) -> Optional[dict]:
         w = opt.workload
         out["workload"] = {"forward_seconds": w.forward_seconds, "backward_seconds": sum(w.t_b),
                            "update_seconds": w.update_seconds}
-        out["profiled"] = w.to_dict()  # per tensor: what `python -m hvdcompress.simulate --bench` reads
+        out["profiled"] = w.to_dict()  # per tensor: what `python -m hvdcompress.schedule.scaling --bench` reads
         if plan.predicted_seconds is not None:  # what the schedule decides: all but the forward pass
             out["predicted_after_forward_seconds"] = plan.predicted_seconds - w.forward_seconds
     return out
@@ -241,7 +241,7 @@ def cost_model_for(cfg: dict, hvd):
     model = profile_cost_model(specs, comm_bytes=comm_sizes_up_to(cfg["profile_max_mib"] * (1 << 20)),
                                repeats=5, save=False)
     if hvd.rank() == 0:
-        from hvdcompress.costmodel import describe
+        from hvdcompress.schedule.costmodel import describe
         for line in describe(model).splitlines():
             print(f"[bench worker] {line}", flush=True)
     return model

@@ -82,7 +82,7 @@ def propose(plan_fn, asked: str, sizes_bytes: Sequence[float], *, size_fractions
             max_candidates: int = MAX_CANDIDATES, layerwise_within: float = LAYERWISE_WITHIN) -> List[Candidate]:
     """The candidates of the module doc. ``plan_fn(schedule_string)`` makes a plan with the
     (calibrated) cost model and returns an object with ``groups`` and ``predicted_seconds`` (a
-    ``hvdcompress.planner.Plan``); ``asked`` is the resolved cost-model schedule ("mgs",
+    ``hvdcompress.schedule.planner.Plan``); ``asked`` is the resolved cost-model schedule ("mgs",
     "mgwfbp:greedy", ...)."""
     if max_candidates < 1:
         raise ValueError(f"max_candidates: must be >= 1; got {max_candidates!r}")

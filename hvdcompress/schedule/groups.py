@@ -60,9 +60,9 @@ class MergedGroup:
 
     @property
     def layout(self):
-        """The members as ``hvdcompress.reference.oracle.Member`` s (name, shape, offset): what an
+        """The members as ``hvdcompress.contract.Member`` s (name, shape, offset): what an
         exchange is told in ``ExchangeContext.members``."""
-        from .contract import Member
+        from ..contract import Member
 
         out, offset = [], 0
         for name, shape, n in zip(self.members, self.shapes, self.numels):
@@ -76,7 +76,7 @@ def check_mergeable(schedule_text: str, spec) -> bool:
     groups). A compressor declared ``merge=LAYERWISE`` is exchanged one tensor at a time: "auto"
     then means "layerwise" (returns False: use layerwise), any other merging schedule is a
     ValueError naming ``schedule``. True: schedule as asked."""
-    from .contract import LAYERWISE
+    from ..contract import LAYERWISE
 
     if spec.info.merge != LAYERWISE or schedule_text == "layerwise":
         return True

@@ -1,7 +1,7 @@
 """Predicted step time and scaling efficiency at scale, from a fitted cost model.
 
-Everything this module outputs is a PREDICTION of the model in ``hvdcompress.costmodel`` and
-``hvdcompress.timeline``, not a measurement: the collectives' alpha-beta fits are carried from the
+Everything this module outputs is a PREDICTION of the model in ``hvdcompress.schedule.costmodel`` and
+``hvdcompress.schedule.timeline``, not a measurement: the collectives' alpha-beta fits are carried from the
 world size they were measured at to 16..1024 workers by ring-algorithm scaling (a_N ~ (N-1),
 b_N ~ (N-1)/N), optionally with another link bandwidth; compression and backward times are those
 profiled on one worker. Where measured step times are supplied (``--measured``), the prediction
@@ -13,10 +13,10 @@ for those configurations is printed next to them with its relative error.
 
 Usage (the profile comes from ``python -m hvdcompress.bench.profile transport --model ... --out profile.json``)::
 
-    python -m hvdcompress.simulate --profile profile.json --gbps 0.1,1,10 \\
+    python -m hvdcompress.schedule.scaling --profile profile.json --gbps 0.1,1,10 \\
         --compression none --compression topk:ratio=0.01 --out sim.json --plot sim.png
-    python -m hvdcompress.simulate --link 1,50 --synthetic 160,100,200,100   # no profile at hand
-    python -m hvdcompress.simulate --bench benchmarks/results/schedules-deep.json   # from a benchmark
+    python -m hvdcompress.schedule.scaling --link 1,50 --synthetic 160,100,200,100   # no profile at hand
+    python -m hvdcompress.schedule.scaling --bench benchmarks/results/schedules-deep.json   # from a benchmark
 
 With ``--bench`` the cost model fitted on the emulated link of one launch of ``hvdcompress bench``
 (``--bench-launch``), the workload profiled by that launch's first phase that has one, and every
@@ -36,7 +36,7 @@ import numpy as np
 
 from .costmodel import CostModel
 from .planner import Workload, parse_schedule
-from .spec import resolve
+from ..spec import resolve
 
 NOTE = ("PREDICTIONS from the fitted cost model (alpha-beta collectives scaled to N workers by ring "
         "formulas, profiled compression and backward times), not measurements")
@@ -203,7 +203,7 @@ def _inputs(args) -> tuple:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hvdcompress.simulate", description=__doc__.split("\n\n")[0] +
+    ap = argparse.ArgumentParser(prog="python -m hvdcompress.schedule.scaling", description=__doc__.split("\n\n")[0] +
                                  ". " + NOTE + ".", formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="JSON from python -m hvdcompress.bench.profile transport --out (cost model + workload)")
     ap.add_argument("--cost-model", help="a CostModel JSON (e.g. from ~/.cache/hvdcompress)")

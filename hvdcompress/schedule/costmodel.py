@@ -41,7 +41,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .spec import GATHERED, SUMMED, CompressionSpec, resolve
+from ..spec import GATHERED, SUMMED, CompressionSpec, resolve
 
 VERSION = 1
 FORMS = ("dlogd", "linear")
@@ -242,7 +242,7 @@ class CostModel:
         exchange that closes it, not in an alpha-beta fit timed with the ranks lined up by a
         barrier, nor (mostly) in the exchanges launched during backward, which the rest of
         backward hides. ``exchange_skew`` is 0 in a fitted model and is measured in training steps
-        (``torch_ops.scheduling``, ``skew_factor``); ``hvdcompress.timeline`` (``t_close``)."""
+        (``torch_ops.scheduling``, ``skew_factor``); ``hvdcompress.schedule.timeline`` (``t_close``)."""
         d = np.asarray(dense_bytes, dtype=float)
         if not self.exchange_skew:
             return np.zeros_like(d)

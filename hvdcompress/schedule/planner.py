@@ -1,7 +1,7 @@
 """Layer-merging planner: which consecutive gradient tensors to compress and send as one group.
 
 Pure functions over sizes and timings (no torch, no Horovod). The model is that of
-``hvdcompress.timeline`` (read its doc for the formulas and the two ``overlap`` assumptions):
+``hvdcompress.schedule.timeline`` (read its doc for the formulas and the two ``overlap`` assumptions):
 tensors in backward order, backward time ``t_b`` per tensor, compression time ``t_s(bytes)`` and
 exchange time ``t_c(bytes)`` per group, exchanges serialized; a group is compressed when its last
 (in backward order) gradient is ready.
@@ -24,7 +24,7 @@ The API the optimizer calls::
     "mgs:greedy", "mgwfbp:greedy"  the papers' greedy rule instead of the exact optimum
     "auto" or None   "mgs" for gathered (sparse) compressors, "mgwfbp" for summed (dense) ones
 
-``cost_model`` is a ``hvdcompress.costmodel.CostModel``; it gives t_c for the compressor ``spec``
+``cost_model`` is a ``hvdcompress.schedule.costmodel.CostModel``; it gives t_c for the compressor ``spec``
 at ``world_size`` (``CostModel.exchange_seconds``: the alpha-beta time; the last group's exchange,
 which closes the step, also gets ``CostModel.closing_seconds``, the measured ``exchange_skew``
 term), t_s (compression, when the model has a fit for the spec, plus the CPU time of
@@ -32,7 +32,7 @@ handing the group's collectives to Horovod: ``CostModel.group_cpu_seconds``) and
 t_d (decompression and scatter after backward; in the prediction only, see ``timeline``). ``layerwise``/``single``/``size`` need no cost model; without one (or without t_b) the
 prediction is None.
 
-The searches live in ``hvdcompress.search``: ``optimal`` (dynamic programming over the end of
+The searches live in ``hvdcompress.schedule.search``: ``optimal`` (dynamic programming over the end of
 the last group; exact, O(L^2) for ``overlap="parallel"``, Pareto fronts with branch and bound for
 ``"shared"``, with a certified bound ``gap`` should a front have to be thinned), ``greedy`` (the
 MGS paper's rule) and ``brute_force`` (tests).
@@ -47,7 +47,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .search import Search, brute_force, by_size, greedy, layerwise, optimal, single
-from .spec import GATHERED, resolve
+from ..spec import GATHERED, resolve
 from .timeline import Timeline, check_inputs, check_overlap, predict
 
 MIB = 1 << 20
@@ -149,7 +149,7 @@ class Plan:
     overlap: str
     gap: Optional[float] = None         # seconds above the optimum at most (0: optimal; None: unknown)
     notes: Tuple[str, ...] = ()
-    tuning: Optional[dict] = None       # measured validation (hvdcompress.tuning): candidates, medians, kept
+    tuning: Optional[dict] = None       # measured validation (hvdcompress.schedule.tuning): candidates, medians, kept
 
     def as_dict(self) -> dict:
         return {"schedule": self.schedule, "groups": self.groups, "predicted_seconds": self.predicted_seconds,

@@ -2,7 +2,7 @@
 
 Every function here takes per-tensor ``sizes`` (bytes) and backward times ``t_b``, the cost
 functions ``t_s(bytes)`` (compress a group) and ``t_c(bytes)`` (exchange it), and the overlap
-model of ``hvdcompress.timeline``; it returns a ``Search``: the groups, their modelled
+model of ``hvdcompress.schedule.timeline``; it returns a ``Search``: the groups, their modelled
 backward/exchange end time, and ``gap`` (an upper bound on how far that time may be above the
 optimum: 0 when the optimum is certified, None when unknown).
 
@@ -28,7 +28,7 @@ and S at most eps larger, eps = (S range) / max_front. The result is then certif
 ``gap`` = min(sum of the eps used, result - least lower bound of a dropped state): the end time is
 1-Lipschitz in S, and an optimal path that lost a state is no shorter than that state's bound.
 
-``t_close(bytes)`` (optional, ``hvdcompress.timeline``): extra exchange time of the last group
+``t_close(bytes)`` (optional, ``hvdcompress.schedule.timeline``): extra exchange time of the last group
 only. ``optimal`` adds it on the transitions that close the partition (k = L), and to the
 cheapest-last-exchange bound; the other bounds stay valid without it (it is >= 0).
 
