@@ -27,7 +27,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import shared_tf_launch  # the TF modules of this session share one launch of 2 workers
+    from scenarios import shared_tf_launch  # the TF modules of this session share one launch of 2 workers
     shared_tf_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in items)
     if EXTENDED:
         return

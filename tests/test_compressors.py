@@ -1,6 +1,6 @@
 """Single-process tests of the PyTorch compressors against the numpy oracle.
 
-Exchanges run in a local lockstep world (tests/local_world.py) so payloads and results of every
+Exchanges run in a local lockstep world (tests/scenarios/local_world.py) so payloads and results of every
 simulated rank can be compared exactly with ``hvdcompress.reference``.
 """
 
@@ -12,7 +12,7 @@ from hvdcompress import Compression, parse_spec
 from hvdcompress.reference import reference_exchange, reference_payload, topk_indices as np_topk
 from hvdcompress.sampling import random_indices
 from hvdcompress.spec import num_selected
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from torch_ops.compressors import ExchangeContext, build_compressor, topk_indices
 
 SPECS = [

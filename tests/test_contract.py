@@ -14,7 +14,7 @@ from hvdcompress.reference import simulate
 from hvdcompress.contract import Allgather, Allreduce, Alltoall
 from hvdcompress.reference.oracle import Oracle, simulate as sim
 from hvdcompress.spec import LAYERWISE, describe
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 
 
 def _grads(world, n=10, seed=0):
@@ -116,13 +116,13 @@ hvd_runner = pytest.importorskip("horovod.runner")
 @pytest.fixture(scope="module")
 def two_workers():
     """One 2-worker launch for the toy algorithm and DGC's default warm-up, in sequence."""
-    from launch import run_scenarios
-    import mp_contract_scenarios as sc
+    from scenarios.launch import run_scenarios
+    from scenarios import contract as sc
     return run_scenarios("torch", 2, [("toy", sc.toy_training, ()), ("warmup", sc.dgc_default_warmup, ())])
 
 
 def test_toy_algorithm_trains_through_the_real_optimizer(two_workers):
-    from launch import part
+    from scenarios.launch import part
     for r in part(two_workers, "toy"):
         assert "error" not in r, r.get("error")
         assert all(r["identical"]), r["identical"]
@@ -133,7 +133,7 @@ def test_toy_algorithm_trains_through_the_real_optimizer(two_workers):
 
 
 def test_default_dgc_leaves_warmup_without_set_epoch(two_workers):
-    from launch import part
+    from scenarios.launch import part
     from hvdcompress.reference.dgc import dgc_density
     for r in part(two_workers, "warmup"):
         assert "error" not in r, r.get("error")
@@ -144,9 +144,9 @@ def test_default_dgc_leaves_warmup_without_set_epoch(two_workers):
 
 
 def test_every_collective_runs_on_the_process_set_torch(tmp_path):
-    from launch import run_workers
-    import mp_contract_scenarios
-    results = run_workers(mp_contract_scenarios.process_set_torch, 3, env={"HVDCOMPRESS_CACHE": str(tmp_path)})
+    from scenarios.launch import run_workers
+    from scenarios import contract
+    results = run_workers(contract.process_set_torch, 3, env={"HVDCOMPRESS_CACHE": str(tmp_path)})
     for rank, r in enumerate(results):
         assert "error" not in r, r.get("error")
         assert r["done"]
@@ -162,13 +162,13 @@ def test_every_collective_runs_on_the_process_set_tf(tmp_path):
     import json
     import subprocess
     import sys
-    from launch import GLOO_TIMEOUT_S
+    from scenarios.launch import GLOO_TIMEOUT_S
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
                TF_USE_LEGACY_KERAS="1", OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1",
                HOROVOD_GLOO_TIMEOUT_SECONDS=GLOO_TIMEOUT_S)
     proc = subprocess.run(["horovodrun", "-np", "3", "-H", "localhost:3", "--gloo", sys.executable,
-                           os.path.join(here, "mp_contract_scenarios.py"), "process_set_tf", str(tmp_path)],
+                           os.path.join(here, "scenarios", "contract.py"), "process_set_tf", str(tmp_path)],
                           env=env, timeout=300, capture_output=True, text=True)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines()
               if "Error" in line or "error" in line or "Traceback" in line]
@@ -218,7 +218,7 @@ for build, tensor in ((torch_build, torch.from_numpy), (tf_build, tf.constant)):
     comp = build(spec)
     states = [{} for _ in grads] if build is torch_build else [comp.new_state((6,), tf.float32) for _ in grads]
     gens = [comp.exchange(tensor(g.copy()), ExchangeContext("w", 0, 2, 0.5, st, (6,))) for g, st in zip(grads, states)]
-    from local_world import run_lockstep
+    from scenarios.local_world import run_lockstep
     got, _ = run_lockstep(gens)
     assert all(np.array_equal(np.asarray(x), want) for x in got), (got, want)
 print("ok")

@@ -5,8 +5,8 @@ import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_delayed_scenarios as sc  # noqa: E402
-from launch import run_workers  # noqa: E402
+from scenarios import delayed as sc  # noqa: E402
+from scenarios.launch import run_workers  # noqa: E402
 
 
 def _ok(results):

@@ -8,7 +8,7 @@ from hvdcompress import Compression, parse_spec
 from hvdcompress.reference.dgc import dgc_exchange, sampled_threshold_select as np_select
 from hvdcompress.sampling import sample_offset, sample_stride
 from hvdcompress.warmup import density_at, warmup_densities
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from torch_ops.compressors import ExchangeContext, build_compressor, sampled_threshold_select
 from torch_ops.compressors.dgc import adopt_momentum
 
@@ -140,7 +140,7 @@ def test_a_result_built_in_the_offered_buffer_is_the_same_result(spec):
     offers (its gradient buffer), bit for bit the result of a fresh tensor, on every rank and step."""
     import torch
     from hvdcompress.spec import resolve
-    from local_world import run_lockstep
+    from scenarios.local_world import run_lockstep
     from torch_ops.compressors import ExchangeContext, build_compressor
 
     world, n = 3, 5000  # a matrix (DGC sends vectors dense)

@@ -11,7 +11,7 @@ from hvdcompress import parse_spec
 from hvdcompress.clipping import GlobalNorm, clip_coefficient
 from hvdcompress.reference.dgc import sum_of_squares, weight_decay_step
 from hvdcompress.reference.oracle import Member, simulate
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from torch_ops.compressors import ExchangeContext, build_compressor
 
 MEMBERS = (Member("a", (30, 40), 0), Member("b", (40,), 1200), Member("c", (10, 40), 1240))

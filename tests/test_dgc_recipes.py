@@ -1,5 +1,5 @@
 """DGC on real training recipes (issue 15), on real Horovod: 2 Gloo workers per backend, one launch
-each (tests/mp_dgc_recipe_scenarios.py runs the scenarios).
+each (tests/scenarios/dgc_recipes.py runs the scenarios).
 
 Weight decay: DGC with everything sent, no warm-up and masking off must give the parameters of
 dense momentum SGD with the same weight decay, up to float rounding: TOLERANCE, measured against
@@ -12,9 +12,9 @@ import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_dgc_recipe_scenarios  # noqa: E402
-import shared_tf_launch  # noqa: E402
-from launch import part, run_workers  # noqa: E402
+from scenarios import dgc_recipes  # noqa: E402
+from scenarios import shared_tf_launch  # noqa: E402
+from scenarios.launch import part, run_workers  # noqa: E402
 
 WORLD = 2
 TOLERANCE = 1e-5  # max |dense - dgc| over the parameters after 40 steps, lr 0.05 (measured: ~1e-7)
@@ -22,14 +22,14 @@ TOLERANCE = 1e-5  # max |dense - dgc| over the parameters after 40 steps, lr 0.0
 
 @pytest.fixture(scope="module")
 def torch_results():
-    out = run_workers(mp_dgc_recipe_scenarios.torch_all, WORLD)
+    out = run_workers(dgc_recipes.torch_all, WORLD)
     _show(out)
     return out
 
 
 @pytest.fixture(scope="module")
 def tf_results():
-    out = shared_tf_launch.results("test_dgc_recipes")  # tf_all() on 2 workers (tests/shared_tf_launch.py)
+    out = shared_tf_launch.results("test_dgc_recipes")  # tf_all() on 2 workers (tests/scenarios/shared_tf_launch.py)
     _show(out)
     return out
 

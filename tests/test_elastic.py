@@ -1,7 +1,7 @@
 """Horovod Elastic with our optimizer: ``horovodrun --gloo`` elastic on localhost, a host-discovery
 script whose answer the training itself changes (2 workers -> a third joins -> it is removed again).
 Every step, every rank checks that all ranks hold identical parameters and the same exchange
-counter (tests/elastic_worker.py writes what it saw, one JSON line per step and process)."""
+counter (tests/scenarios/elastic_worker.py writes what it saw, one JSON line per step and process)."""
 
 import glob
 import json
@@ -25,9 +25,9 @@ def test_training_continues_identical_through_a_worker_joining_and_leaving(tmp_p
         f.write(f"#!/bin/sh\ncat {os.path.join(out, 'hosts')}\n")
     os.chmod(discover, 0o755)
     env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = ["horovodrun", "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", discover,
-           "--gloo", "--network-interface", "lo", sys.executable, os.path.join(HERE, "elastic_worker.py"), out]
+           "--gloo", "--network-interface", "lo", sys.executable, os.path.join(HERE, "scenarios", "elastic_worker.py"), out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

@@ -7,8 +7,8 @@ import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_tuning_scenarios as sc  # noqa: E402
-from launch import part, run_workers  # noqa: E402
+from scenarios import tuning as sc  # noqa: E402
+from scenarios.launch import part, run_workers  # noqa: E402
 
 WORLD = 2
 

@@ -1,15 +1,15 @@
 """Real Horovod: 2 and 3 worker processes on the Gloo CPU backend (horovod.runner.run).
 
-Two launches: every scenario of tests/mp_scenarios.py in sequence on 2 workers, and the training
+Two launches: every scenario of tests/scenarios/torch_core.py in sequence on 2 workers, and the training
 scenario on 3 (a module fixture; each test checks one part of what came back)."""
 
 import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_scenarios  # noqa: E402
-from launch import part, run_scenarios  # noqa: E402
-from mp_scenarios import TRAIN_SPECS  # noqa: E402
+from scenarios import torch_core  # noqa: E402
+from scenarios.launch import part, run_scenarios  # noqa: E402
+from scenarios.torch_core import TRAIN_SPECS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +19,10 @@ def launches():
 
     def get(world):
         if world not in cache:
-            calls = [("training", mp_scenarios.training, (world,))]
+            calls = [("training", torch_core.training, (world,))]
             if world == 2:
-                calls += [("empty", mp_scenarios.empty_selection, ()), ("bad", mp_scenarios.bad_arguments, ()),
-                          ("resume", mp_scenarios.checkpoint_resume, ())]
+                calls += [("empty", torch_core.empty_selection, ()), ("bad", torch_core.bad_arguments, ()),
+                          ("resume", torch_core.checkpoint_resume, ())]
             cache[world] = run_scenarios("torch", world, calls)
             assert len(cache[world]) == world
             print(f"scenario seconds on {world} workers:", [r["seconds"] for r in cache[world]])

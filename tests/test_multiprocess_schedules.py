@@ -1,6 +1,6 @@
 """Layer merging (``DistributedOptimizer(schedule=...)``) on real Horovod: Gloo CPU workers.
 
-Two launches: every scenario of tests/mp_schedule_scenarios.py on 2 workers (a module fixture;
+Two launches: every scenario of tests/scenarios/schedules.py on 2 workers (a module fixture;
 each test checks one part of what it returned), and every compressor under merged schedules on
 3 workers.
 """
@@ -13,9 +13,9 @@ from hvdcompress.schedule import planner, search
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_schedule_scenarios as sc  # noqa: E402
-from mp_scenarios import TRAIN_SPECS  # noqa: E402
-from launch import part as _part, run_workers as _run  # noqa: E402
+from scenarios import schedules as sc  # noqa: E402
+from scenarios.torch_core import TRAIN_SPECS  # noqa: E402
+from scenarios.launch import part as _part, run_workers as _run  # noqa: E402
 
 WORLD = 2
 SIZES = {"0.weight": 2560, "0.bias": 128, "2.weight": 4096, "2.bias": 128, "4.weight": 512, "4.bias": 16}

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("horovod.runner")
 
-from launch import run_workers as _run  # noqa: E402
+from scenarios.launch import run_workers as _run  # noqa: E402
 
 SPECS = ["topk:ratio=0.1", "none"]
 

@@ -45,7 +45,7 @@ from hvdcompress.reference.powersgd import is_compressed, matrix_shape
 from hvdcompress.sampling import ACCEPT_HIGH_TENTHS
 from hvdcompress.spec import REGISTRY, num_selected, parse_spec
 from hvdcompress.wire import index_bytes
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from tf_ops import compressors as tfc
 from torch_ops import compressors as tc
 

@@ -22,7 +22,7 @@ from hvdcompress import packing
 from hvdcompress import parse_spec  # noqa: E402
 from hvdcompress.reference import Member, simulate  # noqa: E402
 from hvdcompress.reference.quantizers import payload_bytes  # noqa: E402
-from local_world import run_lockstep  # noqa: E402
+from scenarios.local_world import run_lockstep  # noqa: E402
 from tf_ops import compressors as tfc  # noqa: E402
 from torch_ops import compressors as tc  # noqa: E402
 

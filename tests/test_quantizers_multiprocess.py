@@ -1,6 +1,6 @@
 """Quantizers and PowerSGD on real Horovod: 2 and 3 Gloo workers, PyTorch and TF/Keras (one launch
 per backend and world size; TF on 2 workers runs in the session's shared TF launch,
-tests/shared_tf_launch.py). TF on 3 workers trains one compressor per exchange kind
+tests/scenarios/shared_tf_launch.py). TF on 3 workers trains one compressor per exchange kind
 (``sc.TF3_SPECS``: a Keras trace per compressor and process is what these runs cost) and is in the
 extended tier (tests/conftest.py); every compressor runs on 3 workers in PyTorch and on 2 in both.
 
@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("horovod.runner")
 
-import mp_quantizer_scenarios as sc  # noqa: E402
-import shared_tf_launch  # noqa: E402
-from launch import run_workers  # noqa: E402
+from scenarios import quantizers as sc  # noqa: E402
+from scenarios import shared_tf_launch  # noqa: E402
+from scenarios.launch import run_workers  # noqa: E402
 
 NEEDLES = {"levels": "qsgd: parameter 'levels' must be int in [1, 127]",
            "bucket": "terngrad: parameter 'bucket' must be int in [0, 2147483647]",

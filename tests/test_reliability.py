@@ -9,8 +9,8 @@ import torch
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_reliability_scenarios as sc  # noqa: E402
-from launch import part, run_scenarios, run_workers  # noqa: E402
+from scenarios import reliability as sc  # noqa: E402
+from scenarios.launch import part, run_scenarios, run_workers  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from hvdcompress.reference.dgc import sampled_threshold_select as np_select
 from hvdcompress.reference.selection import threshold_indices as np_threshold
 from hvdcompress.reference.selection import topk_indices as np_topk
 from hvdcompress import parse_spec
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from torch_ops.compressors import ExchangeContext, build_compressor
 from torch_ops.compressors import dgc_selection as ds
 from torch_ops.compressors import cpu_selection as cs

@@ -19,7 +19,7 @@ from hvdcompress import hashing  # noqa: E402
 from hvdcompress.reference import simulate  # noqa: E402
 from hvdcompress.reference import sketch as ref  # noqa: E402
 from hvdcompress.spec import Compression, CompressionSpec, parse_spec  # noqa: E402
-from local_world import run_lockstep  # noqa: E402
+from scenarios.local_world import run_lockstep  # noqa: E402
 from tf_ops import compressors as tfc  # noqa: E402
 from tf_ops.compressors import sketch as tf_sketch  # noqa: E402
 from torch_ops import compressors as tc  # noqa: E402

@@ -1,6 +1,6 @@
 """Sketched-SGD on real Horovod: Gloo workers (PyTorch on 2 and 3, TensorFlow/Keras on 2).
 
-One launch per backend and world size (tests/mp_sketch_scenarios.py): parameters identical on
+One launch per backend and world size (tests/scenarios/sketch.py): parameters identical on
 every rank after every step (layerwise and one merged group), the first exchanges replayed through
 the numpy oracle, bytes measured as the wire rule predicts, checkpoint/resume bit-identical, bad
 parameters raising on every rank before any collective.
@@ -10,9 +10,9 @@ import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_sketch_scenarios as sc  # noqa: E402
-import shared_tf_launch  # noqa: E402
-from launch import part, run_workers  # noqa: E402
+from scenarios import sketch as sc  # noqa: E402
+from scenarios import shared_tf_launch  # noqa: E402
+from scenarios.launch import part, run_workers  # noqa: E402
 
 
 
@@ -25,7 +25,7 @@ def torch_run(request):
 
 @pytest.fixture(scope="module")
 def tf_run():
-    out = shared_tf_launch.results("test_sketch_multiprocess")  # sc.tf_all(2) (tests/shared_tf_launch.py)
+    out = shared_tf_launch.results("test_sketch_multiprocess")  # sc.tf_all(2) (tests/scenarios/shared_tf_launch.py)
     assert len(out) == 2
     return out
 

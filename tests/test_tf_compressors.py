@@ -1,4 +1,4 @@
-"""Cross-framework agreement: numpy oracle, torch_ops and tf_ops on the shared vectors (tests/vectors.py).
+"""Cross-framework agreement: numpy oracle, torch_ops and tf_ops on the shared vectors (tests/scenarios/vectors.py).
 
 For every compressor, over several steps (state carried), for 1-3 simulated ranks: the same payload
 on the wire (indices and values, bit for bit), the same aggregated result, the same state
@@ -18,10 +18,10 @@ from hvdcompress.reference.dgc import dgc_exchange
 from hvdcompress.reference.dgc import sampled_threshold_select as np_select
 from hvdcompress.sampling import random_indices, sample_offset, sample_stride
 from hvdcompress.spec import num_selected
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from tf_ops import compressors as tfc
 from torch_ops import compressors as tc
-from vectors import DGC_SPECS, KEY, SHAPES, SPECS, STEPS, epoch_of, gradients
+from scenarios.vectors import DGC_SPECS, KEY, SHAPES, SPECS, STEPS, epoch_of, gradients
 
 
 def _tap(gen, sink, clone):

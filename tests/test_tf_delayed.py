@@ -1,7 +1,7 @@
 """Delayed gradient averaging and temporal sparsity on the TF backend (tf_ops.delayed).
 
 Multi-process part: one launch of 2 Gloo workers runs every scenario of
-tests/mp_tf_delayed_scenarios.py (a module fixture). Single-process part: the arithmetic against
+tests/scenarios/tf_delayed.py (a module fixture). Single-process part: the arithmetic against
 a numpy model with a fake two-rank driver, eagerly and in tf.function, checkpoint checks, and
 every bad argument raising before Horovod is needed.
 """
@@ -15,9 +15,9 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdcompress.tensorflow as hvc  # noqa: E402
-import mp_tf_delayed_scenarios as sc  # noqa: E402
-import shared_tf_launch  # noqa: E402
-from launch import part  # noqa: E402
+from scenarios import tf_delayed as sc  # noqa: E402
+from scenarios import shared_tf_launch  # noqa: E402
+from scenarios.launch import part  # noqa: E402
 
 WORLD = 2
 
@@ -64,7 +64,7 @@ def reference(world, delay, every, op, m=0.0):
 
 @pytest.fixture(scope="module")
 def results():
-    out = shared_tf_launch.results("test_tf_delayed")  # sc.everything() on 2 workers (tests/shared_tf_launch.py)
+    out = shared_tf_launch.results("test_tf_delayed")  # sc.everything() on 2 workers (tests/scenarios/shared_tf_launch.py)
     assert len(out) == WORLD
     print("scenario seconds per rank:", [r["seconds"] for r in out])
     return out

@@ -3,7 +3,7 @@ host-discovery script whose answer the training itself changes (2 workers -> a t
 removed again), for the Keras DistributedOptimizer (``hvc.elastic.KerasState``, train_on_batch) and
 the tape (``hvc.elastic.TensorFlowKerasState(..., compression=...)``). Every step, every rank checks
 that all ranks hold identical parameters and optimizer variables and the same exchange counter
-(tests/tf_elastic_worker.py writes what it saw, one JSON line per step and process)."""
+(tests/scenarios/tf_elastic_worker.py writes what it saw, one JSON line per step and process)."""
 
 import glob
 import json
@@ -31,9 +31,9 @@ def test_training_continues_identical_through_a_worker_joining_and_leaving(tmp_p
     # 30 s on a loaded machine
     env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1", HOROVOD_GLOO_TIMEOUT_SECONDS="120",
                TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = ["horovodrun", "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", discover,
-           "--gloo", "--network-interface", "lo", sys.executable, os.path.join(HERE, "tf_elastic_worker.py"), out,
+           "--gloo", "--network-interface", "lo", sys.executable, os.path.join(HERE, "scenarios", "tf_elastic_worker.py"), out,
            mode]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

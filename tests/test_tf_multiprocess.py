@@ -1,7 +1,7 @@
 """Real Horovod, TensorFlow backend: 2 worker processes on the Gloo CPU backend (horovod.runner.run).
 
 TensorFlow takes seconds to import in every worker, so one launch runs all scenarios of
-tests/mp_tf_scenarios.py (the session's shared TF launch: tests/shared_tf_launch.py); each test
+tests/scenarios/tf_core.py (the session's shared TF launch: tests/scenarios/shared_tf_launch.py); each test
 below checks one part of what it returned.
 """
 
@@ -9,9 +9,9 @@ import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import shared_tf_launch  # noqa: E402
-from launch import part as _part  # noqa: E402
-from mp_tf_scenarios import TAPE_SPECS  # noqa: E402
+from scenarios import shared_tf_launch  # noqa: E402
+from scenarios.launch import part as _part  # noqa: E402
+from scenarios.tf_core import TAPE_SPECS  # noqa: E402
 
 WORLD = 2
 # training to an accuracy (the Keras digits example, dense and DGC): extended tier (conftest)
@@ -20,7 +20,7 @@ DIGITS_EPOCHS = shared_tf_launch.digits_epochs()
 
 @pytest.fixture(scope="module")
 def results():
-    out = shared_tf_launch.results("test_tf_multiprocess")  # mp_tf_scenarios.everything(WORLD, DIGITS_EPOCHS)
+    out = shared_tf_launch.results("test_tf_multiprocess")  # tf_core.everything(WORLD, DIGITS_EPOCHS)
     assert len(out) == WORLD
     print("scenario seconds (wall, cpu) per rank:", [r["seconds"] for r in out])
     if DIGITS_EPOCHS:

@@ -7,8 +7,8 @@ import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_tf_reliability_scenarios as sc  # noqa: E402
-from launch import part, run_workers  # noqa: E402
+from scenarios import tf_reliability as sc  # noqa: E402
+from scenarios.launch import part, run_workers  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import hvdcompress.tensorflow as hvc
 from hvdcompress.schedule.costmodel import ComputeFit, CostModel
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from tf_ops.compressors import ExchangeContext, build_compressor
 
 WORLD = 2

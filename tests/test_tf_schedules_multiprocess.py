@@ -1,5 +1,5 @@
 """Merged-group schedules with real Horovod, TF backend: 2 Gloo worker processes (horovod.runner.run)
-run tests/mp_tf_schedule_scenarios.py once; each test checks one part of what it returned. The
+run tests/scenarios/tf_schedules.py once; each test checks one part of what it returned. The
 workers get an empty HVDCOMPRESS_CACHE, so no cost model is cached for them.
 """
 
@@ -8,15 +8,15 @@ import pytest
 
 hvd_runner = pytest.importorskip("horovod.runner")
 
-import mp_tf_schedule_scenarios  # noqa: E402
-from launch import part as _part, run_workers  # noqa: E402
+from scenarios import tf_schedules  # noqa: E402
+from scenarios.launch import part as _part, run_workers  # noqa: E402
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = run_workers(mp_tf_schedule_scenarios.everything, WORLD, WORLD, start_timeout=120,
+    out = run_workers(tf_schedules.everything, WORLD, WORLD, start_timeout=120,
                       env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
                            "HVDCOMPRESS_CACHE": str(tmp_path_factory.mktemp("hvc-cache"))})
     assert len(out) == WORLD

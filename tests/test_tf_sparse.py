@@ -9,16 +9,16 @@ import pytest
 
 pytest.importorskip("horovod.runner")
 
-import mp_tf_sparse_scenarios as sc  # noqa: E402
-import shared_tf_launch  # noqa: E402
-from launch import part  # noqa: E402
+from scenarios import tf_sparse as sc  # noqa: E402
+from scenarios import shared_tf_launch  # noqa: E402
+from scenarios.launch import part  # noqa: E402
 
 SPECS = ("none", "topk:ratio=0.1")
 
 
 @pytest.fixture(scope="module")
 def results():
-    out = shared_tf_launch.results("test_tf_sparse")  # sc.everything() on 2 workers (tests/shared_tf_launch.py)
+    out = shared_tf_launch.results("test_tf_sparse")  # sc.everything() on 2 workers (tests/scenarios/shared_tf_launch.py)
     print("seconds per rank:", [r["seconds"] for r in out])
     print("max |ours - Horovod's| after training:",
           {k: r.get("max_diff_vs_horovod") for k, r in out[0].items() if k.startswith("keras:")})

@@ -4,7 +4,7 @@ launch costs seconds of Python, PyTorch/TensorFlow and Horovod start-up per work
 (one scenario's results from every rank, failing on errors).
 
 The workers inherit this process's environment plus: the tests' directory on PYTHONPATH (the
-scenario modules), one torch/OMP thread, Horovod's 1 ms cycle (these runs are latency bound), a
+``scenarios`` package), one torch/OMP thread, Horovod's 1 ms cycle (these runs are latency bound), a
 300 s Gloo timeout (``GLOO_TIMEOUT_S``), and
 a cost-model cache that is never the user's ``~/.cache/hvdcompress`` (``worker_cache_dir``).
 """
@@ -41,10 +41,10 @@ def run_workers(fn, np_: int, *args, env: Optional[Dict[str, str]] = None, start
     ``env`` adds or overrides environment variables for the workers only."""
     from horovod.runner import run
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds the scenarios package
     cache = worker_cache_dir()
     saved = dict(os.environ)
-    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), saved.get("PYTHONPATH", "")])
+    os.environ["PYTHONPATH"] = os.pathsep.join([tests, os.path.dirname(tests), saved.get("PYTHONPATH", "")])
     os.environ["HVDCOMPRESS_CACHE"] = cache
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["HOROVOD_CYCLE_TIME"] = "1"

@@ -1,6 +1,6 @@
 """Merged-group schedules in real Horovod worker processes, TF backend (launched by
 tests/test_tf_schedules_multiprocess.py). One launch runs every scenario and returns plain Python
-data; parameters are compared across ranks bit for bit by allgathering them (``mp_tf_scenarios``).
+data; parameters are compared across ranks bit for bit by allgathering them (``tf_core``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import traceback
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-from mp_tf_scenarios import _batch, _flat, _identical, _loss, _model  # noqa: E402
+from scenarios.tf_core import _batch, _flat, _identical, _loss, _model  # noqa: E402
 
 STEPS = 4
 DGC = "dgc:ratio=0.05,min_sparse_numel=256,warmup_epochs=0"

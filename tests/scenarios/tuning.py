@@ -14,8 +14,8 @@ import traceback
 import torch
 import torch.nn as nn
 
-from mp_scenarios import _batch, _flat, _identical_across_ranks, _model
-from mp_schedule_scenarios import hand_model
+from scenarios.torch_core import _batch, _flat, _identical_across_ranks, _model
+from scenarios.schedules import hand_model
 
 SPEC = "topk:ratio=0.3"  # residuals are non-zero: state that a lossy regroup would corrupt
 TUNE_STEPS = 1

@@ -4,7 +4,7 @@ tests/test_multiprocess_schedules.py.
 Every scenario returns plain Python data; the pytest side asserts on it. ``everything`` runs
 them all in one launch (a launch costs seconds), each part guarded so a failing part reports its
 traceback instead of hanging the others. Parameters are compared across ranks bit for bit by
-allgathering them (``mp_scenarios._identical_across_ranks``).
+allgathering them (``torch_core._identical_across_ranks``).
 
 The test model's tensors in backward order are 4.bias (16 B), 4.weight (512 B), 2.bias (128 B),
 2.weight (4096 B), 0.bias (128 B), 0.weight (2560 B), so "size:0.004" (4194 B) makes three
@@ -19,7 +19,7 @@ import traceback
 import torch
 import torch.nn as nn
 
-from mp_scenarios import TRAIN_SPECS, _batch, _flat, _identical_across_ranks, _model
+from scenarios.torch_core import TRAIN_SPECS, _batch, _flat, _identical_across_ranks, _model
 
 STEPS = 6
 PROFILE_STEPS = 2  # cost-model schedules: step 0 learns the order, 1-2 measure, merged from step 3

@@ -16,7 +16,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 # a trace per process): dense, gathered with a residual (top-k), summed sparse (random-k), DGC's
 # momenta, signSGD's vote, PowerSGD's two rounds and factors, the sketch's tables. threshold,
 # efsignsgd and qsgd (gathered, as top-k and signSGD) are in the PyTorch matrix
-# (mp_reliability_scenarios.FAULT_SPECS).
+# (reliability.FAULT_SPECS).
 FAULT_SPECS = ["none", "topk:ratio=0.05", "randomk:ratio=0.1,seed=2",
                "dgc:ratio=0.05,warmup_epochs=0,min_sparse_numel=64", "signsgd",
                "sketch:ratio=0.05,min_sketch_numel=64", "powersgd"]

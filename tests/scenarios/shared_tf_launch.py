@@ -28,12 +28,12 @@ def _digits_epochs() -> int:  # the Keras digits run trains to an accuracy: exte
 
 # test module -> (scenario module, function, args)
 SCENARIOS = {
-    "test_tf_multiprocess": ("mp_tf_scenarios", "everything", lambda: (WORLD, _digits_epochs())),
-    "test_tf_delayed": ("mp_tf_delayed_scenarios", "everything", lambda: ()),
-    "test_tf_sparse": ("mp_tf_sparse_scenarios", "everything", lambda: ()),
-    "test_sketch_multiprocess": ("mp_sketch_scenarios", "tf_all", lambda: (WORLD,)),
-    "test_dgc_recipes": ("mp_dgc_recipe_scenarios", "tf_all", lambda: ()),
-    "test_quantizers_multiprocess": ("mp_quantizer_scenarios", "tf_everything", lambda: ()),
+    "test_tf_multiprocess": ("scenarios.tf_core", "everything", lambda: (WORLD, _digits_epochs())),
+    "test_tf_delayed": ("scenarios.tf_delayed", "everything", lambda: ()),
+    "test_tf_sparse": ("scenarios.tf_sparse", "everything", lambda: ()),
+    "test_sketch_multiprocess": ("scenarios.sketch", "tf_all", lambda: (WORLD,)),
+    "test_dgc_recipes": ("scenarios.dgc_recipes", "tf_all", lambda: ()),
+    "test_quantizers_multiprocess": ("scenarios.quantizers", "tf_everything", lambda: ()),
 }
 
 COLLECTED: Set[str] = set()  # test modules of this session (conftest.pytest_collection_modifyitems)
@@ -48,7 +48,7 @@ def results(module: str) -> List[dict]:
     """``module``'s scenario result from each rank (rank order), from the session's shared launch."""
     if module not in _results:
         import importlib
-        from launch import run_scenarios
+        from scenarios.launch import run_scenarios
         names = [m for m in SCENARIOS if m in COLLECTED or m == module]
         calls = []
         for m in names:

@@ -1,5 +1,5 @@
 """A training script for tests/test_tf_elastic.py, run by ``horovodrun --gloo`` elastic on localhost
-(TensorFlow/Keras; the PyTorch one is tests/elastic_worker.py).
+(TensorFlow/Keras; the PyTorch one is tests/scenarios/elastic_worker.py).
 
 MODE "keras": a Keras model compiled with our DistributedOptimizer, ``train_on_batch`` steps,
 ``hvc.elastic.KerasState``. MODE "tape": our DistributedGradientTape with a GradientCompression

@@ -193,7 +193,7 @@ def process_set_tf() -> dict:
     return out
 
 
-if __name__ == "__main__":  # under horovodrun: python mp_contract_scenarios.py <scenario> <out dir>
+if __name__ == "__main__":  # under horovodrun: python contract.py <scenario> <out dir>
     import json
     import sys
     result = globals()[sys.argv[1]]()

@@ -250,8 +250,8 @@ def dgc_converges_on_digits(epochs: int) -> dict:
     (nothing with 0 epochs: the default test tier skips it)."""
     if epochs == 0:
         return {}
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.join(os.path.dirname(here), "examples"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "examples"))
     import keras_digits
     out = {}
     for spec in ("none", "dgc:ratio=0.001"):
