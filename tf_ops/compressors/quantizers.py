@@ -141,7 +141,7 @@ class _MomentumInside(TakesMomentum):
         m = momentum_of(self.spec)
         if m > 0.0:  # only with momentum_correction (the spec's check)
             u = ctx.state["u"]
-            mf = tf.cast(m, x.dtype)
+            mf = tf.constant(m, x.dtype)  # m rounded once to x's dtype (tf.cast(m) would round to float32 first)
             # sums kept apart (``_grouped_add``): Grappler would flatten them with the residual's
             # add into one AddN and round differently from the oracle
             u_new = _grouped_add(u * mf, x)

@@ -152,9 +152,10 @@ class _MomentumInside(TakesMomentum):
             u = ctx.state.get("u")
             if u is None:
                 u = ctx.state["u"] = torch.zeros_like(x)
-            u.mul_(m).add_(x)
+            mt = torch.tensor(m, dtype=x.dtype)  # m rounded to the gradient's dtype, as the oracle and TF
+            u.mul_(mt).add_(x)
             # the exchange never writes its input, so u itself is passed on (no copy)
-            x = x + u * m if self.spec["nesterov"] else u
+            x = x + u * mt if self.spec["nesterov"] else u
         return (yield from super().exchange(x, ctx))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from abc import abstractmethod
 
+import numpy as np
 import torch
 
 from hvdcompress.reference.sparse import randomk_momentum_warning, unbiased_factor
@@ -127,8 +128,7 @@ class RandomKCompressor(OneRoundCompressor):
     def compress(self, a, ctx):
         idx = self._indices(a, ctx)
         if self.spec["unbiased"]:
-            f = unbiased_factor(a.numel(), idx.numel())
-            return (a[idx] * torch.tensor(float(f), dtype=a.dtype),)
+            return (a[idx] * torch.tensor(unbiased_factor(a.numel(), idx.numel(), np.float64).item(), dtype=a.dtype),)
         return (a[idx],)
 
     def decompress(self, payload, like, ctx):
