@@ -471,7 +471,8 @@ def test_momentum_is_taken_over_from_the_optimizer_on_both_backends():
         assert tfc.COMPRESSORS[spec.name].adapt_optimizer(off, config) == (off, config)
     rk = parse_spec("randomk")
     with pytest.warns(UserWarning, match="random-k needs no momentum"):
-        assert tc.COMPRESSORS["randomk"].adapt_optimizer(rk, torch.optim.SGD([w], lr=0.1, momentum=0.9).param_groups) is rk
+        sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+        assert tc.COMPRESSORS["randomk"].adapt_optimizer(rk, sgd.param_groups) is rk
     with pytest.warns(UserWarning, match="random-k needs no momentum"):
         tfc.COMPRESSORS["randomk"].adapt_optimizer(rk, tf.keras.optimizers.SGD(0.1, momentum=0.9).get_config())
     with warnings.catch_warnings():

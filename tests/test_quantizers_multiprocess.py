@@ -26,7 +26,8 @@ NEEDLES = {"levels": "qsgd: parameter 'levels' must be int in [1, 127]",
            "bucket": "terngrad: parameter 'bucket' must be int in [0, 2147483647]",
            "rank": "powersgd: parameter 'rank' must be int in [1, 65536]"}
 # efsignsgd and onebit keep the momentum they took over from the SGD (momentum 0.9) in u
-STATE = {"powersgd": ["q", "residual"], "efsignsgd": ["residual", "u"], "onebit": ["residual", "u"], "terngrad": ["residual"],
+STATE = {"powersgd": ["q", "residual"], "efsignsgd": ["residual", "u"], "onebit": ["residual", "u"],
+         "terngrad": ["residual"],
          "signsgd": [], "qsgd": []}
 
 

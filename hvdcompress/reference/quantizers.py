@@ -40,9 +40,10 @@ float32, so that the order in which a framework adds does not change the float32
 with probability ~2**-29 per value); max is exact in any order. All other arithmetic is float32,
 one IEEE operation at a time, so torch and TensorFlow reproduce this module bit for bit.
 
-Scales are per tensor (per column for ``onebit:scope=column``): in a merged group (``merge=PER_MEMBER``) each member of ``ctx.members``
-gets its own scale(s) and buckets, so merging changes nothing; an exchange given no members
-treats the flat tensor as one member (one scale for the whole group).
+Scales are per tensor (per column for ``onebit:scope=column``): in a merged group
+(``merge=PER_MEMBER``) each member of ``ctx.members`` gets its own scale(s) and buckets, so merging
+changes nothing; an exchange given no members treats the flat tensor as one member (one scale for
+the whole group).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _wire_for(name: str):
 
 BUCKET = dict(low=0, high=2 ** 31 - 1)
 SEED = Param("seed", int, 0, "seed of the stochastic rounding (with step, tensor name, rank)", low=0, high=2 ** 32 - 1)
+
 
 def momentum_params():
     """efsignsgd's and onebit's momentum inside (the module doc), DGC's conventions."""
