@@ -89,7 +89,7 @@ def test_merged_groups_give_what_layerwise_gives(spec, schedule, groups):
 def _reference(spec, group_positions, steps, **kw):
     """The compressor on the concatenated group, with state of its own, told the group's members
     (the oracle for merging: per-member rules such as DGC's per-tensor clipping apply inside)."""
-    from hvdcompress.reference.oracle import Member
+    from hvdcompress.contract import Member
 
     comp = build_compressor(hvc.parse_spec(spec) if isinstance(spec, str) else spec)
     shapes = [SHAPES[p] for p in group_positions]
