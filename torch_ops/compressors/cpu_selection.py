@@ -35,8 +35,9 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 def _numpy_view(a: torch.Tensor) -> Optional[np.ndarray]:
     """The tensor's memory as a numpy array (no copy), where numpy can read it: CPU, a float
     dtype numpy has, contiguous. Numpy's compare and nonzero are several times faster than
-    torch's on CPU, and a numpy call costs a fraction of a torch call."""
-    if not a.is_cpu or a.dtype not in _NUMPY_DTYPES or not a.is_contiguous() or a.is_neg():
+    torch's on CPU, and a numpy call costs a fraction of a torch call. None under
+    ``native.torch_only()`` (the branch CUDA tensors take)."""
+    if native.torch_only() or not a.is_cpu or a.dtype not in _NUMPY_DTYPES or not a.is_contiguous() or a.is_neg():
         return None
     return (a.detach() if a.requires_grad else a).numpy()
 

@@ -10,6 +10,8 @@
 //   dgc_pass    DGC's u/v update, its sample of |v| and a self-tightening candidate list (one pass)
 //   take_and_zero  the sent values gathered, v (and u) zeroed there
 //   topk_small  the k largest |x|, ties toward the lower index (small tensors: a copy, nth_element)
+//   q_encode    a quantizer's payload (scales, packed codes) and its error-feedback residual
+//   q_decode_sum  the sum over ranks of the decoded payloads, times the average's scale
 //
 // The scans write at most `cap` indices and return how many passed (more than cap: the caller
 // knows the list is incomplete).
@@ -19,6 +21,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <vector>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -305,7 +308,557 @@ int64_t topk_small(const T* x, int64_t n, int64_t k, int64_t* out, T* work) {
 
 }  // namespace
 
+// -- quantizers: one-pass encode and decode + sum ------------------------------------------------
+// The payload is hvdcompress.reference.quantizers' buffer: float32 scales (per segment: a bucket of
+// a member, or the member), then the codes packed ``bits`` per entry (hvdcompress.packing's
+// little-endian bit stream). Segments tile the flat tensor in order (seg_n: their lengths).
+//
+// Encode reads x (and the residual r) once per segment for its reduction (mean |a|, the means
+// of the two signs, max |a|, the squared norm: sums in float64, each accumulator in order, as
+// the oracle's float64 sums which it then rounds to float32 once), and once more to emit the
+// codes, staged CB at a time in L1 and packed from there, and to write the residual
+// r <- a - decoded (a = x + r). A short segment (a bucket) is still in cache the second time.
+// The stochastic rounding's uniforms are hvdcompress.rng's, computed inline from the entry's
+// index. Decode + sum unpacks each rank's codes block by block into L1, adds the ranks'
+// decoded values in rank order into an L1 accumulator and writes each output entry once.
+// Every float operation is the oracle's, one at a time, in its order (no FMA: -ffp-contract=off).
+namespace quant {
+
+#if defined(__GNUC__)
+#define HVDC_INLINE inline __attribute__((always_inline))
+#define HVDC_NOINLINE __attribute__((noinline))
+#else
+#define HVDC_INLINE inline
+#define HVDC_NOINLINE
+#endif
+
+enum Kind { SIGN = 0, EFSIGN = 1, ONEBIT = 2, TERN = 3, QSGD = 4 };
+constexpr int64_t CB = 2048;  // codes staged per block (a multiple of 8: blocks start on a byte)
+
+HVDC_INLINE uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  x ^= x >> 15;
+  return x;
+}
+
+// hvdcompress.rng.uniform's entry i of the stream whose constant is base.
+HVDC_INLINE float uniform_at(uint32_t base, int64_t i) {
+  const uint32_t h = mix32(uint32_t(i) * 0x61C88647u + base);
+  return float(h >> 8) * 5.9604644775390625e-08f;  // 2**-24
+}
+
+inline int bits_for(int kind, int levels) {
+  if (kind <= ONEBIT) return 1;
+  if (kind == TERN) return 2;
+  int b = 0;
+  for (uint32_t v = uint32_t(2 * levels); v; v >>= 1) ++b;  // ceil(log2(2s + 1))
+  return b < 1 ? 1 : b;
+}
+
+inline int scales_per_segment(int kind) { return kind == SIGN ? 0 : (kind == ONEBIT ? 2 : 1); }
+
+inline int64_t packed_size(int64_t n, int bits) { return (n * bits + 7) / 8; }
+
+// m codes (each < 2**bits) -> packed bytes; c holds 8 zero codes past m (the last group's padding).
+HVDC_NOINLINE void pack(const uint8_t* __restrict c, int64_t m, int bits, uint8_t* __restrict out) {
+  const int64_t nbytes = packed_size(m, bits), full = m / 8;
+  if (bits == 1) {
+    int64_t j = 0;
+#if defined(__SSE2__)
+    for (; j + 2 <= full; j += 2) {  // 16 codes: bit 0 of each byte to bit 7, then movemask
+      const __m128i v = _mm_slli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 8 * j)), 7);
+      const uint32_t bitsv = uint32_t(_mm_movemask_epi8(v));
+      out[j] = uint8_t(bitsv);
+      out[j + 1] = uint8_t(bitsv >> 8);
+    }
+#endif
+    for (; j < nbytes; ++j) {
+      const uint8_t* g = c + 8 * j;
+      out[j] = uint8_t(g[0] | (g[1] << 1) | (g[2] << 2) | (g[3] << 3) | (g[4] << 4) | (g[5] << 5) | (g[6] << 6) |
+                       (g[7] << 7));
+    }
+    return;
+  }
+  if (bits == 2) {
+    for (int64_t j = 0; j < nbytes; ++j) {
+      const uint8_t* g = c + 4 * j;
+      out[j] = uint8_t(g[0] | (g[1] << 2) | (g[2] << 4) | (g[3] << 6));
+    }
+    return;
+  }
+  if (bits == 4) {
+    for (int64_t j = 0; j < nbytes; ++j) out[j] = uint8_t(c[2 * j] | (c[2 * j + 1] << 4));
+    return;
+  }
+  if (bits == 8) {
+    std::memcpy(out, c, size_t(m));
+    return;
+  }
+  for (int64_t g = 0; g < full; ++g) {  // 3, 5, 6, 7 bits: 8 codes make `bits` bytes
+    uint64_t w = 0;
+    for (int k = 0; k < 8; ++k) w |= uint64_t(c[8 * g + k]) << (bits * k);
+    for (int b = 0; b < bits; ++b) out[g * bits + b] = uint8_t(w >> (8 * b));
+  }
+  if (m % 8) {
+    uint64_t w = 0;
+    for (int k = 0; k < 8; ++k) w |= uint64_t(c[8 * full + k]) << (bits * k);
+    for (int64_t b = full * bits; b < nbytes; ++b) out[b] = uint8_t(w >> (8 * (b - full * bits)));
+  }
+}
+
+// The m codes from code index lo (a multiple of 8) of a stream of `avail` bytes -> c[0..m).
+HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, int bits, int64_t avail,
+                        uint8_t* __restrict c) {
+  const uint8_t* src = in + lo / 8 * bits;
+  const int64_t nbytes = packed_size(m, bits);
+  const uint8_t mask = uint8_t((1 << bits) - 1);
+  if (bits == 1) {
+    for (int64_t j = 0; j < nbytes; ++j) {
+      const uint8_t b = src[j];
+      for (int k = 0; k < 8; ++k) c[8 * j + k] = (b >> k) & 1;
+    }
+    return;
+  }
+  if (bits == 2) {
+    for (int64_t j = 0; j < nbytes; ++j) {
+      const uint8_t b = src[j];
+      for (int k = 0; k < 4; ++k) c[4 * j + k] = (b >> (2 * k)) & 3;
+    }
+    return;
+  }
+  if (bits == 4) {
+    for (int64_t j = 0; j < nbytes; ++j) {
+      c[2 * j] = src[j] & 15;
+      c[2 * j + 1] = src[j] >> 4;
+    }
+    return;
+  }
+  if (bits == 8) {
+    std::memcpy(c, src, size_t(m));
+    return;
+  }
+  const int64_t groups = (m + 7) / 8, left = avail - lo / 8 * bits;
+  for (int64_t g = 0; g < groups; ++g) {
+    uint64_t w = 0;
+    for (int b = 0; b < bits; ++b) {
+      const int64_t at = g * bits + b;
+      w |= uint64_t(at < left ? src[at] : 0) << (8 * b);
+    }
+    for (int k = 0; k < 8; ++k) c[8 * g + k] = uint8_t(w >> (bits * k)) & mask;
+  }
+}
+
+// Where a is read from and the residual goes. RM 0: a = x, no residual; 1: a = x, r_out <- a - d;
+// 2: a = x + r_in, r_out <- a - d (r_out may be r_in: in place).
+template <int RM>
+struct Src {
+  const float* x;
+  const float* rin;
+  float* rout;
+  HVDC_INLINE float a(int64_t i) const { return RM == 2 ? x[i] + rin[i] : x[i]; }
+  HVDC_INLINE void keep(int64_t i, float a, float d) const {
+    if (RM) rout[i] = a - d;
+  }
+};
+
+struct SignEnc {
+  template <class S> HVDC_INLINE void begin(const S&, int64_t, int64_t, int64_t, float*) {}
+  template <class S> HVDC_INLINE void run(const S& s, int64_t i0, int64_t m, uint8_t* __restrict c) {
+    for (int64_t t = 0; t < m; ++t) c[t] = s.a(i0 + t) >= 0.0f;
+  }
+};
+
+struct EFSignEnc {
+  float sc = 0;
+  template <class S> HVDC_INLINE void begin(const S& s, int64_t j, int64_t off, int64_t len, float* scales) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = off;
+    const int64_t end = off + len;
+    for (; i + 8 <= end; i += 8)
+      for (int k = 0; k < 8; ++k) acc[k] += double(std::fabs(s.a(i + k)));
+    for (; i < end; ++i) acc[0] += double(std::fabs(s.a(i)));
+    const double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    sc = float(sum / double(len));
+    scales[j] = sc;
+  }
+  template <class S> HVDC_INLINE void run(const S& s, int64_t i0, int64_t m, uint8_t* __restrict c) {
+    const float p = sc, q = -sc;
+    for (int64_t t = 0; t < m; ++t) {
+      const float a = s.a(i0 + t);
+      const bool b = a >= 0.0f;
+      c[t] = b;
+      s.keep(i0 + t, a, b ? p : q);
+    }
+  }
+};
+
+struct OneBitEnc {
+  float pos = 0, neg = 0;
+  template <class S> HVDC_INLINE void begin(const S& s, int64_t j, int64_t off, int64_t len, float* scales) {
+    double ps[4] = {0, 0, 0, 0}, ns[4] = {0, 0, 0, 0}, pc[4] = {0, 0, 0, 0};
+    int64_t i = off;
+    const int64_t end = off + len;
+    for (; i + 4 <= end; i += 4)
+      for (int k = 0; k < 4; ++k) {
+        const float a = s.a(i + k);
+        const bool b = a >= 0.0f;
+        ps[k] += b ? double(a) : 0.0;
+        ns[k] += b ? 0.0 : double(a);
+        pc[k] += b ? 1.0 : 0.0;
+      }
+    for (; i < end; ++i) {
+      const float a = s.a(i);
+      const bool b = a >= 0.0f;
+      ps[0] += b ? double(a) : 0.0;
+      ns[0] += b ? 0.0 : double(a);
+      pc[0] += b ? 1.0 : 0.0;
+    }
+    const double psum = (ps[0] + ps[1]) + (ps[2] + ps[3]), nsum = (ns[0] + ns[1]) + (ns[2] + ns[3]);
+    const double pn = (pc[0] + pc[1]) + (pc[2] + pc[3]), nn = double(len) - pn;  // exact counts
+    pos = pn > 0 ? float(psum / pn) : 0.0f;
+    neg = nn > 0 ? float(nsum / nn) : 0.0f;
+    scales[2 * j] = pos;
+    scales[2 * j + 1] = neg;
+  }
+  template <class S> HVDC_INLINE void run(const S& s, int64_t i0, int64_t m, uint8_t* __restrict c) {
+    const float p = pos, q = neg;
+    for (int64_t t = 0; t < m; ++t) {
+      const float a = s.a(i0 + t);
+      const bool b = a >= 0.0f;
+      c[t] = b;
+      s.keep(i0 + t, a, b ? p : q);
+    }
+  }
+};
+
+struct TernEnc {
+  uint32_t base;
+  float sc = 0;
+  explicit TernEnc(uint32_t b) : base(b) {}
+  template <class S> HVDC_INLINE void begin(const S& s, int64_t j, int64_t off, int64_t len, float* scales) {
+    float mx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int nan = 0;
+    int64_t i = off;
+    const int64_t end = off + len;
+    for (; i + 8 <= end; i += 8)
+      for (int k = 0; k < 8; ++k) {
+        const float v = std::fabs(s.a(i + k));
+        nan |= (v != v);
+        mx[k] = v > mx[k] ? v : mx[k];
+      }
+    for (; i < end; ++i) {
+      const float v = std::fabs(s.a(i));
+      nan |= (v != v);
+      mx[0] = v > mx[0] ? v : mx[0];
+    }
+    float m = mx[0];
+    for (int k = 1; k < 8; ++k) m = mx[k] > m ? mx[k] : m;
+    sc = nan ? std::numeric_limits<float>::quiet_NaN() : m;  // max propagates NaN, as numpy's
+    scales[j] = sc;
+  }
+  template <class S> HVDC_INLINE void run(const S& s, int64_t i0, int64_t m, uint8_t* __restrict c) {
+    const float p = sc, q = -sc;
+    if (sc > 0.0f) {
+      for (int64_t t = 0; t < m; ++t) {
+        const float a = s.a(i0 + t);
+        const bool keep = uniform_at(base, i0 + t) < std::fabs(a) / p;
+        const bool neg = !(a >= 0.0f);
+        c[t] = uint8_t(keep) << neg;  // 0, 1 (+s) or 2 (-s)
+        s.keep(i0 + t, a, keep ? (neg ? q : p) : 0.0f);
+      }
+    } else {  // no scale (0 or NaN): every probability is 0
+      for (int64_t t = 0; t < m; ++t) {
+        c[t] = 0;
+        s.keep(i0 + t, s.a(i0 + t), 0.0f);
+      }
+    }
+  }
+};
+
+struct QsgdEnc {
+  uint32_t base;
+  float S, inv;  // levels, float32(1 / levels)
+  float f = 0, w = 0;
+  QsgdEnc(uint32_t b, int levels) : base(b), S(float(levels)), inv(float(1.0 / double(levels))) {}
+  template <class Src_> HVDC_INLINE void begin(const Src_& s, int64_t j, int64_t off, int64_t len, float* scales) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = off;
+    const int64_t end = off + len;
+    for (; i + 8 <= end; i += 8)
+      for (int k = 0; k < 8; ++k) {
+        const double a = double(s.a(i + k));
+        acc[k] += a * a;
+      }
+    for (; i < end; ++i) {
+      const double a = double(s.a(i));
+      acc[0] += a * a;
+    }
+    const double sq = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    const float v = float(std::sqrt(sq));
+    f = v > 0.0f ? S / v : 0.0f;
+    w = v * inv;
+    scales[j] = v;
+  }
+  template <class Src_> HVDC_INLINE void run(const Src_& s, int64_t i0, int64_t m, uint8_t* __restrict c) {
+    const float ff = f, ww = w, SS = S;
+    for (int64_t t = 0; t < m; ++t) {
+      const float a = s.a(i0 + t);
+      const float r = std::fabs(a) * ff;
+      const float low = std::floor(r);
+      float lvl = low + (uniform_at(base, i0 + t) < (r - low) ? 1.0f : 0.0f);
+      lvl = lvl > SS ? SS : lvl;  // the min with s (NaN stays NaN, as numpy's minimum)
+      const float sg = a >= 0.0f ? lvl : -lvl;
+      const uint8_t code = uint8_t(int32_t(sg + SS));
+      c[t] = code;
+      s.keep(i0 + t, a, (float(code) - SS) * ww);
+    }
+  }
+};
+
+template <class Enc, int RM>
+HVDC_INLINE void encode_all(Enc& enc, const Src<RM>& s, const int64_t* seg_n, int64_t nseg, int bits, float* scales,
+                uint8_t* packed) {
+  alignas(64) uint8_t c[CB + 16];
+  int64_t fill = 0, first = 0, off = 0;  // codes staged; index of the first staged code
+  for (int64_t j = 0; j < nseg; ++j) {
+    const int64_t end = off + seg_n[j];
+    enc.begin(s, j, off, seg_n[j], scales);
+    for (int64_t i = off; i < end;) {
+      const int64_t m = std::min(end - i, CB - fill);
+      enc.run(s, i, m, c + fill);
+      fill += m;
+      i += m;
+      if (fill == CB) {
+        pack(c, CB, bits, packed + first / 8 * bits);
+        first += CB;
+        fill = 0;
+      }
+    }
+    off = end;
+  }
+  if (fill) {
+    std::memset(c + fill, 0, 16);
+    pack(c, fill, bits, packed + first / 8 * bits);
+  }
+}
+
+template <class Enc>
+HVDC_INLINE void encode_rm(Enc& enc, const float* x, const float* rin, float* rout, const int64_t* seg_n, int64_t nseg,
+               int bits, float* scales, uint8_t* packed) {
+  if (rout == nullptr) {
+    encode_all(enc, Src<0>{x, nullptr, nullptr}, seg_n, nseg, bits, scales, packed);
+  } else if (rin == nullptr) {
+    encode_all(enc, Src<1>{x, nullptr, rout}, seg_n, nseg, bits, scales, packed);
+  } else {
+    encode_all(enc, Src<2>{x, rin, rout}, seg_n, nseg, bits, scales, packed);
+  }
+}
+
+// Decoders: the value of each code of a segment, written (first rank) or added (rank order).
+struct EFSignDec {
+  template <bool First> HVDC_INLINE static void apply(const float* sc, int64_t j, const uint8_t* __restrict c,
+                                                      float* __restrict acc, int64_t m, float) {
+    const float p = sc[j], q = -sc[j];
+    for (int64_t t = 0; t < m; ++t) {
+      const float v = c[t] ? p : q;
+      acc[t] = First ? v : acc[t] + v;
+    }
+  }
+};
+struct OneBitDec {
+  template <bool First> HVDC_INLINE static void apply(const float* sc, int64_t j, const uint8_t* __restrict c,
+                                                      float* __restrict acc, int64_t m, float) {
+    const float p = sc[2 * j], q = sc[2 * j + 1];
+    for (int64_t t = 0; t < m; ++t) {
+      const float v = c[t] ? p : q;
+      acc[t] = First ? v : acc[t] + v;
+    }
+  }
+};
+struct TernDec {
+  template <bool First> HVDC_INLINE static void apply(const float* sc, int64_t j, const uint8_t* __restrict c,
+                                                      float* __restrict acc, int64_t m, float) {
+    const float p = sc[j], q = -sc[j];
+    for (int64_t t = 0; t < m; ++t) {
+      const float v = c[t] == 1 ? p : (c[t] == 2 ? q : 0.0f);
+      acc[t] = First ? v : acc[t] + v;
+    }
+  }
+};
+struct QsgdDec {  // sc holds w = v * float32(1/s) per segment (computed once per rank)
+  template <bool First> HVDC_INLINE static void apply(const float* sc, int64_t j, const uint8_t* __restrict c,
+                                                      float* __restrict acc, int64_t m, float S) {
+    const float w = sc[j];
+    for (int64_t t = 0; t < m; ++t) {
+      const float v = (float(c[t]) - S) * w;
+      acc[t] = First ? v : acc[t] + v;
+    }
+  }
+};
+
+template <class Dec>
+HVDC_INLINE void decode_all(const uint8_t* buf, int64_t part, int64_t world, int64_t n, const int64_t* seg_n, int64_t nseg,
+                int bits, int nsc, float S, float scale, float* out) {
+  const int64_t head = 4 * nseg * nsc, avail = part - head;
+  std::vector<float> sc(size_t(world * nseg * nsc));
+  for (int64_t w = 0; w < world; ++w) {
+    float* d = sc.data() + w * nseg * nsc;
+    std::memcpy(d, buf + w * part, size_t(head));
+    if (S > 0.0f) {
+      const float inv = float(1.0 / double(S));
+      for (int64_t j = 0; j < nseg; ++j) d[j] = d[j] * inv;
+    }
+  }
+  std::vector<int64_t> start(size_t(nseg + 1), 0);
+  for (int64_t j = 0; j < nseg; ++j) start[j + 1] = start[j] + seg_n[j];
+  alignas(64) float acc[CB];
+  alignas(64) uint8_t c[CB + 16];
+  int64_t j0 = 0;  // the segment holding the block's first entry
+  for (int64_t lo = 0; lo < n; lo += CB) {
+    const int64_t m = std::min(n - lo, CB);
+    while (start[j0 + 1] <= lo) ++j0;
+    for (int64_t w = 0; w < world; ++w) {
+      unpack(buf + w * part + head, lo, m, bits, avail, c);
+      const float* s = sc.data() + w * nseg * nsc;
+      for (int64_t i = lo, j = j0; i < lo + m; ++j) {
+        const int64_t e = std::min(lo + m, start[j + 1]);
+        if (w == 0)
+          Dec::template apply<true>(s, j, c + (i - lo), acc + (i - lo), e - i, S);
+        else
+          Dec::template apply<false>(s, j, c + (i - lo), acc + (i - lo), e - i, S);
+        i = e;
+      }
+    }
+    if (scale != 1.0f) {
+      for (int64_t t = 0; t < m; ++t) out[lo + t] = acc[t] * scale;
+    } else {
+      std::memcpy(out + lo, acc, size_t(m) * 4);
+    }
+  }
+}
+
+// signSGD's majority vote: sign(sum over ranks of +-1) * world, times scale.
+HVDC_INLINE void decode_vote(const uint8_t* buf, int64_t part, int64_t world, int64_t n, float scale, float* out) {
+  alignas(64) int32_t cnt[CB];
+  alignas(64) uint8_t c[CB + 16];
+  const float W = float(world);
+  for (int64_t lo = 0; lo < n; lo += CB) {
+    const int64_t m = std::min(n - lo, CB);
+    for (int64_t t = 0; t < m; ++t) cnt[t] = 0;
+    for (int64_t w = 0; w < world; ++w) {
+      unpack(buf + w * part, lo, m, 1, part, c);
+      for (int64_t t = 0; t < m; ++t) cnt[t] += c[t];
+    }
+    for (int64_t t = 0; t < m; ++t) {
+      const int64_t v = 2 * int64_t(cnt[t]) - world;
+      float r = float((v > 0) - (v < 0)) * W;
+      out[lo + t] = scale != 1.0f ? r * scale : r;
+    }
+  }
+}
+
+HVDC_INLINE int64_t encode(int kind, const float* x, const float* rin, float* rout, int64_t n, const int64_t* seg_n,
+               int64_t nseg, int levels, uint32_t base, uint8_t* out, int64_t out_bytes) {
+  int64_t total = 0;
+  for (int64_t j = 0; j < nseg; ++j) {
+    if (seg_n[j] <= 0) return -1;
+    total += seg_n[j];
+  }
+  const int bits = bits_for(kind, levels);
+  const int nsc = scales_per_segment(kind);
+  if (total != n || out_bytes != 4 * nseg * nsc + packed_size(n, bits) || (kind == QSGD && levels < 1)) return -1;
+  std::vector<float> scales(size_t(nseg * nsc) + 1);
+  uint8_t* packed = out + 4 * nseg * nsc;
+  switch (kind) {
+    case SIGN: {
+      SignEnc e;
+      encode_rm(e, x, rin, rout, seg_n, nseg, bits, scales.data(), packed);
+      break;
+    }
+    case EFSIGN: {
+      EFSignEnc e;
+      encode_rm(e, x, rin, rout, seg_n, nseg, bits, scales.data(), packed);
+      break;
+    }
+    case ONEBIT: {
+      OneBitEnc e;
+      encode_rm(e, x, rin, rout, seg_n, nseg, bits, scales.data(), packed);
+      break;
+    }
+    case TERN: {
+      TernEnc e(base);
+      encode_rm(e, x, rin, rout, seg_n, nseg, bits, scales.data(), packed);
+      break;
+    }
+    case QSGD: {
+      QsgdEnc e(base, levels);
+      encode_rm(e, x, rin, rout, seg_n, nseg, bits, scales.data(), packed);
+      break;
+    }
+    default:
+      return -1;
+  }
+  std::memcpy(out, scales.data(), size_t(4 * nseg * nsc));
+  return 0;
+}
+
+HVDC_INLINE int64_t decode_sum(int kind, const uint8_t* buf, int64_t part, int64_t world, int64_t n, const int64_t* seg_n,
+                   int64_t nseg, int levels, float scale, float* out) {
+  int64_t total = 0;
+  for (int64_t j = 0; j < nseg; ++j) {
+    if (seg_n[j] <= 0) return -1;
+    total += seg_n[j];
+  }
+  const int bits = bits_for(kind, levels);
+  const int nsc = scales_per_segment(kind);
+  if (total != n || world < 1 || part != 4 * nseg * nsc + packed_size(n, bits) || (kind == QSGD && levels < 1))
+    return -1;
+  switch (kind) {
+    case SIGN:
+      decode_vote(buf, part, world, n, scale, out);
+      break;
+    case EFSIGN:
+      decode_all<EFSignDec>(buf, part, world, n, seg_n, nseg, bits, nsc, 0.0f, scale, out);
+      break;
+    case ONEBIT:
+      decode_all<OneBitDec>(buf, part, world, n, seg_n, nseg, bits, nsc, 0.0f, scale, out);
+      break;
+    case TERN:
+      decode_all<TernDec>(buf, part, world, n, seg_n, nseg, bits, nsc, 0.0f, scale, out);
+      break;
+    case QSGD:
+      decode_all<QsgdDec>(buf, part, world, n, seg_n, nseg, bits, nsc, float(levels), scale, out);
+      break;
+    default:
+      return -1;
+  }
+  return 0;
+}
+
+}  // namespace quant
+
+// The quantizer entry points are compiled twice, for AVX2 and for the baseline, and the loader
+// picks one by the CPU (the same IEEE operations either way: only the speed differs).
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && !defined(__clang__)
+#define HVDC_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define HVDC_CLONES
+#endif
+
 extern "C" {
+
+HVDC_CLONES int64_t hvdc_q_encode(int kind, const float* x, const float* rin, float* rout, int64_t n,
+                                  const int64_t* seg_n, int64_t nseg, int levels, uint32_t base, uint8_t* out,
+                                  int64_t out_bytes) {
+  return quant::encode(kind, x, rin, rout, n, seg_n, nseg, levels, base, out, out_bytes);
+}
+HVDC_CLONES int64_t hvdc_q_decode_sum(int kind, const uint8_t* buf, int64_t part, int64_t world, int64_t n,
+                                      const int64_t* seg_n, int64_t nseg, int levels, float scale, float* out) {
+  return quant::decode_sum(kind, buf, part, world, n, seg_n, nseg, levels, scale, out);
+}
 
 int64_t hvdc_ge_f32(const float* x, int64_t n, float t, int64_t* idx, int64_t cap) {
   return ge<float>(x, n, t, idx, cap);
@@ -349,6 +902,6 @@ int64_t hvdc_topk_small_f32(const float* x, int64_t n, int64_t k, int64_t* out, 
 int64_t hvdc_topk_small_f64(const double* x, int64_t n, int64_t k, int64_t* out, double* work) {
   return topk_small<double>(x, n, k, out, work);
 }
-int hvdc_abi_version() { return 2; }
+int hvdc_abi_version() { return 3; }
 
 }  // extern "C"

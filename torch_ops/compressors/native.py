@@ -9,6 +9,10 @@ first use, when the library is missing and a C++ compiler is on PATH, it is buil
 file lock, renamed into place, so concurrent workers build it once). Without a compiler, or with
 ``HVDCOMPRESS_NATIVE=0``, ``lib()`` returns None and the callers use the pure numpy/torch paths,
 which give the same results bit for bit (tests/test_selection.py checks both).
+
+``HVDCOMPRESS_TORCH_ONLY=1`` (or ``set_torch_only(True)``) goes further: no compiled kernel and no
+numpy view of a tensor either, so every compressor runs the torch-only branch that CUDA tensors
+take, on CPU (tests/test_paths.py checks that branch against the oracle for every compressor).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Optional
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 # -ffp-contract=off: no fused multiply-add, so every float operation rounds as numpy's does
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
-ABI = 2
+ABI = 3
 
 _lib = None
 _tried = False
@@ -90,6 +94,10 @@ def _bind(path: str):
             fn = getattr(lib, f"hvdc_{name}_{suffix}")
             fn.argtypes = args
             fn.restype = i64
+    lib.hvdc_q_encode.argtypes = [i32, p, p, p, i64, p, i64, i32, ctypes.c_uint32, p, i64]
+    lib.hvdc_q_encode.restype = i64
+    lib.hvdc_q_decode_sum.argtypes = [i32, p, i64, i64, i64, p, i64, i32, ctypes.c_float, p]
+    lib.hvdc_q_decode_sum.restype = i64
     lib.hvdc_abi_version.restype = ctypes.c_int
     if lib.hvdc_abi_version() != ABI:
         raise RuntimeError("stale kernel library")
@@ -97,12 +105,25 @@ def _bind(path: str):
 
 
 _enabled = True
+_torch_only = os.environ.get("HVDCOMPRESS_TORCH_ONLY", "0") not in ("", "0")
+
+
+def torch_only() -> bool:
+    """True when the torch-only branch is forced (``HVDCOMPRESS_TORCH_ONLY=1`` or
+    ``set_torch_only``): callers then take neither the compiled kernels nor numpy views."""
+    return _torch_only
+
+
+def set_torch_only(flag: bool) -> None:
+    """Tests and benchmarks: force (True) or release (False) the torch-only branch on CPU."""
+    global _torch_only
+    _torch_only = bool(flag)
 
 
 def lib():
-    """The loaded library, or None (disabled, no compiler, failed build): callers fall back."""
+    """The loaded library, or None (disabled, torch-only, no compiler, failed build): callers fall back."""
     global _lib, _tried
-    if not _enabled:
+    if not _enabled or _torch_only:
         return None
     if not _tried:
         _tried = True

@@ -25,6 +25,7 @@ from hvdcompress.packing import bits_for_levels
 from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, column_spans, layout_for
 
 from ..collectives import Allgather
+from . import quant_native
 from .base import OneRoundCompressor, TakesMomentum
 from .packing import pack, uniform, unpack
 
@@ -102,6 +103,14 @@ class _Packed(OneRoundCompressor):
 
     def decompress(self, payload, like, ctx):
         return self._decode_buffer(payload[0], like.numel(), ctx).to(like.dtype)
+
+    def exchange(self, x, ctx):
+        """The compiled kernels where they serve (``quant_native``: CPU float32), else the torch ops."""
+        job = quant_native.plan(self, x, ctx)
+        if job is None:
+            return (yield from super().exchange(x, ctx))
+        (gathered,) = yield (Allgather(job.encode()),)
+        return job.decode_sum(gathered)
 
     def aggregate(self, results, like, ctx):
         parts = results[0].view(ctx.world_size, -1)

@@ -1,0 +1,160 @@
+"""Every compressor's three CPU branches against the numpy oracle, single process.
+
+    compiled    the one-pass C++ kernels (``torch_ops/compressors/native.py``; skipped without a
+                compiler), numpy views where a path has them: what a CPU run takes
+    pure        kernels off (``native.set_enabled(False)``), numpy views kept
+    torch       the torch-only branch (``native.set_torch_only(True)``): no kernel and no numpy
+                view of a tensor, the branch CUDA tensors take
+
+Each runs two simulated ranks for two steps (``local_world``) against ``hvdcompress.reference``:
+payload bytes of every round, results and state bit for bit (PowerSGD's matmuls within a tight
+tolerance), at sizes 0, 1, 7, a merged group whose members split bytes and buckets, and
+1,000,003 entries for the quantizers on the compiled branch (every branch with
+``-m extended``). Non-finite inputs: the
+quantizers' payloads and results match the oracle's with NaN and inf in the gradient (the
+optimizer's guard then makes the step NaN; what a compressor sends must still be the oracle's).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from hvdcompress import parse_spec
+from hvdcompress.reference import Member, simulate
+from local_world import run_lockstep
+from torch_ops.compressors import ExchangeContext, build_compressor, native
+
+KEY = "layer.w"
+QUANT = ["signsgd", "efsignsgd", "efsignsgd:residual=false", "onebit", "terngrad", "terngrad:bucket=7,seed=3",
+         "terngrad:residual=true", "terngrad:share_scale=true", "qsgd", "qsgd:levels=1,bucket=0",
+         "qsgd:levels=3,bucket=5,seed=11", "qsgd:levels=127,bucket=512,residual=true", "qsgd:levels=20,bucket=9"]
+OTHERS = ["none", "fp16", "bf16:residual=true", "topk:ratio=0.01", "topk:ratio=0.3,residual=false",
+          "randomk:ratio=0.05,seed=3", "threshold:threshold=0.5", "dgc:ratio=0.01", "sketch:ratio=0.01",
+          "powersgd:rank=2"]
+PATHS = ["compiled", "pure", "torch"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    if request.param == "compiled" and native.lib() is None:
+        pytest.skip("no C++ compiler: the compiled kernels are not built")
+    native.set_enabled(request.param == "compiled")
+    native.set_torch_only(request.param == "torch")
+    yield request.param
+    native.set_enabled(True)
+    native.set_torch_only(False)
+
+
+def _grads(text, shape, world=2, steps=2, nonfinite=False):
+    g = np.random.default_rng(zlib.crc32(f"{text}|{shape}".encode()))
+    out = []
+    for _ in range(steps):
+        step = [np.round(g.standard_t(3, size=shape), 3).astype(np.float32) for _ in range(world)]
+        flat = step[0].reshape(-1)
+        flat[:3] = 0.0
+        if nonfinite and flat.size > 9:
+            flat[[4, 7]] = np.nan
+            flat[8] = np.inf
+            step[1].reshape(-1)[-1] = -np.inf
+        out.append(step)
+    return out
+
+
+def _tap(gen, sink):
+    rounds = []
+    sink.append(rounds)
+    reqs = next(gen)
+    while True:
+        rounds.append([r.tensor.clone().numpy() for r in reqs])
+        result = yield reqs
+        try:
+            reqs = gen.send(result)
+        except StopIteration as stop:
+            return stop.value
+
+
+def _same(got, want, label, tol):
+    if tol and got.dtype != np.uint8:
+        scale = max(1.0, float(np.nanmax(np.abs(want)))) if want.size else 1.0
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=label)
+    else:  # NaN equals NaN at the same place
+        np.testing.assert_array_equal(got, want, err_msg=label)
+
+
+def check(text, shape, members=(), nonfinite=False, world=2, tol=0.0):
+    spec = parse_spec(text)
+    steps = _grads(text, shape, world, nonfinite=nonfinite)
+    comp = build_compressor(spec)
+    o_states = [{} for _ in range(world)]
+    t_states = [{} for _ in range(world)]
+    for step, grads in enumerate(steps):
+        want, _, want_sent = simulate(spec, grads, o_states, key=KEY, step=step, shape=shape, members=members)
+        sent = []
+        gens = [_tap(comp.exchange(torch.from_numpy(g.reshape(-1).copy()),
+                                   ExchangeContext(KEY, step, world, 1.0 / world, st, shape, 0, r, members)), sent)
+                for r, (g, st) in enumerate(zip(grads, t_states))]
+        results, _ = run_lockstep(gens)
+        for r in range(world):
+            label = f"{text} {shape} step={step} rank={r}"
+            assert len(sent[r]) == len(want_sent[r]), label
+            for w_round, g_round in zip(want_sent[r], sent[r]):
+                assert len(w_round) == len(g_round), label
+                for w, g in zip(w_round, g_round):
+                    assert g.dtype == w.dtype and g.shape == w.shape, label
+                    _same(g, w, label + " payload", tol)
+            _same(results[r].numpy(), want, label + " result", tol)
+            for name, arr in o_states[r].items():
+                _same(t_states[r][name].numpy().reshape(arr.shape), arr, f"{label} state {name}", tol)
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (37, 11)], ids=["0", "1", "7", "2d"])
+@pytest.mark.parametrize("text", QUANT + OTHERS)
+def test_every_compressor_on_every_branch_is_the_oracle(path, text, shape):
+    check(text, shape, tol=1e-6 if text.startswith("powersgd") else 0.0)
+
+
+LARGE = ["signsgd", "efsignsgd", "onebit", "terngrad:residual=true", "qsgd:levels=127,bucket=512,residual=true",
+         "qsgd:levels=20,bucket=9"]
+
+
+@pytest.mark.parametrize("text", LARGE)
+def test_large_tensors_on_the_compiled_branch_are_the_oracle(text):
+    """1,000,003 entries: the kernels' full blocks, a partial last block and byte."""
+    if native.lib() is None:
+        pytest.skip("no C++ compiler: the compiled kernels are not built")
+    check(text, (1_000_003,))
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("text", QUANT + ["topk:ratio=0.001", "dgc:ratio=0.001"])
+def test_large_tensors_on_every_branch_are_the_oracle(path, text):
+    check(text, (1_000_003,))
+
+
+@pytest.mark.parametrize("text", ["signsgd", "efsignsgd", "onebit", "terngrad:bucket=6", "qsgd:levels=5,bucket=10"])
+def test_merged_groups_on_every_branch_are_the_oracle(path, text):
+    """Members of 13, 1 and 4110 entries: scales per member and bucket, codes across byte edges."""
+    members = (Member("a", (13,), 0), Member("b", (1,), 13), Member("c", (3, 1370), 14))
+    check(text, (4124,), members=members)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's NaN arithmetic in the oracle
+@pytest.mark.parametrize("text", ["signsgd", "efsignsgd", "onebit", "terngrad", "terngrad:bucket=4", "qsgd:bucket=8",
+                                  "qsgd:levels=2,bucket=0,residual=true"])
+def test_nonfinite_inputs_on_every_branch_are_the_oracle(path, text):
+    check(text, (1003,), nonfinite=True)
+
+
+def test_torch_only_switch_takes_neither_kernels_nor_numpy():
+    from torch_ops.compressors import cpu_selection
+    x = torch.ones(10)
+    native.set_torch_only(True)
+    try:
+        assert native.lib() is None and cpu_selection._numpy_view(x) is None
+    finally:
+        native.set_torch_only(False)
+    assert cpu_selection._numpy_view(x) is not None

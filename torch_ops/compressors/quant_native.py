@@ -1,0 +1,128 @@
+"""The quantizers' compiled CPU path: one encode call and one decode + sum call per exchange.
+
+``kernels.cpp``'s ``q_encode`` reads the gradient (and the error-feedback residual) and writes
+the whole payload, ``[float32 scales | packed codes]``, and the new residual; ``q_decode_sum``
+turns the gathered payloads of every rank into their sum in rank order, times the average's
+scale, writing each output entry once. Both follow ``hvdcompress.reference.quantizers``
+operation for operation, so the bytes and results are the oracle's (and the torch path's) bit
+for bit. ``plan`` says when the kernels serve an exchange: float32 CPU contiguous tensors whose
+members tile the flat tensor, the library loaded, the torch-only switch off (``native``);
+otherwise it returns None and the caller runs the torch ops.
+
+The input is what the memory compensates: the gradient as the compressor receives it, with the
+residual added inside the kernel (``a = x + r``), so a preamble that transforms the gradient
+first (a momentum taken over from the optimizer) composes by handing its result in as ``x``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from hvdcompress.packing import bits_for_levels, packed_size
+from hvdcompress.reference.quantizers import SCALE_BYTES, member_spans
+from hvdcompress.rng import stream_base
+
+from . import native
+
+KINDS = {"signsgd": 0, "efsignsgd": 1, "onebit": 2, "terngrad": 3, "qsgd": 4}
+SCALES = {"signsgd": 0, "efsignsgd": 1, "onebit": 2, "terngrad": 1, "qsgd": 1}
+
+
+@lru_cache(maxsize=64)
+def _segments(spans: Tuple[Tuple[int, int], ...], numel: int, bucket: int) -> Optional[torch.Tensor]:
+    """The segment lengths (int64) when the members tile [0, numel) in order, else None."""
+    at, out = 0, []
+    for off, n in spans:
+        if off != at:
+            return None
+        at += n
+        if n == 0:
+            continue
+        if bucket:
+            full, rest = divmod(n, bucket)
+            out.append(np.full(full, bucket, np.int64))
+            if rest:
+                out.append(np.array([rest], np.int64))
+        else:
+            out.append(np.array([n], np.int64))
+    if at != numel:
+        return None
+    return torch.from_numpy(np.concatenate(out) if out else np.zeros(0, np.int64))
+
+
+def _usable(t: Optional[torch.Tensor], numel: int) -> bool:
+    return (t is not None and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not t.is_neg()
+            and not t.requires_grad and t.numel() == numel)
+
+
+class Job:
+    """One exchange on the compiled path: ``encode`` then, with the gathered buffer, ``decode_sum``."""
+
+    def __init__(self, lib, kind: int, name: str, x, rin, rout, segs, levels: int, base: int, ctx, state):
+        self.lib, self.kind, self.name, self.x, self.rin, self.rout = lib, kind, name, x, rin, rout
+        self.segs, self.levels, self.base, self.ctx, self.state = segs, levels, base, ctx, state
+        bits = 1 if kind <= 2 else (2 if kind == 3 else bits_for_levels(2 * levels + 1))
+        self.part = SCALE_BYTES * SCALES[name] * segs.numel() + packed_size(x.numel(), bits)
+
+    def encode(self) -> torch.Tensor:
+        out = torch.empty(self.part, dtype=torch.uint8)
+        n = self.x.numel()
+        rc = self.lib.hvdc_q_encode(self.kind, self.x.data_ptr(), self.rin.data_ptr() if self.rin is not None else None,
+                                    self.rout.data_ptr() if self.rout is not None else None, n,
+                                    self.segs.data_ptr(), self.segs.numel(), self.levels, self.base,
+                                    out.data_ptr(), self.part)
+        if rc != 0:
+            raise RuntimeError(f"{self.name}: the compiled encoder refused its arguments")
+        if self.rout is not None:
+            self.state["residual"] = self.rout
+        return out
+
+    def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
+        ctx, n = self.ctx, self.x.numel()
+        world = ctx.world_size
+        gathered = gathered.contiguous()
+        if gathered.numel() != world * self.part:
+            raise ValueError(f"{self.name}: gathered {gathered.numel()} bytes, expected {world} x {self.part}")
+        out = ctx.out.view(-1) if _usable(ctx.out, n) else torch.empty(n, dtype=torch.float32)
+        rc = self.lib.hvdc_q_decode_sum(self.kind, gathered.data_ptr(), self.part, world, n, self.segs.data_ptr(),
+                                        self.segs.numel(), self.levels, float(np.float32(ctx.scale)), out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"{self.name}: the compiled decoder refused its arguments")
+        return out
+
+
+def plan(comp, x: torch.Tensor, ctx) -> Optional[Job]:
+    """A ``Job`` when the compiled kernels serve this exchange of ``comp``, else None."""
+    from ..memory import Memory, ResidualMemory
+
+    name = comp.name
+    if name not in KINDS or comp.spec.params.get("share_scale") or type(comp.memory) not in (Memory, ResidualMemory):
+        return None
+    if comp.spec.params.get("scope", "tensor") != "tensor":  # per-column reconstruction values: the torch ops
+        return None
+    n = x.numel()
+    if not _usable(x, n) or x.dim() != 1:
+        return None
+    lib = native.lib()
+    if lib is None:
+        return None
+    params = comp.spec.params
+    segs = _segments(member_spans(ctx.members, n), n, int(params.get("bucket", 0)))
+    if segs is None:
+        return None
+    rin = rout = None
+    if params.get("residual", False):
+        r = ctx.state.get("residual")
+        if r is None:
+            rout = torch.empty(n, dtype=torch.float32)
+        elif _usable(r, n) and r.shape == x.shape and r.data_ptr() != x.data_ptr():
+            rin = rout = r
+        else:
+            return None  # the general path checks it (or adds in another dtype)
+    levels = int(params.get("levels", 0))
+    base = stream_base(params["seed"], ctx.step, ctx.key, ctx.rank) if "seed" in params else 0
+    return Job(lib, KINDS[name], name, x, rin, rout, segs, levels, base, ctx, ctx.state)
