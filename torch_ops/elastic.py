@@ -73,7 +73,7 @@ def after_reinit(opt) -> None:
     old = opt._hvc_scheduler
     opt._hvc_scheduler = Scheduler(old.schedule if isinstance(old.schedule, list) else old.text, old.spec,
                                    old.cost_model if old.world == world else None, old.profile_steps, old.sizes,
-                                   world, opt._hvc_driver)
+                                   world, opt._hvc_driver, alternatives=old.alternatives)
     opt._hvc_world = world
     opt._hvc_passes_left = {p: opt._hvc_passes for p in opt._hvc_params}
     opt._synchronized = False

@@ -51,6 +51,7 @@ from .flush import flush
 from .nonfinite import guard
 from .elastic import elastic_mode
 from .sparse_grads import sparse_exchange, split_out
+from .codec_choice import check_codec_choice, fallback_exchange
 from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import FlatBuffers, Group, flatten, join_state, make_groups, scatter, split_state
 from .scheduling import DEFAULT_TUNE_STEPS, Scheduler, StepClock, check_tune_steps, now
@@ -60,7 +61,7 @@ from .scheduling import DEFAULT_TUNE_STEPS, Scheduler, StepClock, check_tune_ste
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, spec: CompressionSpec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source,
-                 schedule, cost_model, profile_steps, delay=0, sync_every=1, tune_steps=0):
+                 schedule, cost_model, profile_steps, delay=0, sync_every=1, tune_steps=0, alternatives=()):
         super(self.__class__, self).__init__(params)
         self.defaults = dict(source.defaults)
         self.state.update(source.state)
@@ -81,7 +82,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_scheduler = Scheduler(
             schedule, spec, cost_model, profile_steps,
             {n: float(p.numel() * p.element_size()) for n, p in self._hvc_by_name.items()},
-            self._hvc_world, self._hvc_driver, tune_steps)
+            self._hvc_world, self._hvc_driver, tune_steps, alternatives)
         average = op == hvd.Average
         self._hvc_prescale = 1.0 / gradient_predivide_factor
         self._hvc_scale = gradient_predivide_factor / self._hvc_world if average else 1.0
@@ -341,7 +342,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   self._hvc_state[group.key], group.shape, self._hvc_current_epoch(),
                                   self._hvc_driver.rank(), group.layout, out=x)  # x: scattered into anyway
             self._hvc_pending.poll()  # earlier groups' next rounds go out as soon as they can
-            exchange = guard(self._hvc_compressor.exchange(x, ctx), x, ctx.state)  # non-finite never hidden
+            codec = self._hvc_scheduler.codec_of(group.names)  # the plan may send this group dense / fp16
+            exchange = (self._hvc_compressor.exchange(x, ctx) if codec is None else
+                        fallback_exchange(self._hvc_compressor, codec, x, ctx))
+            exchange = guard(exchange, x, ctx.state)  # non-finite never hidden
             self._hvc_pending.add((step, gi), PendingExchange(exchange, name, self._hvc_driver), step + delayed.delay)
         self._synchronized = False
 
@@ -385,7 +389,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                          process_set=None, driver=None, schedule="auto", cost_model=None,
                          profile_steps: int = 5, delay: int = 0, sync_every: int = 1,
-                         tune_steps: int = DEFAULT_TUNE_STEPS):
+                         tune_steps: int = DEFAULT_TUNE_STEPS, codec_choice=None):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -422,6 +426,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             a few candidate plans (the model's first, "single", size plans, ...) each run one
             settling step and this many measured steps, and the fastest (median, slowest rank)
             is kept, on every rank from the same step. Ignored by the fixed schedules.
+        codec_choice: "auto": the plan also picks, per group, the compressor, "fp16" or dense,
+            whichever the calibrated cost model predicts fastest (``torch_ops.codec_choice``;
+            residuals go out with a group that turns dense). None or "off" (default): the
+            compressor everywhere. Needs delay=0 and sync_every=1.
 
     Training across high-latency links (``torch_ops.delayed`` states the math):
         delay: steps between launching an exchange and applying its result (int >= 0; 0, the
@@ -439,6 +447,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
+    alternatives = check_codec_choice(codec_choice, build_compressor(spec), delay, sync_every)
     spec = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)  # e.g. DGC takes momentum over
     if not hvd.is_initialized():
         raise ValueError("horovod is not initialized: call hvd.init() before DistributedOptimizer")
@@ -447,4 +456,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, spec, backward_passes_per_step, op, factor,
                sparse_as_dense, process_set, driver, optimizer, schedule, cost_model, profile_steps,
-               delay, sync_every, tune_steps)
+               delay, sync_every, tune_steps, alternatives)

@@ -187,7 +187,7 @@ def predict_choice(groups, choices: Sequence[int], sizes, t_b, options: Sequence
 
     ts = [cost(options[c].t_s, g) for g, c in enumerate(choices)]
     tc = [cost(options[c].t_c, g) for g, c in enumerate(choices)]
-    td = None if t_d is None else [cost(t_d[c], g) for g, c in enumerate(choices)]
+    td = None if t_d is None or all(f is None for f in t_d) else [cost(t_d[c], g) for g, c in enumerate(choices)]
     close = cost(options[choices[-1]].t_close, len(groups) - 1) if len(groups) else None
     return predict_costs(groups, t_b, ts, tc, overlap, td, close)
 
