@@ -305,6 +305,61 @@ def bad_arguments(world) -> dict:
     return {"errors": errors, "raised_at": raised_at, "after": float(after)}
 
 
+# --- per-group codec choice: groups switch between the compressor and dense ---------------------
+def _codec_steps(model, opt, start, stop, lr):
+    """Steps ``start..stop-1`` with plain SGD; per step: identical across ranks, the specs of the
+    groups in use after it, and the mean over ranks of the step's local gradients."""
+    import horovod.torch as hvd
+    log, given = [], torch.zeros_like(_flat(model))
+    for step in range(start, stop):
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        grads = torch.autograd.grad(nn.CrossEntropyLoss()(model(x), y), list(model.parameters()))
+        given += hvd.allreduce(torch.cat([g.reshape(-1) for g in grads]), name=f"check.given.{step}")
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        plan = opt.state_dict()["hvdcompress"]["plan"] or {}
+        log.append({"identical": _identical_across_ranks(model), "codecs": plan.get("codecs"),
+                    "groups": opt.groups})
+    return log, given
+
+
+def codec_switch(world) -> dict:
+    """codec_choice="auto" with a model that makes top-k dearer than dense everywhere: the plan
+    sends every group dense or fp16; measured validation runs it in turn with top-k everywhere, so
+    groups switch between compressed and dense step after step. Error feedback loses nothing:
+    (p_0 - p_T) / lr + the mean residual = the sum of the mean gradients; a checkpoint taken while
+    the candidates run resumes bit for bit."""
+    import copy
+    import horovod.torch as hvd
+    from hvdcompress.schedule.costmodel import ComputeFit, CostModel
+    spec, lr, steps, save_at = "topk:ratio=0.05", 0.1, 12, 4
+    cm = CostModel.from_link(world, gbit_per_s=1.0, latency_s=5e-3,
+                             compress={spec: ComputeFit("linear", 1e-9, 5e-2), "fp16": ComputeFit("linear", 1e-12, 1e-7)})
+    kw = dict(schedule="mgs", cost_model=cm, profile_steps=1, tune_steps=1, codec_choice="auto", momentum=0.0, lr=lr)
+    model, opt = make(spec, **kw)
+    start = _flat(model).clone()
+    head, given_head = _codec_steps(model, opt, 0, save_at, lr)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    tail, given_tail = _codec_steps(model, opt, save_at, steps, lr)
+    state = opt.state_dict()["hvdcompress"]["state"]
+    held = torch.cat([state[n]["residual"].reshape(-1) if "residual" in state[n] else torch.zeros(p.numel())
+                      for n, p in model.named_parameters()])
+    held = hvd.allreduce(held, name="check.held")
+    moved = (start - _flat(model)) / lr
+    model2, opt2 = make(spec, **kw)
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    resumed, _ = _codec_steps(model2, opt2, save_at, steps, lr)
+    log = head + tail
+    return {"codecs": [r["codecs"] for r in log], "identical": all(r["identical"] for r in log + resumed),
+            "lost": float((moved + held - given_head - given_tail).abs().max()),
+            "scale": float((given_head + given_tail).abs().max()),
+            "resumed_equal": bool(torch.equal(_flat(model), _flat(model2))),
+            "resumed_codecs": [r["codecs"] for r in resumed], "plan_codecs": opt.plan.codecs,
+            "tuning": opt.plan.tuning is not None and [c["label"] for c in opt.plan.tuning["candidates"]]}
+
+
 def everything(world_expected: int, cache_dir: str) -> dict:
     import horovod.torch as hvd
     hvd.init()
@@ -314,7 +369,8 @@ def everything(world_expected: int, cache_dir: str) -> dict:
                            ("all_specs", all_specs, (world_expected,)), ("resume", resume, (world_expected,)),
                            ("no_gradient", no_gradient, (world_expected,)),
                            ("accumulation", accumulation, (world_expected,)),
-                           ("bad", bad_arguments, (world_expected,))):
+                           ("bad", bad_arguments, (world_expected,)),
+                           ("codec_switch", codec_switch, (world_expected,))):
         try:
             out[name] = fn(*args)
         except Exception:  # report, do not hang the other parts on a worker traceback
