@@ -52,13 +52,14 @@ def workload_from_profile(name_or_path: str, scale: float = 1.0, update_seconds:
     from .emulated import load_profile, scaled_shape
     prof = load_profile(name_or_path)
     names, sizes, t_b = [], [], []
+    pending = 0.0  # backward time of layers without parameters: it precedes the next gradient
     for layer in reversed(prof["layers"]):
-        for i, (pname, shape) in enumerate(layer["params"].items()):
+        pending += float(layer["backward_s"])
+        for pname, shape in layer["params"].items():
             names.append(f"{layer['name']}.{pname}")
             sizes.append(4.0 * float(np.prod(scaled_shape(shape, scale) if scale != 1 else shape)))
-            t_b.append(float(layer["backward_s"]) if i == 0 else 0.0)
-        if not layer["params"] and t_b:  # a layer without parameters: its time precedes the next gradient
-            t_b[-1] += float(layer["backward_s"])
+            t_b.append(pending)
+            pending = 0.0
     forward = float(sum(layer["forward_s"] for layer in prof["layers"]))
     return Workload(tuple(names), tuple(sizes), tuple(t_b), forward, update_seconds)
 
@@ -126,10 +127,12 @@ def bytes_per_step(plan, workload: Workload, spec, codecs: Optional[Sequence[str
 
 
 def label(spec) -> str:
-    """A spec as a person writes it: its name and the parameters that differ from the defaults."""
+    """A spec as a person writes it: its name, its main knob (ratio, rank, levels, threshold) and
+    the parameters that differ from the defaults."""
     spec = resolve(spec)
     defaults = {p.name: p.default for p in spec.info.params}
-    changed = [f"{k}={v}".lower() for k, v in spec.params.items() if k in defaults and v != defaults[k]]
+    changed = [f"{k}={v}".lower() for k, v in spec.params.items()
+               if k in defaults and (v != defaults[k] or k in ("ratio", "rank", "levels", "threshold"))]
     return spec.name + (":" + ",".join(changed) if changed else "")
 
 
