@@ -215,6 +215,8 @@ class Scheduler:
         groups the same groups (any other explicit groups are another schedule)."""
         if saved is None or saved["schedule"] != self.text:
             return False
+        if (saved.get("plan_codecs") is not None) != bool(self.alternatives):
+            return False  # planned with the codec choice and now without it, or the other way round
         if self.text != "explicit":
             return True
         named = sorted(sorted(saved["order"][i] for i in g) for g in saved["groups"])
@@ -353,15 +355,17 @@ class Scheduler:
         plan = self.workload.plan(self.schedule, model, self.spec, self.world, alternatives=alt)
         if not (self.needs_model and self.tune_steps):
             return plan, []
-        if not self.searches:  # a fixed partition: its choice of specs against the compressor everywhere
+        own = None
+        if alt:  # the model's partition with the compressor on every group, measured against the choice
             own = self.workload.plan(self.schedule, model, self.spec, self.world)
+            own = replace(own, codecs=[str(self.spec)] * len(own.groups))
+        if not self.searches:  # a fixed partition: its choice of specs against the compressor everywhere
             return plan, tuning.with_candidate([tuning.candidate(plan.schedule, plan)], 1,
                                                f"{plan.schedule} (all {self.spec.name})", own)
         candidates = tuning.propose(lambda s: plan if s == plan.schedule else
                                     self.workload.plan(s, model, self.spec, self.world, alternatives=alt),
                                     plan.schedule, self.workload.sizes_bytes)
-        if alt:  # the model's plan with the compressor everywhere: measured against the choice
-            own = self.workload.plan(self.schedule, model, self.spec, self.world)
+        if alt:
             candidates = tuning.with_candidate(candidates, 1, f"{plan.schedule} (all {self.spec.name})", own)
         return plan, candidates
 
