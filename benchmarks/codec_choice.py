@@ -98,7 +98,13 @@ def table(paths, out_stem: str, scale: float = SCALE) -> dict:
                     for c in cells:  # the crossover cells
                         if (c["model"], c["spec"]) == (model, spec) and c["link"] in (a, b):
                             c["crossover"] = True
-    predicted = _predicted(sorted({k[0] for k in rows}), scale)
+    predicted, per_cell = _predicted(sorted({k[0] for k in rows}), scale)
+    for c in cells:  # advise's prediction of each fixed choice's step, where the link has a rate
+        for name in (c["spec"], "fp16", "none"):
+            p = per_cell.get((c["model"], name, c["link"]))
+            if p is not None:
+                c[f"{name}_predicted_s"] = p
+                c[f"{name}_prediction_error"] = p / c[f"{name}_s"] - 1.0
     result = {"cells": cells, "crossovers_measured": crossings, "crossovers_predicted": predicted,
               "all_within_5pct": all(c["within"] for c in cells),
               "crossover_cells_beat_by_10pct": all(c["beats_all_by_10pct"] for c in cells if c.get("crossover")),
@@ -112,6 +118,12 @@ def table(paths, out_stem: str, scale: float = SCALE) -> dict:
                      f"| {c['fp16_s'] * 1e3:.1f} | {c['none_s'] * 1e3:.1f} | {c['best_fixed']} | {c['ratio_to_best']:.3f} "
                      f"| {'yes' if c['within'] else 'NO'} | "
                      f"{('yes' if c['beats_all_by_10pct'] else 'NO') if c.get('crossover') else '-'} |")
+    lines += ["", "advise's predicted step against the measured one (fixed choices, rate-limited links):"]
+    for c in cells:
+        errs = [f"{n} {c[n + '_prediction_error']:+.0%}" for n in (c["spec"], "fp16", "none")
+                if n + "_prediction_error" in c]
+        if errs:
+            lines.append(f"- {c['model']} {c['link']}: " + ", ".join(errs))
     lines += ["", "Crossovers, measured (the best fixed choice changes between these links) and predicted:"]
     for c in crossings:
         lines.append(f"- {c['model']} {c['spec']}: between {c['between'][0]} and {c['between'][1]} "
@@ -124,11 +136,12 @@ def table(paths, out_stem: str, scale: float = SCALE) -> dict:
     return result
 
 
-def _predicted(models, scale: float) -> List[dict]:
+def _predicted(models, scale: float):
     """``hvdcompress advise``'s crossovers for the emulated profiles the launches ran (compression
-    timed on this CPU, ring links of 50 us per hop, 4 workers)."""
+    timed on this CPU, ring links of 50 us per hop, 4 workers), and its predicted step of every
+    fixed choice per rate-limited link: {(model, spec, link): seconds}."""
     from hvdcompress.bench import advise
-    out = []
+    out, steps = [], {}
     for model in models:
         if not str(model).startswith("emulated:"):
             continue
@@ -138,7 +151,12 @@ def _predicted(models, scale: float) -> List[dict]:
         for spec in SPECS:
             for c in advise.crossovers(w, fits, 4, 50e-6, spec):
                 out.append(dict(c, model=model, spec=spec))
-    return out
+        for link, gbps in GBPS.items():
+            if gbps is not None:
+                cm = advise.link_model(4, gbps, 50e-6, fits)
+                for spec in (*SPECS, "fp16", "none"):
+                    steps[(model, spec, link)] = advise.predict(w, cm, spec)["step_seconds"]
+    return out, steps
 
 
 def main(argv=None) -> int:
