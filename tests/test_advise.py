@@ -70,3 +70,35 @@ def test_command_prints_writes_json_and_a_plot(profile_file, tmp_path, capsys):
         advise.main(["--profile", profile_file, "--workers", "1"])
     with pytest.raises(SystemExit):
         advise.main(["--profile", profile_file, "--spec", "topk:ratio=2"])
+
+
+def test_acceptance_table_from_bench_json(tmp_path):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "codec_choice.py")
+    spec = importlib.util.spec_from_file_location("codec_choice_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert any("auto+tune+choice" in c for c in mod.commands())
+    # dense wins on fast links, dgc on slow ones; the choice is never worse and wins at the crossover
+    times = {"10mbit": (1.0, 5.0, 9.0, 0.8), "100mbit": (0.5, 0.6, 1.2, 0.45), "1gbit": (0.4, 0.3, 0.25, 0.25),
+             "10gbit": (0.4, 0.25, 0.2, 0.2), "unlimited": (0.4, 0.22, 0.2, 0.2)}
+    results, dense = [], []
+    for link, (dgc, fp16, none, choice) in times.items():
+        results += [{"compression": "dgc:ratio=0.001", "schedule": "auto+tune", "bandwidth": link, "status": "ok",
+                     "step_time_s": dgc},
+                    {"compression": "dgc:ratio=0.001", "schedule": "auto+tune+choice", "bandwidth": link,
+                     "status": "ok", "step_time_s": choice}]
+        dense += [{"compression": c, "schedule": "auto", "bandwidth": link, "status": "ok", "step_time_s": t}
+                  for c, t in (("fp16", fp16), ("none", none))]
+    files = []
+    for name, rows in (("a", results), ("b", dense)):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"meta": {"model": "mlp"}, "results": rows}))
+        files.append(str(f))
+    out = mod.table(files, str(tmp_path / "t"))
+    assert len(out["cells"]) == 5 and out["all_within_5pct"]
+    assert out["crossovers_measured"] == [{"model": "mlp", "spec": "dgc:ratio=0.001", "between": ["100mbit", "1gbit"],
+                                           "below": "dgc:ratio=0.001", "above": "none"}]
+    assert not out["crossover_cells_beat_by_10pct"]  # at 1gbit the choice only ties dense
+    assert (tmp_path / "t.md").read_text().count("| mlp |") == 5
