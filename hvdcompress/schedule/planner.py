@@ -32,6 +32,12 @@ handing the group's collectives to Horovod: ``CostModel.group_cpu_seconds``) and
 t_d (decompression and scatter after backward; in the prediction only, see ``timeline``). ``layerwise``/``single``/``size`` need no cost model; without one (or without t_b) the
 prediction is None.
 
+Per-group codec choice (``alternatives``, e.g. ``("fp16", "none")``; ``codec_choice="auto"`` in
+the backends): every group is also given the spec, among ``spec`` and the alternatives, that makes
+the modelled step shortest, jointly with the partition (``search.optimal_choice``: the same DP,
+one transition per group and spec; for the fixed schedules over their own partition), with each
+spec's own compression time, wire rule and closing term; ``Plan.codecs`` lists them per group.
+
 The searches live in ``hvdcompress.schedule.search``: ``optimal`` (dynamic programming over the end of
 the last group; exact, O(L^2) for ``overlap="parallel"``, Pareto fronts with branch and bound for
 ``"shared"``, with a certified bound ``gap`` should a front have to be thinned), ``greedy`` (the

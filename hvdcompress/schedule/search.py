@@ -32,6 +32,12 @@ and S at most eps larger, eps = (S range) / max_front. The result is then certif
 only. ``optimal`` adds it on the transitions that close the partition (k = L), and to the
 cheapest-last-exchange bound; the other bounds stay valid without it (it is >= 0).
 
+``optimal_choice``: the same DP where each group is also sent by one of several ``Option`` s
+(compression and exchange cost functions; the planner's per-group codec choice): one transition
+per (boundary, option), each non-decreasing in (S, C), so the dominance and the bounds (taken as
+the least over the options) carry over unchanged; ``cuts`` fixes the partition. ``optimal`` is
+its one-option case. ``brute_force_choice`` tries every partition and option (tests).
+
 ``greedy``: the rule of MGS (Shi et al., INFOCOM 2020) and MG-WFBP: walking in backward order,
 the next tensor joins the open group when the extra time the group's data would wait for it is
 less than the start-up cost saved, t_c(a) + t_c(b) - t_c(a + b). ``brute_force``: every partition.
