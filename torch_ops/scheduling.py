@@ -37,6 +37,14 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
   alike; one taken afterwards holds the kept plan, which a resume with the same schedule uses
   without tuning again.
 
+Per-group codec choice (``codec_choice="auto"``: ``alternatives`` = fp16, none): the plan also
+gives every group the spec it is sent with (``Plan.codecs``; ``codec_of`` tells the optimizer at
+launch, ``torch_ops.codec_choice`` runs the others). The cost model then needs compression fits
+for the alternatives too (profiled with the spec); a fixed schedule is profiled with its own
+groups and its partition kept; measured validation adds the plan with the compressor on every
+group as a candidate, so the choice is kept only if it is measured no slower. The codecs in use
+are saved with the plan and restored with it.
+
 Rank 0 makes the plan and broadcasts it, so every rank exchanges the same groups, and a failure
 there is raised on every rank. A fixed schedule given a ``cost_model`` also gets a predicted step
 time, computed at the same point from the same measurements.
