@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hvdcompress.spec import resolve
+
 from .collectives import Allreduce
 from .compressors.base import scaled
 
@@ -42,8 +44,10 @@ def check_codec_choice(value, compressor, delay: int = 0, sync_every: int = 1) -
 def fallback_exchange(compressor, codec: str, x: tf.Tensor, ctx):
     """The exchange generator of a group sent with ``codec`` ("none" or "fp16") by
     ``compressor``'s state (module doc)."""
-    if codec not in ALTERNATIVES:
-        raise ValueError(f"codec: must be one of {', '.join(ALTERNATIVES)}; got {codec!r}")
+    name = resolve(codec).name if isinstance(codec, str) and codec.split(":")[0] in ALTERNATIVES else codec
+    if name not in ALTERNATIVES:
+        raise ValueError(f"codec: must be one of {', '.join(ALTERNATIVES)} (a spec string); got {codec!r}")
+    codec = name
     a, slot = compressor.dense_send(x, ctx)
     if codec == "fp16":
         wire = tf.cast(a, tf.float16)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from hvdcompress.spec import resolve
+
 from .collectives import Allreduce
 
 ALTERNATIVES = ("fp16", "none")
@@ -45,8 +47,10 @@ def check_codec_choice(value, compressor, delay: int = 0, sync_every: int = 1) -
 def fallback_exchange(compressor, codec: str, x: torch.Tensor, ctx):
     """The exchange generator of a group sent with ``codec`` ("none" or "fp16") by ``compressor``'s
     state (module doc): one allreduce, the sum times ``ctx.scale``."""
-    if codec not in ALTERNATIVES:
-        raise ValueError(f"codec: must be one of {', '.join(ALTERNATIVES)}; got {codec!r}")
+    name = resolve(codec).name if isinstance(codec, str) and codec.split(":")[0] in ALTERNATIVES else codec
+    if name not in ALTERNATIVES:
+        raise ValueError(f"codec: must be one of {', '.join(ALTERNATIVES)} (a spec string); got {codec!r}")
+    codec = name
     a, slot = compressor.dense_send(x, ctx)
     if codec == "fp16":
         wire = a.to(torch.float16)
