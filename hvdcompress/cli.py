@@ -13,6 +13,8 @@ from typing import List, Optional
 COMMANDS = {
     "bench": ("hvdcompress.bench.cli", "step time and bytes of compressors vs dense Horovod on an "
                                         "emulated network"),
+    "advise": ("hvdcompress.bench.advise", "which compressor pays on this link for this model (predicted "
+                                           "step time per spec, the auto mode's per-group choice)"),
 }
 
 

@@ -229,3 +229,20 @@ def test_bad_schedule_arguments_raise_on_every_rank(results):
             assert r["errors"][label] is not None and needle in r["errors"][label], (label, r["errors"][label])
         assert r["raised_at"] == {"not_consecutive": 1, "mgs_without_fit": 2}  # end of step 0 / of profiling
     assert ranks[0]["errors"] == ranks[1]["errors"]  # the same error on every rank
+
+
+def test_groups_switch_between_compressed_and_dense_losing_nothing(results):
+    for r in _part(results, "codec_switch"):
+        codecs = r["codecs"]  # per step: the specs of the groups in use after it (None: top-k everywhere)
+        sent_dense = [c is not None and any(x is not None and x.startswith(("none", "fp16")) for x in c)
+                      for c in codecs]
+        compressed = [c is None for c in codecs]
+        # the candidates take turns: the choice (dense groups), top-k everywhere, ...: switches both ways
+        assert any(sent_dense[i] and compressed[i + 1] for i in range(len(codecs) - 1)), codecs
+        assert any(compressed[i] and sent_dense[i + 1] for i in range(len(codecs) - 1)), codecs
+        assert r["identical"]
+        for key in ("resumed_during_tuning", "resumed_after_tuning"):  # bit for bit, codecs restored
+            assert r[key]["equal"] and r[key]["codecs_equal"] and r[key]["identical"] and r[key]["steps"] >= 2, r[key]
+        assert len(codecs) > r["decided_at"] and r["plan_codecs"]  # the kept plan carries its codecs
+        assert r["lost"] <= 3e-3 * max(1.0, r["scale"]), r  # fp16 sums round; a lost residual is O(scale)
+        assert r["tuning"] and any("(all topk)" in label for label in r["tuning"])

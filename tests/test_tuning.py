@@ -276,6 +276,8 @@ def test_bench_tuned_schedule_entries_parse():
     assert schedules.split("mgs+tune") == ("mgs", True)
     assert schedules.split("mgs:greedy") == ("mgs:greedy", False)
     assert schedules.split("auto+tune") == ("auto", True)
+    assert schedules.split("auto+tune+choice") == ("auto", True) and schedules.chooses("auto+tune+choice")
+    assert schedules.split("size:4+choice") == ("size:4", False) and not schedules.chooses("auto+tune")
     for bad in ("single+tune", "size:2+tune", "mgs+tune+tune"):
         with pytest.raises(ValueError):
             schedules.split(bad)

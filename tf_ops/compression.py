@@ -43,10 +43,12 @@ from typing import Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from hvdcompress.schedule.groups import check_mergeable
+from hvdcompress.schedule.planner import Schedule
 from hvdcompress.spec import CompressionSpec, resolve
 from hvdcompress.stats import WireStats
 
 from .collectives import HorovodDriver, run_exchanges
+from .codec_choice import check_codec_choice, fallback_exchange
 from .compressors import ExchangeContext, build_compressor
 from .nonfinite import RestoreMarker, guard
 from .slots import ensure_slots, group_state, step_density
@@ -103,6 +105,11 @@ class GradientCompression(tf.Module):
             cached one for the world size and host set, found at the first exchange or by
             ``prepare``; a ValueError if there is none). With a fixed schedule it only gives
             ``plan.predicted_seconds``.
+        codec_choice: "auto": the plan also picks, per group, the compressor, "fp16" or dense,
+            whichever the cost model predicts fastest (``tf_ops.codec_choice``; residuals go out
+            with a group that turns dense); needs a schedule string and a cost model with
+            compression-time fits for the spec and fp16. None or "off" (default): the compressor
+            everywhere.
 
     Delayed averaging (``tf_ops.delayed``; the arithmetic of PyTorch's, the link latency not
     overlapped: TF collectives complete within the step):
@@ -115,22 +122,27 @@ class GradientCompression(tf.Module):
     """
 
     def __init__(self, compression=None, name: str = "hvc", driver=None, schedule="layerwise", cost_model=None,
-                 delay: int = 0, sync_every: int = 1):
+                 delay: int = 0, sync_every: int = 1, codec_choice=None):
         check_delay(delay)
         check_sync_every(sync_every)
         spec = resolve(compression)
         sched = check_schedule(schedule)
         model = check_cost_model(cost_model)
         compressor = build_compressor(spec)
+        alternatives = check_codec_choice(codec_choice, compressor, delay, sync_every)
         if not check_mergeable(schedule_text(sched), spec):  # cannot merge: "auto" -> layerwise
             sched = check_schedule("layerwise")
+        if alternatives and not isinstance(sched, Schedule):
+            raise ValueError("codec_choice: 'auto' plans the groups' specs, so it needs a schedule string "
+                             "(explicit groups are not planned)")
         if model is not None:
-            check_plannable(sched, model, spec)
+            check_plannable(sched, model, spec, alternatives)
         super().__init__(name=name)
         self._spec = spec
         self._compressor = compressor
         self._schedule = sched
         self._cost_model = model
+        self._alternatives = alternatives  # specs a group may be sent with instead (tf_ops.codec_choice)
         self._driver = driver
         self._local = _Local()
         with tf.init_scope():
@@ -190,9 +202,9 @@ class GradientCompression(tf.Module):
         """Find the cost model now (the wrappers call this when they are made): for a schedule
         that needs one and was given none, the cached one for ``world_size`` ranks and this host
         set, else a ValueError on every rank (``grouping.cached_cost_model``). Returns the model."""
-        if self._cost_model is None and needs_cost_model(self._schedule):
+        if self._cost_model is None and (needs_cost_model(self._schedule) or self._alternatives):
             model = cached_cost_model(world_size, process_set, use_horovod=self._driver is None)
-            check_plannable(self._schedule, model, self._spec)
+            check_plannable(self._schedule, model, self._spec, self._alternatives)
             self._cost_model = model
         return self._cost_model
 
@@ -315,8 +327,10 @@ class GradientCompression(tf.Module):
         signature = (world_size, tuple(None if g is None else (tuple(g.shape), g.dtype.name) for g in grads))
         found = self._local.plans.get(signature)
         if found is None:
-            model = self.prepare(world_size, process_set) if needs_cost_model(self._schedule) else self._cost_model
-            found = self._local.plans[signature] = make_groups(self._schedule, grads, self._spec, world_size, model)
+            planned = needs_cost_model(self._schedule) or self._alternatives
+            model = self.prepare(world_size, process_set) if planned else self._cost_model
+            found = self._local.plans[signature] = make_groups(self._schedule, grads, self._spec, world_size, model,
+                                                               self._alternatives)
         self._local.last = found
         return found[0]
 
@@ -352,7 +366,9 @@ class GradientCompression(tf.Module):
                                   density=density)
             where = f"gradient {group.positions[0]}" if len(group.positions) == 1 else \
                 f"gradients {', '.join(map(str, group.positions))}"
-            gens.append(guard(self._compressor.exchange(x, ctx), x, state, restored, where))  # never hidden
+            exchange = (self._compressor.exchange(x, ctx) if group.codec is None else
+                        fallback_exchange(self._compressor, group.codec, x, ctx))  # the plan's choice
+            gens.append(guard(exchange, x, state, restored, where))  # non-finite never hidden
             names.append(f"{self.name}.{group.op_name}")
             states.append(state)
         return PendingExchange(self, grads, groups, states, gens, names)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import operator
 import socket
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
@@ -107,11 +108,11 @@ def check_cost_model(model) -> Optional[CostModel]:
     return model
 
 
-def check_plannable(schedule: ScheduleArg, model: CostModel, spec) -> None:
+def check_plannable(schedule: ScheduleArg, model: CostModel, spec, alternatives: Sequence[str] = ()) -> None:
     """Plan one dummy tensor now, so a cost model that cannot serve the schedule (e.g. "mgs"
     without a compression-time fit for the spec) raises at construction, not at the first step."""
     if isinstance(schedule, Schedule):
-        make_plan(schedule, [4.0], [0.0], model, spec)
+        make_plan(schedule, [4.0], [0.0], model, spec, alternatives=alternatives)
 
 
 def cached_cost_model(world_size: int, process_set=None, use_horovod: bool = True) -> CostModel:
@@ -152,9 +153,13 @@ def cached_cost_model(world_size: int, process_set=None, use_horovod: bool = Tru
 
 
 # --- groups -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
 class Group(MergedGroup):
     """Gradient positions exchanged as one flat tensor, in concatenation order; ``key`` is the
-    position for a group of one, else ``<first>+<n-1>``."""
+    position for a group of one, else ``<first>+<n-1>``. ``codec``: "fp16" or "none" when the plan
+    sends the group so instead of with the compressor (``tf_ops.codec_choice``), else None."""
+
+    codec: Optional[str] = None
 
     @property
     def positions(self) -> Tuple[int, ...]:
@@ -167,9 +172,10 @@ class Group(MergedGroup):
 
 
 def make_groups(schedule: ScheduleArg, grads: Sequence[Optional[tf.Tensor]], spec, world_size: int,
-                cost_model: Optional[CostModel]) -> Tuple[List[Group], Optional[Plan]]:
+                cost_model: Optional[CostModel], alternatives: Sequence[str] = ()) -> Tuple[List[Group], Optional[Plan]]:
     """The groups one exchange of ``grads`` uses (module doc), and the planner's ``Plan`` (its
-    groups index the present gradients in reverse list order; None for explicit groups)."""
+    groups index the present gradients in reverse list order; None for explicit groups).
+    ``alternatives``: specs a group may be sent with instead (the plan picks, ``Plan.codecs``)."""
     present = [i for i, g in enumerate(grads) if g is not None]
     order = present[::-1]  # backward order
     plan = None
@@ -188,12 +194,16 @@ def make_groups(schedule: ScheduleArg, grads: Sequence[Optional[tf.Tensor]], spe
     else:
         sizes = [grads[i].shape.num_elements() * grads[i].dtype.size for i in order]
         itemsize = grads[order[0]].dtype.size
-        plan = make_plan(schedule, sizes, [0.0] * len(order), cost_model, spec, world_size, itemsize=itemsize)
+        plan = make_plan(schedule, sizes, [0.0] * len(order), cost_model, spec, world_size, itemsize=itemsize,
+                         alternatives=alternatives)
         positions = [[order[j] for j in group] for group in plan.groups]
+    own = str(spec)
+    codecs = [None] * len(positions) if plan is None or plan.codecs is None else \
+        [None if c == own else c for c in plan.codecs]
     groups = []
-    for members in positions:
+    for members, codec in zip(positions, codecs):
         for run in _dtype_runs(members, grads):
-            groups.append(Group(tuple(run), tuple(tuple(grads[p].shape) for p in run)))
+            groups.append(Group(tuple(run), tuple(tuple(grads[p].shape) for p in run), codec))
     return groups, plan
 
 

@@ -40,6 +40,7 @@ from hvdcompress.warmup import auto_epoch
 
 from . import checkpoint
 from .arguments import check_same_model
+from .codec_choice import fallback_exchange
 from .collectives import PendingExchange, PendingQueue
 from .compressors import ExchangeContext, build_compressor
 from .grouping import FlatBuffers, Group, join_state, make_groups, scatter, split_state
@@ -66,7 +67,7 @@ class Engine:
 
     def __init__(self, spec: CompressionSpec, by_name: Dict[str, torch.Tensor], comm, *, average: bool,
                  predivide: float, passes: int, sparse_as_dense: bool, schedule, cost_model, profile_steps: int,
-                 tune_steps: int, delay: int, sync_every: int, check_model: bool):
+                 tune_steps: int, delay: int, sync_every: int, check_model: bool, alternatives=()):
         self.spec = spec
         self.compressor = build_compressor(spec)
         self.by_name: Dict[str, torch.Tensor] = dict(by_name)
@@ -84,7 +85,7 @@ class Engine:
         self.sparse_as_dense = sparse_as_dense
         self.scheduler = Scheduler(schedule, spec, cost_model, profile_steps,
                                    {n: float(p.numel() * p.element_size()) for n, p in self.by_name.items()},
-                                   self.world, comm, tune_steps)
+                                   self.world, comm, tune_steps, alternatives)
         # the local gradient in result units: x1 for Average, xN for Sum
         self.policy = make_policy(delay, sync_every, self.prescale * self.scale * self.world,
                                   self.compressor.local_momentum())
@@ -183,7 +184,10 @@ class Engine:
                                   group.shape, self.current_epoch(), self.comm.rank(), group.layout,
                                   out=x)  # x: scattered into anyway
             self.pending.poll()  # earlier groups' next rounds go out as soon as they can
-            exchange = guard(self.compressor.exchange(x, ctx), x, ctx.state)  # non-finite never hidden
+            codec = self.scheduler.codec_of(group.names)  # the plan may send this group dense / fp16
+            exchange = (self.compressor.exchange(x, ctx) if codec is None else
+                        fallback_exchange(self.compressor, codec, x, ctx))
+            exchange = guard(exchange, x, ctx.state)  # non-finite never hidden
             ex = PendingExchange(exchange, name, self.comm)
             ex.apply = self._scatter_to(group)
             self.pending.add((step, gi), ex, step + policy.delay)

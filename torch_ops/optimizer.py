@@ -46,7 +46,8 @@ from hvdcompress.spec import CompressionSpec, resolve
 from . import checkpoint
 from .arguments import check_arguments, parameter_names
 from .collectives import Communicator
-from .compressors import compressor_class
+from .codec_choice import check_codec_choice
+from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
 from .scheduling import DEFAULT_TUNE_STEPS, check_tune_steps, now
@@ -55,7 +56,7 @@ from .scheduling import DEFAULT_TUNE_STEPS, check_tune_steps, now
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, spec: CompressionSpec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source,
-                 schedule, cost_model, profile_steps, delay=0, sync_every=1, tune_steps=0):
+                 schedule, cost_model, profile_steps, delay=0, sync_every=1, tune_steps=0, alternatives=()):
         super(self.__class__, self).__init__(params)
         self.defaults = dict(source.defaults)
         self.state.update(source.state)
@@ -68,7 +69,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              average=op == hvd.Average, predivide=gradient_predivide_factor,
                              passes=backward_passes_per_step, sparse_as_dense=sparse_as_dense, schedule=schedule,
                              cost_model=cost_model, profile_steps=profile_steps, tune_steps=tune_steps,
-                             delay=delay, sync_every=sync_every,
+                             delay=delay, sync_every=sync_every, alternatives=alternatives,
                              check_model=not elastic_mode())  # elastic: checked at each sync (torch_ops.elastic)
         self._should_synchronize = True
         # Horovod's introspection attributes, with their meaning there
@@ -215,7 +216,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                          process_set=None, driver=None, schedule="auto", cost_model=None,
                          profile_steps: int = 5, delay: int = 0, sync_every: int = 1,
-                         tune_steps: int = DEFAULT_TUNE_STEPS):
+                         tune_steps: int = DEFAULT_TUNE_STEPS, codec_choice=None):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -252,6 +253,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             a few candidate plans (the model's first, "single", size plans, ...) each run one
             settling step and this many measured steps, and the fastest (median, slowest rank)
             is kept, on every rank from the same step. Ignored by the fixed schedules.
+        codec_choice: "auto": the plan also picks, per group, the compressor, "fp16" or dense,
+            whichever the calibrated cost model predicts fastest (``torch_ops.codec_choice``;
+            residuals go out with a group that turns dense). None or "off" (default): the
+            compressor everywhere. Needs delay=0 and sync_every=1.
 
     Training across high-latency links (``torch_ops.delayed`` states the math):
         delay: steps between launching an exchange and applying its result (int >= 0; 0, the
@@ -269,6 +274,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
+    alternatives = check_codec_choice(codec_choice, build_compressor(spec), delay, sync_every)
     spec = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)  # e.g. DGC takes momentum over
     if not hvd.is_initialized():
         raise ValueError("horovod is not initialized: call hvd.init() before DistributedOptimizer")
@@ -277,4 +283,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, spec, backward_passes_per_step, op, factor,
                sparse_as_dense, process_set, driver, optimizer, schedule, cost_model, profile_steps,
-               delay, sync_every, tune_steps)
+               delay, sync_every, tune_steps, alternatives)

@@ -37,6 +37,14 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
   alike; one taken afterwards holds the kept plan, which a resume with the same schedule uses
   without tuning again.
 
+Per-group codec choice (``codec_choice="auto"``: ``alternatives`` = fp16, none): the plan also
+gives every group the spec it is sent with (``Plan.codecs``; ``codec_of`` tells the optimizer at
+launch, ``torch_ops.codec_choice`` runs the others). The cost model then needs compression fits
+for the alternatives too (profiled with the spec); a fixed schedule is profiled with its own
+groups and its partition kept; measured validation adds the plan with the compressor on every
+group as a candidate, so the choice is kept only if it is measured no slower. The codecs in use
+are saved with the plan and restored with it.
+
 Rank 0 makes the plan and broadcasts it, so every rank exchanges the same groups, and a failure
 there is raised on every rank. A fixed schedule given a ``cost_model`` also gets a predicted step
 time, computed at the same point from the same measurements.
@@ -61,7 +69,8 @@ from hvdcompress.schedule.costmodel import CostModel, skew_factor
 from hvdcompress.schedule.groups import check_mergeable
 from hvdcompress.schedule.planner import Plan, Schedule, Workload, make_plan, parse_schedule
 from hvdcompress.spec import CompressionSpec
-from hvdcompress.schedule.timeline import check_partition, predict
+from hvdcompress.schedule.search import Option, predict_choice
+from hvdcompress.schedule.timeline import check_partition
 
 Explicit = List[List[str]]
 
@@ -130,8 +139,12 @@ class Scheduler:
     """Holds the schedule, collects the profiled steps and makes the plan (see the module doc)."""
 
     def __init__(self, schedule, spec: CompressionSpec, cost_model: Optional[CostModel], profile_steps: int,
-                 sizes_bytes: Dict[str, float], world_size: int, comm=None, tune_steps: int = 0):
-        self.comm = comm  # the optimizer's Communicator: every collective here runs on its process set
+                 sizes_bytes: Dict[str, float], world_size: int, comm=None, tune_steps: int = 0,
+                 alternatives: Sequence[str] = ()):
+        self.comm = comm
+        # specs a group may be sent with instead of ``spec`` (torch_ops.codec_choice); the plan picks
+        self.alternatives = tuple(alternatives)
+        self._codecs: Dict[Tuple[str, ...], str] = {}  # group members -> its alternative, where one is used  # the optimizer's Communicator: every collective here runs on its process set
         self.tune_steps = check_tune_steps(tune_steps)
         self._tuner: Optional[_Tuner] = None  # candidates being measured (measured validation)
         self.schedule = check_schedule(schedule)
@@ -153,6 +166,7 @@ class Scheduler:
         self._profiled_groups: List[List[int]] = []  # the groups exchanged while profiling (indices)
         self._calibrated: Optional[CostModel] = None  # the model the plan was made with (_calibrate)
         self._step_seconds = 0.0
+        self._codec_list: List[Optional[str]] = []
 
     def restarted(self, world_size: int) -> "Scheduler":
         """A scheduler for the same schedule starting over on ``world_size`` ranks (Horovod Elastic
@@ -160,7 +174,7 @@ class Scheduler:
         without measured validation (the candidates would be timed on a changing set of ranks)."""
         return Scheduler(self.schedule if isinstance(self.schedule, list) else self.text, self.spec,
                          self.cost_model if self.world == world_size else None, self.profile_steps, self.sizes,
-                         world_size, self.comm)
+                         world_size, self.comm, alternatives=self.alternatives)
 
     @property
     def text(self) -> str:
@@ -168,8 +182,33 @@ class Scheduler:
         return "explicit" if isinstance(self.schedule, list) else str(self.schedule)
 
     @property
-    def needs_model(self) -> bool:
+    def searches(self) -> bool:
+        """A cost-model schedule: the partition itself is searched."""
         return not isinstance(self.schedule, list) and self.schedule.kind in ("mgs", "mgwfbp", "auto")
+
+    @property
+    def needs_model(self) -> bool:
+        """A cost-model schedule, or a fixed one whose groups' specs are chosen (codec choice)."""
+        return self.searches or (not isinstance(self.schedule, list) and bool(self.alternatives))
+
+    def codec_of(self, names: Sequence[str]) -> Optional[str]:
+        """The spec the group of these members is sent with when it is not the compressor's own
+        ("fp16", "none"), else None."""
+        return self._codecs.get(tuple(names))
+
+    @property
+    def codecs(self) -> List[Optional[str]]:
+        """Per group in use (launch order of ``_use``): its alternative spec, or None."""
+        return list(self._codec_list)
+
+    def _use(self, groups: Sequence[Sequence[int]], codecs: Optional[Sequence[str]]) -> List[List[str]]:
+        """Groups (indices in backward order) and their specs (None: all the compressor's) from
+        the next step on; returns the groups as names."""
+        named = [[self.order[i] for i in g] for g in groups]
+        own = str(self.spec)
+        self._codec_list = [None if codecs is None or codecs[k] == own else codecs[k] for k in range(len(named))]
+        self._codecs = {tuple(n): c for n, c in zip(named, self._codec_list) if c is not None}
+        return named
 
     @property
     def done(self) -> bool:
@@ -192,6 +231,8 @@ class Scheduler:
         groups the same groups (any other explicit groups are another schedule)."""
         if saved is None or saved["schedule"] != self.text:
             return False
+        if (saved.get("plan_codecs") is not None) != bool(self.alternatives):
+            return False  # planned with the codec choice and now without it, or the other way round
         if self.text != "explicit":
             return True
         named = sorted(sorted(saved["order"][i] for i in g) for g in saved["groups"])
@@ -204,10 +245,12 @@ class Scheduler:
             return None
         out = {"schedule": self.text, "resolved": self.plan.schedule, "order": list(self.order),
                "groups": self.plan.groups, "predicted_seconds": self.plan.predicted_seconds,
-               "tuning": self.plan.tuning}
+               "tuning": self.plan.tuning, "plan_codecs": self.plan.codecs}
         if self._tuner is not None:
             out["groups"] = [list(g) for g in self._tuner.current.groups]
             out["tuning"] = {"in_progress": self._tuner.to_dict(), "model_groups": self.plan.groups}
+        if self._codecs:  # the specs of the groups in use (``groups``), where not the compressor's
+            out["codecs"] = [self._codecs.get(tuple(self.order[i] for i in g)) for g in out["groups"]]
         return out
 
     def restore(self, saved) -> Optional[List[List[str]]]:
@@ -220,10 +263,11 @@ class Scheduler:
         progress = tuned.get("in_progress") if isinstance(tuned, dict) else None
         plan_groups = tuned["model_groups"] if progress else saved["groups"]
         plan = Plan(saved.get("resolved", saved["schedule"]), [list(g) for g in plan_groups],
-                    saved["predicted_seconds"], None, "shared", tuning=None if progress else tuned)
+                    saved["predicted_seconds"], None, "shared", tuning=None if progress else tuned,
+                    codecs=saved.get("plan_codecs"))
         self.adopt(plan, order)
         self._tuner = _Tuner.from_dict(progress) if progress else None
-        return [[order[i] for i in g] for g in saved["groups"]]
+        return self._use(saved["groups"], saved.get("codecs"))
 
     def end_of_step(self, clock: StepClock) -> Optional[List[List[str]]]:
         """Called on every rank after each step with its clock; returns the groups (names) to use
@@ -235,12 +279,12 @@ class Scheduler:
             return self._tune(clock)
         if self.order is None:  # the first step: learn the backward order
             self.order = self._comm().broadcast_object(self._order(clock), "hvc.plan.order")
-            if self.needs_model:  # measure with one group: no exchange competes with backward
+            if self.searches:  # measure with one group: no exchange competes with backward
                 self._profiled_groups = [list(range(len(self.order)))]
                 return [list(self.order)]
             self.plan = _broadcast_result(self._comm(), self._fixed_plan, "hvc.plan.fixed")
             self._profiled_groups = self.plan.groups
-            return self._names(self.plan)
+            return self._use(self.plan.groups, None)
         self._runs.append(clock)
         if len(self._runs) < self.profile_steps:
             return None
@@ -248,20 +292,20 @@ class Scheduler:
         model = self.cost_model
         if model is None:
             from .profiling import load_or_profile
-            model = self.cost_model = load_or_profile([self.spec], max_bytes=sum(self.sizes.values()),
+            model = self.cost_model = load_or_profile([self.spec, *self.alternatives], max_bytes=sum(self.sizes.values()),
                                                       comm=self._comm())
         calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
         plan, candidates = _broadcast_result(self._comm(), lambda: self._model_plan(calibrated), "hvc.plan.model")
         note = ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
                 "decompression x{decompress:.3g}, exchange skew {skew:.3g}".format(**self.calibration))
         plan = replace(plan, notes=plan.notes + (note,))
-        changed = self.plan is None or plan.groups != self.plan.groups
+        changed = self.plan is None or plan.groups != self.plan.groups or plan.codecs is not None
         self.plan = plan
         self._runs = []
         if len(candidates) > 1:  # measured validation: the candidates run, the model's first
             self._tuner = _Tuner(candidates, self.tune_steps)
-            return [[self.order[i] for i in g] for g in candidates[0].groups]
-        return self._names(plan) if changed else None
+            return self._use(candidates[0].groups, candidates[0].codecs)
+        return self._use(plan.groups, plan.codecs) if changed else None
 
     def _tune(self, clock: StepClock) -> Optional[List[List[str]]]:
         """One step of the measured validation (module doc); the same decisions on every rank."""
@@ -273,7 +317,7 @@ class Scheduler:
         if t.index == len(t.candidates):
             t.index, t.round = 0, t.round + 1
         if t.round <= t.tune_steps:  # the candidates take turns, one step each, so a drifting load hits all alike
-            return [[self.order[i] for i in g] for g in t.current.groups]
+            return self._use(t.current.groups, t.current.codecs)
         per_rank = self._comm().allgather_object(t.times, "hvc.plan.tune.times")
         chosen, medians = _broadcast_result(self._comm(), lambda: tuning.select(tuning.step_times(per_rank)),
                                             "hvc.plan.tune.kept")
@@ -282,15 +326,17 @@ class Scheduler:
                   "kept": chosen, "kept_label": kept.label, "tune_steps": t.tune_steps}
         timeline = None
         if self.workload is not None and self._calibrated is not None:
-            timeline = predict_explicit(kept.groups, self.workload, self._calibrated, self.spec, self.world).timeline
+            timeline = predict_explicit(kept.groups, self.workload, self._calibrated, self.spec, self.world,
+                                        kept.codecs).timeline
         plan = self.plan
         self.plan = replace(plan, groups=[list(g) for g in kept.groups], predicted_seconds=kept.predicted_seconds,
+                            codecs=None if kept.codecs is None else list(kept.codecs),
                             timeline=timeline if chosen else plan.timeline, gap=plan.gap if chosen == 0 else None,
                             notes=plan.notes + (tuning.summary(t.candidates, medians, chosen),), tuning=record)
         self._tuner = None
         if chosen == len(t.candidates) - 1:
             return None  # the last candidate measured is the one kept: nothing changes
-        return self._names(self.plan)
+        return self._use(kept.groups, kept.codecs)
 
     # -- internals -------------------------------------------------------------------------------
     def _comm(self):
@@ -315,18 +361,28 @@ class Scheduler:
                                  f"backward order; the backward order is {self.order}") from None
             return Plan("explicit", groups, None, None, "shared")
         sizes = [self.sizes[n] for n in self.order]
-        return make_plan(self.schedule, sizes, spec=self.spec, world_size=self.world)
+        return make_plan(self.schedule, sizes, spec=self.spec, world_size=self.world)  # codecs: once profiled
 
     def _model_plan(self, model: CostModel):
         """(the plan, the candidates to measure: empty unless tuning applies) -- on rank 0."""
         if isinstance(self.schedule, list):
             return predict_explicit(self.plan.groups, self.workload, model, self.spec, self.world), []
-        plan = self.workload.plan(self.schedule, model, self.spec, self.world)
+        alt = self.alternatives
+        plan = self.workload.plan(self.schedule, model, self.spec, self.world, alternatives=alt)
         if not (self.needs_model and self.tune_steps):
             return plan, []
+        own = None
+        if alt:  # the model's partition with the compressor on every group, measured against the choice
+            own = self.workload.plan(self.schedule, model, self.spec, self.world)
+            own = replace(own, codecs=[str(self.spec)] * len(own.groups))
+        if not self.searches:  # a fixed partition: its choice of specs against the compressor everywhere
+            return plan, tuning.with_candidate([tuning.candidate(plan.schedule, plan)], 1,
+                                               f"{plan.schedule} (all {self.spec.name})", own)
         candidates = tuning.propose(lambda s: plan if s == plan.schedule else
-                                    self.workload.plan(s, model, self.spec, self.world),
+                                    self.workload.plan(s, model, self.spec, self.world, alternatives=alt),
                                     plan.schedule, self.workload.sizes_bytes)
+        if alt:
+            candidates = tuning.with_candidate(candidates, 1, f"{plan.schedule} (all {self.spec.name})", own)
         return plan, candidates
 
     def _workload(self) -> Workload:
@@ -371,7 +427,7 @@ class Scheduler:
             factors.append(min(10.0, max(0.25, measured / total)) if total > 0 and measured > 0 else 1.0)
         calibrated = model.scaled(*factors).with_skew(0.0)
         skew = 0.0
-        if self.needs_model and len(groups) == 1 and self._step_seconds > 0:
+        if self.searches and len(groups) == 1 and self._step_seconds > 0:
             predicted = predict_explicit(groups, self.workload, calibrated, self.spec, self.world).predicted_seconds
             transfer = float(calibrated.comm_seconds(self.spec, sizes, self.world)[0])
             cpu = float(calibrated.group_cpu_seconds(self.spec, sizes)[0])
@@ -380,18 +436,20 @@ class Scheduler:
         self._calibrated = calibrated.with_skew(skew)
         return self._calibrated
 
-    def _names(self, plan: Plan) -> List[List[str]]:
-        return [[self.order[i] for i in g] for g in plan.groups]
 
-
-def predict_explicit(plan_groups, workload: Workload, model: CostModel, spec, world: int) -> Plan:
-    """Explicit groups (indices in backward order) with their prediction under ``model``."""
-    t_d = (lambda b: model.decompress_seconds(spec, b)) if model.has_decompress_fit(spec) else None
-    tl = predict(plan_groups, workload.sizes_bytes, workload.t_b, lambda b: model.group_cpu_seconds(spec, b),
-                 lambda b: model.exchange_seconds(spec, b, world), "shared", t_d,
-                 lambda b: model.closing_seconds(spec, b, world))
+def predict_explicit(plan_groups, workload: Workload, model: CostModel, spec, world: int,
+                     codecs: Optional[Sequence[str]] = None) -> Plan:
+    """Explicit groups (indices in backward order), each sent with ``spec`` or its entry of
+    ``codecs``, with their prediction under ``model``."""
+    specs = list(codecs) if codecs is not None else [str(spec)] * len(plan_groups)
+    kinds = sorted(set(specs))
+    options = [Option(lambda b, s=s: model.group_cpu_seconds(s, b), lambda b, s=s: model.exchange_seconds(s, b, world),
+                      lambda b, s=s: model.closing_seconds(s, b, world)) for s in kinds]
+    t_d = [(lambda b, s=s: model.decompress_seconds(s, b)) if model.has_decompress_fit(s) else None for s in kinds]
+    tl = predict_choice(plan_groups, [kinds.index(s) for s in specs], workload.sizes_bytes, workload.t_b, options,
+                        "shared", t_d)
     return Plan("explicit", [list(g) for g in plan_groups], workload.forward_seconds + tl.end +
-                workload.update_seconds, tl, "shared")
+                workload.update_seconds, tl, "shared", codecs=None if codecs is None else list(codecs))
 
 
 class _Tuner:

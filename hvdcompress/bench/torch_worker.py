@@ -95,7 +95,8 @@ class Phase:
             opt = DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
                                        compression=spec, driver=driver, schedule=base,
                                        cost_model=cost_model, profile_steps=cfg["profile_steps"],
-                                       tune_steps=cfg["tune_steps"] if tuned else 0)
+                                       tune_steps=cfg["tune_steps"] if tuned else 0,
+                                       codec_choice="auto" if schedules.chooses(schedule or "") else None)
             opt.set_epoch(cfg["epoch"])  # schedules (DGC's density warm-up) at the epoch asked for
         self.opt = opt
         self.iface = cfg["iface"]
@@ -213,6 +214,8 @@ def plan_figures(opt) -> Optional[dict]:
     out = {"schedule": plan.schedule, "groups": len(plan.groups),
            "tensors_per_group": [len(g) for g in plan.groups], "predicted_seconds": plan.predicted_seconds,
            "notes": list(plan.notes)}
+    if plan.codecs is not None:  # codec_choice="auto": each group's spec
+        out["codecs"] = list(plan.codecs)
     if plan.tuning is not None:  # measured validation: candidates (group counts), medians, the kept one
         t = plan.tuning
         out["tuning"] = {"kept_label": t["kept_label"], "kept": t["kept"], "tune_steps": t["tune_steps"],

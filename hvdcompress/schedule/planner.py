@@ -32,6 +32,12 @@ handing the group's collectives to Horovod: ``CostModel.group_cpu_seconds``) and
 t_d (decompression and scatter after backward; in the prediction only, see ``timeline``). ``layerwise``/``single``/``size`` need no cost model; without one (or without t_b) the
 prediction is None.
 
+Per-group codec choice (``alternatives``, e.g. ``("fp16", "none")``; ``codec_choice="auto"`` in
+the backends): every group is also given the spec, among ``spec`` and the alternatives, that makes
+the modelled step shortest, jointly with the partition (``search.optimal_choice``: the same DP,
+one transition per group and spec; for the fixed schedules over their own partition), with each
+spec's own compression time, wire rule and closing term; ``Plan.codecs`` lists them per group.
+
 The searches live in ``hvdcompress.schedule.search``: ``optimal`` (dynamic programming over the end of
 the last group; exact, O(L^2) for ``overlap="parallel"``, Pareto fronts with branch and bound for
 ``"shared"``, with a certified bound ``gap`` should a front have to be thinned), ``greedy`` (the
@@ -46,7 +52,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .search import Search, brute_force, by_size, greedy, layerwise, optimal, single
+from .search import Option, Search, brute_force, by_size, greedy, layerwise, optimal, optimal_choice, predict_choice, single
 from ..spec import GATHERED, resolve
 from .timeline import Timeline, check_inputs, check_overlap, predict
 
@@ -150,21 +156,56 @@ class Plan:
     gap: Optional[float] = None         # seconds above the optimum at most (0: optimal; None: unknown)
     notes: Tuple[str, ...] = ()
     tuning: Optional[dict] = None       # measured validation (hvdcompress.schedule.tuning): candidates, medians, kept
+    codecs: Optional[List[str]] = None  # per group, the spec it is sent with (None: the compressor's, all)
 
     def as_dict(self) -> dict:
         return {"schedule": self.schedule, "groups": self.groups, "predicted_seconds": self.predicted_seconds,
                 "overlap": self.overlap, "gap": self.gap, "notes": list(self.notes), "tuning": self.tuning,
+                "codecs": self.codecs,
                 "timeline": self.timeline.as_dict() if self.timeline is not None else None}
+
+
+def _costs(cost_model, spec, world: int, itemsize: int, density: Optional[float]):
+    """(t_s, t_c, t_close or None, t_d or None) of sending a group with ``spec`` (module doc)."""
+    def t_c(b):
+        return cost_model.exchange_seconds(spec, b, world, itemsize, density)
+
+    def t_s(b):  # compression and the hand-over of the group's collectives
+        return cost_model.group_cpu_seconds(spec, b, itemsize)
+
+    t_close = t_d = None
+    if cost_model.exchange_skew:
+        def t_close(b):  # the last group's exchange: what the ranks' drift adds (costmodel)
+            return cost_model.closing_seconds(spec, b, world, itemsize, density)
+    if cost_model.has_decompress_fit(spec):
+        def t_d(b):
+            return cost_model.decompress_seconds(spec, b, itemsize)
+    return t_s, t_c, t_close, t_d
+
+
+def codec_options(spec, alternatives: Sequence = ()) -> List:
+    """The specs a group may be sent with: ``spec`` first, then each alternative not equal to it."""
+    out = [resolve(spec)]
+    for alt in alternatives:
+        alt = resolve(alt)
+        if all(str(alt) != str(o) for o in out):
+            out.append(alt)
+    return out
 
 
 def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[float]] = None, cost_model=None,
               spec=None, world_size: Optional[int] = None, *, overlap: str = "shared",
               forward_seconds: float = 0.0, update_seconds: float = 0.0, itemsize: int = 4,
-              density: Optional[float] = None) -> Plan:
+              density: Optional[float] = None, alternatives: Sequence = ()) -> Plan:
     """Plan the groups for ``spec`` (a compressor spec or string; default none) and predict the
     step time. ``sizes_bytes``/``t_b`` per tensor in backward order; ``world_size`` defaults to the
     cost model's (another one is extrapolated, see ``CostModel.for_world_size``); ``density`` is
-    the fraction of entries a threshold-like compressor sends (unknown: 1, an upper bound)."""
+    the fraction of entries a threshold-like compressor sends (unknown: 1, an upper bound).
+
+    ``alternatives`` (e.g. ``("fp16", "none")``): other specs a group may be sent with; then
+    every group also gets the spec of least modelled step time, chosen jointly with the partition
+    (``search.optimal_choice``; for the fixed schedules, over their partition), compression time
+    included whatever the schedule, and ``Plan.codecs`` lists them."""
     sched = parse_schedule(schedule)
     spec = resolve(spec)
     check_overlap(overlap)
@@ -177,27 +218,21 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
         check_inputs(sizes, np.zeros_like(sizes))
     n = len(sizes)
     notes: List[str] = []
-    t_s = t_c = gap = t_close = None
+    specs = codec_options(spec, alternatives)
+    choosing = len(specs) > 1
+    t_s = t_c = gap = t_close = t_d = None
     if cost_model is not None:
         world = cost_model.world_size if world_size is None else int(world_size)
-
-        def t_c(b):
-            return cost_model.exchange_seconds(spec, b, world, itemsize, density)
-
-        if cost_model.exchange_skew:
-            def t_close(b):  # the last group's exchange: what the ranks' drift adds (costmodel)
-                return cost_model.closing_seconds(spec, b, world, itemsize, density)
-
+        costs = [_costs(cost_model, o, world, itemsize, density if i == 0 else None) for i, o in enumerate(specs)]
+        t_s, t_c, t_close, t_d = costs[0]
         if not cost_model.has_compress_fit(spec):
             notes.append(f"no compression-time fit for '{spec}': compression counted as 0 s")
-
-        def t_s(b):  # compression and the hand-over of the group's collectives
-            return cost_model.group_cpu_seconds(spec, b, itemsize)
-
-        t_d = None
-        if cost_model.has_decompress_fit(spec):
-            def t_d(b):
-                return cost_model.decompress_seconds(spec, b, itemsize)
+    if choosing:
+        missing = [str(o) for o in specs if cost_model is not None and not cost_model.has_compress_fit(o)]
+        if cost_model is None or t_b is None or missing:
+            raise ValueError("alternatives: choosing a spec per group needs a cost model, per-tensor backward "
+                             "times t_b and a compression-time fit for every candidate spec"
+                             + (f" (no fit for {', '.join(missing)})" if missing else ""))
 
     if sched.kind in COST_MODEL_SCHEDULES:
         if cost_model is None or t_b is None:
@@ -208,11 +243,14 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
             raise ValueError(f"schedule 'mgs' needs the compression time of '{spec}': the cost model has no "
                              "fit for it (profile it, or use 'mgwfbp', which ignores compression time)")
         search_ts = t_s if sched.kind == "mgs" else (lambda b: np.zeros_like(np.asarray(b, dtype=float)))
-        search = optimal if sched.search == "dp" else greedy
-        found = search(sizes, t_b, search_ts, t_c, overlap, t_close=t_close)
-        groups, gap = found.groups, found.gap
-        if sched.kind == "mgwfbp":
-            gap = None  # optimal for the search's model (no compression time), not the predicted one
+        if choosing and sched.search == "dp":
+            groups = None  # the joint search below
+        else:
+            search = optimal if sched.search == "dp" else greedy
+            found = search(sizes, t_b, search_ts, t_c, overlap, t_close=t_close)
+            groups, gap = found.groups, found.gap
+            if sched.kind == "mgwfbp":
+                gap = None  # optimal for the search's model (no compression time), not the predicted one
     elif sched.kind == "layerwise":
         groups = layerwise(n)
     elif sched.kind == "single":
@@ -220,12 +258,22 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     else:
         groups = by_size(sizes, sched.threshold_mb * MIB)
 
+    codecs = None
     timeline = predicted = None
-    if cost_model is not None and t_b is not None:
+    if choosing:
+        options = [Option(c[0], c[1], c[2]) for c in costs]
+        cuts = None if groups is None else [g[-1] + 1 for g in groups]
+        found = optimal_choice(sizes, t_b, options, overlap, cuts=cuts)
+        groups, codecs = found.groups, [str(specs[c]) for c in found.choices]
+        gap = found.gap if cuts is None else None
+        timeline = predict_choice(groups, found.choices, sizes, t_b, options, overlap, [c[3] for c in costs])
+        predicted = float(forward_seconds) + timeline.end + float(update_seconds)
+    elif cost_model is not None and t_b is not None:
         timeline = predict(groups, sizes, t_b, t_s, t_c, overlap, t_d, t_close)
         predicted = float(forward_seconds) + timeline.end + float(update_seconds)
-    return Plan(str(sched), [list(g) for g in groups], predicted, timeline, overlap, gap, tuple(notes))
+    return Plan(str(sched), [list(g) for g in groups], predicted, timeline, overlap, gap, tuple(notes),
+                codecs=codecs)
 
 
-__all__ = ["Plan", "Schedule", "Workload", "Search", "make_plan", "parse_schedule", "optimal", "greedy", "brute_force",
+__all__ = ["codec_options", "Plan", "Schedule", "Workload", "Search", "make_plan", "parse_schedule", "optimal", "greedy", "brute_force",
            "layerwise", "single", "by_size", "predict"]

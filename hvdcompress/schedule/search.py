@@ -32,6 +32,12 @@ and S at most eps larger, eps = (S range) / max_front. The result is then certif
 only. ``optimal`` adds it on the transitions that close the partition (k = L), and to the
 cheapest-last-exchange bound; the other bounds stay valid without it (it is >= 0).
 
+``optimal_choice``: the same DP where each group is also sent by one of several ``Option`` s
+(compression and exchange cost functions; the planner's per-group codec choice): one transition
+per (boundary, option), each non-decreasing in (S, C), so the dominance and the bounds (taken as
+the least over the options) carry over unchanged; ``cuts`` fixes the partition. ``optimal`` is
+its one-option case. ``brute_force_choice`` tries every partition and option (tests).
+
 ``greedy``: the rule of MGS (Shi et al., INFOCOM 2020) and MG-WFBP: walking in backward order,
 the next tensor joins the open group when the extra time the group's data would wait for it is
 less than the start-up cost saved, t_c(a) + t_c(b) - t_c(a + b). ``brute_force``: every partition.
@@ -45,7 +51,8 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .timeline import as_cost_fn, check_inputs, check_overlap, groups_from_ends, predict
+from .timeline import (as_cost_fn, check_inputs, check_overlap, check_partition, group_bytes, groups_from_ends,
+                       predict, predict_costs)
 
 MAX_FRONT = 512
 
@@ -150,38 +157,125 @@ def default_max_front(n: int) -> int:
 def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
             max_front: Optional[int] = None, t_close: Optional[Callable] = None) -> Search:
     """The partition with the least modelled end time (module doc)."""
+    found = optimal_choice(sizes, t_b, [(t_s, t_c, t_close)], overlap, max_front)
+    return Search(found.groups, found.seconds, found.gap)
+
+
+class Option(NamedTuple):
+    """One way to send a group: ``t_s(bytes)``, ``t_c(bytes)`` and the closing term (or None)."""
+
+    t_s: Callable
+    t_c: Callable
+    t_close: Optional[Callable] = None
+
+
+class ChoiceSearch(NamedTuple):
+    groups: List[List[int]]
+    choices: List[int]      # per group: the index of its option
+    seconds: float
+    gap: Optional[float]
+
+
+def predict_choice(groups, choices: Sequence[int], sizes, t_b, options: Sequence,
+                   overlap: str = "shared", t_d: Optional[Sequence[Optional[Callable]]] = None):
+    """``timeline.predict`` where group g is sent by ``options[choices[g]]`` (``t_d``: one
+    decompression cost function or None per option, for the prediction)."""
     check_overlap(overlap)
     sizes, t_b = check_inputs(sizes, t_b)
+    groups = check_partition(groups, len(sizes))
+    options = [Option(*o) for o in options]
+    if len(choices) != len(groups) or any(not 0 <= int(c) < len(options) for c in choices):
+        raise ValueError(f"choices: one option index in [0, {len(options)}) per group; got {list(choices)}")
+    nbytes = group_bytes(groups, sizes)
+
+    def cost(fn, g):
+        return 0.0 if fn is None else float(as_cost_fn(fn)(nbytes[g:g + 1])[0])
+
+    ts = [cost(options[c].t_s, g) for g, c in enumerate(choices)]
+    tc = [cost(options[c].t_c, g) for g, c in enumerate(choices)]
+    td = None if t_d is None or all(f is None for f in t_d) else [cost(t_d[c], g) for g, c in enumerate(choices)]
+    close = cost(options[choices[-1]].t_close, len(groups) - 1) if len(groups) else None
+    return predict_costs(groups, t_b, ts, tc, overlap, td, close)
+
+
+def optimal_choice(sizes, t_b, options: Sequence, overlap: str = "shared", max_front: Optional[int] = None,
+                   cuts: Optional[Sequence[int]] = None) -> ChoiceSearch:
+    """The partition into consecutive groups and, per group, the ``Option`` to send it with, of the
+    least modelled end time: the DP of the module doc with one transition per (boundary, option).
+    The state (S, C) and the dominance argument are unchanged: each option's transition is
+    non-decreasing in (S, C). ``cuts``: the allowed group ends (a fixed partition; None: any)."""
+    check_overlap(overlap)
+    sizes, t_b = check_inputs(sizes, t_b)
+    options = [Option(*o) for o in options]
+    if not options:
+        raise ValueError("options: at least one way to send a group is needed")
     n = len(sizes)
     if n == 0:
-        return Search([], 0.0, 0.0)
-    ts_fn, tc_fn = as_cost_fn(t_s), as_cost_fn(t_c)
-    close_fn = as_cost_fn(t_close) if t_close is not None else (lambda b: np.zeros_like(b))
+        return ChoiceSearch([], [], 0.0, 0.0)
+    allowed = np.ones(n + 1, dtype=bool)
+    if cuts is not None:
+        allowed[:] = False
+        allowed[[int(c) for c in cuts]] = True
+        if not allowed[n]:
+            raise ValueError(f"cuts: must end with the number of tensors ({n}); got {list(cuts)}")
+        allowed[0] = True
+    ts_fns = [as_cost_fn(o.t_s) for o in options]
+    tc_fns = [as_cost_fn(o.t_c) for o in options]
+    close_fns = [as_cost_fn(o.t_close) if o.t_close is not None else (lambda b: np.zeros_like(b))
+                 for o in options]
     shared = overlap == "shared"
     cum = np.concatenate([[0.0], np.cumsum(sizes)])
     ready = np.concatenate([[0.0], np.cumsum(t_b)])
-    if shared:  # bounds for branch and bound
-        best = min((predict(g, sizes, t_b, ts_fn, tc_fn, overlap, t_close=t_close).end, g) for g in
-                   (greedy(sizes, t_b, ts_fn, tc_fn, overlap, t_close).groups, layerwise(n), single(n),
-                    optimal(sizes, t_b, ts_fn, tc_fn, "parallel", t_close=t_close).groups))
-        upper, upper_groups = best
-        min_tc, min_ts = _min_sum_suffix(cum, tc_fn), _min_sum_suffix(cum, ts_fn)
+    upper, upper_plan = math.inf, None
+    if shared:  # bounds for branch and bound: the least over the options of every cost
+        def least(fns):
+            return lambda b: np.min([f(b) for f in fns], axis=0)
+
+        if cuts is None:
+            for c, o in enumerate(options):
+                for g in (greedy(sizes, t_b, o.t_s, o.t_c, overlap, o.t_close).groups, layerwise(n), single(n),
+                          optimal_choice(sizes, t_b, [o], "parallel").groups):
+                    end = predict(g, sizes, t_b, ts_fns[c], tc_fns[c], overlap, t_close=o.t_close).end
+                    if end < upper:
+                        upper, upper_plan = end, (g, [c] * len(g))
+        min_tc, min_ts = _min_sum_suffix(cum, least(tc_fns)), _min_sum_suffix(cum, least(ts_fns))
         last_bytes = cum[-1] - cum[:-1]
-        min_last = np.append(np.minimum.accumulate((tc_fn(last_bytes) + close_fn(last_bytes))[::-1])[::-1], 0.0)
-        slack = 1e-12 * max(upper, 1e-300)
+        min_last = np.append(np.minimum.accumulate(
+            np.min([tc(last_bytes) + cl(last_bytes) for tc, cl in zip(tc_fns, close_fns)], axis=0)[::-1])[::-1], 0.0)
+        slack = 1e-12 * max(upper, 1e-300) if math.isfinite(upper) else 0.0
     pool = _Pool(4 * n + 16)
+    choice = [0]  # per state: the option of its last group
     eps_sum, dropped_bound = 0.0, math.inf
     max_front = default_max_front(n) if max_front is None else max(1, int(max_front))
+    prev_cut = 0
     for k in range(1, n + 1):
-        m = pool.size
-        spent, comm, boundary = pool.spent[:m], pool.comm[:m], pool.boundary[:m]
+        if not allowed[k]:
+            continue
+        states = np.arange(pool.size)
+        if cuts is not None:  # a fixed partition: the group is [previous cut, k)
+            states = states[pool.boundary[:pool.size] == prev_cut]
+            prev_cut = k
+        m = len(states)
+        spent, comm, boundary = pool.spent[states], pool.comm[states], pool.boundary[states]
         group_bytes = cum[k] - cum[:k]  # the group [b, k) for every boundary b < k
-        ts, tc = ts_fn(group_bytes)[boundary], tc_fn(group_bytes)[boundary]
-        if k == n:  # the closing exchange
-            tc = tc + close_fn(group_bytes)[boundary]
+        all_spent, all_comm, all_parent, all_choice = [], [], [], []
+        for c in range(len(options)):
+            ts, tc = ts_fns[c](group_bytes)[boundary], tc_fns[c](group_bytes)[boundary]
+            if k == n:  # the closing exchange
+                tc = tc + close_fns[c](group_bytes)[boundary]
+            if shared:
+                new_spent = spent + ts
+                new_comm = np.maximum(comm, ready[k] + new_spent) + tc
+            else:
+                new_spent = np.zeros(m)
+                new_comm = np.maximum(comm, ready[k] + ts) + tc
+            all_spent.append(new_spent)
+            all_comm.append(new_comm)
+            all_parent.append(states)
+            all_choice.append(np.full(m, c))
+        new_spent, new_comm = np.concatenate(all_spent), np.concatenate(all_comm)
+        parent, chosen = np.concatenate(all_parent), np.concatenate(all_choice)
         if shared:
-            new_spent = spent + ts
-            new_comm = np.maximum(comm, ready[k] + new_spent) + tc
             lower = np.maximum(new_comm + min_tc[k], ready[n] + new_spent + min_ts[k] + min_last[k])
             alive = np.flatnonzero(lower <= upper + slack)
             front = alive[_pareto(new_spent[alive], new_comm[alive])]
@@ -190,21 +284,26 @@ def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
             if len(dropped):
                 dropped_bound = min(dropped_bound, float(lower[dropped].min()))
         else:
-            new_spent = np.zeros(m)
-            new_comm = np.maximum(comm, ready[k] + ts) + tc
             front = np.array([int(np.argmin(new_comm))])
-        pool.append(new_spent[front], new_comm[front], k, front)
+        pool.append(new_spent[front], new_comm[front], k, parent[front])
+        choice.extend(int(c) for c in chosen[front])
     last = np.flatnonzero(pool.boundary[:pool.size] == n)
     if len(last) == 0:  # every path was cut by the bound: the known plan is optimal
-        return Search([list(g) for g in upper_groups], float(upper), 0.0)
+        groups, picks = upper_plan
+        return ChoiceSearch([list(g) for g in groups], list(picks), float(upper), 0.0)
     state = int(last[np.argmin(pool.comm[last])])
     found = float(pool.comm[state])
     # the optimum is found, or a thinned state lies on an optimal path (>= its lower bound), or
     # the path got within eps of each thinning it passed through
     gap = max(0.0, min(eps_sum, found - dropped_bound)) if eps_sum else 0.0
     if shared and upper < found:
-        return Search([list(g) for g in upper_groups], float(upper), max(0.0, gap - (found - upper)))
-    return Search(groups_from_ends(pool.ends(state)), found, gap)
+        groups, picks = upper_plan
+        return ChoiceSearch([list(g) for g in groups], list(picks), float(upper), max(0.0, gap - (found - upper)))
+    picks, s = [], state
+    while s > 0:
+        picks.append(choice[s])
+        s = int(pool.parent[s])
+    return ChoiceSearch(groups_from_ends(pool.ends(state)), picks[::-1], found, gap)
 
 
 def greedy(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
@@ -242,6 +341,24 @@ def greedy(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
             start, open_bytes = x, float(sizes[x])
     groups.append(list(range(start, n)))
     return Search(groups, predict(groups, sizes, t_b, ts_fn, tc_fn, overlap, t_close=t_close).end, None)
+
+
+def brute_force_choice(sizes, t_b, options: Sequence, overlap: str = "shared",
+                       max_tensors: int = 10) -> ChoiceSearch:
+    """Every partition and every option per group, timed by ``predict_choice`` (for tests)."""
+    sizes, t_b = check_inputs(sizes, t_b)
+    n = len(sizes)
+    if n > max_tensors:
+        raise ValueError(f"brute_force_choice: {n} tensors; at most {max_tensors}")
+    options = [Option(*o) for o in options]
+    best = ChoiceSearch([], [], math.inf, 0.0)
+    for cuts in itertools.product((False, True), repeat=max(n - 1, 0)):
+        groups = groups_from_ends([i + 1 for i, cut in enumerate(cuts) if cut] + [n])
+        for picks in itertools.product(range(len(options)), repeat=len(groups)):
+            end = predict_choice(groups, picks, sizes, t_b, options, overlap).end
+            if end < best.seconds:
+                best = ChoiceSearch(groups, list(picks), end, 0.0)
+    return best
 
 
 def brute_force(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",

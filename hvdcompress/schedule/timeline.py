@@ -155,16 +155,36 @@ def predict(groups: Sequence[Sequence[int]], sizes: Sequence[float], t_b: Sequen
     check_overlap(overlap)
     sizes, t_b = check_inputs(sizes, t_b)
     groups = check_partition(groups, len(sizes))
+    nbytes = group_bytes(groups, sizes)
+    close = None
+    if t_close is not None and len(groups):
+        close = float(as_cost_fn(t_close)(nbytes[-1:])[0])
+    return predict_costs(groups, t_b, as_cost_fn(t_s)(nbytes), as_cost_fn(t_c)(nbytes), overlap,
+                         None if t_d is None else as_cost_fn(t_d)(nbytes), close)
+
+
+def group_bytes(groups: Sequence[Sequence[int]], sizes: Sequence[float]) -> np.ndarray:
+    """Bytes of every group (a partition of the tensors, in order)."""
+    cum = np.concatenate([[0.0], np.cumsum(np.asarray(sizes, dtype=float))])
     ends = group_ends(groups)
-    cum = np.concatenate([[0.0], np.cumsum(sizes)])
-    R = np.concatenate([[0.0], np.cumsum(t_b)])
     starts = [0] + ends[:-1]
-    nbytes = np.array([cum[e] - cum[s] for s, e in zip(starts, ends)], dtype=float)
-    ts = as_cost_fn(t_s)(nbytes)
-    tc = np.array(as_cost_fn(t_c)(nbytes), dtype=float)  # a copy: the closing term is added in place
+    return np.array([cum[e] - cum[s] for s, e in zip(starts, ends)], dtype=float)
+
+
+def predict_costs(groups: Sequence[Sequence[int]], t_b: Sequence[float], ts: Sequence[float],
+                  tc: Sequence[float], overlap: str = "shared", td: Optional[Sequence[float]] = None,
+                  close: Optional[float] = None) -> Timeline:
+    """The timeline of a checked partition from per-group costs already evaluated: compression
+    ``ts``, exchange ``tc``, optionally decompression ``td`` and the closing exchange's extra
+    ``close`` (``predict`` evaluates them from cost functions of the group's bytes)."""
+    groups = tuple(tuple(int(i) for i in g) for g in groups)
+    ends = group_ends(groups)
+    R = np.concatenate([[0.0], np.cumsum(np.asarray(t_b, dtype=float))])
+    ts = np.asarray(ts, dtype=float)
+    tc = np.array(tc, dtype=float)  # a copy: the closing term is added in place
     n = len(groups)
-    if t_close is not None and n:
-        tc[-1] += float(as_cost_fn(t_close)(nbytes[-1:])[0])
+    if close is not None and n:
+        tc[-1] += float(close)
     ready, cs, ce, ms, me = (np.zeros(n) for _ in range(5))
     stream = 0.0  # shared: compression done so far, pushing the compute stream back
     comm_free = 0.0
@@ -178,8 +198,8 @@ def predict(groups: Sequence[Sequence[int]], sizes: Sequence[float], t_b: Sequen
         me[g] = comm_free = ms[g] + tc[g]
     backward_end = float(R[-1] + stream) if overlap == "shared" else float(max(R[-1], ce.max(initial=0.0)))
     finish = None
-    if t_d is not None:
+    if td is not None:
         finish = backward_end
-        for end_g, td in zip(me, as_cost_fn(t_d)(nbytes)):
-            finish = max(finish, float(end_g)) + float(td)
+        for end_g, d in zip(me, td):
+            finish = max(finish, float(end_g)) + float(d)
     return Timeline(groups, ready, cs, ce, ms, me, backward_end, finish)

@@ -61,16 +61,38 @@ class Candidate:
     label: str
     groups: Tuple[Tuple[int, ...], ...]
     predicted_seconds: Optional[float]
+    codecs: Optional[Tuple[str, ...]] = None  # per group, its spec (None: the compressor's, all)
 
     def to_dict(self) -> dict:
         return {"label": self.label, "groups": [list(g) for g in self.groups],
-                "predicted_seconds": self.predicted_seconds}
+                "predicted_seconds": self.predicted_seconds,
+                "codecs": None if self.codecs is None else list(self.codecs)}
 
     @classmethod
     def from_dict(cls, d) -> "Candidate":
-        p = d.get("predicted_seconds")
+        p, c = d.get("predicted_seconds"), d.get("codecs")
         return cls(str(d["label"]), tuple(tuple(int(i) for i in g) for g in d["groups"]),
-                   None if p is None else float(p))
+                   None if p is None else float(p), None if c is None else tuple(str(x) for x in c))
+
+
+def candidate(label: str, plan) -> Candidate:
+    """The candidate of a plan (its groups, predicted time and per-group specs)."""
+    codecs = getattr(plan, "codecs", None)
+    return Candidate(label, tuple(tuple(int(i) for i in g) for g in plan.groups), plan.predicted_seconds,
+                     None if codecs is None else tuple(codecs))
+
+
+def with_candidate(candidates: Sequence[Candidate], index: int, label: str, plan,
+                   max_candidates: int = MAX_CANDIDATES) -> List[Candidate]:
+    """``candidates`` with ``plan`` inserted at ``index`` (unless one has its groups and specs),
+    the last ones dropped beyond ``max_candidates``: e.g. the model's partition with the
+    compressor on every group, measured against the per-group choice."""
+    new = candidate(label, plan)
+    if any((c.groups, c.codecs) == (new.groups, new.codecs) for c in candidates):
+        return list(candidates)
+    out = list(candidates)
+    out.insert(min(index, len(out)), new)
+    return out[:max(max_candidates, 1)]
 
 
 def size_label(threshold_bytes: float) -> str:
@@ -95,10 +117,10 @@ def propose(plan_fn, asked: str, sizes_bytes: Sequence[float], *, size_fractions
     seen = set()
 
     def add(label, plan):
-        groups = tuple(tuple(int(i) for i in g) for g in plan.groups)
-        if groups not in seen and len(out) < max_candidates:
-            seen.add(groups)
-            out.append(Candidate(label, groups, plan.predicted_seconds))
+        cand = candidate(label, plan)
+        if (cand.groups, cand.codecs) not in seen and len(out) < max_candidates:
+            seen.add((cand.groups, cand.codecs))
+            out.append(cand)
 
     for s in schedules:
         add(s, plan_fn(s))
@@ -149,5 +171,5 @@ def summary(candidates: Sequence[Candidate], medians: Sequence[float], chosen: i
             f"{candidates[chosen].label}")
 
 
-__all__ = ["Candidate", "DEFAULT_TUNE_STEPS", "check_tune_steps", "propose", "select", "step_times", "summary",
+__all__ = ["candidate", "with_candidate", "Candidate", "DEFAULT_TUNE_STEPS", "check_tune_steps", "propose", "select", "step_times", "summary",
            "size_label"]

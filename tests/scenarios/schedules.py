@@ -305,6 +305,71 @@ def bad_arguments(world) -> dict:
     return {"errors": errors, "raised_at": raised_at, "after": float(after)}
 
 
+# --- per-group codec choice: groups switch between the compressor and dense ---------------------
+def _codec_steps(model, opt, start, stop, lr, saves=()):
+    """Steps ``start..stop-1`` with plain SGD; per step: identical across ranks, the specs of the
+    groups in use after it and the parameters; the mean over ranks of the local gradients summed;
+    and (model, optimizer) state copies taken before each step in ``saves``."""
+    import copy
+    import horovod.torch as hvd
+    log, given, saved = [], torch.zeros_like(_flat(model)), {}
+    for step in range(start, stop):
+        if step in saves:
+            saved[step] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        grads = torch.autograd.grad(nn.CrossEntropyLoss()(model(x), y), list(model.parameters()))
+        given += hvd.allreduce(torch.cat([g.reshape(-1) for g in grads]), name=f"check.given.{step}")
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        plan = opt.state_dict()["hvdcompress"]["plan"] or {}
+        log.append({"identical": _identical_across_ranks(model), "codecs": plan.get("codecs"),
+                    "params": _flat(model).clone()})
+    return log, given, saved
+
+
+def codec_switch(world) -> dict:
+    """codec_choice="auto" with a model that makes top-k dearer than dense everywhere: the plan
+    sends every group dense or fp16; measured validation runs it in turn with top-k everywhere (and
+    size plans), so groups switch between compressed and dense step after step. Error feedback
+    loses nothing: (p_0 - p_T) / lr + the mean residual = the sum of the mean gradients. A
+    checkpoint taken while the candidates run resumes bit for bit up to the decision (which is
+    measured, so may differ), one taken after it to the end."""
+    import horovod.torch as hvd
+    from hvdcompress.schedule.costmodel import ComputeFit, CostModel
+    spec, lr, steps, during, after = "topk:ratio=0.05", 0.1, 12, 4, 10
+    decided = 9  # profile at step 1; 4 candidates x (1 settling + 1 measured round): steps 2-9
+    cm = CostModel.from_link(world, gbit_per_s=1.0, latency_s=5e-3,
+                             compress={spec: ComputeFit("linear", 1e-9, 5e-2), "fp16": ComputeFit("linear", 1e-12, 1e-7)})
+    kw = dict(schedule="mgs", cost_model=cm, profile_steps=1, tune_steps=1, codec_choice="auto", momentum=0.0, lr=lr)
+    model, opt = make(spec, **kw)
+    start = _flat(model).clone()
+    log, given, saved = _codec_steps(model, opt, 0, steps, lr, saves=(during, after))
+    state = opt.state_dict()["hvdcompress"]["state"]
+    held = torch.cat([state[n]["residual"].reshape(-1) if "residual" in state[n] else torch.zeros(p.numel())
+                      for n, p in model.named_parameters()])
+    held = hvd.allreduce(held, name="check.held")
+    moved = (start - _flat(model)) / lr
+    resumed = {}
+    for at in (during, after):
+        model2, opt2 = make(spec, **kw)
+        model2.load_state_dict(saved[at][0])
+        opt2.load_state_dict(saved[at][1])
+        stop = decided + 1 if at == during else steps
+        again, _, _ = _codec_steps(model2, opt2, at, stop, lr)
+        resumed[at] = {"equal": all(torch.equal(a["params"], b["params"]) for a, b in zip(again, log[at:stop])),
+                       "steps": len(again),  # the specs in use after each step but the decision's (measured)
+                       "codecs_equal": [a["codecs"] for a in again][:stop - 1 - at] ==
+                       [b["codecs"] for b in log[at:stop - 1]] if at == during else
+                       [a["codecs"] for a in again] == [b["codecs"] for b in log[at:stop]],
+                       "identical": all(a["identical"] for a in again)}
+    return {"codecs": [r["codecs"] for r in log], "identical": all(r["identical"] for r in log),
+            "lost": float((moved + held - given).abs().max()), "scale": float(given.abs().max()),
+            "resumed_during_tuning": resumed[during], "resumed_after_tuning": resumed[after],
+            "plan_codecs": opt.plan.codecs, "decided_at": decided,
+            "tuning": opt.plan.tuning is not None and [c["label"] for c in opt.plan.tuning["candidates"]]}
+
+
 def everything(world_expected: int, cache_dir: str) -> dict:
     import horovod.torch as hvd
     hvd.init()
@@ -314,7 +379,8 @@ def everything(world_expected: int, cache_dir: str) -> dict:
                            ("all_specs", all_specs, (world_expected,)), ("resume", resume, (world_expected,)),
                            ("no_gradient", no_gradient, (world_expected,)),
                            ("accumulation", accumulation, (world_expected,)),
-                           ("bad", bad_arguments, (world_expected,))):
+                           ("bad", bad_arguments, (world_expected,)),
+                           ("codec_switch", codec_switch, (world_expected,))):
         try:
             out[name] = fn(*args)
         except Exception:  # report, do not hang the other parts on a worker traceback

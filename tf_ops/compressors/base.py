@@ -161,6 +161,23 @@ class Compressor(Registered, ABC):
     def exchange(self, x: tf.Tensor, ctx: ExchangeContext) -> Exchange:
         """Generator: yields rounds of requests, returns the dense result (see module doc)."""
 
+    # -- a group the planner sends dense or in fp16 instead (tf_ops.codec_choice) ---------------
+    @property
+    def can_send_dense(self) -> bool:
+        """Whether ``dense_send`` is defined for this spec (as in ``torch_ops``)."""
+        return True
+
+    def dense_send(self, x: tf.Tensor, ctx: ExchangeContext) -> Tuple[tf.Tensor, Optional[str]]:
+        """(the dense tensor to allreduce instead of this compressor's payload, the state slot that
+        carries what a lossy cast leaves out, or None): error feedback sends ``g + r`` and zeroes
+        the residual (``hvdcompress.reference.fallback``)."""
+        r = ctx.state.get("residual")
+        if r is None:
+            return x, None
+        a = x + r.read_value()
+        r.assign(tf.zeros_like(a))
+        return a, "residual"
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec})"
 
@@ -178,6 +195,22 @@ class TakesMomentum:
 
         m = momentum_of(self.spec)
         return (m, bool(self.spec.params.get("nesterov", False))) if m > 0.0 else None
+
+    def dense_send(self, x, ctx):
+        """The momentum stays local: ``u = m*u + g``, send ``u`` (Nesterov: ``g + m*u``) plus the
+        velocity ``v`` not sent yet, ``v`` zeroed (``hvdcompress.reference.fallback``)."""
+        m, nesterov = self.local_momentum() or (0.0, False)
+        m = tf.cast(m, x.dtype)
+        u = ctx.state["u"]
+        u_new = u * m + x
+        u.assign(u_new)
+        send = x + u_new * m if nesterov else u_new
+        v = ctx.state.get("v")
+        if v is None:
+            return send, None
+        send = send + v.read_value()
+        v.assign(tf.zeros_like(send))
+        return send, "v"
 
     @classmethod
     def adapt_optimizer(cls, spec, config):

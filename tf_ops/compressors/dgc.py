@@ -126,6 +126,14 @@ class DGCCompressor(TakesMomentum, Compressor):
         u.assign(u_new)
         return avg + u_new * m if self.nesterov else u_new
 
+    @property
+    def can_send_dense(self) -> bool:
+        return self.correction
+
+    def dense_send(self, x, ctx):
+        """Clipped like every exchange of this compressor, then ``TakesMomentum.dense_send``."""
+        return super().dense_send(self._clip(x, ctx), ctx)
+
     def exchange(self, x: tf.Tensor, ctx: ExchangeContext):
         shape = ctx.shape or tuple(x.shape)
         m = tf.cast(self.m, x.dtype)

@@ -125,6 +125,25 @@ class Compressor(Registered, ABC):
     def exchange(self, x: torch.Tensor, ctx: ExchangeContext) -> Exchange:
         """Generator: yields rounds of requests, returns the dense result (see module doc)."""
 
+    # -- a group the planner sends dense or in fp16 instead (torch_ops.codec_choice) -------------
+    @property
+    def can_send_dense(self) -> bool:
+        """Whether ``dense_send`` is defined for this spec (every compressor here, except DGC
+        with momentum correction off, whose momentum is applied after the exchange)."""
+        return True
+
+    def dense_send(self, x: torch.Tensor, ctx: ExchangeContext) -> Tuple[torch.Tensor, Optional[str]]:
+        """(the dense tensor to allreduce in place of this compressor's payload, the state entry
+        that carries what a lossy cast leaves out, or None). Error feedback: ``a = g + r`` and the
+        residual is zeroed, so a group that turns dense sends what earlier steps held back and
+        loses nothing."""
+        r = ctx.state.get("residual")
+        if r is None:
+            return x.clone(), None
+        a = x + r.view_as(x)
+        r.zero_()
+        return a, "residual"
+
     def check_state(self, key: str, state: Dict[str, torch.Tensor], numel: int) -> None:
         """Raise ValueError when saved state cannot belong to a tensor of ``numel`` elements.
         Default: every state tensor is as large as the tensor (residuals, momenta)."""
@@ -182,6 +201,23 @@ class TakesMomentum:
 
         m = momentum_of(self.spec)
         return (m, bool(self.spec.params.get("nesterov", False))) if m > 0.0 else None
+
+    def dense_send(self, x: torch.Tensor, ctx: ExchangeContext) -> Tuple[torch.Tensor, Optional[str]]:
+        """The momentum stays local, as for the tensors these compressors send dense anyway:
+        ``u = m*u + g``, send ``u`` (Nesterov: ``g + m*u``) plus the accumulated velocity ``v``
+        not sent yet, and ``v`` is zeroed: the mean of the ranks' ``u`` is momentum SGD's."""
+        m, nesterov = self.local_momentum() or (0.0, False)
+        u = ctx.state.get("u")
+        if u is None:
+            u = ctx.state["u"] = torch.zeros_like(x)
+        u.mul_(m).add_(x)
+        send = x + u * m if nesterov else u.clone()
+        v = ctx.state.get("v")
+        if v is None:
+            return send, None
+        send.add_(v)
+        v.zero_()
+        return send, "v"
 
     def after_load(self, param_groups: List[Dict[str, Any]]) -> None:
         for g in param_groups:  # a loaded param_group must not bring the momentum back

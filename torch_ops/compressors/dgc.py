@@ -99,6 +99,14 @@ class DGCCompressor(TakesMomentum, Compressor):
         u.mul_(self.m).add_(avg)
         return avg + u * self.m if self.nesterov else u.clone()
 
+    @property
+    def can_send_dense(self) -> bool:
+        return self.correction
+
+    def dense_send(self, x, ctx):
+        """Clipped like every exchange of this compressor, then ``TakesMomentum.dense_send``."""
+        return super().dense_send(self._clip(x, ctx), ctx)
+
     def exchange(self, x: torch.Tensor, ctx: ExchangeContext):
         shape = ctx.shape or tuple(x.shape)
         g = self._clip(x, ctx)

@@ -1,0 +1,332 @@
+"""``hvdcompress advise``: which compressor pays on this link, for this model, predicted.
+
+It takes a workload -- an emulated-GPU profile (``--profile vgg16-v100``: per-layer backward
+times and parameter shapes, nothing is run), a bench model (``--model vgg``) or the user's own
+(``--model pkg.module:function``, a function returning an ``nn.Module``, with ``--input-shape``),
+whose backward is timed here -- and a link: an emulated rate (``--gbps``, ``--latency-us``,
+``--workers``; a ring model of that link, ``CostModel.from_link``) or, under ``horovodrun``,
+the real transport (``--measure-link``: the cached or profiled fit of ``torch_ops.profiling``).
+Compression times are measured on this machine's CPU for every candidate spec
+(``torch_ops.profiling.time_compression``, fitted as the optimizer's planner fits them).
+
+For every candidate it prints the planner's predicted step time (its default schedule for that
+spec), the bytes each rank sends per step, the distance to the compute-only step, and
+recommends the fastest; then the per-group decisions ``codec_choice="auto"`` would make for the
+chosen compressing spec (each group: the spec, fp16 or dense). ``--json`` writes all of it;
+``--plot`` draws predicted step time against link rate, the crossover rates (where the best of
+{the spec, fp16, dense} changes) marked. Every number is a PREDICTION of the cost model.
+
+    hvdcompress advise --profile vgg16-v100 --workers 4 --gbps 1 --plot advise.png --json advise.json
+    hvdcompress advise --model vgg --gbps 0.1 --quick
+    horovodrun -np 4 hvdcompress advise --model mypkg.models:build --input-shape 32,3,224,224 --measure-link
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from hvdcompress.schedule.costmodel import CostModel, fit_compute, payload
+from hvdcompress.schedule.groups import check_mergeable
+from hvdcompress.schedule.planner import Workload
+from hvdcompress.spec import resolve
+
+CANDIDATES = ("none", "fp16", "topk:ratio=0.01", "dgc:ratio=0.001", "powersgd:rank=4", "signsgd", "efsignsgd",
+              "onebit", "terngrad", "qsgd", "sketch:ratio=0.01")
+ALTERNATIVES = ("fp16", "none")
+SWEEP_GBPS = tuple(float(x) for x in np.logspace(-2, 2, 13))  # 10 Mbit/s .. 100 Gbit/s
+UNLIMITED_GBPS = 1e4
+WITHIN = 0.02  # a spec within 2% of the fastest counts as as fast: the simplest of them is recommended
+
+
+# --- the workload ---------------------------------------------------------------------------------
+def workload_from_profile(name_or_path: str, scale: float = 1.0, update_seconds: float = 0.0) -> Workload:
+    """An emulated-GPU profile as a ``Workload``, tensors in backward order: a layer's backward
+    time precedes its first parameter's gradient, its other parameters follow at once."""
+    from .emulated import load_profile, scaled_shape
+    prof = load_profile(name_or_path)
+    names, sizes, t_b = [], [], []
+    pending = 0.0  # backward time of layers without parameters: it precedes the next gradient
+    for layer in reversed(prof["layers"]):
+        pending += float(layer["backward_s"])
+        for pname, shape in layer["params"].items():
+            names.append(f"{layer['name']}.{pname}")
+            sizes.append(4.0 * float(np.prod(scaled_shape(shape, scale) if scale != 1 else shape)))
+            t_b.append(pending)
+            pending = 0.0
+    forward = float(sum(layer["forward_s"] for layer in prof["layers"]))
+    return Workload(tuple(names), tuple(sizes), tuple(t_b), forward, update_seconds)
+
+
+def _user_model(path: str):
+    mod, _, fn = path.partition(":")
+    if not fn:
+        raise ValueError(f"model: expected 'package.module:function' or a bench model name; got {path!r}")
+    try:
+        return getattr(importlib.import_module(mod), fn)()
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"model: cannot load {path!r}: {e}") from None
+
+
+def workload_from_model(name: str, input_shape: Sequence[int], iters: int = 3) -> Workload:
+    """A bench model (``hvdcompress.bench.torch_models``) or ``module:function``: its backward
+    timed here, per parameter (``torch_ops.profiling.profile_workload``), on random inputs."""
+    import torch
+    from torch_ops.profiling import profile_workload
+    from .torch_models import MODELS, build
+    model = build(name) if name in MODELS else _user_model(name)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tuple(int(d) for d in input_shape), generator=gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def closure():
+        out = model(x)
+        return out.float().pow(2).mean()
+
+    return profile_workload(model, closure, iters=iters, warmup=1, optimizer=opt, average=False)
+
+
+# --- the costs ------------------------------------------------------------------------------------
+def compression_fits(specs: Sequence, max_elements: int, quick: bool = False) -> Dict[str, object]:
+    """Compression-time fits measured on this CPU, sizes up to the largest tensor (at least 4 sizes)."""
+    from torch_ops.profiling import time_compression
+    top = max(1 << 12, int(max_elements))
+    sizes = sorted({int(x) for x in np.geomspace(1 << 10, min(top, 1 << (18 if quick else 22)), 3 if quick else 5)})
+    fits = {}
+    for s in specs:
+        s = resolve(s)
+        if s.name == "none":
+            continue
+        samples = time_compression(s, sizes, repeats=2 if quick else 3, warmup=1, average=False)
+        fits[str(s)] = fit_compute([d for d, _ in samples], [t for _, t in samples])
+    return fits
+
+
+def link_model(workers: int, gbps: float, latency_s: float, fits) -> CostModel:
+    return CostModel.from_link(workers, gbps, latency_s, fits)
+
+
+def schedule_for(spec) -> str:
+    """The optimizer's default schedule for ``spec``: "auto", or "layerwise" where it cannot merge."""
+    return "auto" if check_mergeable("auto", resolve(spec)) else "layerwise"
+
+
+def bytes_per_step(plan, workload: Workload, spec, codecs: Optional[Sequence[str]] = None) -> float:
+    """Bytes each rank sends per step under ``plan`` (per group: its spec's wire rule)."""
+    total = 0.0
+    for k, g in enumerate(plan.groups):
+        d = sum(workload.sizes_bytes[i] for i in g) / 4
+        total += float(payload(codecs[k] if codecs else spec, d)[2])
+    return total
+
+
+def label(spec) -> str:
+    """A spec as a person writes it: its name, its main knob (ratio, rank, levels, threshold) and
+    the parameters that differ from the defaults."""
+    spec = resolve(spec)
+    defaults = {p.name: p.default for p in spec.info.params}
+    changed = [f"{k}={v}".lower() for k, v in spec.params.items()
+               if k in defaults and (v != defaults[k] or k in ("ratio", "rank", "levels", "threshold"))]
+    return spec.name + (":" + ",".join(changed) if changed else "")
+
+
+def predict(workload: Workload, model: CostModel, spec, alternatives: Sequence = ()) -> dict:
+    spec = resolve(spec)
+    plan = workload.plan(schedule_for(spec), model, spec, alternatives=alternatives)
+    step = float(plan.predicted_seconds)
+    return {"spec": str(spec), "label": label(spec), "schedule": plan.schedule, "groups": len(plan.groups), "step_seconds": step,
+            "bytes_per_step": bytes_per_step(plan, workload, spec, plan.codecs),
+            "over_compute_seconds": step - workload.compute_seconds,
+            "over_compute": step / workload.compute_seconds - 1.0, "codecs": plan.codecs,
+            "plan_groups": plan.groups}
+
+
+def recommend(rows: Sequence[dict]) -> dict:
+    """The fastest row; among those within ``WITHIN`` of it, the first in the candidates' order
+    (dense first: the simplest that is as fast)."""
+    best = min(r["step_seconds"] for r in rows)
+    return next(r for r in rows if r["step_seconds"] <= best * (1 + WITHIN))
+
+
+def decisions(row: dict, workload: Workload) -> List[dict]:
+    """Per group of an auto plan: its tensors, bytes and the spec chosen."""
+    out = []
+    for g, codec in zip(row["plan_groups"], row["codecs"] or [row["spec"]] * len(row["plan_groups"])):
+        out.append({"tensors": [workload.names[i] for i in g],
+                    "bytes": float(sum(workload.sizes_bytes[i] for i in g)), "spec": codec, "label": label(codec)})
+    return out
+
+
+def sweep(workload: Workload, fits, workers: int, latency_s: float, specs: Sequence, auto_spec,
+          rates: Sequence[float] = SWEEP_GBPS) -> dict:
+    """Predicted step per link rate for every spec and for the auto choice of ``auto_spec``."""
+    curves = {str(resolve(s)): [] for s in specs}
+    auto = []
+    for g in rates:
+        model = link_model(workers, g, latency_s, fits)
+        for s in specs:
+            curves[str(resolve(s))].append(predict(workload, model, s)["step_seconds"])
+        if auto_spec is not None:
+            auto.append(predict(workload, model, auto_spec, ALTERNATIVES)["step_seconds"])
+    return {"gbps": list(rates), "curves": curves, "auto": auto if auto_spec is not None else None}
+
+
+def crossovers(workload: Workload, fits, workers: int, latency_s: float, spec, lo: float = 1e-3,
+               hi: float = UNLIMITED_GBPS) -> List[dict]:
+    """Link rates where the best of {spec, fp16, dense} changes (bisection on a log grid)."""
+    fixed = [str(resolve(s)) for s in dict.fromkeys([str(resolve(spec)), *ALTERNATIVES])]
+
+    def best(g):
+        model = link_model(workers, g, latency_s, fits)
+        steps = [predict(workload, model, s)["step_seconds"] for s in fixed]
+        return fixed[int(np.argmin(steps))]
+
+    grid = list(np.geomspace(lo, hi, 15))
+    picks = [best(g) for g in grid]
+    out = []
+    for a, b, pa, pb in zip(grid, grid[1:], picks, picks[1:]):
+        if pa == pb:
+            continue
+        for _ in range(8):  # log bisection: within a factor (hi/lo)^(1/14/256) of the crossover
+            mid = math.sqrt(a * b)
+            if best(mid) == pa:
+                a = mid
+            else:
+                b = mid
+        out.append({"gbps": math.sqrt(a * b), "below": pa, "above": pb})
+    return out
+
+
+def plot(path: str, swept: dict, cross: Sequence[dict], title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for spec, steps in swept["curves"].items():
+        ax.plot(swept["gbps"], np.array(steps) * 1e3, label=label(spec), lw=1.2)
+    if swept["auto"] is not None:
+        ax.plot(swept["gbps"], np.array(swept["auto"]) * 1e3, "k--", lw=2, label="codec_choice=auto")
+    for c in cross:
+        ax.axvline(c["gbps"], color="grey", ls=":", lw=1)
+        ax.annotate(f"{c['gbps']:.3g} Gbit/s\n{label(c['below'])} | {label(c['above'])}", (c["gbps"], ax.get_ylim()[1]),
+                    fontsize=7, rotation=90, va="top", ha="right")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate (Gbit/s)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.subplots_adjust(left=0.1, right=0.97, top=0.92, bottom=0.11)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; got {text!r}")
+    return vals
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", help="an emulated-GPU profile: a shipped name (vgg16-v100, resnet50-v100) or a JSON")
+    src.add_argument("--model", help="a bench model (vgg, mlp, deep) or package.module:function returning an nn.Module")
+    ap.add_argument("--input-shape", type=_ints, default=[32, 3, 32, 32], help="--model's input batch shape")
+    ap.add_argument("--scale", type=float, default=1.0, help="--profile: tensors this many times smaller (as the bench's --emulated-scale)")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--gbps", type=float, default=1.0, help="emulated link rate (Gbit/s)")
+    ap.add_argument("--latency-us", type=float, default=50.0, help="emulated per-hop latency (microseconds)")
+    ap.add_argument("--measure-link", action="store_true", help="under horovodrun: the real transport's fitted model")
+    ap.add_argument("--spec", action="append", help="a candidate spec (repeatable; default: a built-in list)")
+    ap.add_argument("--auto-spec", help="the compressor codec_choice=auto decides for (default: the fastest compressing candidate)")
+    ap.add_argument("--quick", action="store_true", help="fewer compression timings (seconds, less accurate)")
+    ap.add_argument("--json", help="write everything here")
+    ap.add_argument("--plot", help="PNG of predicted step time against link rate, crossovers marked")
+    args = ap.parse_args(argv)
+    try:
+        specs = [resolve(s) for s in (args.spec or CANDIDATES)]
+        auto_spec = resolve(args.auto_spec) if args.auto_spec else None
+    except ValueError as e:
+        ap.error(str(e))
+    if args.workers < 2 or not (args.gbps > 0 and args.latency_us >= 0 and args.scale >= 1):
+        ap.error("--workers must be >= 2, --gbps > 0, --latency-us >= 0, --scale >= 1")
+    if args.profile:
+        workload = workload_from_profile(args.profile, args.scale)
+        what = f"profile {args.profile}" + (f" (tensors / {args.scale:g})" if args.scale != 1 else "")
+    else:
+        workload = workload_from_model(args.model, args.input_shape)
+        what = f"model {args.model} (backward timed on this CPU)"
+    every = list(dict.fromkeys([*specs, *(resolve(a) for a in ALTERNATIVES), *([auto_spec] if auto_spec else [])]))
+    fits = compression_fits(every, max(workload.sizes_bytes) / 4, args.quick)
+    if args.measure_link:
+        import horovod.torch as hvd
+        from torch_ops.profiling import load_or_profile
+        hvd.init()
+        model = load_or_profile(every, max_bytes=sum(workload.sizes_bytes))
+        model = CostModel(model.world_size, model.allreduce, model.allgather, {**model.compress, **fits}, model.hosts,
+                          model.meta, model.decompress, model.launch_seconds)
+        link = f"measured transport, {model.world_size} workers"
+        workers, latency, gbps = model.world_size, None, None
+    else:
+        workers, latency, gbps = args.workers, args.latency_us * 1e-6, args.gbps
+        model = link_model(workers, gbps, latency, fits)
+        link = f"{workers} workers, emulated link {gbps:g} Gbit/s + {args.latency_us:g} us per hop"
+    rows = [predict(workload, model, s) for s in specs]
+    best = recommend(rows)
+    compressing = [r for r in rows if resolve(r["spec"]).name not in ("none", "fp16", "bf16")]
+    if auto_spec is None and compressing:
+        auto_spec = resolve(min(compressing, key=lambda r: r["step_seconds"])["spec"])
+    auto = predict(workload, model, auto_spec, ALTERNATIVES) if auto_spec is not None else None
+
+    compute = workload.compute_seconds
+    print(f"advise: {what}, {len(workload.names)} tensors, {sum(workload.sizes_bytes) / 1e6:.1f} MB of gradients; "
+          f"{link}; compute-only step {compute * 1e3:.1f} ms. PREDICTIONS of the cost model.")
+    print(f"{'spec':<34} {'schedule':<10} {'step ms':>9} {'MB/step':>9} {'over compute':>13}")
+    for r in rows + ([dict(auto, label=f"auto({auto['label']})")] if auto else []):
+        print(f"{r['label']:<34} {r['schedule']:<10} {r['step_seconds'] * 1e3:9.1f} {r['bytes_per_step'] / 1e6:9.3f} "
+              f"{r['over_compute_seconds'] * 1e3:9.1f} ms {r['over_compute']:+.0%}")
+    print(f"recommendation: {best['label']} ({best['step_seconds'] * 1e3:.1f} ms per step; the first of the "
+          f"candidates within {WITHIN:.0%} of the fastest)")
+    result = {"note": "PREDICTIONS of the cost model (hvdcompress.schedule), not measurements", "workload": what,
+              "link": link, "compute_seconds": compute, "rows": rows, "recommendation": best["spec"],
+              "fits": {k: v.to_dict() for k, v in fits.items()}}
+    if auto is not None:
+        groups = decisions(auto, workload)
+        counts = {s: sum(1 for g in groups if g["label"] == s) for s in dict.fromkeys(g["label"] for g in groups)}
+        print(f"codec_choice=\"auto\" with {label(auto_spec)}: {auto['step_seconds'] * 1e3:.1f} ms; groups by spec: "
+              + ", ".join(f"{s} {n}" for s, n in counts.items()))
+        for g in groups:
+            first = g["tensors"][0] + (f" .. {g['tensors'][-1]}" if len(g["tensors"]) > 1 else "")
+            print(f"  {g['label']:<34} {g['bytes'] / 1e6:9.3f} MB  {first} ({len(g['tensors'])} tensors)")
+        result["auto"] = dict(auto, decisions=groups)
+    if gbps is not None and auto_spec is not None:
+        cross = crossovers(workload, fits, workers, latency, auto_spec)
+        for c in cross:
+            print(f"crossover at {c['gbps']:.3g} Gbit/s: {label(c['below'])} below, {label(c['above'])} above")
+        result["crossovers"] = cross
+        if args.plot:
+            shown = list(dict.fromkeys([str(auto_spec), *(str(resolve(a)) for a in ALTERNATIVES), best["spec"]]))
+            swept = sweep(workload, fits, workers, latency, shown, auto_spec)
+            plot(args.plot, swept, cross, f"{what}; {workers} workers, {args.latency_us:g} us/hop (predicted)")
+            result["sweep"] = swept
+            print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""``hvdcompress advise``: the workload it reads, its predictions, crossovers and outputs
+(single process; compression timed on tiny sizes, the link emulated)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hvdcompress import cli
+from hvdcompress.bench import advise
+from hvdcompress.schedule.costmodel import ComputeFit
+
+PROFILE = {"name": "tiny", "batch": 8, "layers": [
+    {"name": "conv1", "params": {"weight": [64, 3, 3, 3]}, "forward_s": 0.010, "backward_s": 0.020},
+    {"name": "relu", "params": {}, "forward_s": 0.001, "backward_s": 0.002},
+    {"name": "fc1", "params": {"weight": [512, 1024], "bias": [512]}, "forward_s": 0.008, "backward_s": 0.016},
+    {"name": "fc2", "params": {"weight": [10, 512], "bias": [10]}, "forward_s": 0.001, "backward_s": 0.002}]}
+FITS = {"topk:ratio=0.01": ComputeFit("dlogd", 5e-9, 5e-5), "fp16": ComputeFit("linear", 1e-10, 1e-5)}
+
+
+@pytest.fixture
+def profile_file(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(PROFILE))
+    return str(path)
+
+
+def test_profile_becomes_a_workload_in_backward_order(profile_file):
+    w = advise.workload_from_profile(profile_file)
+    assert w.names == ("fc2.weight", "fc2.bias", "fc1.weight", "fc1.bias", "conv1.weight")
+    assert w.sizes_bytes == (4.0 * 5120, 40.0, 4.0 * 512 * 1024, 4.0 * 512, 4.0 * 64 * 27)
+    # a layer's backward precedes its first gradient; a layer without parameters, the next layer's
+    assert w.t_b == pytest.approx((0.002, 0.0, 0.016, 0.0, 0.002 + 0.020))
+    assert w.forward_seconds == pytest.approx(0.020)
+    assert advise.workload_from_profile(profile_file, scale=4).sizes_bytes[2] == pytest.approx(4.0 * 128 * 1024)
+
+
+def test_compression_pays_on_slow_links_only_and_auto_is_never_slower(profile_file):
+    w = advise.workload_from_profile(profile_file)
+    slow, fast = (advise.link_model(4, g, 50e-6, FITS) for g in (0.01, 100.0))
+    rows_slow = [advise.predict(w, slow, s) for s in ("none", "fp16", "topk:ratio=0.01")]
+    rows_fast = [advise.predict(w, fast, s) for s in ("none", "fp16", "topk:ratio=0.01")]
+    assert advise.recommend(rows_slow)["label"] == "topk:ratio=0.01"
+    assert advise.recommend(rows_fast)["label"] in ("none", "fp16")
+    assert rows_slow[2]["bytes_per_step"] < rows_slow[1]["bytes_per_step"] == rows_slow[0]["bytes_per_step"] / 2
+    for model, rows in ((slow, rows_slow), (fast, rows_fast)):
+        auto = advise.predict(w, model, "topk:ratio=0.01", advise.ALTERNATIVES)
+        assert auto["step_seconds"] <= min(r["step_seconds"] for r in rows) * (1 + 1e-9)
+        assert len(advise.decisions(auto, w)) == len(auto["plan_groups"])
+    cross = advise.crossovers(w, FITS, 4, 50e-6, "topk:ratio=0.01")
+    assert cross and cross[0]["below"].startswith("topk") and 0.01 < cross[0]["gbps"] < 100
+    for c in cross:  # the best fixed choice really changes there
+        lo, hi = (advise.link_model(4, c["gbps"] * f, 50e-6, FITS) for f in (0.9, 1.1))
+        best = [min(("topk:ratio=0.01", "fp16", "none"), key=lambda s: advise.predict(w, m, s)["step_seconds"])
+                for m in (lo, hi)]
+        assert best[0] != best[1] or c["below"] == c["above"]
+
+
+def test_command_prints_writes_json_and_a_plot(profile_file, tmp_path, capsys):
+    out, png = tmp_path / "a.json", tmp_path / "a.png"
+    assert cli.main(["advise", "--profile", profile_file, "--gbps", "0.1", "--quick", "--spec", "none",
+                     "--spec", "fp16", "--spec", "topk:ratio=0.01", "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "PREDICTIONS" in text and "recommendation:" in text and 'codec_choice="auto" with topk' in text
+    result = json.loads(out.read_text())
+    assert [r["label"] for r in result["rows"]] == ["none", "fp16", "topk:ratio=0.01"]
+    assert result["auto"]["decisions"] and png.stat().st_size > 0
+    assert np.isfinite(result["compute_seconds"]) and "crossovers" in result
+    with pytest.raises(SystemExit):
+        advise.main(["--profile", profile_file, "--workers", "1"])
+    with pytest.raises(SystemExit):
+        advise.main(["--profile", profile_file, "--spec", "topk:ratio=2"])
+
+
+def test_acceptance_table_from_bench_json(tmp_path):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "codec_choice.py")
+    spec = importlib.util.spec_from_file_location("codec_choice_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert any("auto+tune+choice" in c for c in mod.commands())
+    # dense wins on fast links, dgc on slow ones; the choice is never worse and wins at the crossover
+    times = {"10mbit": (1.0, 5.0, 9.0, 0.8), "100mbit": (0.5, 0.6, 1.2, 0.45), "1gbit": (0.4, 0.3, 0.25, 0.25),
+             "10gbit": (0.4, 0.25, 0.2, 0.2), "unlimited": (0.4, 0.22, 0.2, 0.2)}
+    results, dense = [], []
+    for link, (dgc, fp16, none, choice) in times.items():
+        results += [{"compression": "dgc:ratio=0.001", "schedule": "auto+tune", "bandwidth": link, "status": "ok",
+                     "step_time_s": dgc},
+                    {"compression": "dgc:ratio=0.001", "schedule": "auto+tune+choice", "bandwidth": link,
+                     "status": "ok", "step_time_s": choice}]
+        dense += [{"compression": c, "schedule": "auto", "bandwidth": link, "status": "ok", "step_time_s": t}
+                  for c, t in (("fp16", fp16), ("none", none))]
+    files = []
+    for name, rows in (("a", results), ("b", dense)):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"meta": {"model": "mlp"}, "results": rows}))
+        files.append(str(f))
+    out = mod.table(files, str(tmp_path / "t"))
+    assert len(out["cells"]) == 5 and out["all_within_5pct"]
+    assert out["crossovers_measured"] == [{"model": "mlp", "spec": "dgc:ratio=0.001", "between": ["100mbit", "1gbit"],
+                                           "below": "dgc:ratio=0.001", "above": "none"}]
+    assert not out["crossover_cells_beat_by_10pct"]  # at 1gbit the choice only ties dense
+    assert (tmp_path / "t.md").read_text().count("| mlp |") == 5
