@@ -1,6 +1,6 @@
 """A group switching between its compressor and a dense / fp16 exchange (the planner's per-group
 codec choice), in PyTorch, against the numpy reference ``hvdcompress.reference.fallback``: ranks
-simulated in one process (tests/local_world.py); real Horovod workers: tests/mp_schedule_scenarios.py."""
+simulated in one process (tests/scenarios/local_world.py); real Horovod workers: tests/scenarios/schedules.py."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 from hvdcompress.reference.fallback import dense_result, dense_send
 from hvdcompress.spec import parse_spec
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from torch_ops.codec_choice import check_codec_choice, fallback_exchange
 from torch_ops.compressors import ExchangeContext, build_compressor
 

@@ -25,7 +25,7 @@ import torch
 
 from hvdcompress import parse_spec
 from hvdcompress.reference import Member, simulate
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from torch_ops.compressors import ExchangeContext, build_compressor, native
 
 KEY = "layer.w"

@@ -10,7 +10,7 @@ from tf_ops.compression import GradientCompression
 from hvdcompress.reference.fallback import dense_result, dense_send
 from hvdcompress.schedule.costmodel import ComputeFit, CostModel
 from hvdcompress.spec import parse_spec
-from local_world import run_lockstep
+from scenarios.local_world import run_lockstep
 from tf_ops.codec_choice import check_codec_choice, fallback_exchange
 from tf_ops.compressors import ExchangeContext, build_compressor
 
