@@ -41,10 +41,10 @@ def test_generated_tables_follow_the_registry():
     from hvdcompress import docs_tables, spec
     infos = docs_tables.registry()
     extra = spec.CompressorInfo("madeup", spec.SUMMED, (spec.Param("knob", int, 3, "a knob", low=1),), "a made-up spec")
-    page = "<!-- BEGIN GENERATED specs -->\n<!-- END GENERATED -->\n<!-- BEGIN GENERATED unplaced -->\nold\n<!-- END GENERATED -->\n"
+    page = "<!-- BEGIN GENERATED specs -->\n<!-- END GENERATED -->\n<!-- BEGIN GENERATED unplaced -->\nSTALE-TEXT\n<!-- END GENERATED -->\n"
     out = docs_tables.render(page, {**infos, "madeup": extra})
     assert "| `madeup` |" in out and "### `madeup`" in out and "| `knob` | `3` | int in [1, inf) | a knob |" in out
-    assert "old" not in out
+    assert "STALE-TEXT" not in out
     with pytest.raises(ValueError, match="unregistered"):
         docs_tables.render("<!-- BEGIN GENERATED params:gone -->\n<!-- END GENERATED -->\n", infos)
 
