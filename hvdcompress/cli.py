@@ -13,13 +13,16 @@ from typing import List, Optional
 COMMANDS = {
     "bench": ("hvdcompress.bench.cli", "step time and bytes of compressors vs dense Horovod on an "
                                         "emulated network"),
+    "specs": ("hvdcompress.spec_cli", "list the compression specs, or show one's parameters and ranges"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: hvdcompress <command> [options]", "", "commands:"]
+    lines = ["usage: hvdcompress <command> [options]", "",
+             "Tools of hvdcompress (compressed gradient exchange for Horovod). Training itself needs no",
+             "command: wrap your optimizer (README.md) and launch with horovodrun.", "", "commands:"]
     lines += [f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items()]
-    lines += ["", "hvdcompress <command> --help shows a command's options."]
+    lines += ["", "hvdcompress <command> --help shows a command's options. Guide: docs/ (README.md links it)."]
     return "\n".join(lines)
 
 

@@ -100,3 +100,24 @@ def test_tf_snippets_run_on_two_workers():
     for rank_results in shared_tf_launch.results("test_docs"):
         failed = _failures(rank_results, "tf")
         assert not failed, failed
+
+
+def test_command_line_help_is_reference(capsys):
+    """``hvdcompress --help``, ``hvdcompress bench --help`` and ``hvdcompress specs`` answer
+    without Horovod workers (bench's --help must not need Horovod's runner)."""
+    from hvdcompress import cli
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "bench" in out and "specs" in out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for words in ("--latency-ms", "injected", "emulated", "OUT.json", "(default: 4)"):
+        assert words in out, words
+    assert cli.main(["specs", "dgc"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dgc: Deep Gradient Compression") and "warmup_epochs (int in [0, inf), default 4)" in out
+    with pytest.raises(SystemExit):
+        cli.main(["specs", "nope"])
+    assert "unknown compressor 'nope'" in capsys.readouterr().err
