@@ -139,26 +139,27 @@ _HTML_SRC = re.compile(r"<(?:img|a)\b[^>]*?(?:src|href)=\"([^\"]+)\"", re.I)
 _INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
 
 
-def _prose(path: str) -> str:
-    """The file without its fenced blocks and inline code (fence lines blanked, so line numbers hold)."""
+def _prose(path: str, inline_code: bool = False) -> str:
+    """The file without its fenced blocks (lines blanked, so line numbers hold) and, unless
+    ``inline_code``, without its inline code spans."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         lines = f.read().split("\n")
     fenced = set()
     for b in blocks(path):
         fenced.update(range(b.line - 1, b.line + b.code.count("\n") + 1))
-    kept = ["" if i in fenced else line for i, line in enumerate(lines)]
-    return _INLINE_CODE.sub("", "\n".join(kept))
+    kept = "\n".join("" if i in fenced else line for i, line in enumerate(lines))
+    return kept if inline_code else _INLINE_CODE.sub("", kept)
 
 
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading's text."""
-    text = re.sub(r"<[^>]+>", "", heading).strip().lower()
+    text = re.sub(r"<[^>]+>", "", heading).replace("`", "").strip().lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
 def anchors(path: str) -> set:
     out, seen = set(), {}
-    for line in _prose(path).split("\n"):
+    for line in _prose(path, inline_code=True).split("\n"):
         m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if m:
             s = slug(m.group(1))

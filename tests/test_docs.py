@@ -121,3 +121,20 @@ def test_command_line_help_is_reference(capsys):
     with pytest.raises(SystemExit):
         cli.main(["specs", "nope"])
     assert "unknown compressor 'nope'" in capsys.readouterr().err
+
+
+def test_checkers_find_what_they_look_for(tmp_path, monkeypatch):
+    """The link checker and the fence parser on a made-up page: every kind of breakage is found."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.md").write_text("# Title `code`\n\n## Same\n\n## Same\n")
+    (tmp_path / "docs" / "a.md").write_text(
+        "# A\n[ok](b.md#title-code) [dup](b.md#same-1) [gone](c.md) [anchor](b.md#nope) "
+        "![img](../x.png) [web](https://example.com) `[code](nope.md)` [self](#a) [later](d.md)\n\n"
+        "  ```python fragment\n  x = (\n  ```\n```python\nprint(1)\n```\n```bash\nnot python\n```\n")
+    monkeypatch.setattr(ds, "ROOT", str(tmp_path))
+    bad = ds.broken_links("docs/a.md", pending={"docs/d.md"})
+    assert [b.split(": ", 1)[1].split(" ")[0] for b in bad] == ["c.md", "b.md#nope", "../x.png"], bad
+    kinds = [(b.info, b.runnable, b.fragment, b.where) for b in ds.blocks("docs/a.md")]
+    assert kinds == [("python fragment", False, True, "local"), ("python", True, False, "local"),
+                     ("bash", False, False, "local")]
+    assert ds.blocks("docs/a.md")[0].code == "x = (\n"
