@@ -11,7 +11,7 @@ Fences (also indented ones, inside list items):
 * any other info string (``bash``, ``text``, none): not Python, left alone.
 
 The worker functions (``torch_all``, ``tf_all``) and ``python docs_snippets.py local`` return or
-print ``{block id: None | traceback}``.
+print ``{block id: {"error": None | traceback, "seconds": wall time}}``.
 """
 
 from __future__ import annotations
@@ -102,13 +102,18 @@ def python_blocks(where: Optional[str] = None) -> List[Block]:
 
 
 def run_block(block: Block) -> Optional[str]:
-    """Execute one snippet in a fresh namespace and a fresh working directory; None or the
-    traceback."""
+    """Execute one snippet as a script (``__main__``, a fresh namespace) in a fresh working
+    directory; None or the traceback. The snippet is written to a file named after its page and
+    line, so tracebacks point there and ``tf.function`` (autograph) can read its source."""
+    import runpy
     here = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="hvdc-doc-snippet-") as tmp:
+        script = os.path.join(tmp, re.sub(r"[^A-Za-z0-9_]", "_", block.id) + ".py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(block.code)
         os.chdir(tmp)
         try:
-            exec(compile(block.code, block.id, "exec"), {"__name__": "__main__", "__file__": block.id})
+            runpy.run_path(script, run_name="__main__")
             return None
         except BaseException:  # SystemExit too: a snippet must run to its end
             return traceback.format_exc()
@@ -116,18 +121,25 @@ def run_block(block: Block) -> Optional[str]:
             os.chdir(here)
 
 
-def _run_all(where: str) -> Dict[str, Optional[str]]:
-    return {b.id: run_block(b) for b in python_blocks(where)}
+def _run_all(where: str) -> Dict[str, dict]:
+    """``{block id: {"error": None or the traceback, "seconds": wall time}}``, in page order."""
+    import time
+    out = {}
+    for b in python_blocks(where):
+        start = time.perf_counter()
+        error = run_block(b)
+        out[b.id] = {"error": error, "seconds": round(time.perf_counter() - start, 2)}
+    return out
 
 
-def torch_all() -> Dict[str, Optional[str]]:
+def torch_all() -> Dict[str, dict]:
     """Worker side: every PyTorch snippet, in order."""
     import torch
     torch.manual_seed(0)
     return _run_all("torch")
 
 
-def tf_all() -> Dict[str, Optional[str]]:
+def tf_all() -> Dict[str, dict]:
     """Worker side (the shared TF launch): every TensorFlow/Keras snippet, in order."""
     return _run_all("tf")
 

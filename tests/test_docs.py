@@ -73,7 +73,8 @@ def test_fences_are_python_or_fragments_where_python():
 def _failures(results: dict, where: str) -> str:
     expected = {b.id for b in ds.python_blocks(where)}
     assert set(results) == expected, (sorted(results), sorted(expected))
-    return "\n".join(f"--- {k}\n{v}" for k, v in results.items() if v)
+    print(f"{where} snippets, seconds:", {k: v["seconds"] for k, v in results.items()})
+    return "\n".join(f"--- {k}\n{v['error']}" for k, v in results.items() if v["error"])
 
 
 def test_local_snippets_run():
