@@ -3,7 +3,7 @@ PYTHON ?= python3
 NP ?= 2
 COMPRESSION ?= topk:ratio=0.01
 
-.PHONY: install digits test test-full test-fast bench bench-schedules
+.PHONY: install digits test test-full test-fast bench bench-schedules docs
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install.sh
@@ -23,17 +23,22 @@ test-full: install
 test-fast:
 	$(PYTHON) -m pytest tests -q --ignore=tests/test_multiprocess.py --ignore=tests/test_tf_multiprocess.py --ignore=tests/test_tf_schedules_multiprocess.py --ignore=tests/test_multiprocess_schedules.py --ignore=tests/test_bench.py
 
-# The emulated-network benchmark of README "Benchmark: emulated network" (root; ~15 minutes on
+# The emulated-network benchmark of docs/benchmarks.md "Step time across link rates" (root; ~15 minutes on
 # 2 cores). Without root: make bench BENCH_ARGS="--loopback -n 2 --steps 4".
 BENCH_ARGS ?= -n 4 -b 10mbit,100mbit,1gbit,10gbit,unlimited -c none fp16 topk:ratio=0.001 dgc:ratio=0.001 \
 	-s layerwise --no-profile --model vgg --batch 32 --steps 6 --warmup 1 --phase-budget-s 30 \
-	--out benchmarks/results/vgg-4workers
+	--out benchmarks/results/step-time/vgg-4workers
 bench: install
 	$(PYTHON) -m hvdcompress.bench $(BENCH_ARGS)
 
-# The merge-schedule comparison of README "Layer-merging scheduler" (root; ~3 minutes): Horovod's own
+# The merge-schedule comparison of docs/scheduler.md "Measured with real CPU compute" (root; ~3 minutes): Horovod's own
 # tensor fusion off, so every group of a schedule is one collective.
 bench-schedules: install
 	HOROVOD_FUSION_THRESHOLD=0 $(PYTHON) -m hvdcompress.bench --model deep -n 2 -b 100mbit,1gbit \
 	-c topk:ratio=0.01 none -s layerwise,single,size:0.25,auto --steps 20 --warmup 14 --profile-steps 8 \
-	--out benchmarks/results/schedules-deep
+	--out benchmarks/results/scheduler/schedules-deep
+
+# Rewrite the generated spec/parameter tables of docs/algorithms.md from the registry
+# (tests/test_docs.py fails while they are stale).
+docs:
+	$(PYTHON) -m hvdcompress.docs_tables

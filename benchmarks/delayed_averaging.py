@@ -229,11 +229,11 @@ def main(argv=None) -> int:
         result, table = None, None
         result = run_latency(args)
         table = latency_table(result)
-        out = args.out or f"benchmarks/results/delayed-latency-{hvc.size()}workers"
+        out = args.out or f"benchmarks/results/across-the-world/delayed-latency-{hvc.size()}workers"
     else:
         args.compression = args.compression or ["none"]
         args.delay = args.delay or [0, 1, 2, 4, 8]
-        out = args.out or f"benchmarks/results/delayed-accuracy-{args.dataset}-{hvc.size()}workers"
+        out = args.out or f"benchmarks/results/across-the-world/delayed-accuracy-{args.dataset}-{hvc.size()}workers"
         result = run_accuracy(args, partial=out + ".json")
         table = accuracy_table(result)
     if hvc.rank() == 0:

@@ -4,12 +4,12 @@ EMULATED links (root: network namespaces + tbf, as ``python -m hvdcompress.bench
     # 4 workers, 100 Mbit/s links, injected latency 0..300 ms, dense and DGC 0.1%, D = 0,1,2,4,8
     python benchmarks/delayed_network.py sweep --workers 4 --bandwidth 100mbit \\
         --latency-ms 0,50,100,200,300 --compression none dgc:ratio=0.001 --delay 0,1,2,4,8 \\
-        --out benchmarks/results/delayed-network-4workers
+        --out benchmarks/results/across-the-world/delayed-network-4workers
     # the combined configuration: 20 Mbit/s + 150 ms injected, dense vs DGC 0.1%, D = 0 and 4
     python benchmarks/delayed_network.py sweep --workers 4 --bandwidth 20mbit --latency-ms 150 \\
-        --compression none dgc:ratio=0.001 --delay 0,4 --out benchmarks/results/delayed-combined-20mbit
-    python benchmarks/delayed_network.py combine benchmarks/results/delayed-combined-20mbit.json \\
-        benchmarks/results/delayed-accuracy-*-combined.json
+        --compression none dgc:ratio=0.001 --delay 0,4 --out benchmarks/results/across-the-world/delayed-combined-20mbit
+    python benchmarks/delayed_network.py combine benchmarks/results/across-the-world/delayed-combined-20mbit.json \\
+        benchmarks/results/across-the-world/delayed-accuracy-*-combined.json
 
 The network is the harness's own (``hvdcompress.bench.netns.EmulatedNetwork``: one namespace per
 worker, veth into a bridge, tbf at the link rate on both ends of every worker's link) and the
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     s.add_argument("--lr", type=float, default=0.01)
     s.add_argument("--epoch", type=int, default=1000)
     s.add_argument("--launch-timeout", type=float, default=900.0)
-    s.add_argument("--out", default="benchmarks/results/delayed-network")
+    s.add_argument("--out", default="benchmarks/results/across-the-world/delayed-network")
     c = sub.add_parser("combine", help="one table: the network sweep's step times and the accuracy runs")
     c.add_argument("network", help="JSON written by `sweep`")
     c.add_argument("accuracy", nargs="+", help="JSON files (globs) written by delayed_averaging.py accuracy")

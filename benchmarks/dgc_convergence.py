@@ -230,7 +230,7 @@ def main(argv=None) -> int:
                    help="merge schedule (DistributedOptimizer(schedule=...)); default layerwise: every tensor is "
                         "sparsified on its own, as in the DGC paper (the optimizer's own default, auto, merges "
                         "tensors into cost-model groups)")
-    p.add_argument("--out", default="benchmarks/results/dgc_convergence_{dataset}.json")
+    p.add_argument("--out", default="benchmarks/results/accuracy/dgc_convergence_{dataset}.json")
     p.add_argument("--resume", action="store_true",
                    help="reuse the sweep entries of --out measured with the same spec, seeds and training settings")
     args = p.parse_args(argv)

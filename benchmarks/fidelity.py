@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
     p.add_argument("--schedule", default="layerwise",
                    help="merge schedule; default layerwise (every tensor compressed on its own, as in the papers)")
-    p.add_argument("--out", default="benchmarks/results/fidelity_{dataset}.json")
+    p.add_argument("--out", default="benchmarks/results/accuracy/fidelity_{dataset}.json")
     p.add_argument("--resume", action="store_true", help="skip the runs already in --out")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="join these jobs' results into --out and print the "
                    "table (no training, no Horovod)")

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--specs", nargs="+", default=SPECS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="benchmarks/results/quantizer_speed.json")
+    p.add_argument("--out", default="benchmarks/results/kernels/quantizer_speed.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="benchmarks/results/selection_speed.json")
+    p.add_argument("--out", default="benchmarks/results/kernels/selection_speed.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 
     python benchmarks/sketch_convergence.py sim --dataset digits --workers 2 4 8 16    # one process
     horovodrun -np 4 -H localhost:4 --gloo python benchmarks/sketch_convergence.py real --dataset digits
-    python benchmarks/sketch_convergence.py plot --inputs benchmarks/results/sketch_convergence_*.json
+    python benchmarks/sketch_convergence.py plot --inputs benchmarks/results/accuracy/sketch_convergence_*.json
 
 Methods (``--sketch`` sets the sketch; top-k's ratio is then chosen so that the bytes each worker
 puts on the wire per step, summed over the model's tensors, equal the sketch's, within one entry
@@ -366,11 +366,11 @@ def main(argv=None) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.out is None:
-        args.out = f"benchmarks/results/sketch_convergence_{args.dataset}_{args.mode}.json"
+        args.out = f"benchmarks/results/accuracy/sketch_convergence_{args.dataset}_{args.mode}.json"
         if args.mode == "real":
             args.out = args.out.replace(".json", "_{world}.json")
     if args.mode == "plot":
-        plot(args.inputs, args.out or "benchmarks/results/sketch_convergence.png")
+        plot(args.inputs, args.out or "benchmarks/results/accuracy/sketch_convergence.png")
         return 0
     if args.mode == "real":
         import hvdcompress.torch as hvc

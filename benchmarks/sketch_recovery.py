@@ -1,6 +1,6 @@
 """Heavy-hitter recovery of Sketched-SGD as a function of (rows r, columns c, candidates factor P).
 
-    python benchmarks/sketch_recovery.py            # writes results/sketch_recovery.{json,png}
+    python benchmarks/sketch_recovery.py            # writes benchmarks/results/accuracy/sketch_recovery.{json,png}
     python benchmarks/sketch_recovery.py --data synthetic   # the heavy-tailed stand-in only
 
 Data (real gradients, not synthetic): the digits CNN of ``examples/`` (``DigitsCNN``, 38,570
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--data", nargs="+", default=["digits", "synthetic"], choices=["digits", "synthetic"])
     p.add_argument("--synthetic-d", type=int, default=100_000)
-    p.add_argument("--out", default="benchmarks/results/sketch_recovery.json")
+    p.add_argument("--out", default="benchmarks/results/accuracy/sketch_recovery.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     out = {"ratio": args.ratio, "seeds": args.seeds, "workers": args.workers, "datasets": {}}

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--chunk", type=int, default=sk.CHUNK, help="entries per chunk (whole 65536-entry blocks)")
-    p.add_argument("--out", default="benchmarks/results/sketch_speed.json")
+    p.add_argument("--out", default="benchmarks/results/kernels/sketch_speed.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = parse_spec(args.spec)

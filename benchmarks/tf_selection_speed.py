@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="benchmarks/results/selection_speed_tf.json")
+    p.add_argument("--out", default="benchmarks/results/kernels/selection_speed_tf.json")
     args = p.parse_args(argv)
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)

@@ -15,13 +15,16 @@ COMMANDS = {
                                         "emulated network"),
     "advise": ("hvdcompress.bench.advise", "which compressor pays on this link for this model (predicted "
                                            "step time per spec, the auto mode's per-group choice)"),
+    "specs": ("hvdcompress.spec_cli", "list the compression specs, or show one's parameters and ranges"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: hvdcompress <command> [options]", "", "commands:"]
+    lines = ["usage: hvdcompress <command> [options]", "",
+             "Tools of hvdcompress (compressed gradient exchange for Horovod). Training itself needs no",
+             "command: wrap your optimizer (README.md) and launch with horovodrun.", "", "commands:"]
     lines += [f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items()]
-    lines += ["", "hvdcompress <command> --help shows a command's options."]
+    lines += ["", "hvdcompress <command> --help shows a command's options. Guide: docs/ (README.md links it)."]
     return "\n".join(lines)
 
 

@@ -1,8 +1,7 @@
 """``import hvdcompress.keras as hvc``: the Keras (tf.keras 2) face of hvdcompress.
 
-Hands on the names of ``tf_ops`` and, for convenience, Horovod's own ones a Keras script needs next
-to them (init, rank, size, allgather_object, and its Keras callbacks -- given the Keras 2 backend,
-see ``tf_ops.horovod_callbacks``), so one import serves::
+Import it before TensorFlow: it sets ``TF_USE_LEGACY_KERAS=1`` (Horovod's Keras layer needs
+Keras 2). One import serves a Keras script::
 
     import hvdcompress.keras as hvc
     hvc.init()
@@ -11,6 +10,28 @@ see ``tf_ops.horovod_callbacks``), so one import serves::
     model.compile(optimizer=opt, loss=...)
     model.fit(..., callbacks=[hvc.BroadcastGlobalVariablesCallback(0), hvc.MetricAverageCallback(),
                               hvc.SparsityWarmupCallback(), hvc.CompressionStatsCallback()])
+
+Names:
+
+* ``DistributedOptimizer(optimizer, compression=None, ...)``: wraps a ``tf.keras`` optimizer (new
+  or legacy); Horovod's arguments keep their meaning, plus ``schedule=``, ``cost_model=``,
+  ``delay=``, ``sync_every=``. Bad arguments raise ``ValueError`` before any collective.
+* ``GradientCompression(spec, ...)`` and ``DistributedGradientTape``: for custom loops (as in
+  ``hvdcompress.tensorflow``).
+* Callbacks: ``SparsityWarmupCallback`` (DGC's density warm-up, or ``warmup_epochs=`` for
+  top-k/random-k), ``CompressionStatsCallback`` (bytes per step, ratio and density into the
+  logs), ``DelayedAveragingFlushCallback`` (flush before evaluation and at epoch ends with
+  ``delay``/``sync_every``); Horovod's ``BroadcastGlobalVariablesCallback``,
+  ``MetricAverageCallback``, ``LearningRateWarmupCallback``, ``LearningRateScheduleCallback``
+  given the Keras 2 backend (``tf_ops.horovod_callbacks``).
+* ``Compression.<name>(**params)``, ``parse_spec``, ``CompressionSpec``: the specs.
+* ``elastic``: Horovod's Keras elastic names with ``elastic.KerasState`` (docs/reliability.md).
+* Horovod's own, unchanged: ``init``, ``shutdown``, ``is_initialized``, ``rank``, ``size``,
+  ``local_rank``, ``local_size``, ``Average``, ``Sum``, ``allreduce``, ``allgather``,
+  ``broadcast``, ``broadcast_object``, ``allgather_object``, ``broadcast_global_variables``,
+  ``callbacks``.
+
+Guide: docs/tensorflow.md; the runnable quickstart is in README.md.
 """
 
 import tf_ops  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)

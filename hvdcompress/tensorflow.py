@@ -9,7 +9,22 @@ needs next to them (init, rank, size, broadcasts, allgather_object, Average/Sum)
     ...
     tape = hvc.DistributedGradientTape(tape, compression=compression)
 
-``DistributedOptimizer`` is the Keras one (as in ``horovod.tensorflow`` for Keras optimizers).
+Names:
+
+* ``GradientCompression(compression=None, name="hvc", schedule="layerwise", cost_model=None,
+  delay=0, sync_every=1)``: the spec, its compressor and the state kept between steps
+  (residuals, momenta, step, epoch): make it once, checkpoint it with ``tf.train.Checkpoint``.
+* ``DistributedGradientTape(tape, compression=...)``: wrap the tape every step, eagerly or inside
+  ``tf.function``; ``tape.gradient()`` returns the exchanged, averaged gradients.
+* ``DistributedOptimizer``: the Keras one (as in ``horovod.tensorflow`` for Keras optimizers).
+* ``Compression.<name>(**params)``, ``parse_spec``, ``CompressionSpec``: the specs.
+* ``elastic``: Horovod's TF elastic names with ``elastic.TensorFlowKerasState``.
+* Horovod's own, unchanged: ``init``, ``shutdown``, ``is_initialized``, ``rank``, ``size``,
+  ``local_rank``, ``local_size``, ``Average``, ``Sum``, ``allreduce``, ``allgather``,
+  ``broadcast``, ``broadcast_variables``, ``broadcast_object``, ``allgather_object``.
+
+Bad arguments raise ``ValueError`` naming them, on every rank, before any collective.
+Guide: docs/tensorflow.md.
 """
 
 import tf_ops  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)

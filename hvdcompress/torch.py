@@ -1,12 +1,31 @@
 """``import hvdcompress.torch as hvc``: the PyTorch face of hvdcompress.
 
-Hands on the names of ``torch_ops`` and, for convenience, Horovod's own ones a training script
-needs next to them (init, rank, size, broadcasts, Average/Sum), so one import serves::
+One import serves a training script::
 
     import hvdcompress.torch as hvc
     hvc.init()
     opt = hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=hvc.Compression.topk(ratio=0.01))
+    hvc.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvc.broadcast_optimizer_state(opt, root_rank=0)
+
+Names:
+
+* ``DistributedOptimizer(optimizer, named_parameters=None, compression=None, ...)``: wraps any
+  ``torch.optim`` optimizer; Horovod's arguments keep their meaning, plus ``schedule=``,
+  ``cost_model=``, ``profile_steps=``, ``tune_steps=``, ``delay=``, ``sync_every=`` (its docstring
+  lists each with its default and range). Bad arguments raise ``ValueError`` before any collective.
+* ``Compression.<name>(**params)``, ``parse_spec("name:key=value")``, ``CompressionSpec``: the
+  compression specs (``hvdcompress specs`` lists them; docs/algorithms.md has every parameter).
+* ``elastic``: Horovod's ``hvd.elastic`` names, with ``elastic.TorchState`` carrying our
+  optimizers through resets (docs/reliability.md).
+* Horovod's own, handed on unchanged: ``init``, ``shutdown``, ``is_initialized``, ``rank``,
+  ``size``, ``local_rank``, ``local_size``, ``Average``, ``Sum``, ``allreduce``, ``allgather``,
+  ``broadcast_object``, ``broadcast_parameters``, ``broadcast_optimizer_state``.
+* ``Compressor``, ``ExchangeContext``, ``COMPRESSORS``, ``build_compressor``: the backend's
+  compressor contract, for adding an algorithm (docs/design.md).
+
+Guide: docs/pytorch.md; the runnable quickstart is in README.md.
 """
 
 from horovod.torch import (Average, Sum, allgather, allreduce, broadcast_object, broadcast_optimizer_state,

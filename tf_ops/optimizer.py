@@ -183,7 +183,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             the same code path bit for bit). A ``GradientCompression`` carries its own.
         sync_every: exchange once every this many steps, local steps in between (int >= 1; None: 1).
 
-    Every argument is checked here, on every rank, before any collective.
+    Returns an optimizer of the wrapped one's class whose gradients are exchanged in
+    ``apply_gradients`` (and so in ``model.fit``); its compression state is
+    ``optimizer.gradient_compression`` (tracked by ``tf.train.Checkpoint`` / ``save_weights``),
+    its byte counts ``optimizer.stats``. Raises ``ValueError`` naming the argument, here, on every
+    rank, before any collective. Guide: docs/tensorflow.md.
     """
     new_base, legacy_base = _keras_bases()
     if not isinstance(optimizer, (new_base, legacy_base)):

@@ -96,7 +96,9 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
             here None (default) takes its values, and anything else must equal them (0 / 1 with a
             spec: other values raise, pointing there).
 
-    Every argument is checked here, on every rank, before any collective.
+    Returns a tape of ``gradtape``'s class whose ``gradient()`` exchanges the gradients (eagerly or
+    inside ``tf.function``). Raises ``ValueError`` naming the argument, here, on every rank, before
+    any collective. Guide: docs/tensorflow.md.
     """
     if not isinstance(gradtape, tf.GradientTape):
         raise ValueError(f"gradtape: expected a tf.GradientTape; got {type(gradtape).__name__}")

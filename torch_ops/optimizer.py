@@ -266,7 +266,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             ``opt.flush()`` completes what is in flight and makes the replicas identical.
         sync_every: exchange once every this many steps, local steps in between (int >= 1).
 
-    Every argument is validated here, before any collective, identically on every rank.
+    Returns a ``torch.optim.Optimizer`` of the wrapped one's class with Horovod's extra methods
+    (``synchronize``, ``skip_synchronize``) and ours (``flush``, ``set_epoch``, ``stats``,
+    ``plan``, ``groups``, ``timings``); its ``state_dict()`` carries the compression state.
+    Raises ``ValueError`` naming the argument and its accepted range, here, before any
+    collective, identically on every rank (a model that differs across ranks too). Guide:
+    docs/pytorch.md.
     """
     import horovod.torch as hvd
 

@@ -4,7 +4,7 @@ For every worker count and link bandwidth it builds the emulated network (or, wi
 ``--loopback``, uses 127.0.0.1 with no rate limit), launches the Horovod workers once, and has them
 time the compute-only limit and every compression spec, interleaved step by step (so a load that
 drifts on a shared machine weighs on all of them alike; see ``hvdcompress.bench.torch_worker``). It
-writes ``OUT.json`` (every figure), ``OUT.png`` (step time vs bandwidth) and ``OUT.md`` (the README
+writes ``OUT.json`` (every figure), ``OUT.png`` (step time vs bandwidth) and ``OUT.md`` (the
 table, also printed). The JSON is rewritten after every launch, so an interrupted run keeps what
 it measured. Whatever happens -- a failed worker, a time limit, Ctrl-C, SIGTERM -- the workers are
 stopped and the namespaces, links and /etc/netns entries removed before it exits.
@@ -26,7 +26,6 @@ from hvdcompress.spec import parse_spec
 
 from . import netns, schedules
 from .figures import DEFINITIONS, add_relative, summarize
-from .launch import Placement, WorkerFailure, run_workers
 from .report import (markdown_table, pipelining_summary, pipelining_table, tuning_summary, write_chart, write_json,
                      write_timeline_chart)
 from .signals import raise_on_sigterm
@@ -37,11 +36,40 @@ HOROVOD_TUNING = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CAC
                   "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_DISABLE_GROUP_FUSION")  # defined in hvdcompress/bench/torch_models.py (not imported: no torch here)
 
 
+BENCH_EPILOG = """\
+what is real, emulated, injected:
+  links      emulated: one network namespace per worker, tbf at the link rate both ways (root);
+             --loopback: 127.0.0.1, no rate limit
+  latency    injected (--latency-ms): every exchange round completes no sooner than L ms after
+             its launch, inside the workers (netem is unavailable); labelled in every output
+  compute    real (the --model on the CPU) or emulated (--compute emulated:<profile>: per-layer
+             GPU-like times spent waiting; compression and exchange stay real)
+
+outputs (--out OUT): OUT.json every figure and step, OUT.md the table (also printed), OUT.png
+step time vs link rate; with emulated compute also OUT-timeline.png (traced steps vs the plan).
+
+examples:
+  hvdcompress bench --loopback -n 2 -c none topk:ratio=0.01 --steps 4        # no root needed
+  hvdcompress bench -n 4 -b 10mbit,100mbit,1gbit -c none fp16 dgc:ratio=0.001 -s layerwise
+  HOROVOD_FUSION_THRESHOLD=0 hvdcompress bench --compute emulated:vgg16-v100 --emulated-scale 32 \\
+      -c topk:ratio=0.001 -s layerwise,single,mgs,mgs+tune -n 2 -b 1gbit --warmup 7 --profile-steps 4
+
+SPEC is a compression spec ('topk:ratio=0.01'; `hvdcompress specs` lists them). Guide:
+docs/benchmarks.md (how to read the figures) and docs/scheduler.md (schedules).
+"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each option; the epilog's layout kept as written."""
+
+
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog=prog, description="Step time, bytes and speed-up of gradient compressors vs dense Horovod on "
-        "an emulated network (network namespaces + tbf; root) or on loopback.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog=prog, description="Step time, bytes and speed-up of gradient compressors vs dense Horovod on\n"
+        "an emulated network (network namespaces + tbf; root) or on loopback. For each worker count and\n"
+        "link rate it launches the Horovod Gloo workers once; they time the compute-only step and every\n"
+        "spec x schedule interleaved, one step each per round (median of the slowest rank per step).",
+        epilog=BENCH_EPILOG, formatter_class=_HelpFormatter)
     ap.add_argument("--compression", "-c", nargs="+", default=["none", "fp16", "topk:ratio=0.001"],
                     metavar="SPEC", help="compression specs to measure (space-separated)")
     ap.add_argument("--schedules", "-s", default="auto",
@@ -99,7 +127,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     ap.add_argument("--epoch", type=int, default=1000,
                     help="epoch given to opt.set_epoch() before timing, so schedules (DGC's density warm-up) "
                          "are measured at that epoch; the default is past any warm-up")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and synthetic data")
     ap.add_argument("--cleanup-stale", action="store_true",
                     help="only delete namespaces left by benchmark runs that were killed, then exit")
     return ap
@@ -293,6 +321,8 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
     all_ok = True
     print(f"torch threads per worker: {args.threads} (torch.set_num_threads); "
           f"{'loopback' if args.loopback else 'network namespaces'}; {len(launches)} launch(es)")
+    from .launch import WorkerFailure  # imports Horovod's runner: not needed for --help
+
     with tempfile.TemporaryDirectory(prefix="hvcbench-") as tmp:
         bar = tqdm(launches, unit="launch", file=sys.stdout)
         for k, (n, bw) in enumerate(bar):
@@ -324,6 +354,8 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
 
 
 def _launch(args, n: int, bw: str, k: int, config: dict, workdir: str, log) -> List[dict]:
+    from .launch import Placement, run_workers
+
     if args.loopback:
         return run_workers(Placement.loopback(n), config, workdir, args.launch_timeout, log)
     with netns.EmulatedNetwork(n, netns.parse_bandwidth(bw), tag=str(k)) as net:

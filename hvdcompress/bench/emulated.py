@@ -20,8 +20,7 @@ same profile in a process) times the mean *absolute* value of the upstream gradi
 gradient flows through a small carrier tensor (batch x 10 "logits"); the loss the harness computes
 on it is real. (Not the plain mean: a cross-entropy gradient's rows sum to zero, so its mean is 0
 or rounding noise, which made every gradient 0 or ~1e-10 -- data on which selection runs on its
-slow paths and whose cost differed between ranks by 8x. Measurements made before this change
-carry that artefact; README "Pipelining, measured with emulated GPU compute" says which.)
+slow paths and whose cost differed between ranks by 8x.)
 
 Waiting follows a stream clock, as queued GPU kernels would: a layer's wait ends at the end the
 previous wait was meant to have, plus the CPU time spent between the previous layer's wake-up and

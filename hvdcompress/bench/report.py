@@ -88,7 +88,7 @@ def write_json(report: dict, path: str) -> None:
 
 
 def markdown_table(report: dict) -> str:
-    """The README table: one row per (workers, link, compression), compute-only rows included."""
+    """The results table (OUT.md): one row per (workers, link, compression), compute-only rows included."""
     meta = report["meta"]
     lines = [
         f"Model {_model_text(meta)}, batch {meta['batch']} per worker, synthetic data; "

@@ -16,7 +16,7 @@ Usage (the profile comes from ``python -m hvdcompress.bench.profile transport --
     python -m hvdcompress.schedule.scaling --profile profile.json --gbps 0.1,1,10 \\
         --compression none --compression topk:ratio=0.01 --out sim.json --plot sim.png
     python -m hvdcompress.schedule.scaling --link 1,50 --synthetic 160,100,200,100   # no profile at hand
-    python -m hvdcompress.schedule.scaling --bench benchmarks/results/schedules-deep.json   # from a benchmark
+    python -m hvdcompress.schedule.scaling --bench benchmarks/results/scheduler/schedules-deep.json   # from a benchmark
 
 With ``--bench`` the cost model fitted on the emulated link of one launch of ``hvdcompress bench``
 (``--bench-launch``), the workload profiled by that launch's first phase that has one, and every

@@ -34,6 +34,7 @@ SCENARIOS = {
     "test_sketch_multiprocess": ("scenarios.sketch", "tf_all", lambda: (WORLD,)),
     "test_dgc_recipes": ("scenarios.dgc_recipes", "tf_all", lambda: ()),
     "test_quantizers_multiprocess": ("scenarios.quantizers", "tf_everything", lambda: ()),
+    "test_docs": ("scenarios.docs_snippets", "tf_all", lambda: ()),
 }
 
 COLLECTED: Set[str] = set()  # test modules of this session (conftest.pytest_collection_modifyitems)
