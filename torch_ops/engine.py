@@ -168,7 +168,7 @@ class Engine:
                 self.sparse_names.add(name)
                 if self.sparse_as_dense:
                     self._sparse_now.add(name)
-                if len(group.names) == 1 and not (self.sparse_as_dense or policy.active):
+                if len(group.names) == 1 and not self.sparse_as_dense and policy.sparse_exchanges:
                     self._launch_sparse(gi, p, group)  # exchanged as Horovod does (torch_ops.sparse_grads)
                     return
                 if not (self.sparse_as_dense or self._warned_sparse):

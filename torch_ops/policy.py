@@ -24,11 +24,14 @@ import torch
 
 class SyncPolicy:
     """The interface (see the module doc); ``delay`` is how many steps after its launch an
-    exchange is due, ``active`` whether replicas may differ between flushes."""
+    exchange is due, ``active`` whether replicas may differ between flushes,
+    ``sparse_exchanges`` whether a sparse gradient may be exchanged sparse (its result written
+    back as it comes) rather than densified."""
 
     delay = 0
     every = 1
     active = False
+    sparse_exchanges = False
 
     def exchanges_at(self, step: int) -> bool:
         raise NotImplementedError
@@ -54,6 +57,8 @@ class SyncPolicy:
 
 class Synchronous(SyncPolicy):
     """Every step exchanges every group, and the exchanged averages are the step's gradients."""
+
+    sparse_exchanges = True
 
     def exchanges_at(self, step: int) -> bool:
         return True
