@@ -11,7 +11,13 @@ import traceback
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-from scenarios.tf_core import _batch, _flat, _identical, _loss, _model  # noqa: E402
+from scenarios.kit import (
+    np_batch as _batch,
+    tf_flat as _flat,
+    tf_identical as _identical,
+    keras_loss as _loss,
+    keras_mlp as _model,
+)  # noqa: E402
 
 STEPS = 4
 DGC = "dgc:ratio=0.05,min_sparse_numel=256,warmup_epochs=0"
