@@ -108,8 +108,6 @@ def test_tf_toy_matches_its_oracle(world):
 
 
 # -- real Horovod --------------------------------------------------------------------------------
-hvd_runner = pytest.importorskip("horovod.runner")
-
 
 @pytest.fixture(scope="module")
 def two_workers():
@@ -119,6 +117,7 @@ def two_workers():
     return run_scenarios("torch", 2, [("toy", sc.toy_training, ()), ("warmup", sc.dgc_default_warmup, ())])
 
 
+@pytest.mark.multiprocess
 def test_toy_algorithm_trains_through_the_real_optimizer(two_workers):
     from scenarios.launch import part
     for r in part(two_workers, "toy"):
@@ -130,6 +129,7 @@ def test_toy_algorithm_trains_through_the_real_optimizer(two_workers):
         assert r["stats"]["bytes_per_step"] == sum(4 + 4 * n for n in (12 * 16, 16, 16 * 3, 3))
 
 
+@pytest.mark.multiprocess
 def test_default_dgc_leaves_warmup_without_set_epoch(two_workers):
     from scenarios.launch import part
     from hvdcompress.reference.dgc import dgc_density
@@ -141,6 +141,7 @@ def test_default_dgc_leaves_warmup_without_set_epoch(two_workers):
         assert r["sent"][0] > 10 * r["sent"][-1]  # 25% of the 64x64 weights at first, 1% at the end
 
 
+@pytest.mark.multiprocess
 def test_every_collective_runs_on_the_process_set_torch(tmp_path):
     from scenarios.launch import run_workers
     from scenarios import contract
@@ -154,6 +155,7 @@ def test_every_collective_runs_on_the_process_set_torch(tmp_path):
     assert any(f.endswith(".json") for f in os.listdir(tmp_path))  # the profiled model was cached
 
 
+@pytest.mark.multiprocess
 def test_every_collective_runs_on_the_process_set_tf(tmp_path):
     # launched by horovodrun: under horovod.runner.run, TF's static process sets were not
     # registered in the worker (Horovod 0.28.1; process_set.size() raised), under horovodrun they are

@@ -3,10 +3,8 @@
 import numpy as np
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
-
-from scenarios import delayed as sc  # noqa: E402
-from scenarios.launch import run_workers  # noqa: E402
+from scenarios import delayed as sc
+from scenarios.launch import run_workers
 
 
 def _ok(results):
@@ -15,6 +13,7 @@ def _ok(results):
     return results
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3])
 def test_unrolled_identity_for_plain_sgd(world):
     results = _ok(run_workers(sc.unrolled_identity, world))
@@ -31,6 +30,7 @@ def test_unrolled_identity_for_plain_sgd(world):
     assert results[0]["1"] != results[1]["1"] if "1" in results[0] else results[0][1] != results[1][1]
 
 
+@pytest.mark.multiprocess
 def test_unrolled_identity_with_the_momentum_in_the_compressor():
     """DGC (momentum taken over from SGD) at density 1: the local steps use the local velocity."""
     world, lr, m, n = 2, 0.1, 0.9, 7
@@ -54,11 +54,13 @@ def test_unrolled_identity_with_the_momentum_in_the_compressor():
         assert results[0][f"{si}|3"] != results[1][f"{si}|3"]  # the local velocities do differ
 
 
+@pytest.mark.multiprocess
 def test_zero_delay_is_bit_identical_to_the_synchronous_optimizer():
     for r in _ok(run_workers(sc.zero_delay_is_the_synchronous_optimizer, 2)):
         assert all(r[s] for s in sc.FLUSH_SPECS), r
 
 
+@pytest.mark.multiprocess
 def test_flush_leaves_identical_parameters_for_every_compressor():
     for r in _ok(run_workers(sc.flush_makes_replicas_identical, 2)):
         for key, (before, after, again) in r.items():
@@ -66,12 +68,14 @@ def test_flush_leaves_identical_parameters_for_every_compressor():
         assert not all(v[0] for v in r.values())  # replicas did differ before the flushes
 
 
+@pytest.mark.multiprocess
 def test_resume_with_exchanges_in_flight_continues_exactly():
     for r in _ok(run_workers(sc.resume_with_exchanges_in_flight, 2)):
         for spec, (equal, equal_after_flush, in_flight) in r.items():
             assert equal and equal_after_flush and in_flight >= 1, (spec, r[spec])
 
 
+@pytest.mark.multiprocess
 def test_nonfinite_gradients_with_exchanges_in_flight_are_seen_and_never_kept():
     d = sc.NONFINITE_DELAY
     for rank, r in enumerate(_ok(run_workers(sc.nonfinite_with_exchanges_in_flight, 2))):

@@ -10,7 +10,7 @@ rounding difference without weight decay.
 import numpy as np
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import dgc_recipes  # noqa: E402
 from scenarios import shared_tf_launch  # noqa: E402

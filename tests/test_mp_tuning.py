@@ -5,7 +5,7 @@ resumes the validation where it was."""
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import tuning as sc  # noqa: E402
 from scenarios.launch import part, run_workers  # noqa: E402

@@ -5,7 +5,7 @@ scenario on 3 (a module fixture; each test checks one part of what came back).""
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import torch_core  # noqa: E402
 from scenarios.launch import part, run_scenarios  # noqa: E402

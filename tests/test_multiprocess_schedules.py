@@ -11,7 +11,7 @@ import pytest
 
 from hvdcompress import planner, search
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import schedules as sc  # noqa: E402
 from scenarios.torch_core import TRAIN_SPECS  # noqa: E402

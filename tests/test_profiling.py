@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios.launch import run_workers as _run  # noqa: E402
 

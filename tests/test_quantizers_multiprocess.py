@@ -16,7 +16,7 @@ none/fp16/bf16 keep ranks identical and give our optimizer's parameters; other s
 
 import pytest
 
-pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import quantizers as sc  # noqa: E402
 from scenarios import shared_tf_launch  # noqa: E402

@@ -7,10 +7,8 @@ launch their own (the job ends with them)."""
 import pytest
 import torch
 
-hvd_runner = pytest.importorskip("horovod.runner")
-
-from scenarios import reliability as sc  # noqa: E402
-from scenarios.launch import part, run_scenarios, run_workers  # noqa: E402
+from scenarios import reliability as sc
+from scenarios.launch import part, run_scenarios, run_workers
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +19,7 @@ def results():
     return out
 
 
+@pytest.mark.multiprocess
 def test_sparse_gradients_are_exchanged_sparse_like_horovod(results):
     for r in part(results, "sparse"):
         assert "error" not in r, r.get("error")
@@ -31,6 +30,7 @@ def test_sparse_gradients_are_exchanged_sparse_like_horovod(results):
         assert r["max_diff_vs_horovod_emb"] < 1e-6
 
 
+@pytest.mark.multiprocess
 def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):
     for r in part(results, "models"):
         assert "error" not in r, r.get("error")
@@ -38,6 +38,7 @@ def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):
         assert r["after"] == 1.0  # a collective still works afterwards (average of ones)
 
 
+@pytest.mark.multiprocess
 def test_non_finite_gradients_are_never_hidden_and_never_kept(results):
     for r in part(results, "faults"):
         assert "error" not in r, r.get("error")
@@ -51,6 +52,7 @@ def test_non_finite_gradients_are_never_hidden_and_never_kept(results):
                 assert not v["params_finite"], (key, v)  # as with Horovod: the step applied it
 
 
+@pytest.mark.multiprocess
 def test_a_parameter_with_a_gradient_on_some_ranks_only_neither_hangs_nor_diverges(results):
     for r in part(results, "partial"):
         assert "error" not in r, r.get("error")
@@ -62,6 +64,7 @@ def test_a_parameter_with_a_gradient_on_some_ranks_only_neither_hangs_nor_diverg
                 assert v["max_diff_vs_horovod"] < 1e-6, (key, v)  # zeros from the rank without one, as Horovod
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["ours", "horovod"])
 def test_a_worker_that_dies_mid_step_ends_the_others_within_the_timeout(kind, tmp_path):
     import json

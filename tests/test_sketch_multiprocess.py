@@ -8,7 +8,7 @@ parameters raising on every rank before any collective.
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import sketch as sc  # noqa: E402
 from scenarios import shared_tf_launch  # noqa: E402

@@ -6,7 +6,7 @@ workers get an empty HVDCOMPRESS_CACHE, so no cost model is cached for them.
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import tf_schedules  # noqa: E402
 from scenarios.launch import part as _part, run_workers  # noqa: E402

@@ -36,9 +36,18 @@ def worker_cache_dir() -> str:
     return os.environ["HVDCOMPRESS_CACHE"]
 
 
+# Under pytest, conftest.py sets this per test: True for a test marked ``multiprocess``, False for
+# one that is not (``make test-fast`` deselects the marked ones, so an unmarked launch would slip
+# into the single-process run). None outside pytest: no check.
+LAUNCH_ALLOWED: Optional[bool] = None
+
+
 def run_workers(fn, np_: int, *args, env: Optional[Dict[str, str]] = None, start_timeout: int = 60):
     """Run ``fn(*args)`` on ``np_`` local Gloo workers; returns each rank's result, rank order.
     ``env`` adds or overrides environment variables for the workers only."""
+    if LAUNCH_ALLOWED is False:
+        raise RuntimeError("this test launches Horovod workers: mark it @pytest.mark.multiprocess "
+                           "(or the module: pytestmark = pytest.mark.multiprocess)")
     from horovod.runner import run
 
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds the scenarios package
