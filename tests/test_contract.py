@@ -157,8 +157,8 @@ def test_every_collective_runs_on_the_process_set_torch(tmp_path):
 
 @pytest.mark.multiprocess
 def test_every_collective_runs_on_the_process_set_tf(tmp_path):
-    # launched by horovodrun: under horovod.runner.run, TF's static process sets were not
-    # registered in the worker (Horovod 0.28.1; process_set.size() raised), under horovodrun they are
+    # launched by horovodrun: under horovod.runner.run, Horovod 0.28.1 does not register TF's static
+    # process sets in the worker (process_set.size() raises); under horovodrun it does
     import json
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""DGC's weight decay and clipping scopes (issue 15): PyTorch and TensorFlow against the numpy
+"""DGC's weight decay and clipping scopes: PyTorch and TensorFlow against the numpy
 oracle (hvdcompress/reference/dgc.py), bit for bit, in one process (simulated ranks)."""
 
 import math

@@ -1,5 +1,6 @@
 """Worker code for tests/test_contract.py: the toy algorithm trained through the real optimizer,
-and every collective on a process set smaller than the job (the hang of issue 10)."""
+and every collective on a process set smaller than the job (a rank outside the set runs none of
+the set's collectives and must not make them wait)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DGC on real training recipes (issue 15), inside real Horovod workers (tests/test_dgc_recipes.py):
+"""DGC on real training recipes, inside real Horovod workers (tests/test_dgc_recipes.py):
 weight decay through the momentum, the two clipping scopes independent of the merge schedule,
 checkpoints of both, and the refusals. One launch per backend runs every scenario of it.
 

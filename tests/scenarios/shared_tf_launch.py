@@ -16,8 +16,7 @@ import os
 from typing import Dict, List, Set
 
 # Horovod's cycle at 0.2 ms instead of the tests' 1 ms: these Keras runs wait on many small
-# collectives (measured on 2 cores, the quantizers' Keras runs: 70 s against 80-83 s at 1 ms; the
-# PyTorch launches were not faster with it, so they keep 1 ms)
+# collectives one after another, and each waits for the next cycle to start
 ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "HOROVOD_CYCLE_TIME": "0.2"}
 WORLD = 2
 
