@@ -50,8 +50,8 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    from scenarios import shared_tf_launch  # the TF modules of this session share one launch of 2 workers
-    shared_tf_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in items)
+    from scenarios import shared_launch  # modules share launches: only the collected ones' scenarios run
+    shared_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in items)
     if EXTENDED:
         return
     import pytest

@@ -111,10 +111,9 @@ def test_tf_toy_matches_its_oracle(world):
 
 @pytest.fixture(scope="module")
 def two_workers():
-    """One 2-worker launch for the toy algorithm and DGC's default warm-up, in sequence."""
-    from scenarios.launch import run_scenarios
-    from scenarios import contract as sc
-    return run_scenarios("torch", 2, [("toy", sc.toy_training, ()), ("warmup", sc.dgc_default_warmup, ())])
+    """The toy algorithm and DGC's default warm-up, in the session's shared 2-worker PyTorch launch."""
+    from scenarios.shared_launch import TORCH_2
+    return TORCH_2.results("test_contract")
 
 
 @pytest.mark.multiprocess

@@ -11,9 +11,9 @@ import pytest
 
 pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
-from scenarios import dgc_recipes  # noqa: E402
 from scenarios import shared_tf_launch  # noqa: E402
-from scenarios.launch import part, run_workers  # noqa: E402
+from scenarios.launch import part  # noqa: E402
+from scenarios.shared_launch import TORCH_2  # noqa: E402
 
 WORLD = 2
 TOLERANCE = 1e-5  # max |dense - dgc| over the parameters after 40 steps, lr 0.05; rounding alone: ~1e-7
@@ -21,7 +21,7 @@ TOLERANCE = 1e-5  # max |dense - dgc| over the parameters after 40 steps, lr 0.0
 
 @pytest.fixture(scope="module")
 def torch_results():
-    out = run_workers(dgc_recipes.torch_all, WORLD)
+    out = part(TORCH_2.results("test_dgc_recipes"), "all")  # torch_all() in the shared PyTorch launch
     _show(out)
     return out
 

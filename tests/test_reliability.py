@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from scenarios import reliability as sc
-from scenarios.launch import part, run_scenarios, run_workers
+from scenarios.launch import part, run_workers
+from scenarios.shared_launch import TORCH_2
 
 
 @pytest.fixture(scope="module")
 def results():
-    out = run_scenarios("torch", 2, [("sparse", sc.sparse_gradients, ()), ("models", sc.different_models, ()),
-                                     ("faults", sc.nonfinite_faults, ()), ("partial", sc.partial_gradients, ())])
-    print("scenario seconds per rank:", [r["seconds"] for r in out])
-    return out
+    return TORCH_2.results("test_reliability")  # its four scenarios in the shared PyTorch launch
 
 
 @pytest.mark.multiprocess

@@ -80,7 +80,9 @@ def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> d
     scenarios still run and the test shows the worker's error), plus ``"seconds"`` per scenario.
 
     The scenarios may call ``hvd.init()``/``hvd.shutdown()`` themselves, as they do when launched
-    alone: a second ``init`` does nothing, and ``shutdown`` is held back until the last one ran."""
+    alone: a second ``init`` does nothing, and ``shutdown`` is held back until the last one ran.
+    What a scenario sets in ``os.environ`` (a cost-model cache of its own) is undone after it, so
+    each scenario starts from the launch's environment."""
     import importlib
     hvd = importlib.import_module({"torch": "horovod.torch", "tf": "horovod.tensorflow"}[framework])
     hvd.init()
@@ -88,11 +90,14 @@ def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> d
     out = {"seconds": {}}
     try:
         for name, fn, args in calls:
-            start = time.perf_counter()
+            start, environ = time.perf_counter(), dict(os.environ)
             try:
                 out[name] = fn(*args)
             except Exception:  # report, do not hang the next scenarios on a worker traceback
                 out[name] = {"error": traceback.format_exc()}
+            finally:
+                os.environ.clear()
+                os.environ.update(environ)
             out["seconds"][name] = round(time.perf_counter() - start, 2)
     finally:
         hvd.shutdown = shutdown

@@ -119,9 +119,12 @@ def bad_schedules() -> dict:
     return {"errors": errors, "after": float(after.numpy()[0])}
 
 
-def everything(world_expected: int) -> dict:
+def everything(world_expected: int, cache_dir: str = None) -> dict:
+    """Every scenario; with ``cache_dir``, an empty cost-model cache of their own (nothing cached)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
+    if cache_dir is not None:
+        os.environ["HVDCOMPRESS_CACHE"] = cache_dir
     tf.config.threading.set_inter_op_parallelism_threads(1)
     tf.config.threading.set_intra_op_parallelism_threads(1)
     hvd.init()
