@@ -114,7 +114,7 @@ def process_set_torch() -> dict:
             out["mgs"] = ident
             out["plan"] = None if opt.plan is None else opt.plan.schedule
             out["world"] = opt.cost_model.world_size if opt.cost_model is not None else None
-        hvd.barrier()  # all three ranks meet again: nothing hung
+        kit.torch_meet("meet.again")  # all three ranks meet again: nothing hung
         out["done"] = True
     except Exception:
         out["error"] = traceback.format_exc()

@@ -58,6 +58,22 @@ def torch_flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def torch_meet(name, poll_s=0.01) -> None:
+    """Every rank of the job meets here, waiting without using a core: a 1-element allreduce,
+    polled with sleeps. ``hvd.barrier()`` (like ``hvd.synchronize``) busy-waits in Horovod's
+    ``WaitAndClear`` (a loop of ``std::this_thread::yield()``), so a rank that waits long there --
+    one outside a process set, while the set trains -- holds a whole core that the ranks it waits
+    for, and every rank's Horovod background thread, then lack on a 2-core machine."""
+    import time
+
+    import horovod.torch as hvd
+    import torch
+    handle = hvd.allreduce_async(torch.zeros(1), name=name)
+    while not hvd.poll(handle):
+        time.sleep(poll_s)
+    hvd.synchronize(handle)
+
+
 def torch_identical(model, name="check.params", process_set=None) -> bool:
     """True when every rank (of ``process_set``, else of the job) holds bit-identical parameters."""
     import horovod.torch as hvd

@@ -18,12 +18,12 @@ import traceback
 from typing import Dict, Optional, Sequence, Tuple
 
 
-# Gloo's own default is 30 s per collective. On the 2-core CI machine, 3 workers and their Horovod
-# threads share 2 cores, and the 3-rank process-set test (one rank waiting in a global barrier while
-# the other two profile and train) aborted once in CI with every rank in "Timed out waiting 30000ms
-# for recv"; in a loop here (stop 24) 2 of 4 runs aborted so, then 2 of 47 stalled past 22 s. The
-# cause was not found. The workers get the remedy Horovod's maintainers give, a longer Gloo
-# timeout; a real hang still fails, later.
+# Gloo's own default is 30 s per collective. Each cycle of a worker's Horovod background thread
+# takes part in the negotiation of every process set the worker belongs to, the global set
+# included (a Gloo allreduce of the response-cache bits), so a worker that gets no CPU for a while
+# holds up the collectives of all the others, even of a process set it is not in. With 3 workers
+# on the 2 cores of the CI machine (and TensorFlow imports or busy waits competing for them) such a
+# wait can reach 30 s; the workers get a longer timeout, and a real hang still fails, later.
 GLOO_TIMEOUT_S = "300"
 
 
