@@ -19,9 +19,10 @@ test: install
 test-full: install
 	HVDC_EXTENDED_TESTS=1 $(PYTHON) -m pytest tests -q
 
-# Single-process tests only (no Horovod processes).
+# Single-process tests only: deselects the tests marked ``multiprocess`` (tests/conftest.py), the
+# ones that launch Horovod/Gloo worker processes.
 test-fast:
-	$(PYTHON) -m pytest tests -q --ignore=tests/test_multiprocess.py --ignore=tests/test_tf_multiprocess.py --ignore=tests/test_tf_schedules_multiprocess.py --ignore=tests/test_multiprocess_schedules.py --ignore=tests/test_bench.py
+	$(PYTHON) -m pytest tests -q -m "not multiprocess"
 
 # The emulated-network benchmark of docs/benchmarks.md "Step time across link rates" (root; ~15 minutes on
 # 2 cores). Without root: make bench BENCH_ARGS="--loopback -n 2 --steps 4".

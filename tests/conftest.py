@@ -5,7 +5,7 @@ import sys
 import tempfile
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))  # the ``scenarios`` package
 
 # Tests never read or write the user's cache (~/.cache/hvdcompress: fitted cost models): one
 # fresh directory per pytest session, inherited by every worker the tests launch. A test that
@@ -22,13 +22,36 @@ atexit.register(shutil.rmtree, SESSION_CACHE, True)
 EXTENDED = os.environ.get("HVDC_EXTENDED_TESTS", "") == "1"
 
 
+def _horovod_missing():
+    """None when Horovod (with its Gloo runner, PyTorch and TensorFlow ops) imports, else why not."""
+    try:
+        import horovod.runner  # noqa: F401
+        import horovod.tensorflow  # noqa: F401
+        import horovod.torch  # noqa: F401
+    except Exception as e:  # ImportError, or a broken build's OSError / undefined symbol
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+HOROVOD_MISSING = _horovod_missing()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "extended: a costly repeat of covered paths; runs with HVDC_EXTENDED_TESTS=1")
+    config.addinivalue_line("markers", "multiprocess: launches real Horovod/Gloo worker processes "
+                                       "(deselect with -m 'not multiprocess': make test-fast)")
+    if HOROVOD_MISSING:
+        # modules that import Horovod fail to collect; the tests of every other module still run
+        config.option.continue_on_collection_errors = True
+
+
+def pytest_report_header(config):
+    return f"horovod: {'MISSING (' + HOROVOD_MISSING + ')' if HOROVOD_MISSING else 'ok'}"
 
 
 def pytest_collection_modifyitems(config, items):
-    from scenarios import shared_tf_launch  # the TF modules of this session share one launch of 2 workers
-    shared_tf_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in items)
+    from scenarios import shared_launch  # modules share launches: only the collected ones' scenarios run
+    shared_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in items)
     if EXTENDED:
         return
     import pytest
@@ -36,3 +59,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "extended" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    from scenarios import launch
+    marked = item.get_closest_marker("multiprocess") is not None
+    launch.LAUNCH_ALLOWED = marked  # run_workers refuses to start workers for an unmarked test
+    if marked and HOROVOD_MISSING:
+        import pytest
+        pytest.fail(f"Horovod is not importable ({HOROVOD_MISSING}); the multiprocess tests need it. "
+                    "Install it with `make install`, or run only the single-process tests: "
+                    "pytest -m 'not multiprocess'.", pytrace=False)
+
+
+def pytest_runtest_teardown(item):
+    from scenarios import launch
+    launch.LAUNCH_ALLOWED = None

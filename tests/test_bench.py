@@ -141,7 +141,6 @@ def test_bad_arguments_are_refused(capsys):
 
 
 def test_latency_driver_delays_completion(monkeypatch):
-    pytest.importorskip("horovod.torch")
     from torch_ops.collectives import HorovodDriver
     from hvdcompress.bench.injected_latency import LatencyDriver
 
@@ -213,6 +212,7 @@ def _check_complete(report, workers, specs, bandwidths):
     return by
 
 
+@pytest.mark.multiprocess
 def test_loopback_run_has_every_field(tmp_path):
     specs = ["none", "topk:ratio=0.01"]
     report, marker, _ = _bench(tmp_path, "--loopback", "-n", "2", "--phase-budget-s", "600", "-c", *specs)
@@ -222,6 +222,7 @@ def test_loopback_run_has_every_field(tmp_path):
     assert not _processes_with(marker)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(netns.missing_prerequisites() is not None,
                     reason=f"network namespaces unavailable: {netns.missing_prerequisites()}")
 def test_namespace_run_counts_wire_bytes_and_leaves_nothing_behind(tmp_path):
@@ -252,6 +253,7 @@ def test_emulated_network_tears_down_after_a_failure_inside():
     assert not os.path.exists(os.path.join(netns.NETNS_ETC, net.namespaces[0]))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(netns.missing_prerequisites() is not None,
                     reason=f"network namespaces unavailable: {netns.missing_prerequisites()}")
 def test_sigterm_mid_run_stops_workers_and_removes_the_network(tmp_path):

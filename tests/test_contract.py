@@ -91,7 +91,7 @@ def test_torch_toy_matches_its_oracle(world):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_tf_toy_matches_its_oracle(world):
-    tf = pytest.importorskip("tensorflow")
+    import tensorflow as tf
     import toy_algorithm.tf_toy  # noqa: F401
     from tf_ops.compressors import ExchangeContext, build_compressor
     spec = Compression.toysign(gain=0.5)
@@ -110,17 +110,15 @@ def test_tf_toy_matches_its_oracle(world):
 
 
 # -- real Horovod --------------------------------------------------------------------------------
-hvd_runner = pytest.importorskip("horovod.runner")
-
 
 @pytest.fixture(scope="module")
 def two_workers():
-    """One 2-worker launch for the toy algorithm and DGC's default warm-up, in sequence."""
-    from scenarios.launch import run_scenarios
-    from scenarios import contract as sc
-    return run_scenarios("torch", 2, [("toy", sc.toy_training, ()), ("warmup", sc.dgc_default_warmup, ())])
+    """The toy algorithm and DGC's default warm-up, in the session's shared 2-worker PyTorch launch."""
+    from scenarios.shared_launch import TORCH_2
+    return TORCH_2.results("test_contract")
 
 
+@pytest.mark.multiprocess
 def test_toy_algorithm_trains_through_the_real_optimizer(two_workers):
     from scenarios.launch import part
     for r in part(two_workers, "toy"):
@@ -132,6 +130,7 @@ def test_toy_algorithm_trains_through_the_real_optimizer(two_workers):
         assert r["stats"]["bytes_per_step"] == sum(4 + 4 * n for n in (12 * 16, 16, 16 * 3, 3))
 
 
+@pytest.mark.multiprocess
 def test_default_dgc_leaves_warmup_without_set_epoch(two_workers):
     from scenarios.launch import part
     from hvdcompress.reference.dgc import dgc_density
@@ -143,6 +142,7 @@ def test_default_dgc_leaves_warmup_without_set_epoch(two_workers):
         assert r["sent"][0] > 10 * r["sent"][-1]  # 25% of the 64x64 weights at first, 1% at the end
 
 
+@pytest.mark.multiprocess
 def test_every_collective_runs_on_the_process_set_torch(tmp_path):
     from scenarios.launch import run_workers
     from scenarios import contract
@@ -156,9 +156,10 @@ def test_every_collective_runs_on_the_process_set_torch(tmp_path):
     assert any(f.endswith(".json") for f in os.listdir(tmp_path))  # the profiled model was cached
 
 
+@pytest.mark.multiprocess
 def test_every_collective_runs_on_the_process_set_tf(tmp_path):
-    # launched by horovodrun: under horovod.runner.run, TF's static process sets were not
-    # registered in the worker (Horovod 0.28.1; process_set.size() raised), under horovodrun they are
+    # launched by horovodrun: under horovod.runner.run, Horovod 0.28.1 does not register TF's static
+    # process sets in the worker (process_set.size() raises); under horovodrun it does
     import json
     import subprocess
     import sys

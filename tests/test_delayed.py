@@ -1,23 +1,24 @@
-"""Delayed gradient averaging and temporal sparsity (torch_ops.delayed) on real Horovod."""
+"""Delayed gradient averaging and temporal sparsity (torch_ops.delayed) on real Horovod: the
+scenarios of tests/scenarios/delayed.py run in the session's shared PyTorch launches (2 workers;
+the unrolled identity also on 3)."""
 
 import numpy as np
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
-
-from scenarios import delayed as sc  # noqa: E402
-from scenarios.launch import run_workers  # noqa: E402
-
-
-def _ok(results):
-    for r in results:
-        assert "error" not in r, r.get("error")
-    return results
+from scenarios import delayed as sc
+from scenarios.launch import part
+from scenarios.shared_launch import TORCH_2, TORCH_3
 
 
+def _ok(name, world=2):
+    """Scenario ``name``'s result on every rank, from the shared launch of ``world`` workers."""
+    return part({2: TORCH_2, 3: TORCH_3}[world].results("test_delayed"), name)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3])
 def test_unrolled_identity_for_plain_sgd(world):
-    results = _ok(run_workers(sc.unrolled_identity, world))
+    results = _ok("unrolled", world)
     lr, n = np.float32(0.1), 7
     c = {(j, t): sc._fixed(j, t) for j in range(world) for t in range(n)}
     mean = {t: np.mean([c[(j, t)] for j in range(world)], axis=0) for t in range(n)}
@@ -31,10 +32,11 @@ def test_unrolled_identity_for_plain_sgd(world):
     assert results[0]["1"] != results[1]["1"] if "1" in results[0] else results[0][1] != results[1][1]
 
 
+@pytest.mark.multiprocess
 def test_unrolled_identity_with_the_momentum_in_the_compressor():
     """DGC (momentum taken over from SGD) at density 1: the local steps use the local velocity."""
     world, lr, m, n = 2, 0.1, 0.9, 7
-    results = _ok(run_workers(sc.unrolled_identity_with_momentum, world))
+    results = _ok("momentum")
     c = {(j, t): sc._fixed(j, t).astype(np.float64) for j in range(world) for t in range(n)}
     u = {}
     for j in range(world):
@@ -54,27 +56,31 @@ def test_unrolled_identity_with_the_momentum_in_the_compressor():
         assert results[0][f"{si}|3"] != results[1][f"{si}|3"]  # the local velocities do differ
 
 
+@pytest.mark.multiprocess
 def test_zero_delay_is_bit_identical_to_the_synchronous_optimizer():
-    for r in _ok(run_workers(sc.zero_delay_is_the_synchronous_optimizer, 2)):
+    for r in _ok("zero"):
         assert all(r[s] for s in sc.FLUSH_SPECS), r
 
 
+@pytest.mark.multiprocess
 def test_flush_leaves_identical_parameters_for_every_compressor():
-    for r in _ok(run_workers(sc.flush_makes_replicas_identical, 2)):
+    for r in _ok("flush"):
         for key, (before, after, again) in r.items():
             assert after and again, key
         assert not all(v[0] for v in r.values())  # replicas did differ before the flushes
 
 
+@pytest.mark.multiprocess
 def test_resume_with_exchanges_in_flight_continues_exactly():
-    for r in _ok(run_workers(sc.resume_with_exchanges_in_flight, 2)):
+    for r in _ok("resume"):
         for spec, (equal, equal_after_flush, in_flight) in r.items():
             assert equal and equal_after_flush and in_flight >= 1, (spec, r[spec])
 
 
+@pytest.mark.multiprocess
 def test_nonfinite_gradients_with_exchanges_in_flight_are_seen_and_never_kept():
     d = sc.NONFINITE_DELAY
-    for rank, r in enumerate(_ok(run_workers(sc.nonfinite_with_exchanges_in_flight, 2))):
+    for rank, r in enumerate(_ok("nonfinite")):
         assert "non-finite" in (r.pop("refused") or ""), "a NaN in the delayed velocity was loaded"
         for key, v in r.items():
             spec, bad, mode = key.split("|")

@@ -11,19 +11,16 @@ import sys
 
 import pytest
 
-pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
+
+from scenarios import kit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_training_continues_identical_through_a_worker_joining_and_leaving(tmp_path):
     out = str(tmp_path)
-    with open(os.path.join(out, "hosts"), "w") as f:
-        f.write("localhost:2\n")
-    discover = os.path.join(out, "discover.sh")
-    with open(discover, "w") as f:
-        f.write(f"#!/bin/sh\ncat {os.path.join(out, 'hosts')}\n")
-    os.chmod(discover, 0o755)
+    discover = kit.elastic_discovery(out)
     env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1",
                PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = ["horovodrun", "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", discover,

@@ -5,17 +5,18 @@ resumes the validation where it was."""
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import tuning as sc  # noqa: E402
-from scenarios.launch import part, run_workers  # noqa: E402
+from scenarios.launch import part  # noqa: E402
+from scenarios.shared_launch import TORCH_2  # noqa: E402
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    out = run_workers(sc.everything, WORLD, WORLD)
+    out = part(TORCH_2.results("test_mp_tuning"), "everything")  # sc.everything(2), the shared launch
     return part(out, "tuned")
 
 

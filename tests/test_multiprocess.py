@@ -1,32 +1,25 @@
 """Real Horovod: 2 and 3 worker processes on the Gloo CPU backend (horovod.runner.run).
 
-Two launches: every scenario of tests/scenarios/torch_core.py in sequence on 2 workers, and the training
-scenario on 3 (a module fixture; each test checks one part of what came back)."""
+Every scenario of tests/scenarios/torch_core.py on 2 workers and the training scenario on 3, in the
+session's shared PyTorch launches (a module fixture; each test checks one part of what came back)."""
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
-from scenarios import torch_core  # noqa: E402
-from scenarios.launch import part, run_scenarios  # noqa: E402
+from scenarios.launch import part  # noqa: E402
+from scenarios.shared_launch import TORCH_2, TORCH_3  # noqa: E402
 from scenarios.torch_core import TRAIN_SPECS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def launches():
-    """One launch per world size, made when a test first needs it: on 2 workers every scenario."""
-    cache = {}
-
+    """The session's shared PyTorch launch of each world size (scenarios/shared_launch.py): on 2
+    workers every scenario of scenarios/torch_core.py, on 3 the training."""
     def get(world):
-        if world not in cache:
-            calls = [("training", torch_core.training, (world,))]
-            if world == 2:
-                calls += [("empty", torch_core.empty_selection, ()), ("bad", torch_core.bad_arguments, ()),
-                          ("resume", torch_core.checkpoint_resume, ())]
-            cache[world] = run_scenarios("torch", world, calls)
-            assert len(cache[world]) == world
-            print(f"scenario seconds on {world} workers:", [r["seconds"] for r in cache[world]])
-        return cache[world]
+        out = {2: TORCH_2, 3: TORCH_3}[world].results("test_multiprocess")
+        assert len(out) == world
+        return out
     return get
 
 

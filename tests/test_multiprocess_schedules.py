@@ -11,11 +11,12 @@ import pytest
 
 from hvdcompress.schedule import planner, search
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import schedules as sc  # noqa: E402
 from scenarios.torch_core import TRAIN_SPECS  # noqa: E402
-from scenarios.launch import part as _part, run_workers as _run  # noqa: E402
+from scenarios.launch import part as _part  # noqa: E402
+from scenarios.shared_launch import TORCH_2, TORCH_3  # noqa: E402
 
 WORLD = 2
 SIZES = {"0.weight": 2560, "0.bias": 128, "2.weight": 4096, "2.bias": 128, "4.weight": 512, "4.bias": 16}
@@ -24,9 +25,9 @@ TIMING_KEYS = ("iteration_seconds", "forward_seconds", "backward_seconds", "hook
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("profile-cache")  # empty: "auto" without a model must profile
-    out = _run(sc.everything, WORLD, WORLD, str(cache))
+def results():
+    # sc.everything(2, an empty cache: "auto" without a model must profile) in the shared launch
+    out = _part(TORCH_2.results("test_multiprocess_schedules"), "everything")
     assert len(out) == WORLD
     return out
 
@@ -132,7 +133,7 @@ def test_every_compressor_keeps_ranks_identical_after_every_step_under_merged_gr
 
 
 def test_every_compressor_under_merged_groups_on_3_workers():
-    out = _run(sc.merged_training, 3, 3)
+    out = _part(TORCH_3.results("test_multiprocess_schedules"), "merged")  # sc.merged_training(3)
     assert len(out) == 3
     for r in out:
         assert "error" not in r, r.get("error")

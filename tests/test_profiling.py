@@ -1,44 +1,15 @@
 """Profiling on a real 2-worker Gloo job: collectives, compression, backward hooks, the fit, the cache."""
 
-import os
-
 import pytest
 
-pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
-from scenarios.launch import run_workers as _run  # noqa: E402
-
-SPECS = ["topk:ratio=0.1", "none"]
-
-
-def _profile_on_every_rank() -> dict:
-    import horovod.torch as hvd
-    import torch
-    import torch.nn as nn
-
-    from torch_ops import profiling
-
-    hvd.init()
-    model = profiling.profile_cost_model(SPECS, comm_bytes=[4096, 65536, 262144],
-                                         compress_elements=[1024, 8192, 65536], repeats=2)
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-    x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
-    workload = profiling.profile_workload(net, lambda: nn.functional.cross_entropy(net(x), y), iters=2,
-                                          warmup=1, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
-    plan = workload.plan("auto", model, "topk:ratio=0.1")
-    again = profiling.load_or_profile(["topk:ratio=0.1"])  # from the cache this time
-    out = {"model": model.to_dict(), "workload": workload.to_dict(), "groups": plan.groups,
-           "schedule": plan.schedule, "predicted": plan.predicted_seconds, "cached": again == model,
-           "cache_files": sorted(f for f in os.listdir(os.environ["HVDCOMPRESS_CACHE"])
-                                 if f != "native")}  # the compiled selection kernels' folder
-    hvd.shutdown()
-    return out
+from scenarios.launch import part  # noqa: E402
+from scenarios.shared_launch import TORCH_2  # noqa: E402
 
 
-def test_profiler_returns_sane_samples_fit_and_identical_plans(tmp_path, monkeypatch):
-    monkeypatch.setenv("HVDCOMPRESS_CACHE", str(tmp_path))
-    ranks = _run(_profile_on_every_rank, 2)
+def test_profiler_returns_sane_samples_fit_and_identical_plans():
+    ranks = part(TORCH_2.results("test_profiling"), "profile")  # scenarios/profiling.py, a fresh cache
     r0 = ranks[0]
     assert all(r["model"] == r0["model"] and r["workload"] == r0["workload"] for r in ranks)
     assert all(r["groups"] == r0["groups"] and r["cached"] for r in ranks)

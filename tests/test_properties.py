@@ -436,7 +436,7 @@ def test_powersgd_wire_rule_counts_the_item_size(dtype):
     assert sent[0] == declared
 
 
-# DGC agrees since its TF state update became TF's fused momentum kernel in float64 (issue 11)
+# DGC agrees: its TF state update is TF's fused momentum kernel, which rounds as PyTorch does in float64
 @pytest.mark.parametrize("text", [
     "dgc:ratio=0.05,warmup_epochs=0,min_sparse_numel=16",
     pytest.param("sketch:ratio=0.05,min_sketch_numel=1", marks=pytest.mark.xfail(strict=True, reason=(

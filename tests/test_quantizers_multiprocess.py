@@ -16,11 +16,12 @@ none/fp16/bf16 keep ranks identical and give our optimizer's parameters; other s
 
 import pytest
 
-pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import quantizers as sc  # noqa: E402
 from scenarios import shared_tf_launch  # noqa: E402
-from scenarios.launch import run_workers  # noqa: E402
+from scenarios.launch import part  # noqa: E402
+from scenarios.shared_launch import TORCH_2, TORCH_3  # noqa: E402
 
 NEEDLES = {"levels": "qsgd: parameter 'levels' must be int in [1, 127]",
            "bucket": "terngrad: parameter 'bucket' must be int in [0, 2147483647]",
@@ -38,8 +39,11 @@ def launched(request):
     backend, world = request.param
     if (backend, world) == ("tf", 2):  # tf_everything() in the session's shared TF launch
         return backend, world, shared_tf_launch.results("test_quantizers_multiprocess")
-    fn = sc.torch_everything if backend == "torch" else sc.tf_everything
-    return backend, world, run_workers(fn, world)
+    if backend == "torch":  # torch_everything() in the session's shared PyTorch launch
+        return backend, world, part({2: TORCH_2, 3: TORCH_3}[world].results("test_quantizers_multiprocess"),
+                                    "everything")
+    from scenarios.launch import run_workers
+    return backend, world, run_workers(sc.tf_everything, world)
 
 
 def _ok(r):

@@ -7,20 +7,17 @@ launch their own (the job ends with them)."""
 import pytest
 import torch
 
-hvd_runner = pytest.importorskip("horovod.runner")
-
-from scenarios import reliability as sc  # noqa: E402
-from scenarios.launch import part, run_scenarios, run_workers  # noqa: E402
+from scenarios import reliability as sc
+from scenarios.launch import part, run_workers
+from scenarios.shared_launch import TORCH_2
 
 
 @pytest.fixture(scope="module")
 def results():
-    out = run_scenarios("torch", 2, [("sparse", sc.sparse_gradients, ()), ("models", sc.different_models, ()),
-                                     ("faults", sc.nonfinite_faults, ()), ("partial", sc.partial_gradients, ())])
-    print("scenario seconds per rank:", [r["seconds"] for r in out])
-    return out
+    return TORCH_2.results("test_reliability")  # its four scenarios in the shared PyTorch launch
 
 
+@pytest.mark.multiprocess
 def test_sparse_gradients_are_exchanged_sparse_like_horovod(results):
     for r in part(results, "sparse"):
         assert "error" not in r, r.get("error")
@@ -32,6 +29,7 @@ def test_sparse_gradients_are_exchanged_sparse_like_horovod(results):
         assert r["as_dense_max_diff_vs_horovod"] < 1e-6  # SparseAdam with sparse_as_dense=True works, as in Horovod
 
 
+@pytest.mark.multiprocess
 def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):
     for r in part(results, "models"):
         assert "error" not in r, r.get("error")
@@ -39,6 +37,7 @@ def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):
         assert r["after"] == 1.0  # a collective still works afterwards (average of ones)
 
 
+@pytest.mark.multiprocess
 def test_non_finite_gradients_are_never_hidden_and_never_kept(results):
     for r in part(results, "faults"):
         assert "error" not in r, r.get("error")
@@ -52,6 +51,7 @@ def test_non_finite_gradients_are_never_hidden_and_never_kept(results):
                 assert not v["params_finite"], (key, v)  # as with Horovod: the step applied it
 
 
+@pytest.mark.multiprocess
 def test_a_parameter_with_a_gradient_on_some_ranks_only_neither_hangs_nor_diverges(results):
     for r in part(results, "partial"):
         assert "error" not in r, r.get("error")
@@ -63,7 +63,9 @@ def test_a_parameter_with_a_gradient_on_some_ranks_only_neither_hangs_nor_diverg
                 assert v["max_diff_vs_horovod"] < 1e-6, (key, v)  # zeros from the rank without one, as Horovod
 
 
-@pytest.mark.parametrize("kind", ["ours", "horovod"])
+@pytest.mark.multiprocess
+# Horovod's own optimizer is the reference the behaviour of ours is compared with: extended tier
+@pytest.mark.parametrize("kind", ["ours", pytest.param("horovod", marks=pytest.mark.extended)])
 def test_a_worker_that_dies_mid_step_ends_the_others_within_the_timeout(kind, tmp_path):
     import json
     import time

@@ -8,17 +8,18 @@ parameters raising on every rank before any collective.
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import sketch as sc  # noqa: E402
 from scenarios import shared_tf_launch  # noqa: E402
-from scenarios.launch import part, run_workers  # noqa: E402
+from scenarios.launch import part  # noqa: E402
+from scenarios.shared_launch import TORCH_2, TORCH_3  # noqa: E402
 
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2workers", "3workers"])
 def torch_run(request):
-    out = run_workers(sc.torch_all, request.param, request.param)
+    out = part({2: TORCH_2, 3: TORCH_3}[request.param].results("test_sketch_multiprocess"), "all")
     assert len(out) == request.param
     return request.param, out
 

@@ -70,6 +70,7 @@ def results():
     return out
 
 
+@pytest.mark.multiprocess
 def test_unrolled_identity_for_plain_sgd(results):
     parts = part(results, "identity")
     for delay, every, op in sc.IDENTITY:
@@ -83,6 +84,7 @@ def test_unrolled_identity_for_plain_sgd(results):
 
 
 
+@pytest.mark.multiprocess
 def test_unrolled_identity_with_the_momentum_in_the_compressor(results):
     parts = part(results, "momentum")
     for delay, every, op in sc.IDENTITY_MOMENTUM:
@@ -95,6 +97,7 @@ def test_unrolled_identity_with_the_momentum_in_the_compressor(results):
     assert parts[0]["3|1|avg"] != parts[1]["3|1|avg"]
 
 
+@pytest.mark.multiprocess
 def test_nonfinite_values_with_corrections_pending_are_seen_and_never_kept(results):
     d = sc.NONFINITE_DELAY
     for rank, r in enumerate(part(results, "nonfinite")):
@@ -103,11 +106,13 @@ def test_nonfinite_values_with_corrections_pending_are_seen_and_never_kept(resul
             assert v["state_finite"] and v["params_finite"] and v["identical"], (rank, key, v)
 
 
+@pytest.mark.multiprocess
 def test_zero_delay_is_bit_identical_to_the_synchronous_path(results):
     for r in part(results, "zero"):
         assert r and all(r.values()), r
 
 
+@pytest.mark.multiprocess
 def test_flush_leaves_identical_variables(results):
     for r in part(results, "flush"):
         assert len(r) == len(sc.FLUSH_CASES) + 1
@@ -116,6 +121,7 @@ def test_flush_leaves_identical_variables(results):
         assert not all(v[0] for k, v in r.items() if k.startswith("tape"))  # replicas did differ
 
 
+@pytest.mark.multiprocess
 def test_resume_with_corrections_pending_continues_exactly(results):
     for r in part(results, "resume"):
         for label, (equal, equal_after_flush, pending, calls, identical) in r.items():

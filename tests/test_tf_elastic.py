@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
+
+from scenarios import kit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -21,12 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.mark.parametrize("mode", ["keras", pytest.param("tape", marks=pytest.mark.extended)])  # tape: extended tier
 def test_training_continues_identical_through_a_worker_joining_and_leaving(tmp_path, mode):
     out = str(tmp_path)
-    with open(os.path.join(out, "hosts"), "w") as f:
-        f.write("localhost:2\n")
-    discover = os.path.join(out, "discover.sh")
-    with open(discover, "w") as f:
-        f.write(f"#!/bin/sh\ncat {os.path.join(out, 'hosts')}\n")
-    os.chmod(discover, 0o755)
+    discover = kit.elastic_discovery(out)
     # a joining worker imports TensorFlow before it reaches the rendezvous: more than Gloo's default
     # 30 s on a loaded machine
     env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1", HOROVOD_GLOO_TIMEOUT_SECONDS="120",

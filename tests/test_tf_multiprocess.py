@@ -7,7 +7,7 @@ below checks one part of what it returned.
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import shared_tf_launch  # noqa: E402
 from scenarios.launch import part as _part  # noqa: E402

@@ -5,10 +5,8 @@ state is refused on every rank, a model that differs across ranks is a clear err
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
-
-from scenarios import tf_reliability as sc  # noqa: E402
-from scenarios.launch import part, run_workers  # noqa: E402
+from scenarios import tf_reliability as sc
+from scenarios.launch import part, run_workers
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +17,7 @@ def results():
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("scenario", ["faults", "eager"])
 def test_non_finite_gradients_are_seen_on_every_rank_and_never_kept(results, scenario):
     for r in part(results, scenario):
@@ -29,12 +28,14 @@ def test_non_finite_gradients_are_seen_on_every_rank_and_never_kept(results, sce
             assert v["params_finite"] and v["identical"], (spec, v)
 
 
+@pytest.mark.multiprocess
 def test_a_plain_step_applies_the_bad_value_as_horovod_does(results):
     for r in part(results, "plain"):
         for spec, v in r.items():
             assert not v["params_finite"] and v["state_finite"], (spec, v)
 
 
+@pytest.mark.multiprocess
 def test_keras_loss_scale_optimizer_skips_the_bad_steps_on_every_rank(results):
     for r in part(results, "loss_scale"):
         for spec, v in r.items():
@@ -44,12 +45,14 @@ def test_keras_loss_scale_optimizer_skips_the_bad_steps_on_every_rank(results):
             assert v["params_finite"] and v["identical"] and v["state_finite"], (spec, v)
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_with_non_finite_state_is_refused_on_every_rank(results):
     for r in part(results, "checkpoint"):
         assert r["refused"], r
         assert r["after"] == 1.0  # a collective still works afterwards (average of ones)
 
 
+@pytest.mark.multiprocess
 def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):
     for r in part(results, "models"):
         assert "/kernel:0' (gradient 0)" in r["tape.width"] and "(16, 32)" in r["tape.width"] and "(16, 33)" in r["tape.width"]
@@ -59,7 +62,7 @@ def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(results):
 
 
 def test_the_non_finite_flag_is_exact_also_when_a_finite_sum_overflows():
-    tf = pytest.importorskip("tensorflow")
+    import tensorflow as tf
     from tf_ops.nonfinite import _flag
     for dtype in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
         big = float(dtype.max)

@@ -1,26 +1,23 @@
-"""Merged-group schedules with real Horovod, TF backend: 2 Gloo worker processes (horovod.runner.run)
-run tests/scenarios/tf_schedules.py once; each test checks one part of what it returned. The
-workers get an empty HVDCOMPRESS_CACHE, so no cost model is cached for them.
+"""Merged-group schedules with real Horovod, TF backend: tests/scenarios/tf_schedules.py runs in the
+session's shared 2-worker TF launch (scenarios/shared_tf_launch.py); each test checks one part of
+what it returned. The scenario gets an empty HVDCOMPRESS_CACHE, so no cost model is cached for it.
 """
 
 
 import pytest
 
-hvd_runner = pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
-from scenarios import tf_schedules  # noqa: E402
-from scenarios.launch import part as _part, run_workers  # noqa: E402
+from scenarios import shared_tf_launch  # noqa: E402
+from scenarios.launch import part as _part  # noqa: E402
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = run_workers(tf_schedules.everything, WORLD, WORLD, start_timeout=120,
-                      env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
-                           "HVDCOMPRESS_CACHE": str(tmp_path_factory.mktemp("hvc-cache"))})
+def results():
+    out = shared_tf_launch.results("test_tf_schedules_multiprocess")
     assert len(out) == WORLD
-    print("scenario seconds per rank:", [r["seconds"] for r in out])
     return out
 
 

@@ -7,7 +7,7 @@ on every rank."""
 
 import pytest
 
-pytest.importorskip("horovod.runner")
+pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import tf_sparse as sc  # noqa: E402
 from scenarios import shared_tf_launch  # noqa: E402

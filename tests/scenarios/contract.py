@@ -1,38 +1,18 @@
 """Worker code for tests/test_contract.py: the toy algorithm trained through the real optimizer,
-and every collective on a process set smaller than the job (the hang of issue 10)."""
+and every collective on a process set smaller than the job (a rank outside the set runs none of
+the set's collectives and must not make them wait)."""
 
 from __future__ import annotations
 
 import copy
 import os
 import traceback
+from functools import partial
 
+from scenarios import kit
 
-def _torch_model():
-    import torch
-    import torch.nn as nn
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def _torch_batch(rank, step):
-    import torch
-    g = torch.Generator().manual_seed(100 * rank + step)
-    x = torch.randn(8, 12, generator=g)
-    return x, x[:, :3].argmax(1)
-
-
-def _flat(model):
-    import torch
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _identical(model, process_set=None):
-    import horovod.torch as hvd
-    import torch
-    kw = {} if process_set is None else {"process_set": process_set}
-    rows = hvd.allgather(_flat(model).unsqueeze(0), name="check.params", **kw)
-    return bool(all(torch.equal(rows[0], r) for r in rows))
+_torch_model = partial(kit.torch_mlp, (12, 16, 3), ("relu",))
+_torch_batch = partial(kit.torch_batch, n=8, features=12, classes=3, stride=100)
 
 
 def _torch_train(spec, steps, schedule="auto", process_set=None, model=None, opt=None, first=0, **kw):
@@ -53,7 +33,7 @@ def _torch_train(spec, steps, schedule="auto", process_set=None, model=None, opt
         x, y = _torch_batch(hvd.rank(), step)
         nn.CrossEntropyLoss()(model(x), y).backward()
         opt.step()
-        identical.append(_identical(model, process_set))
+        identical.append(kit.torch_identical(model, process_set=process_set))
     return model, opt, identical
 
 
@@ -70,7 +50,7 @@ def toy_training() -> dict:
         model, opt, identical = _torch_train(hvc.Compression.toysign(gain=0.5), 4)
         saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         _, _, _ = _torch_train(None, 2, model=model, opt=opt, first=4)
-        straight = _flat(model)
+        straight = kit.torch_flat(model)
         model2 = _torch_model()
         opt2 = hvc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9),
                                         named_parameters=model2.named_parameters(), compression="toysign:gain=0.5")
@@ -79,7 +59,7 @@ def toy_training() -> dict:
         _torch_train(None, 2, model=model2, opt=opt2, first=4)
         out = {"identical": identical, "groups": opt.groups, "stats": opt.stats.as_dict(),
                "calls": {k: float(v["calls"]) for k, v in opt.state_dict()["hvdcompress"]["state"].items()},
-               "resumed_equal": bool(torch.equal(straight, _flat(model2)))}
+               "resumed_equal": bool(torch.equal(straight, kit.torch_flat(model2)))}
     except Exception:
         out = {"error": traceback.format_exc()}
     hvd.shutdown()
@@ -112,7 +92,7 @@ def dgc_default_warmup() -> dict:
                 opt.step()
                 densities.append(opt.stats.as_dict()["density"])
                 sent.append(opt.stats.last_bytes)
-        out = {"densities": densities, "sent": sent, "epoch": opt.epoch, "identical": _identical(model),
+        out = {"densities": densities, "sent": sent, "epoch": opt.epoch, "identical": kit.torch_identical(model),
                "warnings": sum("set_epoch() was not called" in str(w.message) for w in caught)}
     except Exception:
         out = {"error": traceback.format_exc()}
@@ -135,7 +115,7 @@ def process_set_torch() -> dict:
             out["mgs"] = ident
             out["plan"] = None if opt.plan is None else opt.plan.schedule
             out["world"] = opt.cost_model.world_size if opt.cost_model is not None else None
-        hvd.barrier()  # all three ranks meet again: nothing hung
+        kit.torch_meet("meet.again")  # all three ranks meet again: nothing hung
         out["done"] = True
     except Exception:
         out["error"] = traceback.format_exc()
@@ -180,9 +160,7 @@ def process_set_tf() -> dict:
                     tape = hvc.DistributedGradientTape(tape, compression=comp, process_set=ps)
                     opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                             model.trainable_variables))
-                    flat = tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
-                    rows = hvd.allgather(flat[None], name=f"check.{schedule}.{step}", process_set=ps)
-                    same.append(bool(np.array_equal(rows[0].numpy(), rows[1].numpy())))
+                    same.append(kit.tf_identical(model, f"check.{schedule}.{step}", process_set=ps))
                 results[schedule] = same
             out.update(results)
         hvd.allreduce(tf.zeros(1), name="meet.again")  # all three ranks meet again: nothing hung

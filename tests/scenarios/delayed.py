@@ -4,35 +4,15 @@ from __future__ import annotations
 
 import copy
 import traceback
+from functools import partial
+
+from scenarios import kit
 
 FLUSH_SPECS = ["none", "fp16", "topk:ratio=0.1", "dgc:ratio=0.1,warmup_epochs=0,min_sparse_numel=16",
                "randomk:ratio=0.2,seed=3"]
 
-
-def _model():
-    import torch
-    import torch.nn as nn
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-def _batch(rank, step):
-    import torch
-    g = torch.Generator().manual_seed(97 * rank + step)
-    x = torch.randn(8, 10, generator=g)
-    return x, x[:, :3].argmax(1)
-
-
-def _flat(model):
-    import torch
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _identical(model, name):
-    import horovod.torch as hvd
-    import torch
-    rows = hvd.allgather(_flat(model).unsqueeze(0), name=name)
-    return bool(all(torch.equal(rows[0], r) for r in rows))
+_model = partial(kit.torch_mlp, (10, 16, 3), ("tanh",))
+_batch = partial(kit.torch_batch, n=8, features=10, classes=3, stride=97)
 
 
 def _opt(model, spec, **kw):
@@ -131,7 +111,7 @@ def zero_delay_is_the_synchronous_optimizer() -> dict:
             oa, ob = _opt(a, spec), _opt(b, spec, delay=0, sync_every=1)
             _steps(a, oa, 0, 5)
             _steps(b, ob, 0, 5)
-            out[spec] = bool(torch.equal(_flat(a), _flat(b)))
+            out[spec] = bool(torch.equal(kit.torch_flat(a), kit.torch_flat(b)))
     except Exception:
         out["error"] = traceback.format_exc()
     hvd.shutdown()
@@ -148,12 +128,13 @@ def flush_makes_replicas_identical() -> dict:
                 model = _model()
                 opt = _opt(model, spec, delay=delay, sync_every=every)
                 _steps(model, opt, 0, 7)
-                before = _identical(model, f"before.{spec}.{delay}.{every}")
+                before = kit.torch_identical(model, f"before.{spec}.{delay}.{every}")
                 opt.flush()
-                after = _identical(model, f"after.{spec}.{delay}.{every}")
+                after = kit.torch_identical(model, f"after.{spec}.{delay}.{every}")
                 _steps(model, opt, 7, 9)  # training goes on after a flush
                 opt.flush()
-                out[f"{spec}|{delay}|{every}"] = (before, after, _identical(model, f"again.{spec}.{delay}.{every}"))
+                again = kit.torch_identical(model, f"again.{spec}.{delay}.{every}")
+                out[f"{spec}|{delay}|{every}"] = (before, after, again)
     except Exception:
         out["error"] = traceback.format_exc()
     hvd.shutdown()
@@ -173,17 +154,18 @@ def resume_with_exchanges_in_flight() -> dict:
             _steps(model, opt, 0, 5)
             saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
             _steps(model, opt, 5, 9)
-            straight = _flat(model)
+            straight = kit.torch_flat(model)
             opt.state_dict()  # completes opt's exchanges in flight: opt2 reuses their Horovod op names
             model2 = _model()
             opt2 = _opt(model2, spec, delay=delay, sync_every=every)
             model2.load_state_dict(saved[0])
             opt2.load_state_dict(saved[1])
             _steps(model2, opt2, 5, 9)
-            resumed = _flat(model2)
+            resumed = kit.torch_flat(model2)
             opt.flush()
             opt2.flush()
-            out[f"{spec}|{delay}|{every}"] = (bool(torch.equal(straight, resumed)), bool(torch.equal(_flat(model), _flat(model2))),
+            same_after_flush = bool(torch.equal(kit.torch_flat(model), kit.torch_flat(model2)))
+            out[f"{spec}|{delay}|{every}"] = (bool(torch.equal(straight, resumed)), same_after_flush,
                          len(saved[1]["hvdcompress"]["delayed"]["corrections"])
                          + len(saved[1]["hvdcompress"]["delayed"]["accumulated"]))  # in flight or unsent
     except Exception:
@@ -235,7 +217,7 @@ def nonfinite_with_exchanges_in_flight() -> dict:
                         with opt.skip_synchronize():
                             opt.step()
                     key = f"{spec}|{bad}|{mode}"
-                    finite = bool(torch.isfinite(_flat(model)).all())
+                    finite = bool(torch.isfinite(kit.torch_flat(model)).all())
                     sd = opt.state_dict()["hvdcompress"]
                     tensors = [t for st in sd["state"].values() for t in st.values() if torch.is_tensor(t)]
                     tensors += [t for part in ("velocity", "accumulated", "applied")
@@ -245,7 +227,7 @@ def nonfinite_with_exchanges_in_flight() -> dict:
                     identical = None
                     if finite:
                         opt.flush()
-                        identical = _identical(model, "nonfinite." + key)
+                        identical = kit.torch_identical(model, "nonfinite." + key)
                     out[key] = {"seen": seen, "params_finite": finite, "state_finite": state_finite,
                                 "identical_after_flush": identical}
         # a checkpoint whose delayed state holds NaN is refused, naming it

@@ -1,4 +1,4 @@
-"""DGC on real training recipes (issue 15), inside real Horovod workers (tests/test_dgc_recipes.py):
+"""DGC on real training recipes, inside real Horovod workers (tests/test_dgc_recipes.py):
 weight decay through the momentum, the two clipping scopes independent of the merge schedule,
 checkpoints of both, and the refusals. One launch per backend runs every scenario of it.
 
@@ -11,37 +11,25 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
+from functools import partial
 
 import numpy as np
+
+from scenarios import kit
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 EVERYTHING = "dgc:ratio=1.0,sample_ratio=1.0,warmup_epochs=0,momentum_masking=false"
 STEPS = 40
 
-
-def _batch(rank: int, step: int):
-    rng = np.random.default_rng(1000 * rank + step)
-    x = rng.standard_normal((16, 20)).astype(np.float32)
-    return x, x[:, :10].argmax(1)
-
-
-def _run(out: dict, name: str, fn, *args) -> None:
-    try:
-        out[name] = fn(*args)
-    except Exception:  # report, do not hang the test on a worker traceback
-        out[name] = {"error": traceback.format_exc()}
+# fc1.weight / the first kernel: 1280 entries (DGC's sparse path); the 64x10 one and biases: dense path
+MLP, ACTS = (20, 64, 10), ("relu",)
+_batch = partial(kit.np_batch, classes=10)
+_torch_model = partial(kit.torch_mlp, MLP, ACTS)
+_tf_model = partial(kit.keras_mlp, MLP, ACTS)
 
 
 # -- PyTorch ----------------------------------------------------------------------------------------
-def _torch_model():
-    import torch
-    import torch.nn as nn
-    torch.manual_seed(0)  # fc1.weight: 1280 entries (sparse path); fc2.weight 640 and biases: dense path
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
 def _torch_make(spec, wd=0.0, nesterov=False, schedule="layerwise", **sgd):
     import torch
     import hvdcompress.torch as hvc
@@ -55,11 +43,6 @@ def _torch_make(spec, wd=0.0, nesterov=False, schedule="layerwise", **sgd):
     return model, opt
 
 
-def _torch_flat(model):
-    import torch
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def _torch_steps(model, opt, first, last) -> bool:
     """Train steps [first, last); True when every rank held the same parameters after each."""
     import torch
@@ -71,8 +54,7 @@ def _torch_steps(model, opt, first, last) -> bool:
         opt.zero_grad()
         F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
         opt.step()
-        rows = hvc.allgather(_torch_flat(model)[None], name=f"same.{step}")
-        same = same and all(torch.equal(rows[0], r) for r in rows)
+        same = kit.torch_identical(model, f"same.{step}") and same
     return same
 
 
@@ -84,12 +66,12 @@ def torch_weight_decay() -> dict:
             for spec in ("none", EVERYTHING):
                 model, opt = _torch_make(spec, wd=wd, nesterov=nesterov)
                 same = _torch_steps(model, opt, 0, STEPS) and same
-                flats[spec] = _torch_flat(model).numpy()
+                flats[spec] = kit.torch_flat(model).numpy()
                 if spec != "none":
                     taken = [[g["weight_decay"], g.get("hvc_weight_decay"), g["momentum"]] for g in opt.param_groups]
             out[f"nesterov={nesterov},wd={wd}"] = {
                 "max_abs_diff": float(np.abs(flats["none"] - flats[EVERYTHING]).max()),
-                "moved": float(np.abs(flats["none"] - _torch_flat(_torch_model()).numpy()).max()),
+                "moved": float(np.abs(flats["none"] - kit.torch_flat(_torch_model()).numpy()).max()),
                 "identical": same, "groups": taken}
     return out
 
@@ -102,14 +84,14 @@ def torch_clipping() -> dict:
         for schedule in ("layerwise", "single", "size:0.003"):
             model, opt = _torch_make(spec, schedule=schedule)
             same = _torch_steps(model, opt, 0, 8) and same
-            flats[schedule], groups[schedule] = _torch_flat(model).numpy(), len(opt.groups)
+            flats[schedule], groups[schedule] = kit.torch_flat(model).numpy(), len(opt.groups)
         ref = flats["layerwise"]
         out[scope] = {"equal": {s: bool(np.array_equal(ref, f)) for s, f in flats.items()},
                       "max_abs_diff": {s: float(np.abs(ref - f).max()) for s, f in flats.items()},
                       "groups": groups, "identical": same, "flat": ref.tolist()}
     model, opt = _torch_make(EVERYTHING)
     _torch_steps(model, opt, 0, 8)
-    out["unclipped"] = _torch_flat(model).numpy().tolist()
+    out["unclipped"] = kit.torch_flat(model).numpy().tolist()
     return out
 
 
@@ -126,7 +108,7 @@ def torch_resume() -> dict:
     opt2.load_state_dict(saved_opt)
     _torch_steps(model2, opt2, 3, 6)
     st = saved_opt["state"]
-    return {"equal": bool(np.array_equal(_torch_flat(model).numpy(), _torch_flat(model2).numpy())),
+    return {"equal": bool(np.array_equal(kit.torch_flat(model).numpy(), kit.torch_flat(model2).numpy())),
             "saved_norm": saved_opt["hvdcompress"]["compressor"]["global_norm"]["norm"],
             "wd_momentum_saved": all("hvc_weight_decay_momentum" in s for s in st.values()) and len(st) == 4}
 
@@ -153,31 +135,20 @@ def torch_all() -> dict:
     out = {}
     for name, fn in (("weight_decay", torch_weight_decay), ("clipping", torch_clipping), ("resume", torch_resume),
                      ("refusals", torch_refusals)):
-        _run(out, name, fn)
+        out[name] = kit.guard(fn)
     hvc.shutdown()
     return out
 
 
 # -- TensorFlow / Keras -----------------------------------------------------------------------------
-def _tf_model():
-    import tensorflow as tf
-    tf.keras.utils.set_random_seed(0)  # kernel 20x64 (sparse path), 64x10 and biases (dense path)
-    return tf.keras.Sequential([tf.keras.layers.Dense(64, activation="relu", input_shape=(20,)),
-                                tf.keras.layers.Dense(10)])
-
-
 def _tf_make(spec, schedule="layerwise", **sgd):
     import tensorflow as tf
     import hvdcompress.keras as hvc
     model = _tf_model()
     opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9, **sgd), compression=spec,
                                    schedule=schedule)
-    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=opt, loss=kit.keras_loss())
     return model, opt
-
-
-def _tf_flat(model):
-    return np.concatenate([v.numpy().reshape(-1) for v in model.trainable_variables])
 
 
 def _tf_steps(model, first, last) -> bool:
@@ -185,8 +156,7 @@ def _tf_steps(model, first, last) -> bool:
     same = True
     for step in range(first, last):
         model.train_on_batch(*_batch(hvd.rank(), step))
-        rows = hvd.allgather(_tf_flat(model)[None], name=f"same.{step}").numpy()
-        same = same and all(np.array_equal(rows[0], r) for r in rows)
+        same = kit.tf_identical(model, f"same.{step}") and same
     return same
 
 
@@ -198,13 +168,13 @@ def tf_weight_decay() -> dict:
             for spec in ("none", EVERYTHING):
                 model, opt = _tf_make(spec, nesterov=nesterov, weight_decay=wd)
                 same = _tf_steps(model, 0, STEPS) and same
-                flats[spec] = _tf_flat(model)
+                flats[spec] = kit.tf_flat(model).numpy()
                 if spec != "none":
                     config = opt.get_config()
                     kept = [config.get("weight_decay"), config.get("momentum")]
             out[f"nesterov={nesterov},wd={wd}"] = {
                 "max_abs_diff": float(np.abs(flats["none"] - flats[EVERYTHING]).max()),
-                "moved": float(np.abs(flats["none"] - _tf_flat(_tf_model())).max()),
+                "moved": float(np.abs(flats["none"] - kit.tf_flat(_tf_model()).numpy()).max()),
                 "identical": same, "config": kept}
     return out
 
@@ -215,12 +185,12 @@ def tf_clipping() -> dict:
     for schedule in ("layerwise", "single"):
         model, _ = _tf_make(spec, schedule=schedule)
         same = _tf_steps(model, 0, 8) and same
-        flats[schedule] = _tf_flat(model)
+        flats[schedule] = kit.tf_flat(model).numpy()
     model, _ = _tf_make(EVERYTHING)
     _tf_steps(model, 0, 8)
     return {"equal": bool(np.array_equal(flats["layerwise"], flats["single"])),
             "max_abs_diff": float(np.abs(flats["layerwise"] - flats["single"]).max()),
-            "clipping_acts": float(np.abs(flats["layerwise"] - _tf_flat(model)).max()), "identical": same}
+            "clipping_acts": float(np.abs(flats["layerwise"] - kit.tf_flat(model).numpy()).max()), "identical": same}
 
 
 def tf_refusals() -> dict:
@@ -237,6 +207,6 @@ def tf_all() -> dict:
     hvd.init()
     out = {}
     for name, fn in (("weight_decay", tf_weight_decay), ("clipping", tf_clipping), ("refusals", tf_refusals)):
-        _run(out, name, fn)
+        out[name] = kit.guard(fn)
     hvd.shutdown()
     return out

@@ -18,12 +18,12 @@ import traceback
 from typing import Dict, Optional, Sequence, Tuple
 
 
-# Gloo's own default is 30 s per collective. On the 2-core CI machine, 3 workers and their Horovod
-# threads share 2 cores, and the 3-rank process-set test (one rank waiting in a global barrier while
-# the other two profile and train) aborted once in CI with every rank in "Timed out waiting 30000ms
-# for recv"; in a loop here (stop 24) 2 of 4 runs aborted so, then 2 of 47 stalled past 22 s. The
-# cause was not found. The workers get the remedy Horovod's maintainers give, a longer Gloo
-# timeout; a real hang still fails, later.
+# Gloo's own default is 30 s per collective. Each cycle of a worker's Horovod background thread
+# takes part in the negotiation of every process set the worker belongs to, the global set
+# included (a Gloo allreduce of the response-cache bits), so a worker that gets no CPU for a while
+# holds up the collectives of all the others, even of a process set it is not in. With 3 workers
+# on the 2 cores of the CI machine (and TensorFlow imports or busy waits competing for them) such a
+# wait can reach 30 s; the workers get a longer timeout, and a real hang still fails, later.
 GLOO_TIMEOUT_S = "300"
 
 
@@ -36,9 +36,18 @@ def worker_cache_dir() -> str:
     return os.environ["HVDCOMPRESS_CACHE"]
 
 
+# Under pytest, conftest.py sets this per test: True for a test marked ``multiprocess``, False for
+# one that is not (``make test-fast`` deselects the marked ones, so an unmarked launch would slip
+# into the single-process run). None outside pytest: no check.
+LAUNCH_ALLOWED: Optional[bool] = None
+
+
 def run_workers(fn, np_: int, *args, env: Optional[Dict[str, str]] = None, start_timeout: int = 60):
     """Run ``fn(*args)`` on ``np_`` local Gloo workers; returns each rank's result, rank order.
     ``env`` adds or overrides environment variables for the workers only."""
+    if LAUNCH_ALLOWED is False:
+        raise RuntimeError("this test launches Horovod workers: mark it @pytest.mark.multiprocess "
+                           "(or the module: pytestmark = pytest.mark.multiprocess)")
     from horovod.runner import run
 
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds the scenarios package
@@ -71,7 +80,9 @@ def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> d
     scenarios still run and the test shows the worker's error), plus ``"seconds"`` per scenario.
 
     The scenarios may call ``hvd.init()``/``hvd.shutdown()`` themselves, as they do when launched
-    alone: a second ``init`` does nothing, and ``shutdown`` is held back until the last one ran."""
+    alone: a second ``init`` does nothing, and ``shutdown`` is held back until the last one ran.
+    What a scenario sets in ``os.environ`` (a cost-model cache of its own) is undone after it, so
+    each scenario starts from the launch's environment."""
     import importlib
     hvd = importlib.import_module({"torch": "horovod.torch", "tf": "horovod.tensorflow"}[framework])
     hvd.init()
@@ -79,11 +90,14 @@ def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> d
     out = {"seconds": {}}
     try:
         for name, fn, args in calls:
-            start = time.perf_counter()
+            start, environ = time.perf_counter(), dict(os.environ)
             try:
                 out[name] = fn(*args)
             except Exception:  # report, do not hang the next scenarios on a worker traceback
                 out[name] = {"error": traceback.format_exc()}
+            finally:
+                os.environ.clear()
+                os.environ.update(environ)
             out["seconds"][name] = round(time.perf_counter() - start, 2)
     finally:
         hvd.shutdown = shutdown

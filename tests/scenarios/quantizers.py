@@ -68,7 +68,7 @@ def _guard(fn, *args):
 # -- PyTorch ------------------------------------------------------------------------------------------
 def _torch_train(spec, model, opt, first, last):
     import torch.nn as nn
-    from scenarios.torch_core import _batch, _identical_across_ranks
+    from scenarios.kit import torch_batch as _batch, torch_identical as _identical_across_ranks
     import horovod.torch as hvd
     identical, sent = [], []
     for step in range(first, last):
@@ -84,7 +84,7 @@ def _torch_train(spec, model, opt, first, last):
 def _torch_make(spec, schedule="layerwise"):
     import torch
     import hvdcompress.torch as hvc
-    from scenarios.torch_core import _model
+    from scenarios.kit import torch_mlp as _model
     model = _model()
     opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
                                    named_parameters=model.named_parameters(), compression=spec,
@@ -94,7 +94,7 @@ def _torch_make(spec, schedule="layerwise"):
 
 def _torch_one(spec, schedule="layerwise"):
     import horovod.torch as hvd
-    from scenarios.torch_core import _flat, _model
+    from scenarios.kit import torch_flat as _flat, torch_mlp as _model
     model, opt = _torch_make(spec, schedule)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     start = _flat(_model())
@@ -107,7 +107,7 @@ def _torch_one(spec, schedule="layerwise"):
 def _torch_resume(spec):
     """Save every rank's state after 2 steps; a fresh optimizer loaded from it continues exactly."""
     import torch
-    from scenarios.torch_core import _flat
+    from scenarios.kit import torch_flat as _flat
     model, opt = _torch_make(spec)
     _torch_train(spec, model, opt, 0, 2)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
@@ -134,7 +134,12 @@ def _torch_interop_one(name, op_name="Average"):
     import torch
     import torch.nn as nn
     import hvdcompress.torch as hvc
-    from scenarios.torch_core import _batch, _flat, _identical_across_ranks, _model
+    from scenarios.kit import (
+        torch_batch as _batch,
+        torch_flat as _flat,
+        torch_identical as _identical_across_ranks,
+        torch_mlp as _model,
+    )
     flats, identical = {}, []
     for who in ("horovod", "ours"):
         model = _model()
@@ -181,7 +186,7 @@ def _torch_interop_refused():
     import torch
     import torch.nn as nn
     import hvdcompress.torch as hvc
-    from scenarios.torch_core import _batch, _model
+    from scenarios.kit import torch_batch as _batch, torch_mlp as _model
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
                                    named_parameters=model.named_parameters(),
@@ -220,7 +225,7 @@ def _torch_momentum_inside():
     import hvdcompress.torch as hvc
     from hvdcompress import parse_spec
     from hvdcompress.reference import simulate
-    from scenarios.torch_core import _identical_across_ranks
+    from scenarios.kit import torch_identical as _identical_across_ranks
     world, shape = hvd.size(), (6, 5)
     model = torch.nn.Linear(5, 6, bias=False)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -269,7 +274,7 @@ def torch_everything() -> dict:
         out["fp16_average_rounding"] = _guard(_torch_fp16_average_rounding)
         out["refused"] = _guard(_torch_interop_refused)
         out["momentum_inside"] = _guard(_torch_momentum_inside)
-    from scenarios.torch_core import _model
+    from scenarios.kit import torch_mlp as _model
     for label, text in BAD.items():
         try:
             hvc.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), compression=text)
@@ -290,7 +295,13 @@ def _keras_one(spec, resume_to=None):
     model, which repeats steps 2-3; returned as ``_tf_resume`` returns it."""
     import hvdcompress.keras as hvc
     import numpy as np
-    from scenarios.tf_core import _batch, _flat, _identical, _keras, _model
+    from scenarios.tf_core import _keras
+    from scenarios.kit import (
+        np_batch as _batch,
+        tf_flat as _flat,
+        tf_identical as _identical,
+        keras_mlp as _model,
+    )
     model, opt, _ = _keras(spec, momentum=0.9)
     start = _flat(_model()).numpy()
     identical, sent = [], []
@@ -321,7 +332,8 @@ def _tf_resume(kind, spec, tmp):
     import hvdcompress.tensorflow as hvc
     import numpy as np
     import tensorflow as tf
-    from scenarios.tf_core import _flat, _identical, _keras, _tape
+    from scenarios.tf_core import _keras, _tape
+    from scenarios.kit import tf_flat as _flat, tf_identical as _identical
     path = os.path.join(tmp, f"{kind}-{spec.split(':')[0]}-rank{hvc.rank()}")
     if kind == "keras":
         model, opt, run = _keras(spec, epoch_every=1)
@@ -354,7 +366,13 @@ def _tf_interop_one(name):
     import numpy as np
     import tensorflow as tf
     import hvdcompress.keras as hvc
-    from scenarios.tf_core import _batch, _flat, _identical, _loss, _model
+    from scenarios.kit import (
+        np_batch as _batch,
+        tf_flat as _flat,
+        tf_identical as _identical,
+        keras_loss as _loss,
+        keras_mlp as _model,
+    )
     flats, identical = {}, []
     for who in ("horovod", "ours"):
         model = _model()
@@ -377,7 +395,7 @@ def _tf_interop_refused():
     import horovod.tensorflow.keras as hvdk
     import tensorflow as tf
     import hvdcompress.keras as hvc
-    from scenarios.tf_core import _batch, _loss, _model
+    from scenarios.kit import np_batch as _batch, keras_loss as _loss, keras_mlp as _model
     model = _model()
     model.compile(optimizer=hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(LR),
                                                       compression=hvc.Compression.qsgd), loss=_loss())

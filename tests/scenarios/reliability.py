@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import traceback
 
+from scenarios import kit
+
 
 class _EmbedNet:
     @staticmethod
@@ -45,11 +47,6 @@ def _train(make_opt, steps=5):
     return model, opts
 
 
-def _flat(model):
-    import torch
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def sparse_gradients() -> dict:
     """SparseAdam on an embedding with sparse gradients (and dense Adam on the head), through our
     optimizer with its default schedule, next to Horovod's own DistributedOptimizer."""
@@ -75,8 +72,7 @@ def sparse_gradients() -> dict:
             return [sparse, dense]
 
         model, opts = _train(ours, steps=8)
-        rows = hvd.allgather(_flat(model).unsqueeze(0), name="check.sparse")
-        out["identical"] = bool(torch.equal(rows[0], rows[1]))
+        out["identical"] = kit.torch_identical(model, "check.sparse")
         out["groups"] = opts[0].groups
         out["horovod_attributes"] = (list(opts[0]._parameter_names.values()), opts[0].backward_passes_per_step,
                                      opts[0].op == hvd.Average, opts[0].process_set.size())
@@ -112,8 +108,7 @@ def sparse_gradients() -> dict:
             x, y = _batch(hvd.rank(), step)
             torch.nn.CrossEntropyLoss()(model2(x), y).backward()
             opt2.step()
-        rows = hvd.allgather(_flat(model2).unsqueeze(0), name="check.dense")
-        out["dense_identical"] = bool(torch.equal(rows[0], rows[1]))
+        out["dense_identical"] = kit.torch_identical(model2, "check.dense")
     except Exception:
         out["error"] = traceback.format_exc()
     hvd.shutdown()
@@ -193,11 +188,11 @@ def nonfinite_faults() -> dict:
                             continue
                         with opt.skip_synchronize():
                             opt.step()
-                    params_finite = bool(torch.isfinite(torch.cat([p.detach().reshape(-1) for p in model.parameters()])).all())
+                    params_finite = bool(torch.isfinite(kit.torch_flat(model)).all())
                     state = opt.state_dict()["hvdcompress"]["state"]
                     state_finite = all(bool(torch.isfinite(t).all()) for st in state.values() for t in st.values()
                                        if torch.is_tensor(t) and t.is_floating_point())
-                    rows = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).unsqueeze(0),
+                    rows = hvd.allgather(kit.torch_flat(model).unsqueeze(0),
                                          name=f"check.{spec}.{bad}.{mode}")
                     identical = bool(torch.equal(rows[0], rows[1])) if params_finite else None
                     out[f"{spec}|{bad}|{mode}"] = {"seen": seen, "skipped": skipped, "params_finite": params_finite,
@@ -246,8 +241,7 @@ def _branch_steps(opt_for, steps=6):
         x = torch.randn(8, 16, generator=g)
         model(x, use_aux=hvd.rank() == 0 and step % 2 == 0).pow(2).mean().backward()
         opt.step()
-        rows = hvd.allgather(_flat(model).unsqueeze(0), name=f"check.branch.{step}")
-        identical.append(bool(torch.equal(rows[0], rows[1])))
+        identical.append(kit.torch_identical(model, f"check.branch.{step}"))
     return model, identical
 
 
@@ -270,7 +264,7 @@ def partial_gradients() -> dict:
                 compression=spec, schedule=schedule))
             out[f"{spec}|{schedule}"] = {"identical": identical, "aux_moved": float(
                 (model.aux.weight - _BranchNet.make().aux.weight).abs().max()),
-                "max_diff_vs_horovod": float((_flat(model) - _flat(ref)).abs().max())}
+                "max_diff_vs_horovod": float((kit.torch_flat(model) - kit.torch_flat(ref)).abs().max())}
     except Exception:
         out["error"] = traceback.format_exc()
     hvd.shutdown()

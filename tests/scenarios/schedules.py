@@ -19,7 +19,13 @@ import traceback
 import torch
 import torch.nn as nn
 
-from scenarios.torch_core import TRAIN_SPECS, _batch, _flat, _identical_across_ranks, _model
+from scenarios.torch_core import TRAIN_SPECS
+from scenarios.kit import (
+    torch_batch as _batch,
+    torch_flat as _flat,
+    torch_identical as _identical_across_ranks,
+    torch_mlp as _model,
+)
 
 STEPS = 6
 PROFILE_STEPS = 2  # cost-model schedules: step 0 learns the order, 1-2 measure, merged from step 3

@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
-import traceback
+
+from scenarios import kit
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -19,13 +20,6 @@ SPEC = "sketch:ratio=0.05,cols_ratio=0.05,min_sketch_numel=256,seed=3"
 STEPS = 6
 BAD = {"rows": "sketch:rows=0", "p2": "sketch:p2=0.5", "cols_ratio": "sketch:cols_ratio=2",
        "k": "sketch:k=-3", "unknown": "sketch:colums=4"}
-
-
-def _guard(fn, *args):
-    try:
-        return fn(*args)
-    except Exception:  # report, do not hang the test on a worker traceback
-        return {"error": traceback.format_exc()}
 
 
 def _recorder(cls, log):
@@ -68,50 +62,24 @@ def gather_states(before, gather, world):
 
 
 # --- PyTorch --------------------------------------------------------------------------------------
-def _torch_model():
-    import torch
-    import torch.nn as nn
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
-
-
-def _torch_batch(rank, step):
-    import torch
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(16, 20, generator=g)
-    return x, x[:, :4].argmax(1)
-
-
-def _torch_flat(model):
-    import torch
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _torch_identical(model, name):
-    import horovod.torch as hvd
-    import torch
-    rows = hvd.allgather(_torch_flat(model).unsqueeze(0), name=name)
-    return bool(all(torch.equal(rows[0], r) for r in rows))
-
-
 def _torch_train(spec, schedule, first, last, model=None, opt=None, check=None):
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
     import torch
     import torch.nn as nn
     if model is None:
-        model = _torch_model()
+        model = kit.torch_mlp()
         opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression=spec,
                                        schedule=schedule)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     for step in range(first, last):
         opt.zero_grad()
-        x, y = _torch_batch(hvd.rank(), step)
+        x, y = kit.torch_batch(hvd.rank(), step)
         nn.CrossEntropyLoss()(model(x), y).backward()
         opt.step()
         if check is not None:
-            check.append(_torch_identical(model, f"check.{schedule}.{step}.{len(check)}"))
+            check.append(kit.torch_identical(model, f"check.{schedule}.{step}.{len(check)}"))
     return model, opt
 
 
@@ -142,18 +110,18 @@ def torch_all(world_expected: int) -> dict:
                 SketchCompressor.exchange = orig
             model, opt = _torch_train(SPEC, schedule, 3, STEPS, model, opt, check=checks)
             res[schedule] = {"identical_every_step": checks, "replay": _replay(log, gather, str(opt.compression)),
-                             "moved": float((_torch_flat(model) - _torch_flat(_torch_model())).abs().max()),
+                             "moved": float((kit.torch_flat(model) - kit.torch_flat(kit.torch_mlp())).abs().max()),
                              "stats": opt.stats.as_dict(), "momentum": opt.param_groups[0]["momentum"]}
-        sizes = [p.numel() for p in _torch_model().parameters()]
+        sizes = [p.numel() for p in kit.torch_mlp().parameters()]
         from hvdcompress import parse_spec
         spec = parse_spec(SPEC)
         rounds = spec.info.rounds(spec.params, np.array(sizes, dtype=float))
         res["predicted_bytes"] = float(sum(r.nbytes.sum() for r in rounds))
         return res
 
-    out["train"] = _guard(training)
-    out["resume"] = _guard(_torch_resume)
-    out["bad"] = _guard(_torch_bad)
+    out["train"] = kit.guard(training)
+    out["resume"] = kit.guard(_torch_resume)
+    out["bad"] = kit.guard(_torch_bad)
     hvd.shutdown()
     return out
 
@@ -165,23 +133,23 @@ def _torch_resume() -> dict:
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     has_state = all({"u", "v"} <= set(st) for st in saved_opt["hvdcompress"]["state"].values())
     model, opt = _torch_train(SPEC, "layerwise", 3, STEPS, model, opt)
-    model2 = _torch_model()
+    model2 = kit.torch_mlp()
     opt2 = hvc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9),
                                     named_parameters=model2.named_parameters(), compression=SPEC,
                                     schedule="layerwise")
     model2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
     model2, opt2 = _torch_train(SPEC, "layerwise", 3, STEPS, model2, opt2)
-    return {"has_state": has_state, "equal": bool(torch.equal(_torch_flat(model), _torch_flat(model2))),
-            "max_diff": float((_torch_flat(model) - _torch_flat(model2)).abs().max()),
-            "identical": _torch_identical(model2, "check.resume"), "momentum": opt2.param_groups[0]["momentum"]}
+    return {"has_state": has_state, "equal": bool(torch.equal(kit.torch_flat(model), kit.torch_flat(model2))),
+            "max_diff": float((kit.torch_flat(model) - kit.torch_flat(model2)).abs().max()),
+            "identical": kit.torch_identical(model2, "check.resume"), "momentum": opt2.param_groups[0]["momentum"]}
 
 
 def _torch_bad() -> dict:
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
     import torch
-    model = _torch_model()
+    model = kit.torch_mlp()
     errors = {}
     cases = {label: (text, {}) for label, text in BAD.items()}
     cases["nesterov"] = ("sketch", {"momentum": 0.9, "nesterov": True})
@@ -197,53 +165,22 @@ def _torch_bad() -> dict:
 
 
 # --- TensorFlow / Keras ---------------------------------------------------------------------------
-def _tf_model():
-    import tensorflow as tf
-    tf.keras.utils.set_random_seed(0)
-    return tf.keras.Sequential([tf.keras.layers.Dense(32, activation="relu", input_shape=(20,)),
-                                tf.keras.layers.Dense(32, activation="tanh"), tf.keras.layers.Dense(4)])
-
-
-def _tf_batch(rank, step):
-    import numpy as np
-    rng = np.random.default_rng(1000 * rank + step)
-    x = rng.standard_normal((16, 20)).astype(np.float32)
-    return x, x[:, :4].argmax(1)
-
-
-def _tf_flat(model):
-    import tensorflow as tf
-    return tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
-
-
-def _tf_identical(model, name):
-    import horovod.tensorflow as hvd
-    import numpy as np
-    rows = hvd.allgather(_tf_flat(model)[None], name=name).numpy()
-    return bool(all(np.array_equal(rows[0], r) for r in rows))
-
-
-def _tf_loss():
-    import tensorflow as tf
-    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 def _keras_paths() -> dict:
     import hvdcompress.keras as hvc
     import tensorflow as tf
     out = {}
     for schedule in ("layerwise", "single"):
-        model = _tf_model()
+        model = kit.keras_mlp()
         opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=SPEC,
                                        schedule=schedule)
-        model.compile(optimizer=opt, loss=_tf_loss())
+        model.compile(optimizer=opt, loss=kit.keras_loss())
         checks = []
         for step in range(STEPS):
-            model.train_on_batch(*_tf_batch(hvc.rank(), step))
-            checks.append(_tf_identical(model, f"check_keras_{schedule}_{step}"))
+            model.train_on_batch(*kit.np_batch(hvc.rank(), step))
+            checks.append(kit.tf_identical(model, f"check_keras_{schedule}_{step}"))
         out[schedule] = {"identical_every_step": checks, "momentum": (opt.compression["momentum"],
                                                                       float(opt.get_config()["momentum"])),
-                         "moved": float(abs(_tf_flat(model).numpy() - _tf_flat(_tf_model()).numpy()).max()),
+                         "moved": float(abs(kit.tf_flat(model).numpy() - kit.tf_flat(kit.keras_mlp()).numpy()).max()),
                          "stats": opt.stats.as_dict()}
     return out
 
@@ -252,8 +189,8 @@ def _tape(comp, first, last, model=None, opt=None, checks=None):
     import hvdcompress.tensorflow as hvc
     import tensorflow as tf
     if model is None:
-        model, opt = _tf_model(), tf.keras.optimizers.SGD(0.1)
-    loss_fn = _tf_loss()
+        model, opt = kit.keras_mlp(), tf.keras.optimizers.SGD(0.1)
+    loss_fn = kit.keras_loss()
 
     @tf.function
     def step_fn(x, y):
@@ -263,9 +200,9 @@ def _tape(comp, first, last, model=None, opt=None, checks=None):
         opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
     for step in range(first, last):
-        step_fn(*_tf_batch(hvc.rank(), step))
+        step_fn(*kit.np_batch(hvc.rank(), step))
         if checks is not None:
-            checks.append(_tf_identical(model, f"check_tape_{step}_{len(checks)}"))
+            checks.append(kit.tf_identical(model, f"check_tape_{step}_{len(checks)}"))
     return model, opt
 
 
@@ -279,13 +216,13 @@ def _tape_and_resume(tmp) -> dict:
         os.path.join(tmp, f"sk-rank{hvc.rank()}"))
     model, opt = _tape(comp, 3, STEPS, model, opt, checks=checks)
     comp2 = hvc.GradientCompression(SPEC)
-    model2, opt2 = _tf_model(), tf.keras.optimizers.SGD(0.1)
+    model2, opt2 = kit.keras_mlp(), tf.keras.optimizers.SGD(0.1)
     _tape(comp2, 0, 0, model2, opt2)
     tf.train.Checkpoint(model=model2, optimizer=opt2, compression=comp2).restore(path)
     model2, _ = _tape(comp2, 3, STEPS, model2, opt2)
     return {"identical_every_step": checks,
-            "equal": bool(np.array_equal(_tf_flat(model).numpy(), _tf_flat(model2).numpy())),
-            "identical": _tf_identical(model2, "check_resumed"), "stats": comp.stats.as_dict(),
+            "equal": bool(np.array_equal(kit.tf_flat(model).numpy(), kit.tf_flat(model2).numpy())),
+            "identical": kit.tf_identical(model2, "check_resumed"), "stats": comp.stats.as_dict(),
             "state": sorted({k for s in comp2.slots for k in s})}
 
 
@@ -316,6 +253,7 @@ def tf_all(world_expected: int) -> dict:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     hvd.init()
     assert hvd.size() == world_expected
-    out = {"keras": _guard(_keras_paths), "tape": _guard(_tape_and_resume, tempfile.mkdtemp()), "bad": _guard(_tf_bad)}
+    out = {"keras": kit.guard(_keras_paths), "tape": kit.guard(_tape_and_resume, tempfile.mkdtemp()),
+           "bad": kit.guard(_tf_bad)}
     hvd.shutdown()
     return out

@@ -13,6 +13,8 @@ import time
 import traceback
 import warnings
 
+from scenarios import kit
+
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 TAPE_SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "randomk:ratio=0.1,seed=1",
@@ -22,44 +24,13 @@ USED = {}  # id(model) -> the GradientCompression its tape used
 RESUME = [("keras", "topk:ratio=0.05"), ("tape", "dgc:ratio=0.05,warmup_epochs=3,min_sparse_numel=256")]
 
 
-def _model(seed=0):
-    import tensorflow as tf
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.layers.Dense(32, activation="relu", input_shape=(20,)),
-                                tf.keras.layers.Dense(32, activation="tanh"), tf.keras.layers.Dense(4)])
-
-
-def _batch(rank, step):
-    import numpy as np
-    rng = np.random.default_rng(1000 * rank + step)
-    x = rng.standard_normal((16, 20)).astype(np.float32)
-    return x, x[:, :4].argmax(1)
-
-
-def _flat(model):
-    import tensorflow as tf
-    return tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
-
-
-def _identical(model) -> bool:
-    import horovod.tensorflow as hvd
-    import numpy as np
-    rows = hvd.allgather(_flat(model)[None], name="check_params").numpy()
-    return bool(all(np.array_equal(rows[0], r) for r in rows))
-
-
-def _loss():
-    import tensorflow as tf
-    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 def _keras(spec, legacy=False, bpps=1, steps=6, epoch_every=2, momentum=0.9, **kw):
     import hvdcompress.keras as hvc
     import tensorflow as tf
-    model = _model()
+    model = kit.keras_mlp()
     sgd = tf.keras.optimizers.legacy.SGD if legacy else tf.keras.optimizers.SGD
     opt = hvc.DistributedOptimizer(sgd(0.1, momentum=momentum), compression=spec, backward_passes_per_step=bpps, **kw)
-    model.compile(optimizer=opt, loss=_loss())
+    model.compile(optimizer=opt, loss=kit.keras_loss())
     return model, opt, lambda first, last: _fit_steps(model, opt, first, last, epoch_every)
 
 
@@ -67,15 +38,15 @@ def _fit_steps(model, opt, first, last, epoch_every):
     import hvdcompress.keras as hvc
     for step in range(first, last):
         opt.gradient_compression.set_epoch(step // epoch_every)
-        model.train_on_batch(*_batch(hvc.rank(), step))
+        model.train_on_batch(*kit.np_batch(hvc.rank(), step))
 
 
 def _tape(compression, steps=6, momentum=0.0, epoch_every=2):
     import hvdcompress.tensorflow as hvc
     import tensorflow as tf
-    model = _model()
+    model = kit.keras_mlp()
     opt = tf.keras.optimizers.SGD(0.1, momentum=momentum)
-    loss_fn = _loss()
+    loss_fn = kit.keras_loss()
 
     @tf.function
     def step_fn(x, y):
@@ -89,7 +60,7 @@ def _tape(compression, steps=6, momentum=0.0, epoch_every=2):
         for step in range(first, last):
             if isinstance(compression, hvc.GradientCompression):
                 compression.set_epoch(step // epoch_every)
-            step_fn(*_batch(hvc.rank(), step))
+            step_fn(*kit.np_batch(hvc.rank(), step))
     run(0, steps)
     return model, opt, run
 
@@ -98,41 +69,44 @@ def keras_paths() -> dict:
     """The Keras optimizer's own features; every compressor is covered on the (cheaper) tape path."""
     import hvdcompress.keras as hvc
     out = {"identical": {}, "moved": {}}
-    start = _flat(_model()).numpy()
+    start = kit.tf_flat(kit.keras_mlp()).numpy()
     for label, kwargs in (("topk", dict(spec="topk:ratio=0.05")),
                           ("legacy+randomk", dict(spec="randomk:ratio=0.1,seed=1", legacy=True)),
                           ("bpps2", dict(spec="topk:ratio=0.05", bpps=2, average_aggregated_gradients=True))):
         model, opt, run = _keras(**kwargs)
         run(0, 6)
-        out["identical"][label] = _identical(model)
-        out["moved"][label] = float(abs(_flat(model).numpy() - start).max())
+        out["identical"][label] = kit.tf_identical(model)
+        out["moved"][label] = float(abs(kit.tf_flat(model).numpy() - start).max())
     out["bpps2_iterations_exchanges"] = (int(opt.iterations.numpy()), opt.stats.steps)
     model, opt, run = _keras("dgc:ratio=0.05,min_sparse_numel=256", momentum=0.8)
     out["dgc_momentum_taken_over"] = (opt.compression["momentum"], float(opt.get_config()["momentum"]))
     # DGC through model.fit with the callbacks, Horovod's included
     model, opt, _ = _keras("dgc:ratio=0.05,warmup_epochs=2,min_sparse_numel=256")
-    x, y = _batch(hvc.rank(), 0)
+    x, y = kit.np_batch(hvc.rank(), 0)
     hist = model.fit(x, y, batch_size=4, epochs=3, verbose=0,
                      callbacks=[hvc.BroadcastGlobalVariablesCallback(0), hvc.MetricAverageCallback(),
                                 hvc.SparsityWarmupCallback(), hvc.CompressionStatsCallback()])
     out["fit_density"] = hist.history["density"]
     out["fit_wire"] = hist.history["wire_bytes_per_step"]
-    out["identical"]["fit+callbacks"] = _identical(model)
+    out["identical"]["fit+callbacks"] = kit.tf_identical(model)
     return out
 
 
 def tape_paths() -> dict:
     import hvdcompress.tensorflow as hvc
     out = {"identical": {}, "bytes": {}, "moved": {}}
-    start = _flat(_model()).numpy()
+    start = kit.tf_flat(kit.keras_mlp()).numpy()
+    flats = {}
     for spec in TAPE_SPECS:
         comp = spec if spec in STATELESS else hvc.GradientCompression(spec)
         model, _, _ = _tape(comp)
-        out["identical"][spec] = _identical(model)
-        out["moved"][spec] = float(abs(_flat(model).numpy() - start).max())
+        flats[spec] = kit.tf_flat(model).numpy()
+        out["identical"][spec] = kit.tf_identical(model)
+        out["moved"][spec] = float(abs(flats[spec] - start).max())
         out["bytes"][spec] = USED[id(model)].stats.as_dict()
-    dense = _flat(_tape("none")[0]).numpy()  # reuses the cached stateless object
-    full = _flat(_tape(hvc.GradientCompression("topk:ratio=1.0"))[0]).numpy()
+    # top-k at ratio 1 against the dense run above (same model, batches and steps: one trace fewer)
+    dense = flats["none"]
+    full = kit.tf_flat(_tape(hvc.GradientCompression("topk:ratio=1.0"))[0]).numpy()
     out["ratio1_max_diff"] = float(abs(dense - full).max())
     return out
 
@@ -152,7 +126,7 @@ def checkpoint_resume(tmp: str) -> dict:
             run(0, 3)
             model.save_weights(path)
             run(3, 6)
-            straight = _flat(model).numpy()
+            straight = kit.tf_flat(model).numpy()
             model2, opt2, run2 = _keras(spec, epoch_every=1)
             model2.load_weights(path)
             comp2 = opt2.gradient_compression
@@ -161,13 +135,13 @@ def checkpoint_resume(tmp: str) -> dict:
             model, opt, run = _tape(comp, steps=3, epoch_every=1)
             saved = tf.train.Checkpoint(model=model, optimizer=opt, compression=comp).save(path)
             run(3, 6)
-            straight = _flat(model).numpy()
+            straight = kit.tf_flat(model).numpy()
             comp2 = hvc.GradientCompression(spec)
             model2, opt2, run2 = _tape(comp2, steps=0, epoch_every=1)
             tf.train.Checkpoint(model=model2, optimizer=opt2, compression=comp2).restore(saved)
         run2(3, 6)
-        out[f"{kind} {spec}"] = {"equal": bool(np.array_equal(straight, _flat(model2).numpy())),
-                                 "identical": _identical(model2), "step": int(comp2.step.numpy()),
+        out[f"{kind} {spec}"] = {"equal": bool(np.array_equal(straight, kit.tf_flat(model2).numpy())),
+                                 "identical": kit.tf_identical(model2), "step": int(comp2.step.numpy()),
                                  "state": sorted({k for s in comp2.slots for k in s})}
     return out
 
@@ -218,29 +192,29 @@ def special_gradients() -> dict:
     import tensorflow as tf
     out = {}
     comp = hvc.GradientCompression("threshold:threshold=1e-4")
-    model = _model()
+    model = kit.keras_mlp()
     opt = tf.keras.optimizers.SGD(0.1)
     sent = []
     for step in range(3):
-        x, y = _batch(hvc.rank(), step)
+        x, y = kit.np_batch(hvc.rank(), step)
         with tf.GradientTape() as tape:
-            loss = _loss()(y, model(x)) * (0.0 if hvc.rank() == 1 else 1.0)
+            loss = kit.keras_loss()(y, model(x)) * (0.0 if hvc.rank() == 1 else 1.0)
         grads = hvc.DistributedGradientTape(tape, compression=comp).gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         sent.append(comp.stats.last_bytes)
-    out["empty"] = {"identical": _identical(model), "sent": sent}
+    out["empty"] = {"identical": kit.tf_identical(model), "sent": sent}
 
     tf.keras.utils.set_random_seed(0)
     emb = tf.keras.Sequential([tf.keras.layers.Embedding(50, 8, input_length=5), tf.keras.layers.Flatten(),
                                tf.keras.layers.Dense(4)])
     emb.compile(optimizer=hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression="topk:ratio=0.2"),
-                loss=_loss())
+                loss=kit.keras_loss())
     ids = np.random.default_rng(hvc.rank()).integers(0, 50, (16, 5))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         emb.train_on_batch(ids, ids[:, 0] % 4)
         emb.train_on_batch(ids, ids[:, 1] % 4)
-    out["sparse"] = {"identical": _identical(emb),
+    out["sparse"] = {"identical": kit.tf_identical(emb),
                      "warned": any("tf.IndexedSlices" in str(w.message) for w in caught)}
     return out
 

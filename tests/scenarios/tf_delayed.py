@@ -9,6 +9,9 @@ import os
 import tempfile
 import time
 import traceback
+from functools import partial
+
+from scenarios import kit
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -24,48 +27,20 @@ MOMENTUM = 0.9
 IDENTITY_MOMENTUM = [(1, 1, "avg"), (3, 1, "avg"), (2, 2, "avg"), (1, 3, "sum")]
 LR = 0.1
 
+_model = partial(kit.keras_mlp, (10, 16, 4), ("tanh",))
+_batch = partial(kit.np_batch, n=8, features=10, classes=4, stride=97)
+
 
 def fixed(rank, step):
     import numpy as np
     return np.random.default_rng(1000 * rank + step).standard_normal(6).astype(np.float32)
 
 
-def _model(seed=0):
-    import tensorflow as tf
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.layers.Dense(16, activation="tanh", input_shape=(10,)),
-                                tf.keras.layers.Dense(4)])
-
-
-def _batch(rank, step):
-    import numpy as np
-    rng = np.random.default_rng(97 * rank + step)
-    x = rng.standard_normal((8, 10)).astype(np.float32)
-    return x, x[:, :4].argmax(1)
-
-
-def _loss():
-    import tensorflow as tf
-    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _flat(model):
-    import tensorflow as tf
-    return tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0).numpy()
-
-
-def _identical(model, name) -> bool:
-    import horovod.tensorflow as hvd
-    import numpy as np
-    rows = hvd.allgather(_flat(model)[None], name=name).numpy()
-    return bool(all(np.array_equal(rows[0], r) for r in rows))
-
-
 def _tape_trainer(model, opt, comp, graph=False, **tape_kw):
     """A custom-loop step (eager, or one tf.function) through DistributedGradientTape."""
     import hvdcompress.tensorflow as hvc
     import tensorflow as tf
-    loss_fn = _loss()
+    loss_fn = kit.keras_loss()
 
     def step(x, y):
         with tf.GradientTape() as tape:
@@ -146,7 +121,7 @@ def zero_delay_is_the_synchronous_path() -> dict:
             model = _model()
             comp = hvc.GradientCompression(spec, **kw)
             _tape_trainer(model, tf.keras.optimizers.SGD(0.05, momentum=0.9), comp, **kw)(0, 3)
-            flats.append(_flat(model))
+            flats.append(kit.tf_flat(model).numpy())
         out[spec] = bool(np.array_equal(flats[0], flats[1]))
     return out
 
@@ -165,19 +140,20 @@ def flush_makes_replicas_identical() -> dict:
         run = _tape_trainer(model, opt, comp)
         run(0, 4)
         key = f"{spec}|{delay}|{every}"
-        before = _identical(model, "before." + key)
+        before = kit.tf_identical(model, "before." + key)
         comp.flush(opt, model.trainable_variables)
-        after = _identical(model, "after." + key)
+        after = kit.tf_identical(model, "after." + key)
         run(4, 6)  # training goes on after a flush
         comp.flush(opt, model.trainable_variables)
-        out["tape " + key] = (before, after, _identical(model, "again." + key))
+        out["tape " + key] = (before, after, kit.tf_identical(model, "again." + key))
     model = _model()
     opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9), compression=DGC, delay=1, sync_every=2)
-    model.compile(optimizer=opt, loss=_loss())
+    model.compile(optimizer=opt, loss=kit.keras_loss())
     x, y = _batch(hvc.rank(), 0)
     cb = hvc.DelayedAveragingFlushCallback()
     model.fit(x, y, batch_size=2, epochs=2, verbose=0, validation_data=_batch(hvc.rank(), 1), callbacks=[cb])
-    out["keras fit dgc|1|2"] = (False, _identical(model, "fit.after"), cb.flushes == 2)  # before each validation; nothing new after
+    # flushed before each validation; nothing new after
+    out["keras fit dgc|1|2"] = (False, kit.tf_identical(model, "fit.after"), cb.flushes == 2)
     return out
 
 
@@ -197,7 +173,7 @@ def resume_with_corrections_pending(tmp: str) -> dict:
                 model = _model()
                 opt = hvc.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9), compression=spec,
                                                delay=delay, sync_every=every)
-                model.compile(optimizer=opt, loss=_loss())
+                model.compile(optimizer=opt, loss=kit.keras_loss())
 
                 def run(first, last):
                     for s in range(first, last):
@@ -218,18 +194,18 @@ def resume_with_corrections_pending(tmp: str) -> dict:
             saved = tf.train.Checkpoint(model=model, optimizer=opt, compression=comp).save(path)
         pending = sum(float(np.abs(v.numpy()).sum()) for v in comp.delayed.ring + comp.delayed.acc if v is not None)
         run(5, 9)
-        straight = _flat(model)
+        straight = kit.tf_flat(model).numpy()
         model2, opt2, comp2, run2, flush2 = make()
         if kind == "keras":
             model2.load_weights(path)
         else:
             tf.train.Checkpoint(model=model2, optimizer=opt2, compression=comp2).restore(saved)
         run2(5, 9)
-        equal = bool(np.array_equal(straight, _flat(model2)))
+        equal = bool(np.array_equal(straight, kit.tf_flat(model2).numpy()))
         flush()
         flush2()
-        out[label] = (equal, bool(np.array_equal(_flat(model), _flat(model2))), pending,
-                      int(comp2.delayed.calls.numpy()), _identical(model2, "resumed." + label))
+        out[label] = (equal, bool(np.array_equal(kit.tf_flat(model).numpy(), kit.tf_flat(model2).numpy())), pending,
+                      int(comp2.delayed.calls.numpy()), kit.tf_identical(model2, "resumed." + label))
     return out
 
 
@@ -245,7 +221,7 @@ def nonfinite_with_corrections_pending() -> dict:
     import numpy as np
     import tensorflow as tf
     out = {}
-    loss_fn = _loss()
+    loss_fn = kit.keras_loss()
     for spec in (DGC, "topk:ratio=0.1"):
         for bad in (float("nan"), float("inf")):
             model = _model()
@@ -274,10 +250,10 @@ def nonfinite_with_corrections_pending() -> dict:
                 opt.apply_gradients(zip(gs, model.trainable_variables))
             state = [v for v in comp.delayed.ring + comp.delayed.vel if v is not None]
             finite_state = all(bool(np.all(np.isfinite(v.numpy()))) for v in state)
-            finite = bool(np.all(np.isfinite(_flat(model))))
+            finite = bool(np.all(np.isfinite(kit.tf_flat(model).numpy())))
             comp.flush(opt, model.trainable_variables)
             out[f"{spec}|{bad}"] = {"seen": seen, "state_finite": finite_state, "params_finite": finite,
-                                    "identical": _identical(model, f"nonfinite.{spec}.{bad}")}
+                                    "identical": kit.tf_identical(model, f"nonfinite.{spec}.{bad}")}
     return out
 
 

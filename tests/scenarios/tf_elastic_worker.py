@@ -16,7 +16,6 @@ counter, this rank's residual norm)."""
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -26,23 +25,13 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 import hvdcompress.keras as hvck  # noqa: E402
 import hvdcompress.tensorflow as hvct  # noqa: E402
+from scenarios import kit  # noqa: E402
 
 OUT, MODE = sys.argv[1], sys.argv[2]
 SPEC = sys.argv[3] if len(sys.argv) > 3 else "topk:ratio=0.1"
-ADD_AT, STEPS_AT_THREE, STEPS_AFTER, CAP = 3, 3, 3, 300
-
-
-def write_hosts(text):
-    tmp = os.path.join(OUT, "hosts.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(OUT, "hosts"))
-
 
 hvd.init()
-tf.keras.utils.set_random_seed(0)
-model = tf.keras.Sequential([tf.keras.layers.Dense(32, activation="tanh", input_shape=(16,)),
-                             tf.keras.layers.Dense(4)])
+model = kit.keras_mlp((16, 32, 4), ("tanh",))
 loss_fn = tf.keras.losses.MeanSquaredError()
 if MODE == "keras":
     opt = hvck.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9), compression=SPEC,
@@ -83,7 +72,7 @@ def train(state):
     log.write(json.dumps({"sync": True, "rank": hvd.rank(), "size": hvd.size(), "step": state.step,
                           "residual_norm": residual_norm(), "counter": int(compression.step.numpy())}) + "\n")
     step_fn = tf.function(one_step)  # traced again after every reset
-    while state.step < CAP and not (state.phase == "back" and state.after >= STEPS_AFTER):
+    while not kit.elastic_finished(state):
         x, y = batch(state.step)
         if MODE == "keras":
             model.train_on_batch(x, y)
@@ -100,24 +89,7 @@ def train(state):
                               "scale": opt._hvc.scale if MODE == "keras" else None}) + "\n")
         log.flush()
         state.step += 1
-        if state.phase == "two" and state.step >= ADD_AT:
-            state.phase = "adding"
-            if hvd.rank() == 0:
-                write_hosts("localhost:2\n127.0.0.1:1\n")
-        elif state.phase == "adding" and size == 3:
-            state.phase = "three"
-        elif state.phase == "three":
-            state.at_three += 1
-            if state.at_three >= STEPS_AT_THREE:
-                state.phase = "removing"
-                if hvd.rank() == 0:
-                    write_hosts("localhost:2\n")
-        elif state.phase == "removing" and size == 2:
-            state.phase = "back"
-        elif state.phase == "back":
-            state.after += 1
-        if state.phase in ("adding", "removing"):
-            time.sleep(0.2)  # give the driver time to notice the host change
+        kit.elastic_advance(state, size, hvd.rank(), OUT)
         state.commit()
 
 

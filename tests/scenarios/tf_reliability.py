@@ -9,6 +9,9 @@ import os
 import tempfile
 import time
 import traceback
+from functools import partial
+
+from scenarios import kit
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -28,19 +31,11 @@ LOSS_SCALE_SPECS = ("topk:ratio=0.05", "dgc:ratio=0.05,warmup_epochs=0,min_spars
 
 
 def _model(width=32, extra=False):
-    import tensorflow as tf
-    tf.keras.utils.set_random_seed(0)
-    layers = [tf.keras.layers.Dense(width, activation="tanh", input_shape=(16,)), tf.keras.layers.Dense(4)]
-    if extra:
-        layers.append(tf.keras.layers.Dense(4))
-    return tf.keras.Sequential(layers)
+    """16 -> width (tanh) -> 4, with ``extra`` one more 4 -> 4 layer (a model that differs)."""
+    return kit.keras_mlp((16, width, 4, 4) if extra else (16, width, 4), ("tanh", None))
 
 
-def _batch(rank, step):
-    import numpy as np
-    rng = np.random.default_rng(7 * rank + step)
-    x = rng.standard_normal((8, 16)).astype(np.float32)
-    return x, x[:, :4].argmax(1)
+_batch = partial(kit.np_batch, n=8, features=16, classes=4, stride=7)
 
 
 def _poison(model):
@@ -59,15 +54,9 @@ def _set_poison(poison, step):
     poison.assign(value)
 
 
-def _flat(variables):
-    import tensorflow as tf
-    return tf.concat([tf.reshape(v, [-1]) for v in variables], 0)
-
-
 def _identical_finite(variables, name):
-    import horovod.tensorflow as hvd
     import numpy as np
-    rows = hvd.allgather(_flat(variables)[None], name=name).numpy()
+    rows = kit.tf_gather_flat(variables, name)
     finite = bool(np.isfinite(rows).all())
     return finite, bool(finite and all(np.array_equal(rows[0], r) for r in rows))
 
@@ -87,7 +76,7 @@ def tape_faults(spec, graph=True) -> dict:
     poison = _poison(model)
     opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
     comp = hvc.GradientCompression(spec)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = kit.keras_loss()
 
     def step_fn(x, y):
         with tf.GradientTape() as tape:
@@ -123,7 +112,7 @@ def plain_step_applies_it(spec) -> dict:
     poison = _poison(model)
     opt = tf.keras.optimizers.SGD(0.05)
     comp = hvc.GradientCompression(spec)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = kit.keras_loss()
 
     @tf.function
     def step_fn(x, y):
@@ -149,14 +138,14 @@ def loss_scale(spec) -> dict:
     model.add_loss(lambda: tf.reduce_sum(model.layers[0].kernel * poison))
     inner = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9), compression=spec)
     opt = tf.keras.mixed_precision.LossScaleOptimizer(inner, initial_scale=2.0 ** 10)
-    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=opt, loss=kit.keras_loss())
     scales, unchanged = [], []
     for step in range(STEPS):
         _set_poison(poison, step)
-        before = _flat(model.trainable_variables).numpy()
+        before = kit.tf_flat(model.trainable_variables).numpy()
         model.train_on_batch(*_batch(hvc.rank(), step))
         scales.append(float(opt.loss_scale.numpy()))
-        unchanged.append(bool(np.array_equal(before, _flat(model.trainable_variables).numpy())))
+        unchanged.append(bool(np.array_equal(before, kit.tf_flat(model.trainable_variables).numpy())))
     finite, identical = _identical_finite(model.trainable_variables, f"check.lso.{spec}")
     return {"scales": scales, "unchanged": unchanged, "state_finite": _state_finite(inner.gradient_compression),
             "params_finite": finite, "identical": identical}
@@ -171,7 +160,7 @@ def checkpoint_refused() -> dict:
     import tensorflow as tf
     model = _model()
     comp = hvc.GradientCompression("topk:ratio=0.05")
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = kit.keras_loss()
 
     def make_step(c):
         @tf.function
@@ -205,7 +194,7 @@ def different_models() -> dict:
     import hvdcompress.tensorflow as hvc
     import tensorflow as tf
     out = {}
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = kit.keras_loss()
     for label, kw in (("width", dict(width=32 if hvd.rank() == 0 else 33)), ("extra", dict(extra=hvd.rank() == 1))):
         model = _model(**kw)
         comp = hvc.GradientCompression("topk:ratio=0.05")

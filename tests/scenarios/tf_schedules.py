@@ -11,7 +11,13 @@ import traceback
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-from scenarios.tf_core import _batch, _flat, _identical, _loss, _model  # noqa: E402
+from scenarios.kit import (
+    np_batch as _batch,
+    tf_flat as _flat,
+    tf_identical as _identical,
+    keras_loss as _loss,
+    keras_mlp as _model,
+)  # noqa: E402
 
 STEPS = 4
 DGC = "dgc:ratio=0.05,min_sparse_numel=256,warmup_epochs=0"
@@ -113,9 +119,12 @@ def bad_schedules() -> dict:
     return {"errors": errors, "after": float(after.numpy()[0])}
 
 
-def everything(world_expected: int) -> dict:
+def everything(world_expected: int, cache_dir: str = None) -> dict:
+    """Every scenario; with ``cache_dir``, an empty cost-model cache of their own (nothing cached)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
+    if cache_dir is not None:
+        os.environ["HVDCOMPRESS_CACHE"] = cache_dir
     tf.config.threading.set_inter_op_parallelism_threads(1)
     tf.config.threading.set_intra_op_parallelism_threads(1)
     hvd.init()

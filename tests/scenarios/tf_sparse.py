@@ -9,6 +9,8 @@ import os
 import time
 import traceback
 
+from scenarios import kit
+
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 VOCAB, DIM, SEQ, BATCH, STEPS = 40, 6, 5, 4, 6
@@ -28,18 +30,6 @@ def _batch(rank, step):
     rng = np.random.default_rng(100 * rank + step)
     return (rng.integers(0, VOCAB - 8, size=(BATCH, SEQ)).astype(np.int32),
             rng.integers(0, 3, size=(BATCH,)).astype(np.int32))
-
-
-def _flat(variables):
-    import tensorflow as tf
-    return tf.concat([tf.reshape(v, [-1]) for v in variables], 0)
-
-
-def _identical(variables, name):
-    import horovod.tensorflow as hvd
-    import numpy as np
-    rows = hvd.allgather(_flat(variables)[None], name=name).numpy()
-    return bool(np.isfinite(rows).all() and all(np.array_equal(rows[0], r) for r in rows))
 
 
 def _np(g):
@@ -65,7 +55,7 @@ def tape(spec: str, sparse_as_dense: bool) -> dict:
     import hvdcompress.tensorflow as hvc
     import tensorflow as tf
     model = _model()
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = kit.keras_loss()
     compression = hvc.GradientCompression(spec, name=f"t{spec[:4]}{int(sparse_as_dense)}")
     x, y = _batch(hvd.rank(), 0)
 
@@ -99,7 +89,7 @@ def tape(spec: str, sparse_as_dense: bool) -> dict:
     same = []
     for s in range(STEPS):
         step(*_batch(hvd.rank(), s + 1))
-        same.append(_identical(model.trainable_variables, f"tape.{spec}.{sparse_as_dense}.{s}"))
+        same.append(kit.tf_identical(model, f"tape.{spec}.{sparse_as_dense}.{s}", finite=True))
     import numpy as np
     out["identical"] = same
     out["untouched_rows_unchanged"] = bool(np.array_equal(untouched, model.layers[0].embeddings[VOCAB - 8:].numpy()))
@@ -125,11 +115,11 @@ def keras(optimizer: str, spec: str) -> dict:
         model = _model()
         opt = (hvc.DistributedOptimizer(make(), compression=spec, name=f"k_{optimizer}") if who == "ours"
                else hvdk.DistributedOptimizer(make()))
-        model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(optimizer=opt, loss=kit.keras_loss())
         for s in range(STEPS):
             model.train_on_batch(*_batch(hvd.rank(), s))
             if who == "ours":
-                same.append(_identical(model.trainable_variables, f"keras.{optimizer}.{spec}.{s}"))
+                same.append(kit.tf_identical(model, f"keras.{optimizer}.{spec}.{s}", finite=True))
         finals[who] = [v.numpy() for v in model.trainable_variables]
         if who == "ours":
             comp = opt.gradient_compression

@@ -12,40 +12,20 @@ import traceback
 import torch
 import torch.nn as nn
 
+from scenarios import kit
+
 TRAIN_SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "topk:ratio=0.01,residual=false",
                "randomk:ratio=0.1,seed=1", "threshold:threshold=0.05",
                "dgc:ratio=0.05,warmup_epochs=2,min_sparse_numel=256",
                "dgc:ratio=0.05,nesterov=true,clip_norm=1.0,fp16_values=true,min_sparse_numel=256"]
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
-
-
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(16, 20, generator=g)
-    return x, (x[:, :4].argmax(1))
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _identical_across_ranks(model) -> bool:
-    import horovod.torch as hvd
-    flat = _flat(model)
-    rows = hvd.allgather(flat.unsqueeze(0), name="check.params")
-    return bool(all(torch.equal(rows[0], r) for r in rows))
-
-
 def _train(spec, steps=6, opt_cls=torch.optim.SGD, bpps=1, epoch_every=2, schedule="layerwise", **opt_kw):
-    """``steps`` steps of ``_model()``; per-tensor exchanges unless another ``schedule`` is asked
+    """``steps`` steps of ``kit.torch_mlp()``; per-tensor exchanges unless another ``schedule`` is asked
     for (the default "auto" would profile the transport after 6 steps)."""
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
-    model = _model()
+    model = kit.torch_mlp()
     opt_kw = opt_kw or {"lr": 0.1, "momentum": 0.9}
     opt = hvc.DistributedOptimizer(opt_cls(model.parameters(), **opt_kw),
                                    named_parameters=model.named_parameters(), compression=spec,
@@ -56,7 +36,7 @@ def _train(spec, steps=6, opt_cls=torch.optim.SGD, bpps=1, epoch_every=2, schedu
         opt.set_epoch(step // epoch_every)
         opt.zero_grad()
         for micro in range(bpps):
-            x, y = _batch(hvd.rank(), step * bpps + micro)
+            x, y = kit.torch_batch(hvd.rank(), step * bpps + micro)
             loss_fn(model(x), y).backward()
         opt.step()
     return model, opt
@@ -68,28 +48,28 @@ def training(world_expected: int) -> dict:
     hvd.init()
     assert hvd.size() == world_expected
     out = {"identical": {}, "bytes": {}, "moved": {}}
-    start = _flat(_model())
+    start = kit.torch_flat(kit.torch_mlp())
     for spec in TRAIN_SPECS:
         model, opt = _train(spec)
-        out["identical"][spec] = _identical_across_ranks(model)
+        out["identical"][spec] = kit.torch_identical(model)
         out["bytes"][spec] = opt.stats.as_dict()
-        out["moved"][spec] = float((_flat(model) - start).abs().max())
+        out["moved"][spec] = float((kit.torch_flat(model) - start).abs().max())
     model, _ = _train("topk:ratio=0.1", opt_cls=torch.optim.Adam, lr=1e-3)
-    out["identical"]["adam+topk"] = _identical_across_ranks(model)
+    out["identical"]["adam+topk"] = kit.torch_identical(model)
 
     # top-k at ratio 1.0 must give exactly the dense averaged update
     dense, _ = _train("none")
     full, _ = _train("topk:ratio=1.0")
-    diff = (_flat(dense) - _flat(full)).abs().max()
+    diff = (kit.torch_flat(dense) - kit.torch_flat(full)).abs().max()
     out["ratio1_max_diff"] = float(diff)
 
     # backward_passes_per_step=2: the exchanged gradient is the average of the accumulated ones
-    model = _model()
+    model = kit.torch_mlp()
     opt = __import__("hvdcompress.torch", fromlist=["x"]).DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
         compression="topk:ratio=1.0", backward_passes_per_step=2, schedule="layerwise")
     for micro in range(2):
-        x, y = _batch(hvd.rank(), micro)
+        x, y = kit.torch_batch(hvd.rank(), micro)
         nn.CrossEntropyLoss()(model(x), y).backward()
     local = [p.grad.clone() for p in model.parameters()]
     opt.synchronize()
@@ -97,7 +77,7 @@ def training(world_expected: int) -> dict:
     out["bpps_max_diff"] = float(max((p.grad - w).abs().max() for p, w in zip(model.parameters(), want)))
     with opt.skip_synchronize():
         opt.step()
-    out["identical"]["bpps2"] = _identical_across_ranks(model)
+    out["identical"]["bpps2"] = kit.torch_identical(model)
     hvd.shutdown()
     return out
 
@@ -108,19 +88,19 @@ def empty_selection() -> dict:
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
     hvd.init()
-    model = _model()
+    model = kit.torch_mlp()
     opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(),
                                    compression="threshold:threshold=1e-4")
     sent = []
     for step in range(3):
         opt.zero_grad()
-        x, y = _batch(hvd.rank(), step)
+        x, y = kit.torch_batch(hvd.rank(), step)
         loss = nn.CrossEntropyLoss()(model(x), y)
         (loss * (0.0 if hvd.rank() == 1 else 1.0)).backward()
         opt.step()
         sent.append(opt.stats.last_bytes)
-    result = {"identical": _identical_across_ranks(model), "sent": sent, "schedule": opt.schedule,
+    result = {"identical": kit.torch_identical(model), "sent": sent, "schedule": opt.schedule,
               "plan": opt.plan, "groups": opt.groups}
     hvd.shutdown()
     return result
@@ -131,7 +111,7 @@ def bad_arguments() -> dict:
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
     hvd.init()
-    model = _model()
+    model = kit.torch_mlp()
     errors = {}
     cases = {
         "ratio": dict(compression="topk:ratio=2"),
@@ -190,13 +170,13 @@ def _resume_one(spec, state_names) -> dict:
             for step in range(3, 6):
                 opt.set_epoch(step)
                 opt.zero_grad()
-                x, y = _batch(hvd.rank(), step)
+                x, y = kit.torch_batch(hvd.rank(), step)
                 nn.CrossEntropyLoss()(model(x), y).backward()
                 opt.step()
-            return _flat(model)
+            return kit.torch_flat(model)
 
         straight = cont(model, opt)
-        model2 = _model()
+        model2 = kit.torch_mlp()
         opt2 = hvc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9),
                                         named_parameters=model2.named_parameters(), compression=spec,
                                         schedule="layerwise")
@@ -204,7 +184,7 @@ def _resume_one(spec, state_names) -> dict:
         opt2.load_state_dict(saved_opt)
         resumed = cont(model2, opt2)
         result = {"has_residual": has_residual, "equal": bool(torch.equal(straight, resumed)),
-                  "identical": _identical_across_ranks(model2), "epoch": opt2.epoch}
+                  "identical": kit.torch_identical(model2), "epoch": opt2.epoch}
     except Exception:  # report, do not hang the test on a worker traceback
         result = {"error": traceback.format_exc()}
     return result

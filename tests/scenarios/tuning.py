@@ -14,7 +14,11 @@ import traceback
 import torch
 import torch.nn as nn
 
-from scenarios.torch_core import _batch, _flat, _identical_across_ranks, _model
+from scenarios.kit import (
+    torch_batch as _batch,
+    torch_identical as _identical_across_ranks,
+    torch_mlp as _model,
+)
 from scenarios.schedules import hand_model
 
 SPEC = "topk:ratio=0.3"  # residuals are non-zero: state that a lossy regroup would corrupt
