@@ -90,6 +90,10 @@ class Communicator:
     def included(self) -> bool:
         return bool(self.process_set.included())
 
+    def versions(self) -> Dict[str, str]:
+        """The transport's name and version (recorded with profiled cost models)."""
+        return {"horovod": self._hvd.__version__}
+
     # -- async requests (the exchanges) -------------------------------------------------------------
     def launch(self, requests: Sequence[Request], name: str) -> List[Any]:
         hvd = self._hvd

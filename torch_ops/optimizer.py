@@ -54,6 +54,7 @@ from .sparse_grads import sparse_exchange, split_out
 from .compressors import ExchangeContext, build_compressor, compressor_class
 from .grouping import FlatBuffers, Group, flatten, join_state, make_groups, scatter, split_state
 from .scheduling import DEFAULT_TUNE_STEPS, Scheduler, StepClock, check_tune_steps, now
+from .transport import Average, make_communicator
 
 
 
@@ -71,7 +72,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvc_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]
                                                 if p.requires_grad]
         self._hvc_by_name: Dict[str, torch.Tensor] = {self._hvc_names[p]: p for p in self._hvc_params}
-        import horovod.torch as hvd
 
         # one communicator for every collective: exchanges, scheduler, profiler (the user's process set)
         self._hvc_driver = driver if driver is not None else Communicator(process_set)
@@ -82,7 +82,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             schedule, spec, cost_model, profile_steps,
             {n: float(p.numel() * p.element_size()) for n, p in self._hvc_by_name.items()},
             self._hvc_world, self._hvc_driver, tune_steps)
-        average = op == hvd.Average
+        average = op == Average
         self._hvc_prescale = 1.0 / gradient_predivide_factor
         self._hvc_scale = gradient_predivide_factor / self._hvc_world if average else 1.0
         self._hvc_passes = backward_passes_per_step
@@ -385,7 +385,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                          process_set=None, driver=None, schedule="auto", cost_model=None,
                          profile_steps: int = 5, delay: int = 0, sync_every: int = 1,
-                         tune_steps: int = DEFAULT_TUNE_STEPS):
+                         tune_steps: int = DEFAULT_TUNE_STEPS, backend: str = "horovod"):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -406,6 +406,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         driver: the ``torch_ops.collectives.Communicator`` every collective goes through (default
             ``Communicator(process_set)``); an extension point: a subclass may change how rounds
             complete (``hvdcompress.bench.injected_latency.LatencyDriver`` delays them).
+        backend: "horovod" (default; launched by horovodrun) or "torch": torch.distributed
+            (launched by torchrun, any backend; Horovod is never imported), with ``process_set``
+            a process group (``torch_ops.transport``, ``torch_ops.dist_collectives``).
 
     Layer merging (``torch_ops.scheduling`` has the details):
         schedule: how gradients are grouped into exchanges: "auto" (default: the cost-model
@@ -433,15 +436,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
     Every argument is validated here, before any collective, identically on every rank.
     """
-    import horovod.torch as hvd
-
     spec = resolve(compression)
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
     spec = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)  # e.g. DGC takes momentum over
-    if not hvd.is_initialized():
-        raise ValueError("horovod is not initialized: call hvd.init() before DistributedOptimizer")
+    driver = make_communicator(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
 
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
