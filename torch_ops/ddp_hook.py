@@ -20,11 +20,14 @@ rank: torch.distributed matches collectives by issue order) and completes the fu
 for. The result is the average over the ranks (DDP's default hook averages too).
 
 State (residuals, momenta, PowerSGD's Q) is kept per parameter name: DDP rebuilds its buckets
-after the first iteration (and may group differently on another run), so state is joined into a
-bucket's layout when a bucket of new members appears and split back per parameter for
-``state_dict()``. ``state.state_dict()`` / ``load_state_dict()`` save and restore it (each rank
-its own: residuals differ per rank), in the same format as our ``DistributedOptimizer``'s
-``state_dict()["hvdcompress"]``.
+after the first iteration (from one bucket in registration order to buckets in the order the
+gradients became ready), so state is joined into a bucket's layout when a bucket of new members
+appears and split back per parameter for ``state_dict()``. ``state.state_dict()`` /
+``load_state_dict()`` save and restore it (each rank its own: residuals differ per rank), in the
+format of our ``DistributedOptimizer``'s ``state_dict()["hvdcompress"]``, with the groups in use:
+a resumed DDP starts again from its initial buckets, and where those hold the saved groups the
+hook exchanges the saved groups (gathered from the bucket, results scattered back), so resuming
+is exact.
 
 Compressors that keep the momentum in their memory (DGC, the count sketch) take the optimizer's
 momentum over as our optimizer does (``Compressor.adapt_optimizer``): pass ``optimizer=`` and the
@@ -90,6 +93,7 @@ class CommHookState:
         self._epoch, self._epoch_set, self._warned_epoch = 0, False, False
         self._groups: Dict[Tuple[str, ...], State] = {}  # state of the buckets seen, in their layout
         self._per_param: Dict[str, State] = {}  # state of parameters in no bucket seen since (load, rebuild)
+        self._layout: Dict[str, Tuple[str, ...]] = {}  # parameter -> the group it was last exchanged in
         self._queue = PendingQueue()
         self._buckets: List[Tuple[torch.futures.Future, torch.Tensor, List[Tuple[Any, int, int]]]] = []
         self.stats = WireStats()
@@ -134,27 +138,43 @@ class CommHookState:
             offset += p.numel()
         return out
 
+    def _groups_of(self, members) -> List[Tuple[str, ...]]:
+        """How the bucket's parameters are exchanged: one group per parameter (layerwise
+        compressors); else the groups they were last exchanged in when those groups partition the
+        bucket (so a resumed run, whose DDP starts from its initial buckets, exchanges as the run it
+        resumes did); else the bucket as one group, remembered."""
+        names = tuple(n for n, _, _ in members)
+        if self.layerwise:
+            return [(n,) for n in names]
+        inside = set(names)
+        known = [self._layout.get(n) for n in names]
+        if all(g is not None and inside.issuperset(g) for g in known):
+            return list(dict.fromkeys(known))
+        for n in names:
+            self._layout[n] = names
+        return [names]
+
     def __call__(self, bucket) -> torch.futures.Future:
         buf = bucket.buffer()
         members = self.members(bucket)
+        where = {n: (shape, offset) for n, shape, offset in members}
         step, epoch, rank = self.step, self.epoch, self.comm.rank()
         parts = []
-        if self.layerwise:
-            groups = [Group((n,), (s,)) for n, s, _ in members]
-            offsets = [o for _, _, o in members]
-        else:
-            groups = [Group(tuple(n for n, _, _ in members), tuple(s for _, s, _ in members))]
-            offsets = [0]
         with torch.no_grad():
-            for group, offset in zip(groups, offsets):
-                x = buf[offset:offset + group.numel]
+            for names in self._groups_of(members):
+                group = Group(names, tuple(where[n][0] for n in names))
+                spans = [(where[n][1], m) for n, m in zip(names, group.numels)]
+                if all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
+                    x = buf[spans[0][0]:spans[0][0] + group.numel]  # a view: the result is built in place
+                else:
+                    x = torch.cat([buf[o:o + m] for o, m in spans])
                 state = self._state_for(group)
                 ctx = ExchangeContext(group.key, step, self.world, self.scale, state, group.shape, epoch, rank,
                                       group.layout, out=x)
                 exchange = guard(self.compressor.exchange(x, ctx), x, state)  # non-finite never hidden
                 key = (bucket.index(), group.key)
                 self._queue.add(key, PendingExchange(exchange, f"hvc.{group.key}", self.comm), step)
-                parts.append((key, offset, group.numel))
+                parts.append((key, spans))
         fut: torch.futures.Future = torch.futures.Future()
         self._buckets.append((fut, buf, parts))
         if bucket.is_last():
@@ -168,11 +188,14 @@ class CommHookState:
             sent = dense = 0
             seconds = 0.0
             for _, buf, parts in self._buckets:
-                for key, offset, n in parts:
+                for key, spans in parts:
                     ex = done[key]
-                    target = buf[offset:offset + n]
-                    if ex.result.data_ptr() != target.data_ptr() or ex.result.numel() != n:
-                        target.copy_(ex.result.reshape(-1))
+                    result, pos = ex.result.reshape(-1), 0
+                    for offset, n in spans:
+                        target = buf[offset:offset + n]
+                        if result.data_ptr() + pos * result.element_size() != target.data_ptr():
+                            target.copy_(result[pos:pos + n])
+                        pos += n
                     sent += ex.bytes_sent
                     seconds += ex.compute_seconds
                 dense += buf.numel() * buf.element_size()
@@ -212,7 +235,8 @@ class CommHookState:
             raise AssertionError("hvdcompress.ddp: state_dict() during backward; call it between steps")
         return {"version": STATE_VERSION, "compression": self.spec.to_dict(), "step": self.step,
                 "epoch": self._epoch, "epoch_set": self._epoch_set, "state": self.param_state(),
-                "plan": None, "delayed": None, "compressor": self.compressor.global_state()}
+                "plan": None, "delayed": None, "compressor": self.compressor.global_state(),
+                "ddp_groups": [list(g) for g in dict.fromkeys(self._layout.values())]}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned; checked first (same spec, known parameters, sizes,
@@ -220,12 +244,18 @@ class CommHookState:
         from .arguments import check_checkpoint
 
         check_checkpoint(state_dict, self.spec, self.compressor, {n: p.numel() for n, p in self._params.items()})
+        groups = [tuple(g) for g in state_dict.get("ddp_groups") or ()]
+        seen = [n for g in groups for n in g]
+        if len(seen) != len(set(seen)) or not set(seen) <= set(self._params):
+            raise ValueError("load_state_dict: the checkpoint's bucket groups name parameters this model does not "
+                             "have, or one parameter twice (a checkpoint of a different model?)")
         if self._buckets:
             raise AssertionError("hvdcompress.ddp: load_state_dict() during backward; call it between steps")
         self.step = int(state_dict["step"])
         self._epoch, self._epoch_set = int(state_dict["epoch"]), bool(state_dict.get("epoch_set", True))
         self.compressor.load_global_state(state_dict.get("compressor"))
         self._groups = {}
+        self._layout = {n: g for g in groups for n in g}
         self._per_param = {n: {k: t.detach().clone().to(self._params[n].device) for k, t in st.items()}
                            for n, st in state_dict["state"].items()}
 

@@ -40,6 +40,22 @@ import torch
 from .collectives import Allgather, Allreduce, Alltoall, Communicator, Request
 
 
+# dtypes torch.distributed's Gloo and NCCL collectives take (Gloo refuses int16, for one). Other
+# dtypes are gathered / sent as their bytes and summed as int64 (integers), the results cast back.
+_MOVED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+          torch.int64, torch.bool)
+
+
+def _as_bytes(t: torch.Tensor):
+    """(the tensor to put on the wire, None or (dtype, trailing shape) to read the result back)."""
+    if t.dtype in _MOVED:
+        return t, None
+    row = 1
+    for d in t.shape[1:]:
+        row *= int(d)
+    return t.reshape(t.shape[0], row).view(torch.uint8), (t.dtype, tuple(t.shape[1:]))
+
+
 def _gather_single(dist, out: torch.Tensor, inp: torch.Tensor, group):
     """``all_gather_single`` (``all_gather_into_tensor`` in torch versions without it), async."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -49,7 +65,8 @@ def _gather_single(dist, out: torch.Tensor, inp: torch.Tensor, group):
 class _Op:
     """One request in flight: its data collective (``work``) and how to read its result."""
 
-    __slots__ = ("kind", "tensor", "work", "out", "rows", "rest", "sizes", "column", "splits", "recv_splits", "trimmed")
+    __slots__ = ("kind", "tensor", "work", "out", "rows", "rest", "sizes", "column", "splits", "recv_splits", "trimmed",
+                 "cast", "summed")
 
     def __init__(self, kind: str, tensor: torch.Tensor):
         self.kind, self.tensor = kind, tensor
@@ -62,6 +79,8 @@ class _Op:
         self.splits: Optional[List[int]] = None  # alltoall: rows sent to each rank
         self.recv_splits: Optional[torch.Tensor] = None
         self.trimmed = False  # allgather: the padding was cut off the result
+        self.cast = None  # (dtype, trailing shape) when the tensor travels as bytes
+        self.summed: Optional[torch.Tensor] = None  # allreduce of a dtype summed in a wider copy
 
 
 class TorchDistCommunicator(Communicator):
@@ -114,15 +133,23 @@ class TorchDistCommunicator(Communicator):
         for req in requests:
             if isinstance(req, Allreduce):  # Flag included
                 op = _Op("allreduce", req.tensor)
-                op.work = dist.all_reduce(req.tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                wire = req.tensor
+                if wire.dtype not in _MOVED:
+                    if wire.is_floating_point() or wire.is_complex():
+                        raise TypeError(f"Allreduce of {wire.dtype} is not supported by torch.distributed")
+                    wire = op.summed = wire.to(torch.int64)
+                op.work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
                 op.out = req.tensor
             elif isinstance(req, Allgather):
                 t = req.tensor.contiguous()
-                op = _Op("allgather", t.reshape(1) if t.dim() == 0 else t)
+                wire, cast = _as_bytes(t.reshape(1) if t.dim() == 0 else t)
+                op = _Op("allgather", wire)
+                op.cast = cast
                 gathers.append(op)
             elif isinstance(req, Alltoall):
-                t = req.tensor.contiguous()
+                t, cast = _as_bytes(req.tensor.contiguous())
                 op = _Op("alltoall", t)
+                op.cast = cast
                 op.splits = [int(s) for s in req.splits]
                 if len(op.splits) != self.size() or sum(op.splits) != t.shape[0]:
                     raise ValueError(f"Alltoall: splits {op.splits} must have one entry per rank ({self.size()}) "
@@ -189,11 +216,17 @@ class TorchDistCommunicator(Communicator):
             if op.work is not None:
                 op.work.wait()
                 op.work = None
+            if op.summed is not None:
+                op.out.copy_(op.summed)
+                op.summed = None
             if op.kind == "allgather" and not op.trimmed:
                 op.trimmed = True
                 top = max(op.rows)
                 if top != min(op.rows):  # cut each rank's padding off
                     op.out = torch.cat([op.out[r * top:r * top + n] for r, n in enumerate(op.rows)])
+            if op.cast is not None:
+                dtype, rest = op.cast
+                op.out, op.cast = op.out.view(dtype).reshape((-1,) + rest), None
             out.append(op.out)
         return tuple(out)
 
