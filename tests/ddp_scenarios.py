@@ -19,7 +19,7 @@ import time
 import traceback
 
 # every registered algorithm, with parameters that make it act on a 1k-parameter MLP (no dense fallback)
-SPECS = ("none", "fp16", "bf16", "topk:ratio=0.1", "randomk:ratio=0.1", "threshold:threshold=0.01",
+SPECS = ("none", "fp16", "bf16", "topk:ratio=0.1", "randomk:ratio=0.1", "threshold:threshold=0.05",
          "dgc:ratio=0.05,min_sparse_numel=64,warmup_epochs=0,clip_norm=5.0",
          "sketch:ratio=0.1,cols_ratio=0.3,min_sketch_numel=64", "signsgd", "efsignsgd", "onebit",
          "terngrad", "qsgd:levels=3,bucket=64", "powersgd:rank=2")

@@ -16,7 +16,7 @@ import copy
 import numpy as np
 import pytest
 
-from ddp_scenarios import BAD, SPECS, STEPS, launch
+from ddp_scenarios import SAVE_AT, SPECS, STEPS, launch
 from hvdcompress import parse_spec
 from hvdcompress.reference import simulate
 
@@ -76,7 +76,7 @@ def test_communicator(world):
 def test_every_compressor_identical_and_resumed_exactly(world):
     ranks = part(world, "every_compressor")
     for key, got in ranks[0].items():
-        assert got["identical"] == [True] * STEPS, key
+        assert got["identical"] == [True] * (2 * STEPS - SAVE_AT), key
         assert got["resumed_equal"], key
         assert got["moved"] > 0, key
     assert sorted({spec for _, spec in ranks[0]}) == sorted(SPECS)
@@ -86,10 +86,21 @@ def test_every_compressor_identical_and_resumed_exactly(world):
             assert ranks[0][("hook", spec)]["ratio"] > 1.0 and ranks[0][("opt", spec)]["ratio"] > 1.0, spec
 
 
-def _close(got, want, exact):
-    if exact:
+def _tolerance(spec, world):
+    """(rtol, atol relative to the largest magnitude): the project's tolerances (tests/test_properties.py)."""
+    if spec.name == "powersgd":
+        return 1e-4, 1e-4  # Gram-Schmidt amplifies last-bit differences of torch's and numpy's matmuls
+    if world > 2 and spec.info.exchange == "allreduce":  # Gloo's ring adds 3 ranks in another order
+        return (2e-3, 1e-3) if spec.name == "fp16" else (1e-5, 1e-6)
+    return 0.0, 0.0
+
+
+def _same(got, want, tol) -> bool:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if tol == (0.0, 0.0):
         return np.array_equal(got, want, equal_nan=True)
-    return np.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+    return np.allclose(got, want, rtol=tol[0], atol=tol[1] * scale, equal_nan=True)
 
 
 def test_exchanges_equal_the_oracle(world):
@@ -97,7 +108,7 @@ def test_exchanges_equal_the_oracle(world):
     n = len(world)
     logs = [r["log"] for r in world]
     assert len({len(log) for log in logs}) == 1 and logs[0]
-    seen, inexact = set(), []
+    seen, exact = set(), {}
     for entries in zip(*logs):
         e0 = entries[0]
         assert all((e["tag"], e["key"], e["step"]) == (e0["tag"], e0["key"], e0["step"]) for e in entries)
@@ -105,20 +116,19 @@ def test_exchanges_equal_the_oracle(world):
         states = [copy.deepcopy(e["before"]) for e in entries]
         want, after, _ = simulate(spec, [e["x"] for e in entries], states, key=e0["key"], step=e0["step"],
                                   scale=e0["scale"], shape=e0["shape"], epoch=e0["epoch"], members=e0["members"])
-        exact = n == 2 or not spec.info.exchange == "allreduce"
+        tol = _tolerance(spec, n)
         for r, e in enumerate(entries):
             where = (e0["tag"], e0["key"], e0["step"], r)
-            assert np.array_equal(e["result"], entries[0]["result"], equal_nan=True), where
-            if not np.array_equal(e["result"], want, equal_nan=True):
-                inexact.append(where)
-            assert _close(e["result"], np.asarray(want, dtype=np.float64), exact), where
+            assert np.array_equal(e["result"], e0["result"], equal_nan=True), where  # the same on every rank
+            assert _same(e["result"], want, tol), where
             assert sorted(e["after"]) == sorted(after[r]), where
             for k, v in after[r].items():
-                assert _close(e["after"][k], np.asarray(v, dtype=np.float64), exact), (where, k)
+                assert _same(e["after"][k], v, tol), (where, k)
+            exact[e0["tag"][1]] = exact.get(e0["tag"][1], True) and np.array_equal(e["result"], want)
         seen.add(e0["tag"])
     assert seen == {(path, spec) for spec in SPECS for path in ("hook", "opt")}
-    if n == 2:
-        assert inexact == []
+    if n == 2:  # bit for bit, but for PowerSGD's matmuls
+        assert [s for s, ok in exact.items() if not ok] in ([], ["powersgd:rank=2"])
 
 
 def test_bad_specs_raise_on_every_rank(world):
