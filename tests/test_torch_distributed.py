@@ -86,11 +86,15 @@ def test_every_compressor_identical_and_resumed_exactly(world):
             assert ranks[0][("hook", spec)]["ratio"] > 1.0 and ranks[0][("opt", spec)]["ratio"] > 1.0, spec
 
 
+# algorithms with an allreduce round (DGC: its dense tensors' velocities); the others only gather
+SUMMING = {"none", "fp16", "randomk", "sketch", "powersgd", "dgc"}
+
+
 def _tolerance(spec, world):
     """(rtol, atol relative to the largest magnitude): the project's tolerances (tests/test_properties.py)."""
     if spec.name == "powersgd":
         return 1e-4, 1e-4  # Gram-Schmidt amplifies last-bit differences of torch's and numpy's matmuls
-    if world > 2 and spec.info.exchange == "allreduce":  # Gloo's ring adds 3 ranks in another order
+    if world > 2 and spec.name in SUMMING:  # Gloo's ring adds 3 ranks in another order than rank order
         return (2e-3, 1e-3) if spec.name == "fp16" else (1e-5, 1e-6)
     return 0.0, 0.0
 
@@ -127,8 +131,8 @@ def test_exchanges_equal_the_oracle(world):
             exact[e0["tag"][1]] = exact.get(e0["tag"][1], True) and np.array_equal(e["result"], want)
         seen.add(e0["tag"])
     assert seen == {(path, spec) for spec in SPECS for path in ("hook", "opt")}
-    if n == 2:  # bit for bit, but for PowerSGD's matmuls
-        assert [s for s, ok in exact.items() if not ok] in ([], ["powersgd:rank=2"])
+    inexact = {s.split(":")[0] for s, ok in exact.items() if not ok}
+    assert inexact <= ({"powersgd"} if n == 2 else SUMMING), inexact  # else bit for bit
 
 
 def test_bad_specs_raise_on_every_rank(world):

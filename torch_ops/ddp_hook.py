@@ -83,12 +83,8 @@ class CommHookState:
             if p.requires_grad:
                 self._names[id(p)] = name
                 self._params[name] = p
-        from .dist_collectives import TorchDistCommunicator
-
-        group = process_group if process_group is not None else getattr(model, "process_group", None)
-        self.comm = TorchDistCommunicator(group)
-        self.world = self.comm.size()
-        self.scale = 1.0 / self.world
+        self._group = process_group if process_group is not None else getattr(model, "process_group", None)
+        self._comm = None  # made at the first bucket: the hook may be built before init_process_group
         self.step = 0
         self._epoch, self._epoch_set, self._warned_epoch = 0, False, False
         self._groups: Dict[Tuple[str, ...], State] = {}  # state of the buckets seen, in their layout
@@ -105,6 +101,18 @@ class CommHookState:
                 optimizer.register_step_pre_hook(lambda opt, args, kwargs: comp.before_step(opt.param_groups, opt.state)),
                 optimizer.register_load_state_dict_post_hook(lambda opt: comp.after_load(opt.param_groups)),
             ]
+
+    @property
+    def comm(self):
+        """The ``TorchDistCommunicator`` on the process group (made on first use)."""
+        if self._comm is None:
+            from .dist_collectives import TorchDistCommunicator
+            self._comm = TorchDistCommunicator(self._group)
+        return self._comm
+
+    @property
+    def world(self) -> int:
+        return self.comm.size()
 
     # -- epochs (warm-ups) ---------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -158,7 +166,7 @@ class CommHookState:
         buf = bucket.buffer()
         members = self.members(bucket)
         where = {n: (shape, offset) for n, shape, offset in members}
-        step, epoch, rank = self.step, self.epoch, self.comm.rank()
+        step, epoch, rank, world = self.step, self.epoch, self.comm.rank(), self.world
         parts = []
         with torch.no_grad():
             for names in self._groups_of(members):
@@ -169,7 +177,7 @@ class CommHookState:
                 else:
                     x = torch.cat([buf[o:o + m] for o, m in spans])
                 state = self._state_for(group)
-                ctx = ExchangeContext(group.key, step, self.world, self.scale, state, group.shape, epoch, rank,
+                ctx = ExchangeContext(group.key, step, world, 1.0 / world, state, group.shape, epoch, rank,
                                       group.layout, out=x)
                 exchange = guard(self.compressor.exchange(x, ctx), x, state)  # non-finite never hidden
                 key = (bucket.index(), group.key)
@@ -282,7 +290,9 @@ def comm_hook(spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
     optimizer: the optimizer stepping the model; needed by compressors that keep the momentum
         (DGC, sketch): its momentum (and SGD's weight decay) is taken over, as in
         ``DistributedOptimizer``.
-    process_group: default the DDP model's (``ddp_model.process_group``), else the default group.
+    process_group: default the DDP model's (``ddp_model.process_group``), else the default group
+        (``model`` may then be the unwrapped module, and torch.distributed may be initialized
+        after this call, before the first backward: as Lightning's ``DDPStrategy`` needs).
     """
     state = CommHookState(spec, model, optimizer, process_group)
     return state, hook
