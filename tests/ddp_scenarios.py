@@ -239,6 +239,19 @@ def auto_schedule() -> dict:
             "meta": {k: v for k, v in (opt.cost_model.meta or {}).items() if k in ("torch.distributed", "horovod")}}
 
 
+def delayed() -> dict:
+    """Delayed averaging on torch.distributed: exchanges in flight across steps, then a flush makes
+    the replicas identical."""
+    _, opt, identical, _ = _opt_run("topk:ratio=0.1", 4, delay=1)
+    opt.flush()
+    import torch.distributed as dist
+    import torch
+    flat = torch.cat([p.detach().reshape(-1) for g in opt.param_groups for p in g["params"]])
+    rows = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, flat)
+    return {"identical_before_flush": identical, "identical_after_flush": all(torch.equal(rows[0], r) for r in rows)}
+
+
 def communicator() -> dict:
     """Requests of every kind and size (empty, uneven), several in one round, rounds interleaved."""
     import torch

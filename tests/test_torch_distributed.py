@@ -20,7 +20,7 @@ from ddp_scenarios import SAVE_AT, SPECS, STEPS, launch
 from hvdcompress import parse_spec
 from hvdcompress.reference import simulate
 
-TWO = ["communicator", "every_compressor", "bad_specs", "nonfinite", "auto_schedule", "example"]
+TWO = ["communicator", "every_compressor", "bad_specs", "nonfinite", "auto_schedule", "delayed", "example"]
 THREE = ["communicator", "every_compressor", "bad_specs"]
 
 
@@ -157,6 +157,12 @@ def test_cost_model_schedule_on_torch_distributed(two):
         assert got["identical"] == [True] * 5
         assert got["plan"] is not None and got["world"] == 2
         assert got["meta"] == {"torch.distributed": "gloo"}
+
+
+def test_delayed_averaging_on_torch_distributed(two):
+    for got in part(two, "delayed"):
+        assert False in got["identical_before_flush"]  # replicas differ by their local steps
+        assert got["identical_after_flush"]
 
 
 def test_ddp_digits_example_two_steps(two):
