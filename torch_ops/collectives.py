@@ -92,7 +92,8 @@ class Communicator:
 
     def versions(self) -> Dict[str, str]:
         """The transport's name and version (recorded with profiled cost models)."""
-        return {"horovod": self._hvd.__version__}
+        import horovod
+        return {"horovod": horovod.__version__}
 
     # -- async requests (the exchanges) -------------------------------------------------------------
     def launch(self, requests: Sequence[Request], name: str) -> List[Any]:
