@@ -91,7 +91,7 @@ class CommHookState:
         self._per_param: Dict[str, State] = {}  # state of parameters in no bucket seen since (load, rebuild)
         self._layout: Dict[str, Tuple[str, ...]] = {}  # parameter -> the group it was last exchanged in
         self._queue = PendingQueue()
-        self._buckets: List[Tuple[torch.futures.Future, torch.Tensor, List[Tuple[Any, int, int]]]] = []
+        self._buckets: List[Tuple[torch.futures.Future, torch.Tensor, List[Any]]] = []  # this backward pass
         self.stats = WireStats()
         self.optimizer = optimizer
         self._handles = []
