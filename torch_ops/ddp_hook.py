@@ -39,7 +39,7 @@ taken-over weight-decay term before each ``optimizer.step()`` (a step pre-hook c
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
