@@ -17,7 +17,7 @@ from .scheduling import check_cost_model, check_profile_steps, check_schedule
 def check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule, profile_steps,
                     cost_model, delay, sync_every):
     """Validate the wrapper's arguments; returns (op, gradient_predivide_factor as float)."""
-    import horovod.torch as hvd
+    from . import transport as hvd  # the op constants, with Horovod's values, without importing Horovod
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer: expected a torch.optim.Optimizer; got {type(optimizer).__name__}")

@@ -65,6 +65,11 @@ class Communicator:
     def included(self) -> bool:
         return bool(self.process_set.included())
 
+    def versions(self) -> Dict[str, str]:
+        """The transport's name and version (recorded with profiled cost models)."""
+        import horovod
+        return {"horovod": horovod.__version__}
+
     # -- async requests (the exchanges) -------------------------------------------------------------
     def launch(self, requests: Sequence[Request], name: str) -> List[Any]:
         hvd = self._hvd

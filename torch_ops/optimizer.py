@@ -45,12 +45,12 @@ from hvdcompress.spec import CompressionSpec, resolve
 
 from . import checkpoint
 from .arguments import check_arguments, parameter_names
-from .collectives import Communicator
 from .codec_choice import check_codec_choice
 from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
 from .scheduling import DEFAULT_TUNE_STEPS, check_tune_steps, now
+from .transport import Average, make_communicator
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -60,13 +60,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         self.defaults = dict(source.defaults)
         self.state.update(source.state)
-        import horovod.torch as hvd
-
         names = parameter_names(self.param_groups, named_parameters)
         trained = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self.engine = Engine(spec, {names[p]: p for p in trained},
-                             driver if driver is not None else Communicator(process_set),
-                             average=op == hvd.Average, predivide=gradient_predivide_factor,
+                             driver, average=op == Average, predivide=gradient_predivide_factor,
                              passes=backward_passes_per_step, sparse_as_dense=sparse_as_dense, schedule=schedule,
                              cost_model=cost_model, profile_steps=profile_steps, tune_steps=tune_steps,
                              delay=delay, sync_every=sync_every, alternatives=alternatives,
@@ -216,7 +213,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                          process_set=None, driver=None, schedule="auto", cost_model=None,
                          profile_steps: int = 5, delay: int = 0, sync_every: int = 1,
-                         tune_steps: int = DEFAULT_TUNE_STEPS, codec_choice=None):
+                         tune_steps: int = DEFAULT_TUNE_STEPS, codec_choice=None, backend: str = "horovod"):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -237,6 +234,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         driver: the ``torch_ops.collectives.Communicator`` every collective goes through (default
             ``Communicator(process_set)``); an extension point: a subclass may change how rounds
             complete (``hvdcompress.bench.injected_latency.LatencyDriver`` delays them).
+        backend: "horovod" (default; launched by horovodrun) or "torch": torch.distributed
+            (launched by torchrun, any backend; Horovod is never imported), with ``process_set``
+            a process group (``torch_ops.transport``, ``torch_ops.dist_collectives``).
 
     Layer merging (``torch_ops.scheduling`` has the details):
         schedule: how gradients are grouped into exchanges: "auto" (default: the cost-model
@@ -273,16 +273,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     collective, identically on every rank (a model that differs across ranks too). Guide:
     docs/pytorch.md.
     """
-    import horovod.torch as hvd
-
     spec = resolve(compression)
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
     alternatives = check_codec_choice(codec_choice, build_compressor(spec), delay, sync_every)
     spec = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)  # e.g. DGC takes momentum over
-    if not hvd.is_initialized():
-        raise ValueError("horovod is not initialized: call hvd.init() before DistributedOptimizer")
+    driver = make_communicator(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
 
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))

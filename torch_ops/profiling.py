@@ -289,7 +289,7 @@ def profile_cost_model(specs: Iterable = ("none",), comm_bytes: Sequence[int] = 
     decompress = {str(resolve(s)): time_decompression(s, compress_elements, repeats, comm=com) for s in specs}
     elapsed = _rank_mean([time.perf_counter() - started], "hvc.profile.elapsed", com)[0]
     meta = {"source": "torch_ops.profiling", "torch": torch.__version__,
-            "horovod": __import__("horovod").__version__, "profile_seconds": round(elapsed, 3),
+            **com.versions(), "profile_seconds": round(elapsed, 3),
             "samples": {"allreduce": comm["allreduce"], "allgather": comm["allgather"], "compress": compress,
                         "decompress": decompress}}
     names = hosts(com)

@@ -7,6 +7,13 @@ turns their timings and byte counts into figures (``figures``) and writes JSON, 
 and a chart (``report``). ``cli`` holds the command line. Nothing here imports torch.
 """
 
-from .cli import main
+
+
+def main(*args, **kwargs):
+    """``hvdcompress.bench.cli.main`` (imported on call: the harness's launcher needs Horovod, the
+    models and data helpers in this package do not)."""
+    from .cli import main as cli_main
+    return cli_main(*args, **kwargs)
+
 
 __all__ = ["main"]

@@ -1,0 +1,345 @@
+"""Worker code for tests/test_torch_distributed.py: real torch.distributed (Gloo) processes, no Horovod.
+
+``launch(world, names)`` starts ``world`` processes with ``torch.multiprocessing`` (spawn) once and
+runs the named scenarios in sequence in each; every process blocks Horovod's import first
+(``sys.modules["horovod"] = None``), so any import of it on these paths fails the scenario. Each
+rank returns plain Python / numpy data: per-step parameter equality across ranks, and a log of
+every exchange (key, step, layout, input, state before, result, state after) for the pytest side
+to replay through the numpy oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+# every registered algorithm, with parameters that make it act on a 1k-parameter MLP (no dense fallback)
+SPECS = ("none", "fp16", "bf16", "topk:ratio=0.1", "randomk:ratio=0.1", "threshold:threshold=0.05",
+         "dgc:ratio=0.05,min_sparse_numel=64,warmup_epochs=0,clip_norm=5.0",
+         "sketch:ratio=0.1,cols_ratio=0.3,min_sketch_numel=64", "signsgd", "efsignsgd", "onebit",
+         "terngrad", "qsgd:levels=3,bucket=64", "powersgd:rank=2")
+STEPS = 4  # the first runs on DDP's initial bucket, the others on the rebuilt ones
+SAVE_AT = 2  # checkpoint after this many steps, resume, compare the last STEPS - SAVE_AT steps
+BAD = {"ratio": "topk:ratio=2", "unknown": "dgc:colums=3", "name": "nosuch"}
+
+
+def _model():
+    import torch
+    import torch.nn as nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4))
+
+
+def _batch(rank, step):
+    import torch
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 12, generator=g)
+    return x, x[:, :4].argmax(1)
+
+
+def _flat(model):
+    import torch
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _identical(model) -> bool:
+    import torch
+    import torch.distributed as dist
+    flat = _flat(model)
+    rows = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, flat)
+    return all(torch.equal(rows[0], r) for r in rows)
+
+
+def _np(t):
+    import torch
+    return t.detach().to(torch.float64).numpy() if t.dtype == torch.bfloat16 else t.detach().numpy().copy()
+
+
+class Recorder:
+    """Wraps every compressor class's ``exchange`` to log what went in and came out."""
+
+    def __init__(self):
+        from torch_ops.compressors import COMPRESSORS
+        self.log, self.tag = [], None
+        self._saved = {}
+        for cls in set(COMPRESSORS.values()):
+            self._saved[cls] = cls.exchange
+            cls.exchange = self._wrap(cls.exchange)
+
+    def _wrap(self, orig):
+        rec = self
+
+        def exchange(comp, x, ctx):
+            xin = _np(x)
+            before = {k: _np(v) for k, v in ctx.state.items()}
+            result = yield from orig(comp, x, ctx)
+            if rec.tag is not None:
+                rec.log.append({"tag": rec.tag, "spec": str(comp.spec), "key": ctx.key, "step": ctx.step, "shape": tuple(ctx.shape),
+                                "members": tuple(ctx.members), "scale": ctx.scale, "epoch": ctx.epoch, "x": xin,
+                                "before": before, "result": _np(result),
+                                "after": {k: _np(v) for k, v in ctx.state.items()}})
+            return result
+
+        return exchange
+
+    def restore(self):
+        for cls, fn in self._saved.items():
+            cls.exchange = fn
+
+
+def _hook_run(spec, steps, first=0, saved=None, rec=None, tag=None):
+    """A DDP model with our hook (tiny buckets: several per step, rebuilt after the first), SGD
+    with momentum and weight decay (taken over by DGC and the sketch)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import hvdcompress.ddp as hddp
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    state, hook = hddp.comm_hook(spec, model=ddp, optimizer=opt)
+    ddp.register_comm_hook(state, hook)
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(saved["hook"])
+    identical, checkpoint = [], None
+    for step in range(first, first + steps):
+        if rec is not None:
+            rec.tag = tag
+        opt.zero_grad()
+        x, y = _batch(dist.get_rank(), step)
+        nn.CrossEntropyLoss()(ddp(x), y).backward()
+        opt.step()
+        if rec is not None:
+            rec.tag = None
+        identical.append(_identical(model))
+        if step + 1 == SAVE_AT and saved is None:
+            import copy
+            checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                          "hook": copy.deepcopy(state.state_dict())}
+    return model, state, identical, checkpoint
+
+
+def _opt_run(spec, steps, first=0, saved=None, rec=None, tag=None, **kw):
+    """Our DistributedOptimizer on torch.distributed (backend="torch"), merged groups where the
+    compressor allows ("single"), else layerwise."""
+    import torch
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    from hvdcompress.spec import LAYERWISE, resolve
+    model = _model()
+    schedule = kw.pop("schedule", "layerwise" if resolve(spec).info.merge == LAYERWISE else "single")
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
+                                   named_parameters=model.named_parameters(), compression=spec,
+                                   schedule=schedule, backend="torch", **kw)
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    identical, checkpoint = [], None
+    import torch.distributed as dist
+    for step in range(first, first + steps):
+        if rec is not None:
+            rec.tag = tag
+        opt.zero_grad()
+        x, y = _batch(dist.get_rank(), step)
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        if rec is not None:
+            rec.tag = None
+        identical.append(_identical(model))
+        if step + 1 == SAVE_AT and saved is None:
+            import copy
+            checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    return model, opt, identical, checkpoint
+
+
+def every_compressor(rec) -> dict:
+    """Each spec through the hook and through the optimizer: identical parameters every step, the
+    exchanges logged for the oracle, and a checkpoint after SAVE_AT steps resumed exactly."""
+    import torch
+    out = {}
+    for spec in SPECS:
+        for path, run in (("hook", _hook_run), ("opt", _opt_run)):
+            model, obj, identical, ckpt = run(spec, STEPS, rec=rec, tag=(path, spec))
+            resumed, _, ident2, _ = run(spec, STEPS - SAVE_AT, first=SAVE_AT, saved=ckpt)
+            out[(path, spec)] = {"identical": identical + ident2,
+                                 "resumed_equal": bool(torch.equal(_flat(model), _flat(resumed))),
+                                 "moved": float((_flat(model) - _flat(_model())).abs().max()),
+                                 "ratio": obj.stats.ratio}
+    return out
+
+
+def bad_specs() -> dict:
+    """Bad specs and arguments raise ValueError on every rank, before any collective (the next
+    collective, a barrier, then meets on every rank)."""
+    import torch
+    import torch.nn as nn
+    import torch.distributed as dist
+    import hvdcompress.ddp as hddp
+    import hvdcompress.torch as hvc
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    out = {}
+    cases = {f"hook.{k}": (lambda s=s: hddp.comm_hook(s, model=ddp)) for k, s in BAD.items()}
+    cases.update({f"opt.{k}": (lambda s=s: hvc.DistributedOptimizer(
+        torch.optim.SGD(_model().parameters(), lr=0.1), compression=s, backend="torch")) for k, s in BAD.items()})
+    cases["opt.backend"] = lambda: hvc.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1),
+                                                            backend="mpi")
+    cases["opt.horovod_missing"] = lambda: hvc.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
+    cases["hook.optimizer"] = lambda: hddp.comm_hook("topk", model=ddp, optimizer="sgd")
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    dist.barrier()
+    out["met_again"] = True
+    return out
+
+
+def nonfinite() -> dict:
+    """A NaN gradient on one rank: NaN parameters on every rank (not hidden), compression state finite."""
+    import torch
+    import torch.nn as nn
+    import torch.distributed as dist
+    import hvdcompress.ddp as hddp
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    state, hook = hddp.comm_hook("topk:ratio=0.1", model=ddp, optimizer=opt)
+    ddp.register_comm_hook(state, hook)
+    finite = []
+    for step in range(2):
+        opt.zero_grad()
+        x, y = _batch(dist.get_rank(), step)
+        if step == 1 and dist.get_rank() == 1:
+            x[0, 0] = float("nan")
+        nn.CrossEntropyLoss()(ddp(x), y).backward()
+        opt.step()
+        finite.append(bool(torch.isfinite(_flat(model)).all()))
+    st = state.param_state()
+    return {"params_finite": finite, "any_param_nan": bool(torch.isnan(_flat(model)).any()),
+            "state_finite": all(bool(torch.isfinite(t).all()) for s in st.values() for t in s.values()),
+            "state_keys": sorted(st)}
+
+
+def auto_schedule() -> dict:
+    """The default cost-model schedule on torch.distributed: the profiler's timed collectives, the
+    scheduler's object collectives and a plan, identical parameters throughout."""
+    _, opt, identical, _ = _opt_run("topk:ratio=0.1", 5, schedule="mgs", profile_steps=2, tune_steps=0)
+    return {"identical": identical, "plan": None if opt.plan is None else opt.plan.schedule,
+            "world": opt.cost_model.world_size if opt.cost_model is not None else None,
+            "meta": {k: v for k, v in (opt.cost_model.meta or {}).items() if k in ("torch.distributed", "horovod")}}
+
+
+def delayed() -> dict:
+    """Delayed averaging on torch.distributed: exchanges in flight across steps, then a flush makes
+    the replicas identical."""
+    _, opt, identical, _ = _opt_run("topk:ratio=0.1", 4, delay=1)
+    opt.flush()
+    import torch.distributed as dist
+    import torch
+    flat = torch.cat([p.detach().reshape(-1) for g in opt.param_groups for p in g["params"]])
+    rows = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, flat)
+    return {"identical_before_flush": identical, "identical_after_flush": all(torch.equal(rows[0], r) for r in rows)}
+
+
+def communicator() -> dict:
+    """Requests of every kind and size (empty, uneven), several in one round, rounds interleaved."""
+    import torch
+    import torch.distributed as dist
+    from torch_ops.collectives import Allgather, Allreduce, Alltoall, Flag
+    from torch_ops.dist_collectives import TorchDistCommunicator
+    c = TorchDistCommunicator()
+    r, n = c.rank(), c.size()
+    a = c.launch((Allgather(torch.arange(r + 1, dtype=torch.int32)), Allreduce(torch.full((3,), float(r + 1))),
+                  Allgather(torch.zeros(0)), Flag(torch.ones(1)), Allgather(torch.ones(2, 3) * r)), "a")
+    splits = tuple((r + d) % 2 + 1 for d in range(n))
+    b = c.launch((Alltoall(torch.arange(sum(splits), dtype=torch.float64) + 100 * r, splits),), "b")
+    odd = c.launch((Allgather(torch.arange(r, dtype=torch.int16) - 300), Allreduce(torch.full((2,), r + 7, dtype=torch.int16))),
+                   "odd")  # a dtype Gloo does not move: bytes / a wider sum
+    rb = c.wait(b)
+    ra = c.wait(a)
+    ro = c.wait(odd)
+    objs = c.allgather_object({"rank": r, "pad": "x" * (7 * r)}, "o")
+    root = c.broadcast_object(("from", r), "bc", root=n - 1)
+    mean = c.allreduce_(torch.tensor([float(r)]), "m", average=True)
+    c.barrier()
+    return {"gather_int": ra[0].tolist(), "sum": ra[1].tolist(), "empty": list(ra[2].shape), "flag": ra[3].tolist(),
+            "gather_2d": ra[4].tolist(), "alltoall": rb[0].tolist(), "splits": splits, "objs": objs, "root": root,
+            "mean": mean.tolist(), "int16": [ro[0].tolist(), str(ro[0].dtype), ro[1].tolist(), str(ro[1].dtype)],
+            "poll": c.poll(a), "rank": r, "size": n, "versions": c.versions(),
+            "backend": dist.get_backend()}
+
+
+def example() -> dict:
+    """examples/ddp_digits.py, 2 steps, in this process group."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "examples"))
+    import ddp_digits
+    return ddp_digits.main(["--compression", "dgc:ratio=0.01", "--max-steps", "2", "--epochs", "1"])
+
+
+def _worker(rank, world, port, names, out_dir):
+    sys.modules["horovod"] = None  # any import of Horovod on these paths fails
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    rec = Recorder()
+    out = {"seconds": {}}
+    import warnings
+    warnings.simplefilter("ignore")
+    for name in names:
+        start = time.perf_counter()
+        try:
+            out[name] = every_compressor(rec) if name == "every_compressor" else globals()[name]()
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    rec.restore()
+    out["log"] = rec.log
+    out["horovod_imported"] = sorted(m for m, v in sys.modules.items() if m.startswith("horovod") and v is not None)
+    dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, names) -> list:
+    """One spawn of ``world`` Gloo processes running ``names``; every rank's results, rank order."""
+    import torch.multiprocessing as mp
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds the scenarios package
+    root = os.path.dirname(tests)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([tests, root] + ([saved] if saved else []))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        with tempfile.TemporaryDirectory(prefix="hvc-ddp-") as out_dir:
+            mp.start_processes(_worker, args=(world, _free_port(), list(names), out_dir), nprocs=world,
+                               start_method="spawn")
+            results = []
+            for r in range(world):
+                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                    results.append(pickle.load(f))
+            return results
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved

@@ -1,0 +1,296 @@
+"""Our compressors inside ``torch.nn.parallel.DistributedDataParallel``, as a communication hook.
+
+    state, hook = hvdcompress.ddp.comm_hook("dgc:ratio=0.001", model=ddp_model, optimizer=opt)
+    ddp_model.register_comm_hook(state, hook)
+
+DDP hands the hook one *bucket* at a time, in bucket order, as its gradients become ready during
+backward: a flat buffer holding several parameters' gradients. A bucket is a merged group
+(``torch_ops.grouping``): its members (name, shape, offset) come from ``bucket.parameters()``, so
+per-member rules (DGC's dense 1-D tensors, quantizers' per-tensor scales) apply as in our
+optimizer. A compressor declared ``LAYERWISE`` (PowerSGD) is never merged: the bucket is split
+into one exchange per parameter, each with its own state, and the results are written back into
+the bucket.
+
+Every exchange goes through a ``TorchDistCommunicator`` on DDP's process group, wrapped in the
+non-finite guard (``torch_ops.nonfinite``: a non-finite gradient on any rank gives NaN on every
+rank and leaves no NaN in the state). The first round of each bucket's exchange is launched by
+its hook call, so it overlaps the rest of backward; the hook call of the last bucket drives every
+exchange of the step to completion (later rounds included, round-robin, in the same order on every
+rank: torch.distributed matches collectives by issue order) and completes the futures DDP waits
+for. The result is the average over the ranks (DDP's default hook averages too).
+
+State (residuals, momenta, PowerSGD's Q) is kept per parameter name: DDP rebuilds its buckets
+after the first iteration (from one bucket in registration order to buckets in the order the
+gradients became ready), so state is joined into a bucket's layout when a bucket of new members
+appears and split back per parameter for ``state_dict()``. ``state.state_dict()`` /
+``load_state_dict()`` save and restore it (each rank its own: residuals differ per rank), in the
+format of our ``DistributedOptimizer``'s ``state_dict()["hvdcompress"]``, with the groups in use:
+a resumed DDP starts again from its initial buckets, and where those hold the saved groups the
+hook exchanges the saved groups (gathered from the bucket, results scattered back), so resuming
+is exact.
+
+Compressors that keep the momentum in their memory (DGC, the count sketch) take the optimizer's
+momentum over as our optimizer does (``Compressor.adapt_optimizer``): pass ``optimizer=`` and the
+hook sets its momentum to 0 (and moves SGD's weight decay into the compressor's recipe), adds the
+taken-over weight-decay term before each ``optimizer.step()`` (a step pre-hook calling
+``before_step``) and keeps the momentum off after ``optimizer.load_state_dict`` (``after_load``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from hvdcompress.spec import LAYERWISE, CompressionSpec, resolve
+from hvdcompress.stats import WireStats
+from hvdcompress.warmup import auto_epoch
+
+from . import checkpoint
+from .collectives import PendingExchange, PendingQueue
+from .compressors import ExchangeContext, TakesMomentum, build_compressor, compressor_class
+from .grouping import Group, join_state, split_state
+from .nonfinite import guard
+
+State = Dict[str, torch.Tensor]
+
+
+class CommHookState:
+    """The hook's state: compressor, per-parameter compression state, step and epoch counters,
+    the communicator, and the exchanges of the current backward pass (module doc). Build it with
+    ``comm_hook``; every argument is checked before any collective, on every rank."""
+
+    def __init__(self, spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 process_group=None):
+        spec = resolve(spec)  # a bad spec: ValueError here, on every rank
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model: expected the DDP model (a torch.nn.Module); got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer: expected a torch.optim.Optimizer or None; got {type(optimizer).__name__}")
+        cls = compressor_class(spec)
+        if optimizer is not None:
+            spec = cls.adapt_optimizer(spec, optimizer.param_groups)  # DGC / sketch take the momentum over
+        elif issubclass(cls, TakesMomentum) and float(spec["momentum"]) > 0.0:
+            warnings.warn(f"hvdcompress.ddp: compression '{spec.name}' applies momentum={spec['momentum']} in its "
+                          "memory; pass optimizer= to comm_hook so the optimizer's own momentum is taken over (set "
+                          "to 0), or run the optimizer without momentum")
+        self.spec: CompressionSpec = spec
+        self.compressor = build_compressor(spec)
+        self.layerwise = self.compressor.merge == LAYERWISE
+        self._names: Dict[int, str] = {}
+        self._params: Dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self._names[id(p)] = name
+                self._params[name] = p
+        self._group = process_group if process_group is not None else getattr(model, "process_group", None)
+        self._comm = None  # made at the first bucket: the hook may be built before init_process_group
+        self.step = 0
+        self._epoch, self._epoch_set, self._warned_epoch = 0, False, False
+        self._groups: Dict[Tuple[str, ...], State] = {}  # state of the buckets seen, in their layout
+        self._per_param: Dict[str, State] = {}  # state of parameters in no bucket seen since (load, rebuild)
+        self._layout: Dict[str, Tuple[str, ...]] = {}  # parameter -> the group it was last exchanged in
+        self._queue = PendingQueue()
+        self._buckets: List[Tuple[torch.futures.Future, torch.Tensor, List[Any]]] = []  # this backward pass
+        self.stats = WireStats()
+        self.optimizer = optimizer
+        self._handles = []
+        if optimizer is not None:
+            comp = self.compressor
+            self._handles = [
+                optimizer.register_step_pre_hook(lambda opt, args, kwargs: comp.before_step(opt.param_groups, opt.state)),
+                optimizer.register_load_state_dict_post_hook(lambda opt: comp.after_load(opt.param_groups)),
+            ]
+
+    @property
+    def comm(self):
+        """The ``TorchDistCommunicator`` on the process group (made on first use)."""
+        if self._comm is None:
+            from .dist_collectives import TorchDistCommunicator
+            self._comm = TorchDistCommunicator(self._group)
+        return self._comm
+
+    @property
+    def world(self) -> int:
+        return self.comm.size()
+
+    # -- epochs (warm-ups) ---------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Tell compressors with a warm-up (DGC) which epoch starts; call on every rank."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch: epoch must be an int >= 0; got {epoch!r}")
+        self._epoch, self._epoch_set = epoch, True
+
+    @property
+    def epoch(self) -> int:
+        steps = self.compressor.warmup_epoch_steps
+        if self._epoch_set or steps is None:
+            return self._epoch
+        if not self._warned_epoch:
+            self._warned_epoch = True
+            warnings.warn(f"hvdcompress.ddp: compression '{self.spec.name}' warms its density up over epochs, and "
+                          f"set_epoch() was not called: counting epochs of {steps} steps (the spec's "
+                          "warmup_epoch_steps). Call state.set_epoch(epoch) at the start of every epoch instead.")
+        return auto_epoch(self.step, steps)
+
+    # -- the hook ------------------------------------------------------------------------------------
+    def members(self, bucket) -> List[Tuple[str, Tuple[int, ...], int]]:
+        """(name, shape, offset in the bucket's buffer) of each parameter of ``bucket``."""
+        out, offset = [], 0
+        for p in bucket.parameters():
+            name = self._names.get(id(p))
+            if name is None:
+                raise ValueError("hvdcompress.ddp: a bucket holds a parameter that model.named_parameters() "
+                                 f"does not list (shape {tuple(p.shape)}); pass the DDP model as model=")
+            out.append((name, tuple(p.shape), offset))
+            offset += p.numel()
+        return out
+
+    def _groups_of(self, members) -> List[Tuple[str, ...]]:
+        """How the bucket's parameters are exchanged: one group per parameter (layerwise
+        compressors); else the groups they were last exchanged in when those groups partition the
+        bucket (so a resumed run, whose DDP starts from its initial buckets, exchanges as the run it
+        resumes did); else the bucket as one group, remembered."""
+        names = tuple(n for n, _, _ in members)
+        if self.layerwise:
+            return [(n,) for n in names]
+        inside = set(names)
+        known = [self._layout.get(n) for n in names]
+        if all(g is not None and inside.issuperset(g) for g in known):
+            return list(dict.fromkeys(known))
+        for n in names:
+            self._layout[n] = names
+        return [names]
+
+    def __call__(self, bucket) -> torch.futures.Future:
+        buf = bucket.buffer()
+        members = self.members(bucket)
+        where = {n: (shape, offset) for n, shape, offset in members}
+        step, epoch, rank, world = self.step, self.epoch, self.comm.rank(), self.world
+        parts = []
+        with torch.no_grad():
+            for names in self._groups_of(members):
+                group = Group(names, tuple(where[n][0] for n in names))
+                spans = [(where[n][1], m) for n, m in zip(names, group.numels)]
+                if all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
+                    x = buf[spans[0][0]:spans[0][0] + group.numel]  # a view: the result is built in place
+                else:
+                    x = torch.cat([buf[o:o + m] for o, m in spans])
+                state = self._state_for(group)
+                ctx = ExchangeContext(group.key, step, world, 1.0 / world, state, group.shape, epoch, rank,
+                                      group.layout, out=x)
+                exchange = guard(self.compressor.exchange(x, ctx), x, state)  # non-finite never hidden
+                key = (bucket.index(), group.key)
+                self._queue.add(key, PendingExchange(exchange, f"hvc.{group.key}", self.comm), step)
+                parts.append((key, spans))
+        fut: torch.futures.Future = torch.futures.Future()
+        self._buckets.append((fut, buf, parts))
+        if bucket.is_last():
+            self._finish()
+        return fut
+
+    def _finish(self) -> None:
+        """Complete every exchange of this backward pass and the futures DDP waits for."""
+        with torch.no_grad():
+            done = self._queue.finish(None)
+            sent = dense = 0
+            seconds = 0.0
+            for _, buf, parts in self._buckets:
+                for key, spans in parts:
+                    ex = done[key]
+                    result, pos = ex.result.reshape(-1), 0
+                    for offset, n in spans:
+                        target = buf[offset:offset + n]
+                        if result.data_ptr() + pos * result.element_size() != target.data_ptr():
+                            target.copy_(result[pos:pos + n])
+                        pos += n
+                    sent += ex.bytes_sent
+                    seconds += ex.compute_seconds
+                dense += buf.numel() * buf.element_size()
+        buckets, self._buckets = self._buckets, []
+        self.stats.record(sent, dense, seconds, self.compressor.density(self.epoch))
+        self.step += 1
+        for fut, buf, _ in buckets:
+            fut.set_result(buf)
+
+    # -- state ---------------------------------------------------------------------------------------
+    def _state_for(self, group: Group) -> State:
+        """The state dict of ``group`` (a bucket, or one parameter of it), in its layout; when DDP's
+        buckets changed, the buckets overlapping it are split back per parameter first."""
+        names = group.names
+        st = self._groups.get(names)
+        if st is not None:
+            return st
+        wanted = set(names)
+        for other in [g for g in self._groups if wanted.intersection(g)]:
+            numels = [self._params[n].numel() for n in other]
+            self._per_param.update(zip(other, split_state(self._groups.pop(other), numels)))
+        st = self._groups[names] = join_state([self._per_param.pop(n, {}) for n in names], list(group.numels))
+        return st
+
+    def param_state(self) -> Dict[str, State]:
+        """Compression state per parameter name (copies)."""
+        out = {n: {k: t.detach().clone() for k, t in st.items()} for n, st in self._per_param.items()}
+        for names, st in self._groups.items():
+            out.update(zip(names, split_state(st, [self._params[n].numel() for n in names])))
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Step, epoch, compression state per parameter, compressor-wide state (each rank its own)."""
+        if self._buckets:
+            raise AssertionError("hvdcompress.ddp: state_dict() during backward; call it between steps")
+        saved = checkpoint.pack(spec=self.spec, step=self.step, epoch=self._epoch, epoch_set=self._epoch_set,
+                                state=self.param_state(), plan=None, policy=None,
+                                compressor=self.compressor.global_state())
+        saved["ddp_groups"] = [list(g) for g in dict.fromkeys(self._layout.values())]
+        return saved
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; checked first (same spec, known parameters, sizes,
+        finite values: ValueError otherwise, with nothing changed)."""
+        checkpoint.check(state_dict, self.spec, self.compressor, {n: p.numel() for n, p in self._params.items()})
+        groups = [tuple(g) for g in state_dict.get("ddp_groups") or ()]
+        seen = [n for g in groups for n in g]
+        if len(seen) != len(set(seen)) or not set(seen) <= set(self._params):
+            raise ValueError("load_state_dict: the checkpoint's bucket groups name parameters this model does not "
+                             "have, or one parameter twice (a checkpoint of a different model?)")
+        if self._buckets:
+            raise AssertionError("hvdcompress.ddp: load_state_dict() during backward; call it between steps")
+        self.step = int(state_dict["step"])
+        self._epoch, self._epoch_set = int(state_dict["epoch"]), bool(state_dict.get("epoch_set", True))
+        self.compressor.load_global_state(state_dict.get("compressor"))
+        self._groups = {}
+        self._layout = {n: g for g in groups for n in g}
+        self._per_param = {n: {k: t.detach().clone().to(self._params[n].device) for k, t in st.items()}
+                           for n, st in state_dict["state"].items()}
+
+    def remove(self) -> None:
+        """Detach the optimizer hooks this state installed (the DDP hook itself cannot be removed)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def hook(state, bucket):  # no annotations: DDP compares them with real types (postponed ones are strings)
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, hook)``; returns a
+    ``torch.futures.Future[torch.Tensor]`` holding the bucket's averaged gradients."""
+    return state(bucket)
+
+
+def comm_hook(spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+              process_group=None):
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
+
+    spec: a compression spec (``"topk:ratio=0.01"``, ``hvdcompress.Compression.dgc(...)``); a bad
+        one raises ValueError here, on every rank, before any collective.
+    model: the DDP model (its named parameters name the state and seed the selections).
+    optimizer: the optimizer stepping the model; needed by compressors that keep the momentum
+        (DGC, sketch): its momentum (and SGD's weight decay) is taken over, as in
+        ``DistributedOptimizer``.
+    process_group: default the DDP model's (``ddp_model.process_group``), else the default group
+        (``model`` may then be the unwrapped module, and torch.distributed may be initialized
+        after this call, before the first backward: as Lightning's ``DDPStrategy`` needs).
+    """
+    state = CommHookState(spec, model, optimizer, process_group)
+    return state, hook

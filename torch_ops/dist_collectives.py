@@ -1,0 +1,267 @@
+"""The ``Communicator`` on torch.distributed: the same requests, on a process group, without Horovod.
+
+Any backend torch.distributed has (Gloo on CPU, NCCL on GPUs) carries the exchanges' requests
+(``torch_ops.collectives``: ``Allreduce`` / ``Flag``, ``Allgather``, ``Alltoall``), the
+scheduler's object collectives and the profiler's timed ones, on one process group (the default
+group unless one is given: process groups stand where Horovod has process sets). Requests are
+async ops (``async_op=True``); their completion is waited on in ``wait``.
+
+Two things differ from Horovod, and this class absorbs both:
+
+* **Sizes.** Horovod's allgather and alltoall take different sizes per rank and negotiate them in
+  their background thread. Here an ``Allgather`` round first allgathers every gathered tensor's
+  row count (one int64 collective for all the round's gathers), then each tensor travels padded
+  to the largest count (``all_gather_single``) and the padding is cut off; a gather with no rows
+  anywhere issues no data collective. ``Alltoall`` first exchanges its split sizes
+  (``all_to_all_single`` of one count per rank), then the rows (``all_to_all_single`` with the
+  splits).
+* **Matching.** Horovod matches collectives across ranks by name; torch.distributed by the order
+  they are issued on the group, so every rank must issue the same collectives in the same order.
+  This class issues collectives only inside ``launch``, ``wait`` and the blocking methods (never
+  from a completion callback), which the optimizer and the DDP hook call in the same sequence on
+  every rank. The data stage of a gather, which needs the sizes, is issued at the next such call
+  (first in, first out), waiting for the sizes collective if it is still running. And ``poll``
+  answers False: what it would let a caller launch next (a later round, as ``PendingQueue.poll``
+  does from the backward hooks) would depend on timing, which differs between ranks; later rounds
+  are therefore launched when the caller waits for the earlier one (in ``synchronize`` / the DDP
+  hook's last bucket), in the same order everywhere.
+
+Results are the same as Horovod's: allreduce sums in place (the result is the request's tensor;
+Gloo adds two ranks' values as a + b, so 2 ranks match the oracle bit for bit, and 3 or more may
+differ from the rank-order sum in the last bit), allgather concatenates in rank order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .collectives import Allgather, Allreduce, Alltoall, Communicator, Request
+
+
+# dtypes torch.distributed's Gloo and NCCL collectives take (Gloo refuses int16, for one). Other
+# dtypes are gathered / sent as their bytes and summed as int64 (integers), the results cast back.
+_MOVED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+          torch.int64, torch.bool)
+
+
+def _as_bytes(t: torch.Tensor):
+    """(the tensor to put on the wire, None or (dtype, trailing shape) to read the result back)."""
+    if t.dtype in _MOVED:
+        return t, None
+    row = 1
+    for d in t.shape[1:]:
+        row *= int(d)
+    return t.reshape(t.shape[0], row).view(torch.uint8), (t.dtype, tuple(t.shape[1:]))
+
+
+def _gather_single(dist, out: torch.Tensor, inp: torch.Tensor, group):
+    """``all_gather_single`` (``all_gather_into_tensor`` in torch versions without it), async."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+class _Op:
+    """One request in flight: its data collective (``work``) and how to read its result."""
+
+    __slots__ = ("kind", "tensor", "work", "out", "rows", "rest", "sizes", "column", "splits", "recv_splits", "trimmed",
+                 "cast", "summed")
+
+    def __init__(self, kind: str, tensor: torch.Tensor):
+        self.kind, self.tensor = kind, tensor
+        self.work = None
+        self.out: Optional[torch.Tensor] = None
+        self.rows: List[int] = []  # allgather: every rank's row count (after the sizes stage)
+        self.rest: Tuple[int, ...] = tuple(tensor.shape[1:])
+        self.sizes: Optional[Tuple[Any, torch.Tensor]] = None  # (work, gathered counts) shared by the round
+        self.column = 0  # this gather's column in the round's gathered counts
+        self.splits: Optional[List[int]] = None  # alltoall: rows sent to each rank
+        self.recv_splits: Optional[torch.Tensor] = None
+        self.trimmed = False  # allgather: the padding was cut off the result
+        self.cast = None  # (dtype, trailing shape) when the tensor travels as bytes
+        self.summed: Optional[torch.Tensor] = None  # allreduce of a dtype summed in a wider copy
+
+
+class TorchDistCommunicator(Communicator):
+    """Every collective hvdcompress makes, on one torch.distributed process group (module doc).
+
+    ``group``: a process group (``torch.distributed.new_group``), default the default group.
+    ``rank()``/``size()`` are this process's rank in the group and the group's size. Names are
+    accepted for the interface and not used (torch.distributed matches by issue order).
+    """
+
+    transport = "torch.distributed"
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("backend='torch': torch.distributed is not initialized; call "
+                             "torch.distributed.init_process_group(...) first (torchrun sets its environment)")
+        self._dist = dist
+        self.group = group
+        self.process_set = group  # the interface's name for the set of ranks
+        self._ps = group
+        self._deferred: List[_Op] = []  # gathers / alltoalls whose data stage waits for their sizes
+
+    # -- who --------------------------------------------------------------------------------------
+    def rank(self) -> int:
+        return self._dist.get_rank(self.group)
+
+    def size(self) -> int:
+        return self._dist.get_world_size(self.group)
+
+    def included(self) -> bool:
+        return self._dist.get_rank(self.group) >= 0
+
+    def versions(self) -> Dict[str, str]:
+        return {"torch.distributed": str(self._dist.get_backend(self.group)), "torch": torch.__version__}
+
+    def _object_device(self) -> torch.device:
+        """Where object collectives' byte tensors live: NCCL only moves CUDA tensors."""
+        if str(self._dist.get_backend(self.group)) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # -- async requests (the exchanges) -------------------------------------------------------------
+    def launch(self, requests: Sequence[Request], name: str) -> List[_Op]:
+        dist, group = self._dist, self.group
+        self._flush()
+        ops: List[_Op] = []
+        gathers: List[_Op] = []
+        for req in requests:
+            if isinstance(req, Allreduce):  # Flag included
+                op = _Op("allreduce", req.tensor)
+                wire = req.tensor
+                if wire.dtype not in _MOVED:
+                    if wire.is_floating_point() or wire.is_complex():
+                        raise TypeError(f"Allreduce of {wire.dtype} is not supported by torch.distributed")
+                    wire = op.summed = wire.to(torch.int64)
+                op.work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                op.out = req.tensor
+            elif isinstance(req, Allgather):
+                t = req.tensor.contiguous()
+                wire, cast = _as_bytes(t.reshape(1) if t.dim() == 0 else t)
+                op = _Op("allgather", wire)
+                op.cast = cast
+                gathers.append(op)
+            elif isinstance(req, Alltoall):
+                t, cast = _as_bytes(req.tensor.contiguous())
+                op = _Op("alltoall", t)
+                op.cast = cast
+                op.splits = [int(s) for s in req.splits]
+                if len(op.splits) != self.size() or sum(op.splits) != t.shape[0]:
+                    raise ValueError(f"Alltoall: splits {op.splits} must have one entry per rank ({self.size()}) "
+                                     f"summing to the tensor's {t.shape[0]} rows")
+                send = torch.tensor(op.splits, dtype=torch.int64, device=t.device)
+                op.recv_splits = torch.empty_like(send)
+                op.work = dist.all_to_all_single(op.recv_splits, send, group=group, async_op=True)
+                self._deferred.append(op)
+            else:
+                raise TypeError(f"exchange yielded {req!r}; expected Allreduce, Allgather or Alltoall requests")
+            ops.append(op)
+        if gathers:  # one collective carries the row counts of all the round's gathers
+            counts = torch.tensor([op.tensor.shape[0] for op in gathers], dtype=torch.int64,
+                                  device=gathers[0].tensor.device)
+            table = counts.new_empty(self.size() * len(gathers))
+            sizes = (_gather_single(dist, table, counts, group), table)
+            for j, op in enumerate(gathers):
+                op.sizes, op.column = sizes, j
+                self._deferred.append(op)
+        return ops
+
+    def _flush(self) -> None:
+        """Issue the data stage of every deferred gather / alltoall, oldest first (module doc)."""
+        pending, self._deferred = self._deferred, []
+        for op in pending:
+            self._start_data(op)
+
+    def _start_data(self, op: _Op) -> None:
+        dist, group, world = self._dist, self.group, self.size()
+        if op.kind == "allgather":
+            work, table = op.sizes
+            work.wait()
+            n = table.numel() // world
+            op.rows = [int(r) for r in table.view(world, n)[:, op.column].tolist()]
+            op.sizes = None
+            top = max(op.rows)
+            if top == 0:  # nothing anywhere: no data collective
+                op.out = op.tensor.new_empty((0,) + op.rest)
+            else:
+                t = op.tensor
+                if t.shape[0] != top:
+                    padded = t.new_zeros((top,) + op.rest)
+                    padded[:t.shape[0]] = t
+                    t = padded
+                op.out = t.new_empty((world * top,) + op.rest)
+                op.work = _gather_single(dist, op.out, t, group)
+        else:  # alltoall
+            op.work.wait()
+            recv = [int(r) for r in op.recv_splits.tolist()]
+            row = 1
+            for d in op.rest:
+                row *= int(d)
+            op.out = op.tensor.new_empty((sum(recv),) + op.rest)
+            op.recv_splits = recv
+            if sum(recv) or sum(op.splits):
+                op.work = dist.all_to_all_single(op.out, op.tensor, recv, op.splits, group=group, async_op=True)
+            else:
+                op.work = None
+
+    def wait(self, handles: Sequence[_Op]) -> Tuple[torch.Tensor, ...]:
+        self._flush()
+        out = []
+        for op in handles:
+            if op.work is not None:
+                op.work.wait()
+                op.work = None
+            if op.summed is not None:
+                op.out.copy_(op.summed)
+                op.summed = None
+            if op.kind == "allgather" and not op.trimmed:
+                op.trimmed = True
+                top = max(op.rows)
+                if top != min(op.rows):  # cut each rank's padding off
+                    op.out = torch.cat([op.out[r * top:r * top + n] for r, n in enumerate(op.rows)])
+            if op.cast is not None:
+                dtype, rest = op.cast
+                op.out, op.cast = op.out.view(dtype).reshape((-1,) + rest), None
+            out.append(op.out)
+        return tuple(out)
+
+    def poll(self, handles: Sequence[_Op]) -> bool:
+        """Always False: a caller that launched the next round when this one happened to be complete
+        would issue collectives in a timing-dependent order (module doc)."""
+        return False
+
+    # -- blocking collectives (scheduler, profiler) ------------------------------------------------
+    def allreduce_(self, t: torch.Tensor, name: str, average: bool = False) -> torch.Tensor:
+        self._flush()
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self.group)
+        if average:
+            if t.is_floating_point() or t.is_complex():
+                t.div_(self.size())
+            else:
+                t.floor_divide_(self.size())
+        return t
+
+    def allgather(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return self.wait(self.launch((Allgather(t),), name))[0]
+
+    def barrier(self) -> None:
+        self._flush()
+        self._dist.barrier(group=self.group)
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every rank's ``obj``, in rank order (pickled bytes, gathered with their sizes)."""
+        import cloudpickle
+
+        data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8).to(self._object_device())
+        (op,) = self.launch((Allgather(data),), name)
+        blob = self.wait((op,))[0].cpu()
+        out, offset = [], 0
+        for n in op.rows:
+            out.append(cloudpickle.loads(blob[offset:offset + n].numpy().tobytes()))
+            offset += n
+        return out
