@@ -6,7 +6,7 @@ oracle is a per-rank exchange generator (``oracle.Oracle``), simulated over N ra
 ``oracle.simulate``; ``exchange`` keeps the one-round helpers the tests call by name.
 """
 
-from . import dense, dgc, powersgd, quantizers, sketch, sparse  # noqa: F401  (importing registers the built-ins)
+from . import dense, dgc, powersgd, quantizers, sketch, sparse, sparseloco  # noqa: F401  (importing registers the built-ins)
 from .codecs import bf16_decode, bf16_encode, fp16_decode, fp16_encode
 from .exchange import reference_decompress, reference_exchange, reference_payload
 from .oracle import ORACLES, Member, Oracle, OracleContext, oracle_for, simulate

@@ -11,6 +11,7 @@ from .powersgd import PowerSGDCompressor
 from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor
 from .selection import random_selection, sampled_threshold_select, threshold_indices, topk_indices
 from .sketch import SketchCompressor
+from .sparseloco import SparseLoCoCompressor
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 
 
@@ -28,4 +29,5 @@ __all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "TakesMomentum
            "compressor_class", "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
            "ThresholdCompressor", "TopKCompressor", "DGCCompressor", "SketchCompressor", "PowerSGDCompressor",
            "EFSignSGDCompressor", "OneBitCompressor", "QSGDCompressor", "SignSGDCompressor", "TernGradCompressor",
-           "selected_count", "topk_indices", "threshold_indices", "random_selection", "sampled_threshold_select"]
+           "selected_count", "topk_indices", "threshold_indices", "random_selection", "sampled_threshold_select",
+           "SparseLoCoCompressor"]

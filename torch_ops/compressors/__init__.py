@@ -15,6 +15,7 @@ from .quantizers import EFSignSGDCompressor, OneBitCompressor, QSGDCompressor, S
 from .dgc_selection import sampled_threshold_select
 from .selection import topk_indices
 from .sketch import SketchCompressor
+from .sparseloco import SparseLoCoCompressor
 from .sparse import RandomKCompressor, ThresholdCompressor, TopKCompressor
 
 
@@ -32,4 +33,4 @@ __all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "TakesMomentum
            "compressor_class", "BF16Compressor", "FP16Compressor", "NoneCompressor", "RandomKCompressor",
            "ThresholdCompressor", "TopKCompressor", "DGCCompressor", "SketchCompressor", "PowerSGDCompressor",
            "EFSignSGDCompressor", "OneBitCompressor", "QSGDCompressor", "SignSGDCompressor", "TernGradCompressor",
-           "topk_indices", "sampled_threshold_select"]
+           "topk_indices", "sampled_threshold_select", "SparseLoCoCompressor"]
