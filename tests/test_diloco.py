@@ -179,3 +179,152 @@ def test_bad_arguments_name_the_parameter_and_range(kwargs, match):
         check_arguments(4, **kwargs)
     with pytest.raises(ValueError, match=match):
         DiLoCoReference([np.zeros(1, F32)] * 4, world=2, **kwargs)
+
+
+# -- PyTorch on real Horovod workers -------------------------------------------------------------------
+TORCH_CONFIGS = {
+    "diloco": dict(sync_every=3),
+    "diloco_topk": dict(sync_every=2, compression="topk:ratio=0.2"),
+    "streaming_sparseloco": dict(sync_every=4, fragments=2, overlap_steps=1, mix=0.5,
+                                 compression="sparseloco:ratio=0.2,bits=2,beta=0.9"),
+    "streaming_qsgd": dict(sync_every=6, fragments=3, overlap_steps=1, compression="qsgd:levels=3,bucket=8"),
+}
+TORCH_STEPS = 12
+CKPT = dict(sync_every=4, fragments=2, overlap_steps=1, mix=0.25, compression="sparseloco:ratio=0.3")
+
+
+@pytest.fixture(scope="module")
+def torch_runs():
+    pytest.importorskip("horovod.torch")
+    import mp_diloco_scenarios as sc
+    from launch import run_scenarios
+    return run_scenarios("torch", 2, [
+        ("reference", sc.compare_with_reference, (TORCH_CONFIGS, TORCH_STEPS)),
+        ("checkpoint", sc.checkpoint_resume, (CKPT, 9, 5)),
+        ("nan", sc.non_finite, (dict(sync_every=2, compression="sparseloco:ratio=0.5"), 4, 2)),
+        ("flush", sc.flush_and_bad_arguments, ()),
+    ])
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_CONFIGS))
+def test_torch_diloco_matches_the_reference_on_two_workers(torch_runs, name):
+    from launch import part
+    runs = [r[name] for r in part(torch_runs, "reference")]
+    kw = TORCH_CONFIGS[name]
+    ref = DiLoCoReference(runs[0]["init"], world=2, names=runs[0]["names"], **kw)
+    for r in range(2):  # every rank started from the same parameters
+        for a, b in zip(runs[r]["init"], runs[0]["init"]):
+            assert np.array_equal(a, b)
+    for t in range(TORCH_STEPS):
+        out = ref.step([runs[r]["locals"][t] for r in range(2)])
+        synced = ref.cfg.applied_at(t + 1)
+        for r in range(2):
+            for i, (got, want) in enumerate(zip(runs[r]["after"][t], out[r])):
+                # the outer SGD step may round differently in the last bit (a fused multiply-add)
+                np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-7, err_msg=f"{name} t={t + 1} rank {r} p{i}")
+        if synced is not None and ref.cfg.mix == 0.0:
+            for i in ref.fragments[synced]:  # identical replicas after the outer step
+                assert np.array_equal(runs[0]["after"][t][i], runs[1]["after"][t][i])
+    for r in range(2):
+        assert runs[r]["bytes"] == ref.bytes_sent[r]
+        for got, want in zip(runs[r]["global"], ref.theta):
+            np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-7)
+
+
+def test_torch_checkpoint_with_a_fragment_in_flight_resumes_exactly(torch_runs):
+    from launch import part
+    for r in part(torch_runs, "checkpoint"):
+        assert r["in_flight"]
+        for a, b in zip(r["straight"], r["resumed"]):
+            assert np.array_equal(a, b)
+
+
+def test_torch_non_finite_pseudo_gradient_reaches_every_rank(torch_runs):
+    from launch import part
+    runs = part(torch_runs, "nan")
+    # rank 1's gradient is NaN at inner step 3 (t = 2, 0-based): only rank 1 is NaN until the sync
+    # after step 4, when the exchanged pseudo-gradient makes every parameter NaN on every rank
+    assert not any(runs[0][2]) and any(runs[1][2])
+    for r in range(2):
+        assert all(runs[r][3])
+
+
+def test_torch_flush_and_bad_arguments(torch_runs):
+    from launch import part
+    runs = part(torch_runs, "flush")
+    for i in range(len(runs[0]["flushed"])):
+        assert np.array_equal(runs[0]["flushed"][i], runs[1]["flushed"][i])
+        assert np.array_equal(runs[0]["flushed"][i], runs[0]["global"][i])
+    for r in runs:
+        e = r["errors"]
+        assert "sync_every must be an int in [1, inf]" in e[0]
+        assert "divisible by fragments" in e[1]
+        assert "overlap_steps must be an int in [0, 3]" in e[2]
+        assert "mix must be a float in [0.0, 1.0]" in e[3]
+        assert "parameter 'ratio'" in e[4]
+        assert "not parameters of the model" in e[5]
+
+
+# -- PyTorch in one process (a one-rank driver without Horovod): the outer loop's bookkeeping -----------
+class OneRankDriver:
+    """A ``Communicator`` stand-in for a world of one: a sum or a gather of one tensor is the tensor."""
+
+    process_set = None
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+    def launch(self, requests, name):
+        return [r.tensor.clone() for r in requests]
+
+    def wait(self, handles):
+        return tuple(handles)
+
+    def poll(self, handles):
+        return True
+
+
+def _one_rank_run(kw, steps, state=None, start=0):
+    import torch
+    import mp_diloco_scenarios as sc
+    from torch_ops.diloco import DiLoCo
+
+    model = sc._model()
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    seen = sc._record(model, inner)
+    opt = DiLoCo(model, inner, driver=OneRankDriver(), **kw)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    after = []
+    for t in range(start, start + steps):
+        sc._train(model, opt, 0, 1, start=t)
+        after.append([p.detach().numpy().copy() for p in model.parameters()])
+    return model, opt, seen, after
+
+
+@pytest.mark.parametrize("kw", [dict(sync_every=3), CKPT, TORCH_CONFIGS["streaming_qsgd"]])
+def test_torch_one_rank_matches_the_reference(kw):
+    import mp_diloco_scenarios as sc
+    init = [p.detach().numpy().copy() for p in sc._model().parameters()]
+    model, opt, seen, after = _one_rank_run(kw, 10)
+    ref = DiLoCoReference(init, world=1, names=opt.names, **kw)
+    for t in range(10):
+        out = ref.step([seen[t]])
+        for got, want in zip(after[t], out[0]):
+            np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-7)
+    assert opt.bytes_sent == ref.bytes_sent[0]
+
+
+def test_torch_one_rank_checkpoint_with_a_fragment_in_flight_is_exact():
+    import copy
+    model, opt, _, straight = _one_rank_run(CKPT, 9)
+    model, opt, _, _ = _one_rank_run(CKPT, 5)
+    state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert state["opt"]["hvdcompress_diloco"]["in_flight"] is not None
+    _, _, _, resumed = _one_rank_run(CKPT, 4, state=state, start=5)
+    for a, b in zip(straight[-1], resumed[-1]):
+        assert np.array_equal(a, b)
