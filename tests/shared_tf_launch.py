@@ -34,6 +34,7 @@ SCENARIOS = {
     "test_sketch_multiprocess": ("mp_sketch_scenarios", "tf_all", lambda: (WORLD,)),
     "test_dgc_recipes": ("mp_dgc_recipe_scenarios", "tf_all", lambda: ()),
     "test_quantizers_multiprocess": ("mp_quantizer_scenarios", "tf_everything", lambda: ()),
+    "test_tf_diloco": ("mp_tf_diloco_scenarios", "everything", lambda: ()),
 }
 
 COLLECTED: Set[str] = set()  # test modules of this session (conftest.pytest_collection_modifyitems)

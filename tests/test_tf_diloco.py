@@ -9,11 +9,7 @@ import pytest
 
 from hvdcompress.reference.diloco import DiLoCoReference
 
-KERAS_CONFIGS = {
-    "diloco": dict(sync_every=3),
-    "streaming_sparseloco": dict(sync_every=4, fragments=2, overlap_steps=1, mix=0.5,
-                                 compression="sparseloco:ratio=0.2,bits=2,beta=0.9"),
-}
+from mp_tf_diloco_scenarios import CONFIGS as KERAS_CONFIGS
 
 
 class OneRankDriver:
@@ -71,3 +67,29 @@ def test_tf_one_rank_matches_the_reference_and_checkpoints(name, tmp_path):
         d2.step()
         for v, a in zip(variables2, after[t]):
             assert np.array_equal(v.numpy(), a)
+
+
+@pytest.fixture(scope="module")
+def keras_runs():
+    pytest.importorskip("horovod.tensorflow")
+    import shared_tf_launch
+    return shared_tf_launch.results("test_tf_diloco")
+
+
+@pytest.mark.parametrize("name", sorted(KERAS_CONFIGS))
+def test_keras_diloco_matches_the_reference_on_two_workers(keras_runs, name):
+    runs = [r[name] for r in keras_runs]
+    for r in range(2):
+        for a, b in zip(runs[r]["init"], runs[0]["init"]):
+            assert np.array_equal(a, b)
+    assert len(runs[0]["locals"]) == len(runs[0]["after"]) == 9
+    kw = KERAS_CONFIGS[name]
+    ref = _replay(kw, runs[0]["init"], [runs[r]["locals"] for r in range(2)], [runs[r]["after"] for r in range(2)],
+                  names=runs[0]["names"])
+    flushed = ref.flush([runs[r]["after"][-1] for r in range(2)])
+    for r in range(2):
+        assert runs[r]["bytes"] == ref.bytes_sent[r]
+        for i, got in enumerate(runs[r]["flushed"]):
+            np.testing.assert_array_equal(got, flushed[r][i])
+            np.testing.assert_array_equal(got, runs[0]["flushed"][i])  # identical replicas after flush
+            np.testing.assert_array_equal(runs[r]["global"][i], ref.theta[i])
