@@ -96,7 +96,7 @@ def checkpoint_resume(kw, steps, save_at):
     in_flight = opt.state_dict()["hvdcompress_diloco"]["in_flight"] is not None
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    _train(model, opt, rank, 2, start=save_at)  # the saving run goes on, then is dropped
+    _train(model, opt, rank, 1, start=save_at)  # the saving run goes on (applying what was in flight), then is dropped
     buf.seek(0)
     saved = torch.load(buf, weights_only=False)
     model, opt = build()
@@ -152,3 +152,41 @@ def flush_and_bad_arguments():
     except ValueError as e:
         errors.append(str(e))
     return {"flushed": flushed, "global": [g.numpy() for g in opt.global_parameters()], "errors": errors}
+
+
+def elastic_state(kw, steps, save_at):
+    """Horovod Elastic's TorchState with a DiLoCo (no reset happens: the handler's save, restore and
+    sync are called directly): restoring a commit with a fragment in flight continues exactly as a
+    straight run; sync gives every rank rank 0's model, global parameters and counters."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+
+    hvd.init()
+    rank = hvd.rank()
+
+    def build():
+        model = _model()
+        return model, hvc.DiLoCo(model, torch.optim.Adam(model.parameters(), lr=0.01), **kw)
+
+    model, opt = build()
+    _train(model, opt, rank, steps)
+    straight = [p.detach().numpy().copy() for p in model.parameters()]
+    model, opt = build()
+    state = hvc.elastic.TorchState(model=model, diloco=opt)
+    _train(model, opt, rank, save_at)
+    state.save()
+    _train(model, opt, rank, 1, start=save_at)  # applies the fragment that was in flight at the commit
+    state.restore()
+    _train(model, opt, rank, steps - save_at, start=save_at)
+    restored = [p.detach().numpy().copy() for p in model.parameters()]
+    if rank == 1:  # make rank 1 differ, then sync
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+            opt.global_params[0].add_(1.0)
+        opt.t += 3
+    state.sync()
+    return {"straight": straight, "restored": restored, "step": opt.t,
+            "synced": [p.detach().numpy().copy() for p in model.parameters()],
+            "global": [g.numpy() for g in opt.global_parameters()]}

@@ -203,6 +203,7 @@ def torch_runs():
         ("checkpoint", sc.checkpoint_resume, (CKPT, 9, 5)),
         ("nan", sc.non_finite, (dict(sync_every=2, compression="sparseloco:ratio=0.5"), 4, 2)),
         ("flush", sc.flush_and_bad_arguments, ()),
+        ("elastic", sc.elastic_state, (CKPT, 9, 5)),
     ])
 
 
@@ -237,6 +238,19 @@ def test_torch_checkpoint_with_a_fragment_in_flight_resumes_exactly(torch_runs):
         assert r["in_flight"]
         for a, b in zip(r["straight"], r["resumed"]):
             assert np.array_equal(a, b)
+
+
+def test_torch_elastic_state_restores_exactly_and_syncs_from_rank_0(torch_runs):
+    from launch import part
+    runs = part(torch_runs, "elastic")
+    for r in runs:
+        for a, b in zip(r["straight"], r["restored"]):
+            assert np.array_equal(a, b)
+    assert runs[0]["step"] == runs[1]["step"] == 9
+    for i in range(len(runs[0]["synced"])):
+        assert np.array_equal(runs[0]["synced"][i], runs[1]["synced"][i])
+    for i in range(len(runs[0]["global"])):
+        assert np.array_equal(runs[0]["global"][i], runs[1]["global"][i])
 
 
 def test_torch_non_finite_pseudo_gradient_reaches_every_rank(torch_runs):

@@ -20,6 +20,14 @@ apply the fragment's parameters are set to ``theta_global`` with ``.grad = mean 
 they are stepped (the other parameters get no gradient for that call; the users' inner gradients
 are put back afterwards).
 
+Horovod Elastic: ``hvc.elastic.TorchState(model=model, diloco=opt)`` (Horovod's ``TorchState``
+with a state handler for ``DiLoCo``, registered when one is built): ``save``/``restore`` copy and
+load ``state_dict()``; ``sync`` (after a reset, on every rank, new ones included) drops the fragment
+in flight (its Horovod handles belonged to the Horovod that was shut down; what it carried is not
+lost: the pseudo-gradient is measured from ``theta_global`` again at that fragment's next sync) and
+gives every rank rank 0's ``theta_global``, optimizers' states and counters; each rank keeps its own
+residuals (a rank that joins starts with none).
+
 State (``state_dict``): the inner and outer optimizers' states, ``theta_global``, this rank's
 compression state, the step and per-fragment sync counters, and the fragment in flight as its
 inputs (this rank's Delta and its compression state before the launch): a resumed run launches
@@ -29,6 +37,7 @@ collective (rank 0 may save alone).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -109,6 +118,7 @@ class DiLoCo:
         self.t = 0
         self._in_flight: Optional[dict] = None
         self.bytes_sent = 0  # payload bytes this rank handed to the transport
+        _register_elastic_handler()
 
     # -- optimizer face ----------------------------------------------------------------------------
     @property
@@ -204,6 +214,22 @@ class DiLoCo:
             self.rounds[flight["fragment"]] -= 1
             self._launch(flight["fragment"], flight["due"], flight["saved"])
 
+    def elastic_sync(self) -> None:
+        """After a Horovod Elastic reset, on every rank (module doc): drop the fragment in flight,
+        follow the new world size, take rank 0's global parameters, optimizer states and counters."""
+        self._in_flight = None
+        self.world = self.driver.size()
+        shared = self.driver.broadcast_object({
+            "step": self.t, "rounds": list(self.rounds), "global": [g.clone() for g in self.global_params],
+            "inner": copy.deepcopy(self.inner.state_dict()), "outer": copy.deepcopy(self.outer.state_dict())},
+            "hvc.diloco.elastic.sync")
+        self.t, self.rounds = int(shared["step"]), list(shared["rounds"])
+        with torch.no_grad():
+            for g, src in zip(self.global_params, shared["global"]):
+                g.copy_(src)
+        self.inner.load_state_dict(shared["inner"])
+        self.outer.load_state_dict(shared["outer"])
+
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         flight = None
@@ -264,3 +290,35 @@ class DiLoCo:
                 "delta": {index[n]: d.clone() for n, d in flight["delta"].items()},
                 "state": {index[n]: {k: v.clone() for k, v in s.items()} for n, s in flight["state"].items()}}}
 
+
+class DiLoCoStateHandler:
+    """Horovod Elastic state handler for ``DiLoCo`` (the interface of Horovod's ``StateHandler``):
+    ``save`` keeps a copy of ``state_dict()``, ``restore`` loads it, ``sync`` is ``elastic_sync``."""
+
+    def __init__(self, value: DiLoCo):
+        self.value = value
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        self.value.elastic_sync()
+
+    def set_value(self, value: DiLoCo) -> None:
+        self.value = value
+        self.save()
+
+
+def _register_elastic_handler() -> None:
+    """Let Horovod's ``TorchState`` (and ``hvc.elastic.TorchState``) handle ``DiLoCo`` values."""
+    try:
+        from horovod.torch.elastic import state as hvd_state
+    except ImportError:  # no Horovod here (single-process use with a driver of one's own)
+        return
+    registry = hvd_state.get_handler_registry()
+    if not any(t is DiLoCo for t, _ in registry):
+        registry.insert(0, (DiLoCo, DiLoCoStateHandler))
