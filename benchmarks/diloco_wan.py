@@ -17,7 +17,8 @@ Methods (``--methods``; all by default), every one with AdamW (lr ``--lr``, weig
 betas 0.9/0.95) as the optimizer, or the inner optimizer of the DiLoCo family:
 
     dense        DistributedOptimizer, no compression (allreduce every step)
-    dgc          DistributedOptimizer, dgc:ratio=0.001 (0.1%, no warm-up)
+    dgc          DistributedOptimizer, dgc:ratio=0.001,momentum=0 (0.1%, no warm-up; AdamW keeps the
+                 momentum, so DGC's momentum correction is off: its sampled top-k with error feedback)
     delayed4     DistributedOptimizer, delayed averaging D = 4 (uncompressed)
     diloco10/50/100  DiLoCo, H = 10 / 50 / 100, outer SGD lr 0.7, momentum 0.9, Nesterov
     streaming    Streaming DiLoCo: H = 100, 4 fragments, overlap 5 steps, mix 0.5, 4-bit outer
@@ -54,7 +55,7 @@ import time
 
 METHODS = {
     "dense": {"kind": "sync", "compression": "none", "delay": 0},
-    "dgc": {"kind": "sync", "compression": "dgc:ratio=0.001,warmup_epochs=0", "delay": 0},
+    "dgc": {"kind": "sync", "compression": "dgc:ratio=0.001,momentum=0,warmup_epochs=0", "delay": 0},
     "delayed4": {"kind": "sync", "compression": "none", "delay": 4},
     "diloco10": {"kind": "diloco", "sync_every": 10},
     "diloco50": {"kind": "diloco", "sync_every": 50},
