@@ -2,7 +2,8 @@
 declared and defined in numpy: the oracle.
 
     sparseloco  e = beta * r + x   (error feedback with decay; plain x without ``residual``)
-                idx = the k = ceil(ratio * n) largest |e| (ties to the lower index, ascending)
+                idx = the k = ceil(ratio * n) largest |e| (ties to the lower index, ascending;
+                      NaN and inf count as 0, so every rank sends k entries even then)
                 v = e[idx], quantized to ``bits`` bits per value:
                     one sign bit and a (bits - 1)-bit magnitude level j in [0, L), L = 2**(bits-1);
                     L = 1 (bits = 1): every magnitude decodes to lo = mean |v|, step = 0;
@@ -95,7 +96,8 @@ class SparseLoCoOracle(Oracle):
             return np.zeros(0, F32)
         r = ctx.state.get("residual")
         e = (F32(p["beta"]) * r + x).astype(F32) if (p["residual"] and r is not None) else x.astype(F32)
-        idx = topk_indices(e, num_selected(p["ratio"], n))
+        # NaN/inf entries are selected as if 0, so every rank sends exactly k entries
+        idx = topk_indices(np.where(np.isfinite(e), e, F32(0)), num_selected(p["ratio"], n))
         scales, codes = quantize(e[idx], p["bits"])
         if p["residual"]:
             rest = e.copy()

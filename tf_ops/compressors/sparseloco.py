@@ -64,7 +64,8 @@ class SparseLoCoCompressor(Compressor):
         else:
             e = x
         k = num_selected(p["ratio"], n)
-        idx = topk_indices(e, k)
+        # selection on e with NaN/inf as 0 (as the oracle): exactly k entries on every rank even then
+        idx = topk_indices(tf.where(tf.math.is_finite(e), e, tf.zeros_like(e)), k)
         v = tf.gather(e, idx)
         scales, codes = quantize(tf.cast(v, tf.float32), p["bits"])
         if p["residual"]:

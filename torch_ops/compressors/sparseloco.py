@@ -58,7 +58,10 @@ class SparseLoCoCompressor(Compressor):
             e = r.mul_(p["beta"]).add_(x) if r.dtype == x.dtype else (r * p["beta"] + x).to(x.dtype)
         else:
             e = x.clone()
-        idx = topk_indices(e, num_selected(p["ratio"], n))
+        # selection on e with NaN/inf as 0: every rank sends exactly k entries even then (the
+        # optimizer's non-finite guard makes the result NaN); the same set as e's when e is finite
+        sel = e if bool(torch.isfinite(e.sum())) else torch.nan_to_num(e, nan=0.0, posinf=0.0, neginf=0.0)
+        idx = topk_indices(sel, num_selected(p["ratio"], n))
         scales, codes = quantize(e[idx].to(torch.float32), p["bits"])
         if p["residual"]:
             e[idx] = e[idx] - dequantize(scales, codes).to(e.dtype)  # subtract what was sent
