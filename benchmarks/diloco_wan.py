@@ -13,7 +13,9 @@ utilisation, on EMULATED links with INJECTED latency (or on loopback for the los
     # a quick smoke run (tiny model, few steps; the figures mean nothing)
     python benchmarks/diloco_wan.py run --network loopback --workers 2 --steps 20 --quick --out /tmp/diloco-smoke
 
-Methods (``--methods``; all by default), every one with AdamW (lr ``--lr``, weight decay 0.1,
+Methods (``--methods``; all by default; ``DistributedOptimizer`` with a fixed schedule, so no
+profiling steps: one allreduce per tensor for dense, as Horovod's own optimizer, one group for
+DGC), every one with AdamW (lr ``--lr``, weight decay 0.1,
 betas 0.9/0.95) as the optimizer, or the inner optimizer of the DiLoCo family:
 
     dense        DistributedOptimizer, no compression (allreduce every step)
@@ -34,8 +36,9 @@ averaging: corrections applied), checks that every rank holds the same parameter
 the next-character cross-entropy on the held-out text.
 
 Figures (per method): ``final_loss`` (nats per character, held-out text, after the flush),
-``bytes_per_worker_step`` (payload bytes each worker handed to the collectives, mean over ranks,
-divided by the steps: the optimizer's own count), ``step_time_s`` (per step the slowest rank's
+``bytes_per_worker_step`` (payload bytes each worker handed to the collectives during the steps,
+counted by the communicator for every method alike, mean over ranks, divided by the steps; the
+final flush is not counted), ``step_time_s`` (per step the slowest rank's
 time, mean over the timed steps: the mean, not the median, so that DiLoCo's sync steps count),
 ``compute_utilisation`` (the compute-only phase's mean step time / the method's). Compute is the
 real model on the CPU (one thread per worker). The corpus is the Python standard library's source
@@ -68,6 +71,21 @@ MODEL = {"width": 128, "layers": 2, "heads": 4, "context": 64}
 QUICK_MODEL = {"width": 32, "layers": 1, "heads": 2, "context": 16}
 
 
+def counting(base, *args):
+    """A ``Communicator`` (or subclass) that counts the payload bytes of every exchange round it
+    launches (``request_bytes``: the non-finite flag excluded), the same count for every method."""
+    from torch_ops.collectives import request_bytes
+
+    class Counting(base):
+        payload_bytes = 0
+
+        def launch(self, requests, name):
+            self.payload_bytes += request_bytes(requests)
+            return super().launch(requests, name)
+
+    return Counting(*args)
+
+
 # -- worker (one per rank) -----------------------------------------------------------------------
 def worker_main(config_path: str) -> int:
     import numpy as np
@@ -93,10 +111,12 @@ def worker_main(config_path: str) -> int:
         inner = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
         m = METHODS.get(name, {"kind": "local"})
         latency = float(cfg["latency_ms"]) / 1000.0
-        driver = (LatencyDriver(latency) if latency > 0 else Communicator()) if m["kind"] != "local" else None
+        driver = counting(LatencyDriver, latency) if latency > 0 else counting(Communicator)
+        driver = driver if m["kind"] != "local" else None
         if m["kind"] == "sync":
             opt = hvc.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                           compression=m["compression"], delay=m["delay"], driver=driver)
+                                           compression=m["compression"], delay=m["delay"], driver=driver,
+                                           schedule="layerwise" if m["compression"] == "none" else "single")
         elif m["kind"] == "diloco":
             opt = hvc.DiLoCo(model, inner, sync_every=m["sync_every"], fragments=m.get("fragments", 1),
                              overlap_steps=m.get("overlap_steps", 0), mix=m.get("mix", 0.0),
@@ -115,14 +135,9 @@ def worker_main(config_path: str) -> int:
             opt.step()
             times.append(time.perf_counter() - start)
             losses.append(float(loss))
-        if m["kind"] == "sync":
-            sent = opt.stats.total_bytes
+        sent = driver.payload_bytes if driver is not None else 0  # the steps' exchanges, not the flush's
+        if m["kind"] != "local":
             opt.flush()
-        elif m["kind"] == "diloco":
-            opt.flush()
-            sent = opt.bytes_sent
-        else:
-            sent = 0
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         rows = hvc.allgather(flat[None], name=f"check.{k}")
         identical = bool(all(torch.equal(rows[0], r) for r in rows)) if m["kind"] != "local" else None
