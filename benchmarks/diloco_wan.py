@@ -225,7 +225,10 @@ def run(args, argv) -> int:
         return 2
     config = {"methods": methods, "steps": args.steps, "batch": args.batch, "lr": args.lr, "threads": 1,
               "latency_ms": args.latency_ms, "corpus_bytes": args.corpus_bytes,
-              "model": QUICK_MODEL if args.quick else MODEL, "eval_windows": 16 if args.quick else 256}
+              "model": dict(QUICK_MODEL if args.quick else MODEL), "eval_windows": 16 if args.quick else 256}
+    for key in ("width", "layers", "context"):
+        if getattr(args, key) is not None:
+            config["model"][key] = getattr(args, key)
     meta = {"command": "python benchmarks/diloco_wan.py " + shlex.join(argv), "workers": args.workers,
             "steps": args.steps, "batch_per_worker": args.batch, "model": config["model"], "lr": args.lr,
             "latency": (f"{args.latency_ms:g} ms INJECTED in the worker processes (LatencyDriver: every exchange "
@@ -291,6 +294,9 @@ def main(argv=None) -> int:
     r.add_argument("--lr", type=float, default=2e-3)
     r.add_argument("--corpus-bytes", type=int, default=2_000_000)
     r.add_argument("--methods", nargs="*", default=None, help=f"subset of: {', '.join(METHODS)}")
+    r.add_argument("--width", type=int, default=None, help=f"model width (default {MODEL['width']})")
+    r.add_argument("--layers", type=int, default=None, help=f"transformer blocks (default {MODEL['layers']})")
+    r.add_argument("--context", type=int, default=None, help=f"characters per window (default {MODEL['context']})")
     r.add_argument("--quick", action="store_true", help="a tiny model (smoke test; figures mean nothing)")
     r.add_argument("--launch-timeout", type=float, default=7200.0)
     r.add_argument("--out", default="benchmarks/results/diloco-wan")
