@@ -201,6 +201,7 @@ def torch_runs():
     return run_scenarios("torch", 2, [
         ("reference", sc.compare_with_reference, (TORCH_CONFIGS, TORCH_STEPS)),
         ("checkpoint", sc.checkpoint_resume, (CKPT, 9, 5)),
+        ("checkpoint_dense", sc.checkpoint_resume, (dict(CKPT, compression="none"), 9, 5)),
         ("nan", sc.non_finite, (dict(sync_every=2, compression="sparseloco:ratio=0.5"), 4, 2)),
         ("flush", sc.flush_and_bad_arguments, ()),
         ("elastic", sc.elastic_state, (CKPT, 9, 5)),
@@ -232,9 +233,10 @@ def test_torch_diloco_matches_the_reference_on_two_workers(torch_runs, name):
             np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-7)
 
 
-def test_torch_checkpoint_with_a_fragment_in_flight_resumes_exactly(torch_runs):
+@pytest.mark.parametrize("which", ["checkpoint", "checkpoint_dense"])  # gathered / summed in place
+def test_torch_checkpoint_with_a_fragment_in_flight_resumes_exactly(torch_runs, which):
     from launch import part
-    for r in part(torch_runs, "checkpoint"):
+    for r in part(torch_runs, which):
         assert r["in_flight"]
         for a, b in zip(r["straight"], r["resumed"]):
             assert np.array_equal(a, b)

@@ -177,7 +177,10 @@ class DiLoCo:
             inputs[i] = (delta, before)
             ctx = ExchangeContext(self.names[i], self.rounds[p], self.world, 1.0 / self.world, self.comp_state[i],
                                   tuple(self.params[i].shape), 0, self.driver.rank())
-            gen = guard(self.compressor.exchange(delta, ctx), delta, self.comp_state[i])
+            # the exchange gets a copy: a summed payload may be the tensor itself, allreduced in
+            # place, and ``delta`` must stay this rank's own for a checkpoint taken while in flight
+            x = delta.clone()
+            gen = guard(self.compressor.exchange(x, ctx), x, self.comp_state[i])
             ex = PendingExchange(gen, f"hvc.diloco.{self.names[i]}.s{self.rounds[p]}", self.driver)
             exchanges[i] = ex
         self.rounds[p] += 1
