@@ -117,6 +117,7 @@ def worker_main(config_path: str) -> int:
             opt = hvc.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                            compression=m["compression"], delay=m["delay"], driver=driver,
                                            schedule="layerwise" if m["compression"] == "none" else "single")
+            opt.set_epoch(1000)  # past any warm-up: the density asked for is the one measured
         elif m["kind"] == "diloco":
             opt = hvc.DiLoCo(model, inner, sync_every=m["sync_every"], fragments=m.get("fragments", 1),
                              overlap_steps=m.get("overlap_steps", 0), mix=m.get("mix", 0.0),
@@ -134,7 +135,7 @@ def worker_main(config_path: str) -> int:
             loss.backward()
             opt.step()
             times.append(time.perf_counter() - start)
-            losses.append(float(loss))
+            losses.append(loss.item())
         sent = driver.payload_bytes if driver is not None else 0  # the steps' exchanges, not the flush's
         if m["kind"] != "local":
             opt.flush()
