@@ -80,6 +80,9 @@ VARIANTS = {
     "qsgd": ["qsgd", "qsgd:levels=1,bucket=0", "qsgd:levels=3,bucket=5,seed=11,residual=true"],
     "powersgd": ["powersgd", "powersgd:rank=1,residual=false"],
     "sketch": ["sketch:ratio=0.05,min_sketch_numel=1", "sketch:k=2,rows=3,cols=7,momentum=0,min_sketch_numel=1"],
+    # beta=1 where the residual is on: the conservation property holds for plain error feedback
+    "sparseloco": ["sparseloco:ratio=0.1,beta=1", "sparseloco:ratio=1.0,bits=1,beta=1",
+                   "sparseloco:ratio=0.2,bits=3,residual=false"],
 }
 TEST_ONLY = {"toysign"}  # tests/toy_algorithm: the contract's worked example, not a library algorithm
 NAMES = sorted(set(REGISTRY) - TEST_ONLY)

@@ -17,7 +17,9 @@ from .compression import GradientCompression  # noqa: E402
 from .compressors import COMPRESSORS, Compressor, ExchangeContext, build_compressor  # noqa: E402
 from .optimizer import DistributedOptimizer  # noqa: E402
 from .tape import DistributedGradientTape  # noqa: E402
+from .diloco import DiLoCo, DiLoCoCallback  # noqa: E402
 
 __all__ = ["Compression", "CompressionSpec", "parse_spec", "COMPRESSORS", "Compressor", "ExchangeContext",
            "build_compressor", "GradientCompression", "DistributedGradientTape", "DistributedOptimizer",
-           "SparsityWarmupCallback", "CompressionStatsCallback", "DelayedAveragingFlushCallback"]
+           "SparsityWarmupCallback", "CompressionStatsCallback", "DelayedAveragingFlushCallback",
+           "DiLoCo", "DiLoCoCallback"]

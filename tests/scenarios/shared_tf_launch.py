@@ -34,6 +34,7 @@ SCENARIOS = {
     "test_dgc_recipes": ("scenarios.dgc_recipes", "tf_all", lambda: ()),
     "test_quantizers_multiprocess": ("scenarios.quantizers", "tf_everything", lambda: ()),
     "test_docs": ("scenarios.docs_snippets", "tf_all", lambda: ()),
+    "test_tf_diloco": ("scenarios.tf_diloco", "everything", lambda: ()),
     "test_tf_schedules_multiprocess": ("scenarios.tf_schedules", "everything", lambda: (WORLD, scratch_dir())),
 }
 

@@ -1,0 +1,309 @@
+"""Training across the world: dense sync, DGC, delayed averaging and the DiLoCo family on a
+character-level language model, with final loss, bytes per worker per step, step time and compute
+utilisation, on EMULATED links with INJECTED latency (or on loopback for the loss/bytes part).
+
+    # loss and bytes (any machine, loopback workers, no latency): 4 workers, 1500 steps each
+    python benchmarks/diloco_wan.py run --network loopback --workers 4 --steps 1500 \\
+        --out benchmarks/results/diloco-quality-4workers
+    # timing on the emulated WAN (root: network namespaces + tbf; latency INJECTED in the workers)
+    python benchmarks/diloco_wan.py run --network emulated --bandwidth 20mbit --latency-ms 150 \\
+        --workers 4 --steps 300 --out benchmarks/results/diloco-wan-20mbit
+    python benchmarks/diloco_wan.py run --network emulated --bandwidth 100mbit --latency-ms 150 \\
+        --workers 4 --steps 300 --out benchmarks/results/diloco-wan-100mbit
+    # a quick smoke run (tiny model, few steps; the figures mean nothing)
+    python benchmarks/diloco_wan.py run --network loopback --workers 2 --steps 20 --quick --out /tmp/diloco-smoke
+
+Methods (``--methods``; all by default; ``DistributedOptimizer`` with a fixed schedule, so no
+profiling steps: one allreduce per tensor for dense, as Horovod's own optimizer, one group for
+DGC), every one with AdamW (lr ``--lr``, weight decay 0.1,
+betas 0.9/0.95) as the optimizer, or the inner optimizer of the DiLoCo family:
+
+    dense        DistributedOptimizer, no compression (allreduce every step)
+    dgc          DistributedOptimizer, dgc:ratio=0.001,momentum=0 (0.1%, no warm-up; AdamW keeps the
+                 momentum, so DGC's momentum correction is off: its sampled top-k with error feedback)
+    delayed4     DistributedOptimizer, delayed averaging D = 4 (uncompressed)
+    diloco10/50/100  DiLoCo, H = 10 / 50 / 100, outer SGD lr 0.7, momentum 0.9, Nesterov
+    streaming    Streaming DiLoCo: H = 100, 4 fragments, overlap 5 steps, mix 0.5, 4-bit outer
+                 gradients (qsgd:levels=7: codes in [-7, 7], 4 bits, a norm per 512 entries)
+    sparseloco   SparseLoCo-like: H = 50, sparseloco:ratio=0.02,bits=2,beta=0.95
+
+Each worker runs the methods one after another (a *phase* each, never interleaved: an exchange in
+flight must not be hidden by another phase's steps), preceded by a compute-only phase (AdamW, no
+exchange) that gives the compute time per step. Every phase starts from the same initial model
+(seed 0); rank r reads its own random windows of the training text (seed 1000 * (r + 1)). After
+the last step the phase flushes (DiLoCo: every fragment synchronised, identical replicas; delayed
+averaging: corrections applied), checks that every rank holds the same parameters, and evaluates
+the next-character cross-entropy on the held-out text.
+
+Figures (per method): ``final_loss`` (nats per character, held-out text, after the flush),
+``bytes_per_worker_step`` (payload bytes each worker handed to the collectives during the steps,
+counted by the communicator for every method alike, mean over ranks, divided by the steps; the
+final flush is not counted), ``step_time_s`` (per step the slowest rank's
+time, mean over the timed steps: the mean, not the median, so that DiLoCo's sync steps count),
+``compute_utilisation`` (the compute-only phase's mean step time / the method's). Compute is the
+real model on the CPU (one thread per worker). The corpus is the Python standard library's source
+(``hvdcompress.datasets.load_stdlib_text``: present on every machine, version stated in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+METHODS = {
+    "dense": {"kind": "sync", "compression": "none", "delay": 0},
+    "dgc": {"kind": "sync", "compression": "dgc:ratio=0.001,momentum=0,warmup_epochs=0", "delay": 0},
+    "delayed4": {"kind": "sync", "compression": "none", "delay": 4},
+    "diloco10": {"kind": "diloco", "sync_every": 10},
+    "diloco50": {"kind": "diloco", "sync_every": 50},
+    "diloco100": {"kind": "diloco", "sync_every": 100},
+    "streaming": {"kind": "diloco", "sync_every": 100, "fragments": 4, "overlap_steps": 5, "mix": 0.5,
+                  "compression": "qsgd:levels=7,bucket=512"},
+    "sparseloco": {"kind": "diloco", "sync_every": 50, "compression": "sparseloco:ratio=0.02,bits=2,beta=0.95"},
+}
+MODEL = {"width": 128, "layers": 2, "heads": 4, "context": 64}
+QUICK_MODEL = {"width": 32, "layers": 1, "heads": 2, "context": 16}
+
+
+def counting(base, *args):
+    """A ``Communicator`` (or subclass) that counts the payload bytes of every exchange round it
+    launches (``request_bytes``: the non-finite flag excluded), the same count for every method."""
+    from torch_ops.collectives import request_bytes
+
+    class Counting(base):
+        payload_bytes = 0
+
+        def launch(self, requests, name):
+            self.payload_bytes += request_bytes(requests)
+            return super().launch(requests, name)
+
+    return Counting(*args)
+
+
+# -- worker (one per rank) -----------------------------------------------------------------------
+def worker_main(config_path: str) -> int:
+    import numpy as np
+    import torch
+
+    import hvdcompress.torch as hvc
+    from hvdcompress.bench.example_models import CharTransformer, char_batches, char_eval_loss
+    from hvdcompress.bench.injected_latency import LatencyDriver
+    from hvdcompress.datasets import load_stdlib_text
+    from torch_ops.collectives import Communicator
+
+    with open(config_path) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(int(cfg["threads"]))
+    hvc.init()
+    rank, size = hvc.rank(), hvc.size()
+    text = load_stdlib_text(cfg["corpus_bytes"])
+    dims = cfg["model"]
+    figures = []
+    for k, name in enumerate(["compute-only"] + cfg["methods"]):
+        torch.manual_seed(0)
+        model = CharTransformer(width=dims["width"], layers=dims["layers"], heads=dims["heads"], context=dims["context"])
+        inner = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
+        m = METHODS.get(name, {"kind": "local"})
+        latency = float(cfg["latency_ms"]) / 1000.0
+        driver = counting(LatencyDriver, latency) if latency > 0 else counting(Communicator)
+        driver = driver if m["kind"] != "local" else None
+        if m["kind"] == "sync":
+            opt = hvc.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                           compression=m["compression"], delay=m["delay"], driver=driver,
+                                           schedule="layerwise" if m["compression"] == "none" else "single")
+            opt.set_epoch(1000)  # past any warm-up: the density asked for is the one measured
+        elif m["kind"] == "diloco":
+            opt = hvc.DiLoCo(model, inner, sync_every=m["sync_every"], fragments=m.get("fragments", 1),
+                             overlap_steps=m.get("overlap_steps", 0), mix=m.get("mix", 0.0),
+                             compression=m.get("compression"), driver=driver)
+        else:
+            opt = inner
+        batches = char_batches(text.train, cfg["batch"], dims["context"], seed=1000 * (rank + 1))
+        hvc.allreduce(torch.zeros(1), name=f"barrier.{k}.a")
+        times, losses = [], []
+        for _ in range(cfg["steps"]):
+            x, y = next(batches)
+            start = time.perf_counter()
+            opt.zero_grad()
+            loss = model.loss(x, y)
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+        sent = driver.payload_bytes if driver is not None else 0  # the steps' exchanges, not the flush's
+        if m["kind"] != "local":
+            opt.flush()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        rows = hvc.allgather(flat[None], name=f"check.{k}")
+        identical = bool(all(torch.equal(rows[0], r) for r in rows)) if m["kind"] != "local" else None
+        fig = {"method": name, "config": m, "step_times_s": times, "bytes_sent": int(sent),
+               "train_loss_last50": float(np.mean(losses[-50:])),
+               "final_loss": char_eval_loss(model, text.test, dims["context"], windows=cfg["eval_windows"]),
+               "identical_after_flush": identical}
+        hvc.allreduce(torch.zeros(1), name=f"barrier.{k}.b")
+        figures.append(fig)
+        if rank == 0:
+            print(f"[diloco worker] {name}: mean step {statistics.mean(times) * 1e3:.1f} ms (rank 0), "
+                  f"final loss {fig['final_loss']:.4f}, bytes/step {sent / cfg['steps']:.0f}", flush=True)
+    with open(cfg["out"].format(rank=rank), "w") as f:
+        json.dump({"rank": rank, "size": size, "phases": figures, "corpus": text.source,
+                   "parameters": sum(p.numel() for p in model.parameters()),
+                   "versions": {"torch": torch.__version__}}, f)
+    hvc.shutdown()
+    return 0
+
+
+# -- orchestrator --------------------------------------------------------------------------------
+def summarize(ranks, steps):
+    """One row per method from every rank's phases (module doc's figures)."""
+    rows = []
+    for i, first in enumerate(ranks[0]["phases"]):
+        per_step = [max(r["phases"][i]["step_times_s"][s] for r in ranks) for s in range(steps)]
+        rows.append({"method": first["method"], "config": first["config"],
+                     "final_loss": first["final_loss"], "train_loss_last50": first["train_loss_last50"],
+                     "final_loss_per_rank": [r["phases"][i]["final_loss"] for r in ranks],
+                     "identical_after_flush": first["identical_after_flush"],
+                     "bytes_per_worker_step": statistics.mean(r["phases"][i]["bytes_sent"] for r in ranks) / steps,
+                     "step_time_s": statistics.mean(per_step), "step_time_median_s": statistics.median(per_step)})
+    base = rows[0]["step_time_s"]
+    dense = next((r for r in rows if r["method"] == "dense"), None)
+    for r in rows:
+        r["compute_utilisation"] = base / r["step_time_s"] if r["step_time_s"] > 0 else None
+        if dense is not None and r["method"] != "compute-only":
+            r["loss_vs_dense_pct"] = 100.0 * (r["final_loss"] - dense["final_loss"]) / dense["final_loss"]
+            r["bytes_reduction_vs_dense"] = (dense["bytes_per_worker_step"] / r["bytes_per_worker_step"]
+                                             if r["bytes_per_worker_step"] else None)
+    return rows
+
+
+def table(report) -> str:
+    m = report["meta"]
+    out = [f"{m['workers']} workers; {m['network']}; latency: {m['latency']}; compute: {m['compute']}; "
+           f"{m['steps']} steps; corpus: {m.get('corpus', '?')}.", "",
+           "| method | final loss (nats/char) | vs dense | bytes/worker/step | fewer bytes than dense | "
+           "step time (ms, mean) | compute utilisation |", "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        vs = f"{r['loss_vs_dense_pct']:+.2f}%" if r.get("loss_vs_dense_pct") is not None else "-"
+        red = f"{r['bytes_reduction_vs_dense']:.0f}x" if r.get("bytes_reduction_vs_dense") else "-"
+        out.append(f"| {r['method']} | {r['final_loss']:.4f} | {vs} | {r['bytes_per_worker_step']:.0f} | {red} | "
+                   f"{r['step_time_s'] * 1e3:.1f} | {100 * r['compute_utilisation']:.1f}% |")
+    return "\n".join(out)
+
+
+def _plot(report, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in report["rows"] if r["bytes_per_worker_step"] > 0]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter(r["bytes_per_worker_step"], r["final_loss"])
+        ax.annotate(r["method"], (r["bytes_per_worker_step"], r["final_loss"]), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per worker per step (payload)")
+    ax.set_ylabel("final held-out loss (nats/char)")
+    ax.set_title(f"char-LM, {report['meta']['workers']} workers, {report['meta']['steps']} steps", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args, argv) -> int:
+    from hvdcompress.bench.launch import Placement, WorkerFailure, run_workers
+
+    methods = args.methods or list(METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        print(f"unknown methods {unknown}; known: {', '.join(METHODS)}", file=sys.stderr)
+        return 2
+    config = {"methods": methods, "steps": args.steps, "batch": args.batch, "lr": args.lr, "threads": 1,
+              "latency_ms": args.latency_ms, "corpus_bytes": args.corpus_bytes,
+              "model": dict(QUICK_MODEL if args.quick else MODEL), "eval_windows": 16 if args.quick else 256}
+    for key in ("width", "layers", "context"):
+        if getattr(args, key) is not None:
+            config["model"][key] = getattr(args, key)
+    meta = {"command": "python benchmarks/diloco_wan.py " + shlex.join(argv), "workers": args.workers,
+            "steps": args.steps, "batch_per_worker": args.batch, "model": config["model"], "lr": args.lr,
+            "latency": (f"{args.latency_ms:g} ms INJECTED in the worker processes (LatencyDriver: every exchange "
+                        "round completes no sooner than that after its launch; netem is unavailable)")
+            if args.latency_ms > 0 else "none added",
+            "compute": "real CPU compute, one thread per worker",
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average_1_5_15_at_start": list(os.getloadavg()),
+            "machine": f"{os.cpu_count()} cores"}
+    with tempfile.TemporaryDirectory(prefix="hvcdiloco-") as tmp:
+        try:
+            if args.network == "emulated":
+                from hvdcompress.bench import netns
+                problem = netns.missing_prerequisites()
+                if problem:
+                    print(f"cannot emulate a network here: {problem}", file=sys.stderr)
+                    return 2
+                netns.remove_stale()
+                bps = netns.parse_bandwidth(args.bandwidth)
+                meta["network"] = (f"EMULATED: {args.workers} network namespaces, veth into a bridge, tbf "
+                                   f"{netns.format_bandwidth(bps)} on both ends of every worker's link")
+                with netns.EmulatedNetwork(args.workers, bps, tag="l") as net:
+                    ranks = run_workers(Placement.in_network(net), config, tmp, args.launch_timeout,
+                                        lambda line: print(line, flush=True),
+                                        worker_argv=[os.path.abspath(__file__), "worker"])
+            else:
+                meta["network"] = "loopback (no link emulation: step times are not WAN figures)"
+                ranks = run_workers(Placement.loopback(args.workers), config, tmp, args.launch_timeout,
+                                    lambda line: print(line, flush=True),
+                                    worker_argv=[os.path.abspath(__file__), "worker"])
+        except WorkerFailure as e:
+            print(f"FAILED: {e}", file=sys.stderr)
+            return 1
+    meta["corpus"] = ranks[0]["corpus"]
+    meta["parameters"] = ranks[0]["parameters"]
+    meta["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    meta["load_average_1_5_15_at_end"] = list(os.getloadavg())
+    report = {"meta": meta, "rows": summarize(ranks, args.steps)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    text = table(report)
+    with open(args.out + ".md", "w") as f:
+        f.write(text + "\n")
+    _plot(report, args.out + ".png")
+    print(text)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["worker"]:
+        return worker_main(argv[1])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("run", help="train every method once; figures to <out>.json/.md/.png")
+    r.add_argument("--network", choices=("loopback", "emulated"), default="loopback")
+    r.add_argument("--bandwidth", default="20mbit", help="link rate of the emulated network")
+    r.add_argument("--latency-ms", type=float, default=0.0, help="latency INJECTED per exchange round")
+    r.add_argument("--workers", type=int, default=4)
+    r.add_argument("--steps", type=int, default=1500)
+    r.add_argument("--batch", type=int, default=32)
+    r.add_argument("--lr", type=float, default=2e-3)
+    r.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    r.add_argument("--methods", nargs="*", default=None, help=f"subset of: {', '.join(METHODS)}")
+    r.add_argument("--width", type=int, default=None, help=f"model width (default {MODEL['width']})")
+    r.add_argument("--layers", type=int, default=None, help=f"transformer blocks (default {MODEL['layers']})")
+    r.add_argument("--context", type=int, default=None, help=f"characters per window (default {MODEL['context']})")
+    r.add_argument("--quick", action="store_true", help="a tiny model (smoke test; figures mean nothing)")
+    r.add_argument("--launch-timeout", type=float, default=7200.0)
+    r.add_argument("--out", default="benchmarks/results/diloco-wan")
+    args = p.parse_args(argv)
+    return run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

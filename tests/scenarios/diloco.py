@@ -1,0 +1,192 @@
+"""Worker side of tests/test_diloco.py: PyTorch ``DiLoCo`` on real Horovod (Gloo) workers.
+
+Each scenario trains a small two-layer model with rank-dependent data and returns, per inner
+step, every parameter after the inner step (recorded by a step post-hook of the inner optimizer,
+i.e. before the outer loop ran) and after ``DiLoCo.step()``, so the test can replay the outer
+loop with the numpy reference on exactly the same local parameters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _model(seed=0):
+    import torch
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _batch(rank, step):
+    import torch
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _train(model, opt, rank, steps, start=0, nan_at=None):
+    import torch
+    for t in range(start, start + steps):
+        x, y = _batch(rank, t)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if nan_at is not None and t == nan_at and rank == 1:
+            with torch.no_grad():
+                next(model.parameters()).grad[0, 0] = float("nan")
+        opt.step()
+
+
+def _record(model, inner):
+    """A list that receives the parameters after each inner step (before the outer loop)."""
+    seen = []
+    inner.register_step_post_hook(lambda *_: seen.append([p.detach().numpy().copy() for p in model.parameters()]))
+    return seen
+
+
+def compare_with_reference(configs, steps):
+    """For each config (kwargs of DiLoCo, plus inner lr): per step, (locals after the inner step,
+    parameters after DiLoCo.step), the bytes sent, the initial parameters and the names."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+
+    hvd.init()
+    rank = hvd.rank()
+    out = {}
+    for name, kw in configs.items():
+        kw = dict(kw)
+        lr = kw.pop("inner_lr", 0.1)
+        model = _model()
+        init = [p.detach().numpy().copy() for p in model.parameters()]
+        inner = torch.optim.SGD(model.parameters(), lr=lr)
+        seen = _record(model, inner)
+        opt = hvc.DiLoCo(model, inner, **kw)
+        after = []
+        for t in range(steps):
+            _train(model, opt, rank, 1, start=t)
+            after.append([p.detach().numpy().copy() for p in model.parameters()])
+        out[name] = {"locals": seen, "after": after, "init": init, "bytes": opt.bytes_sent,
+                     "names": [n for n, _ in model.named_parameters()],
+                     "global": [g.numpy() for g in opt.global_parameters()]}
+    return out
+
+
+def checkpoint_resume(kw, steps, save_at):
+    """Train ``steps`` straight; and train ``save_at`` steps, save (a fragment in flight), build a
+    new model and DiLoCo, load, train the rest: both final parameters, and whether one was in flight."""
+    import horovod.torch as hvd
+    import io
+    import torch
+    import hvdcompress.torch as hvc
+
+    hvd.init()
+    rank = hvd.rank()
+
+    def build():
+        model = _model()
+        inner = torch.optim.Adam(model.parameters(), lr=0.01)
+        return model, hvc.DiLoCo(model, inner, **kw)
+
+    model, opt = build()
+    _train(model, opt, rank, steps)
+    straight = [p.detach().numpy().copy() for p in model.parameters()]
+
+    model, opt = build()
+    _train(model, opt, rank, save_at)
+    in_flight = opt.state_dict()["hvdcompress_diloco"]["in_flight"] is not None
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    _train(model, opt, rank, 1, start=save_at)  # the saving run goes on (applying what was in flight), then is dropped
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    model, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    _train(model, opt, rank, steps - save_at, start=save_at)
+    resumed = [p.detach().numpy().copy() for p in model.parameters()]
+    return {"straight": straight, "resumed": resumed, "in_flight": in_flight}
+
+
+def non_finite(kw, steps, nan_at):
+    """Rank 1 puts a NaN in one gradient at step ``nan_at``: the parameters after each step."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+
+    hvd.init()
+    model = _model()
+    opt = hvc.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+    after = []
+    for t in range(steps):
+        _train(model, opt, hvd.rank(), 1, start=t, nan_at=nan_at)
+        after.append([bool(np.isnan(p.detach().numpy()).any()) for p in model.parameters()])
+    return after
+
+
+def flush_and_bad_arguments():
+    """flush() leaves identical replicas; bad arguments raise ValueError (no collective started:
+    the scenario would hang otherwise, since only the constructor's checks run)."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+
+    hvd.init()
+    model = _model()
+    opt = hvc.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4, fragments=2,
+                     overlap_steps=1, mix=0.5, compression="topk:ratio=0.3")
+    _train(model, opt, hvd.rank(), 3)
+    opt.flush()
+    flushed = [p.detach().numpy().copy() for p in model.parameters()]
+    errors = []
+    for bad in (dict(sync_every=0), dict(sync_every=6, fragments=4), dict(sync_every=4, overlap_steps=4),
+                dict(sync_every=4, mix=2.0), dict(sync_every=4, compression="topk:ratio=0")):
+        try:
+            hvc.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **bad)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        other = torch.nn.Linear(2, 2)
+        hvc.DiLoCo(model, torch.optim.SGD(other.parameters(), lr=0.1), sync_every=2)
+        errors.append(None)
+    except ValueError as e:
+        errors.append(str(e))
+    return {"flushed": flushed, "global": [g.numpy() for g in opt.global_parameters()], "errors": errors}
+
+
+def elastic_state(kw, steps, save_at):
+    """Horovod Elastic's TorchState with a DiLoCo (no reset happens: the handler's save, restore and
+    sync are called directly): restoring a commit with a fragment in flight continues exactly as a
+    straight run; sync gives every rank rank 0's model, global parameters and counters."""
+    import horovod.torch as hvd
+    import torch
+    import hvdcompress.torch as hvc
+
+    hvd.init()
+    rank = hvd.rank()
+
+    def build():
+        model = _model()
+        return model, hvc.DiLoCo(model, torch.optim.Adam(model.parameters(), lr=0.01), **kw)
+
+    model, opt = build()
+    _train(model, opt, rank, steps)
+    straight = [p.detach().numpy().copy() for p in model.parameters()]
+    model, opt = build()
+    state = hvc.elastic.TorchState(model=model, diloco=opt)
+    _train(model, opt, rank, save_at)
+    state.save()
+    _train(model, opt, rank, 1, start=save_at)  # applies the fragment that was in flight at the commit
+    state.restore()
+    _train(model, opt, rank, steps - save_at, start=save_at)
+    restored = [p.detach().numpy().copy() for p in model.parameters()]
+    if rank == 1:  # make rank 1 differ, then sync
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+            opt.global_params[0].add_(1.0)
+        opt.t += 3
+    state.sync()
+    return {"straight": straight, "restored": restored, "step": opt.t,
+            "synced": [p.detach().numpy().copy() for p in model.parameters()],
+            "global": [g.numpy() for g in opt.global_parameters()]}
