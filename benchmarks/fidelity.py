@@ -45,8 +45,8 @@ HEADLINE = {  # in the order they run: dense first (the reference), then issue 1
     "none": "none",
     "signsgd": "signsgd",
     "efsignsgd": "efsignsgd",
-    "onebit": "onebit",
-    "onebit_column": "onebit:scope=column",  # Seide et al.'s per-column reconstruction values
+    "onebit": "onebit",  # Seide et al.'s per-column reconstruction values (scope=column)
+    "onebit_tensor": "onebit:scope=tensor",
     "terngrad": "terngrad",
     "qsgd": "qsgd:levels=7,bucket=512",
     "powersgd": "powersgd:rank=2",

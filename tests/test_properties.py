@@ -75,7 +75,7 @@ VARIANTS = {
             "min_sparse_numel=16"],
     "signsgd": ["signsgd"],
     "efsignsgd": ["efsignsgd", "efsignsgd:residual=false", "efsignsgd:momentum=0.9,nesterov=true"],
-    "onebit": ["onebit", "onebit:scope=column,momentum=0.5"],
+    "onebit": ["onebit", "onebit:scope=tensor,momentum=0.5"],
     "terngrad": ["terngrad", "terngrad:bucket=5,seed=3,residual=true", "terngrad:share_scale=true,bucket=4,residual=true"],
     "qsgd": ["qsgd", "qsgd:levels=1,bucket=0", "qsgd:levels=3,bucket=5,seed=11,residual=true"],
     "powersgd": ["powersgd", "powersgd:rank=1,residual=false"],

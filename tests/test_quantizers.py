@@ -26,7 +26,7 @@ from scenarios.local_world import run_lockstep  # noqa: E402
 from tf_ops import compressors as tfc  # noqa: E402
 from torch_ops import compressors as tc  # noqa: E402
 
-QUANT_SPECS = ["signsgd", "efsignsgd", "efsignsgd:residual=false", "onebit", "terngrad",
+QUANT_SPECS = ["signsgd", "efsignsgd", "efsignsgd:residual=false", "onebit", "onebit:scope=tensor", "terngrad",
                "terngrad:bucket=7,seed=3", "terngrad:residual=true", "qsgd", "qsgd:levels=1,bucket=0",
                "qsgd:levels=3,bucket=5,seed=11", "qsgd:levels=100,bucket=64,residual=true"]
 KEY = "layer.w"
@@ -170,10 +170,11 @@ def test_merged_group_keeps_per_member_scales(text):
         merged_bytes = payload_bytes(spec.name, spec.params, 48, MEMBERS)
         assert sent[0][0][0].nbytes == merged_bytes
         assert merged_bytes - packing.packed_size(48, bits) == sum(
-            payload_bytes(spec.name, spec.params, m.numel) - packing.packed_size(m.numel, bits) for m in MEMBERS)
+            payload_bytes(spec.name, spec.params, m.numel, shape=m.shape) - packing.packed_size(m.numel, bits)
+            for m in MEMBERS)
         alone = [simulate(spec, [g[m.offset:m.offset + m.numel] for g in grads], key=m.name, step=step,
                           shape=m.shape) for m in MEMBERS]
-        head = {"efsignsgd": 1, "onebit": 2}.get(spec.name, 0)
+        head = {"efsignsgd": 1, "onebit": 2}.get(spec.name, 0)  # onebit: 2 per column of each member
         if head:
             np.testing.assert_array_equal(merged, np.concatenate([a[0] for a in alone]))
         if spec.name in ("terngrad", "qsgd"):
@@ -262,6 +263,10 @@ def test_declared_wire_bytes_are_the_packed_bytes():
             _, _, sent = simulate(spec, [np.linspace(-1, 1, n, dtype=np.float32)], key=KEY)
             (rnd,) = spec.info.rounds(spec.params, [n])
             assert rnd.kind == "allgather" and rnd.collectives == 1
+            if spec.name == "onebit" and spec["scope"] == "column":  # the rule counts a square matrix's
+                # columns (it sees sizes only; test_onebit_column_scope_sends_the_means_of_each_column)
+                assert sent[0][0][0].nbytes == payload_bytes(spec.name, spec.params, n, shape=(n,)), (text, n)
+                continue
             assert float(rnd.nbytes[0]) == sent[0][0][0].nbytes == payload_bytes(spec.name, spec.params, n), (text, n)
     bits = {t: parse_spec(t).info.rounds(parse_spec(t).params, [8 * 10 ** 6])[0].nbytes[0] * 8 / 8e6
             for t in ("signsgd", "terngrad", "qsgd:levels=1", "qsgd:levels=2", "qsgd:levels=7", "qsgd:levels=127")}
@@ -330,7 +335,7 @@ def test_terngrad_shared_scale_sends_scales_then_codes_with_the_max_over_ranks()
     ("onebit:nesterov=2", "onebit: parameter 'nesterov' must be true or false"),
     ("efsignsgd:momentum_correction=false,momentum=0.9",
      "efsignsgd: parameter 'momentum' must be none or 0 and 'nesterov' false with momentum_correction=false"),
-    ("onebit:scope=row", "onebit: parameter 'scope' must be one of tensor, column"),
+    ("onebit:scope=row", "onebit: parameter 'scope' must be one of column, tensor"),
     ("randomk:unbiased=true", "randomk: parameter 'unbiased' must be false with residual=true"),
     ("randomk:unbiased=yes please", "randomk: parameter 'unbiased' must be true or false"),
 ])
@@ -343,7 +348,7 @@ def test_bad_parameters_raise_naming_the_parameter(text, needle):
 # -- momentum inside (efsignsgd, onebit), 1-bit per column, unbiased random-k -----------------------
 @pytest.mark.parametrize("text,shape", [
     ("efsignsgd:momentum=0.9", (37, 11)), ("efsignsgd:momentum=0.5,nesterov=true,residual=false", (1,)),
-    ("onebit:momentum=0.9", (37, 11)), ("onebit:scope=column", (4, 3, 2)), ("onebit:scope=column", (1,)),
+    ("onebit:scope=tensor,momentum=0.9", (37, 11)), ("onebit:scope=column", (4, 3, 2)), ("onebit:scope=column", (1,)),
     ("onebit:scope=column,momentum=0.9,nesterov=true", (37, 11)),
     ("randomk:ratio=0.3,unbiased=true,residual=false", (37, 11))])
 def test_momentum_column_and_unbiased_variants_match_the_oracle_bit_for_bit(text, shape):
@@ -358,7 +363,7 @@ def test_momentum_and_columns_in_tf_function_and_merged_groups_match_the_oracle(
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "onebit:scope=column"])
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit:scope=tensor", "onebit:scope=column"])
 def test_momentum_is_applied_before_compression(name, nesterov):
     """With momentum m the exchange is the momentum-free one applied to the velocity: u = m*u + g,
     v = u (Nesterov: g + m*u), error feedback on v; momentum none or 0 is the plain spec, bit for bit."""
@@ -391,8 +396,10 @@ def test_momentum_is_applied_before_compression(name, nesterov):
 def test_onebit_column_scope_sends_the_means_of_each_column():
     """Seide et al.: two values per column of the tensor viewed as (shape[0], -1), the means of its
     entries >= 0 and < 0 (0 for an empty part); a 1-D tensor is one column (= scope tensor); the
-    bytes are 8 per column plus the packed bits; merged groups keep each member's columns."""
+    bytes are 8 per column plus the packed bits; merged groups keep each member's columns; the
+    default scope."""
     spec = parse_spec("onebit:scope=column,residual=false")
+    assert parse_spec("onebit")["scope"] == "column"
     x = np.array([[1.0, -2.0, 0.0], [3.0, -4.0, -1.0], [-5.0, -6.0, 2.0], [7.0, -8.0, 4.0]], np.float32)
     total, _, sent = simulate(spec, [x], key=KEY, scale=1.0)
     pos = np.array([11 / 3, 0.0, 2.0], np.float32)
@@ -412,7 +419,7 @@ def test_onebit_column_scope_sends_the_means_of_each_column():
                 np.testing.assert_allclose(got[part, c], col[part].mean(), rtol=1e-6)
     v = np.linspace(-1, 2, 9, dtype=np.float32)
     np.testing.assert_array_equal(simulate(spec, [v], key=KEY)[0],
-                                  simulate(parse_spec("onebit:residual=false"), [v], key=KEY)[0])
+                                  simulate(parse_spec("onebit:scope=tensor,residual=false"), [v], key=KEY)[0])
     grads = _grads("columns", 2, (48,), steps=1)[0]
     merged, _, sent = simulate(spec, grads, key=KEY, shape=(1, 48), members=MEMBERS)
     alone = [simulate(spec, [g[m.offset:m.offset + m.numel].reshape(m.shape) for g in grads], key=m.name)

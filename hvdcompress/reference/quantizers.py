@@ -13,8 +13,8 @@ and every rank decodes the gathered buffers rank by rank and sums them in rank o
                and sign bits; decoded = +-scale; e = a - decoded.
     onebit     Seide et al. 2014. a = g + e; bits a >= 0; two float32 reconstruction values, the
                mean of a over the 1-bits and over the 0-bits (0 when a part is empty), per tensor
-               (``scope=tensor``) or per column (``scope=column``, the paper's rule: the tensor
-               viewed as (shape[0], -1), one pair per column; a 1-D tensor is one column);
+               (``scope=tensor``) or per column (``scope=column``, the default, the paper's rule: the
+               tensor viewed as (shape[0], -1), one pair per column; a 1-D tensor is one column);
                e = a - decoded.
 
     Momentum inside (efsignsgd, onebit; ``momentum`` > 0, the wrapped SGD's taken over): the
@@ -130,9 +130,9 @@ register("efsignsgd", GATHERED, "error-feedback signSGD: sign bits (packed 8 per
 register("onebit", GATHERED, "1-bit SGD: sign bits (packed 8 per byte) and two reconstruction values "
          "(the means of the two parts) per tensor or per column, with error feedback; the optimizer's "
          "momentum is applied before compression (taken over)", residual_param(True),
-         Param("scope", str, "tensor", "where the two reconstruction values apply: 'tensor' (one pair per "
-               "tensor), 'column' (Seide et al.: one pair per column of the tensor viewed as (shape[0], -1); "
-               "2 * columns float32 on the wire)", choices=("tensor", "column")),
+         Param("scope", str, "column", "where the two reconstruction values apply: 'column' (Seide et al.: "
+               "one pair per column of the tensor viewed as (shape[0], -1), 2 * columns float32 on the wire; "
+               "a 1-D tensor is one column), 'tensor' (one pair per tensor)", choices=("column", "tensor")),
          *momentum_params(), check=_check_momentum("onebit"), wire=_wire_for("onebit"), merge=PER_MEMBER)
 register("terngrad", GATHERED, "TernGrad: stochastic ternary {-s, 0, s}, s = max|a| per tensor or per "
          "bucket, 2-bit codes packed 4 per byte",

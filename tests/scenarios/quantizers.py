@@ -51,7 +51,7 @@ def expected_bytes(spec_text: str, shapes) -> int:
             n, m = matrix_shape(tuple(shape))
             total += (n + m) * spec["rank"] * 4 if is_compressed(tuple(shape), spec["rank"]) else numel * 4
         else:
-            total += payload_bytes(spec.name, spec.params, numel)
+            total += payload_bytes(spec.name, spec.params, numel, shape=shape)
     return total
 
 
