@@ -648,9 +648,10 @@ struct QsgdEnc {
       float lvl = low + (u[t] < (r - low) ? 1.0f : 0.0f);
       lvl = lvl > SS ? SS : lvl;  // the min with s (NaN stays NaN, as numpy's minimum)
       const float sg = a >= 0.0f ? lvl : -lvl;
-      const uint8_t code = uint8_t(int32_t(sg + SS));
-      c[t] = code;
-      s.keep(i0 + t, a, (float(code) - SS) * ww);
+      c[t] = uint8_t(int32_t(sg + SS));
+      // the decoded value (code - s) * w: code - s is sg exactly (an integer in [-s, s]); a NaN
+      // converts to code 0 (x86's conversion, as numpy's), i.e. -s
+      s.keep(i0 + t, a, select(sg != sg, -SS, sg) * ww);
     }
   }
 };
