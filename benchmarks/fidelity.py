@@ -12,7 +12,8 @@ headline setting below runs with its defaults, and the table says so), inside on
    run is the sweep's own).
 
 Every run trains the examples' model (``hvdcompress.bench.example_models``) from the same
-initialisation per seed, with SGD (momentum 0.9; DGC and the sketch take the momentum over) and
+initialisation per seed, with SGD (momentum 0.9; DGC, the sketch, efsignsgd and onebit take the
+momentum over and apply it before compression) and
 the same epochs and batch size; the loop is ``hvdcompress.bench.convergence.train_and_test``.
 signSGD's exchanged update is a sign (magnitude 1 per entry, whatever the gradient's scale), so its
 rates are the sweep's times ``SIGN_LR_SCALE``; every other method uses the sweep as given.
@@ -44,7 +45,8 @@ HEADLINE = {  # in the order they run: dense first (the reference), then issue 1
     "none": "none",
     "signsgd": "signsgd",
     "efsignsgd": "efsignsgd",
-    "onebit": "onebit",
+    "onebit": "onebit",  # Seide et al.'s per-column reconstruction values (scope=column)
+    "onebit_tensor": "onebit:scope=tensor",
     "terngrad": "terngrad",
     "qsgd": "qsgd:levels=7,bucket=512",
     "powersgd": "powersgd:rank=2",
@@ -66,11 +68,11 @@ def configs() -> dict:
     _load_builtins()
     out = {}
     for name in list(HEADLINE) + sorted(set(REGISTRY) - set(HEADLINE)):
-        if name not in REGISTRY:
+        if HEADLINE.get(name, name).split(":")[0] not in REGISTRY:
             continue
         spec = parse_spec(HEADLINE.get(name, name))
         out[name] = {"spec": HEADLINE.get(name, name), "headline": name in HEADLINE,
-                     "error_feedback": bool(spec.params.get("residual")) or name in ACCUMULATING,
+                     "error_feedback": bool(spec.params.get("residual")) or spec.name in ACCUMULATING,
                      "lr_scale": SIGN_LR_SCALE if name == "signsgd" else 1.0}
     return out
 

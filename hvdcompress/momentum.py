@@ -1,4 +1,5 @@
-"""Taking an optimizer's momentum over (DGC, the count sketch): one rule for both backends.
+"""Taking an optimizer's momentum over (DGC, the count sketch, efsignsgd and onebit): one rule for
+both backends.
 
 Compressors with momentum correction keep the momentum in their memory (``u = m*u + g``), so the
 wrapped optimizer must run without its own or momentum would be applied twice. The optimizer's
@@ -24,6 +25,12 @@ from typing import Any, Iterable, Mapping, Tuple
 from .spec import CompressionSpec
 
 
+def momentum_of(spec: CompressionSpec) -> float:
+    """The spec's momentum as a float; a ``momentum`` of None ("the optimizer's", efsignsgd and
+    onebit) that nothing was taken over into is 0."""
+    return float(spec.params.get("momentum") or 0.0)
+
+
 def take_over_momentum(spec: CompressionSpec, momenta: Iterable[Tuple[float, bool]]) -> CompressionSpec:
     """The spec with the optimizer's momentum, from its (momentum, nesterov) per parameter group;
     ``spec`` itself when no group has momentum. Nesterov is kept when the spec has a ``nesterov``
@@ -42,7 +49,7 @@ def take_over_momentum(spec: CompressionSpec, momenta: Iterable[Tuple[float, boo
     if nesterov and not has_nesterov:
         raise ValueError(f"compression '{name}': Nesterov momentum is not supported; use nesterov=False")
     said = (spec["momentum"], spec["nesterov"]) if has_nesterov else (spec["momentum"], False)
-    if (m, nesterov) != said:
+    if spec["momentum"] is not None and (m, nesterov) != said:  # None: "the optimizer's", nothing to warn
         warnings.warn(f"compression '{name}': taking over the optimizer's momentum={m}, nesterov={nesterov} "
                       f"(the spec said momentum={said[0]}, nesterov={said[1]}); the optimizer itself now runs "
                       "with momentum=0")
@@ -63,7 +70,7 @@ def check_sgd_groups(spec: CompressionSpec, groups: Iterable[Mapping[str, Any]])
             raise ValueError(f"compression '{name}': the optimizer's dampening={damp} (parameter group {i}) "
                              f"cannot be honoured: {name} applies the momentum in its memory as u = m*u + g, "
                              "undampened; dampening must be 0")
-        if "dampening" in g and g.get("maximize", False) and g.get("weight_decay", 0.0) and spec["momentum"] > 0.0:
+        if "dampening" in g and g.get("maximize", False) and g.get("weight_decay", 0.0) and momentum_of(spec) > 0.0:
             raise ValueError(f"compression '{name}': maximize=True with weight_decay (parameter group {i}) "
                              f"cannot be honoured: {name} adds the decay term to the exchanged gradient, which "
                              "the optimizer would negate; weight_decay must be 0 with maximize=True")
@@ -75,7 +82,7 @@ def check_keras_config(spec: CompressionSpec, config: Mapping[str, Any]) -> None
     exchanged velocity (momentum already applied), not on the gradient, as it does in dense
     training; the compressor's own clipping (DGC's ``clip_norm``) clips before the momentum.
     Nothing to refuse when the compressor's momentum is 0 (plain SGD on the exchanged gradient)."""
-    if spec["momentum"] <= 0.0:
+    if momentum_of(spec) <= 0.0:
         return
     for key in ("clipnorm", "clipvalue", "global_clipnorm"):
         if config.get(key) is not None:

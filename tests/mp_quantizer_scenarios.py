@@ -51,7 +51,7 @@ def expected_bytes(spec_text: str, shapes) -> int:
             n, m = matrix_shape(tuple(shape))
             total += (n + m) * spec["rank"] * 4 if is_compressed(tuple(shape), spec["rank"]) else numel * 4
         else:
-            total += payload_bytes(spec.name, spec.params, numel)
+            total += payload_bytes(spec.name, spec.params, numel, shape=shape)
     return total
 
 
@@ -207,6 +207,45 @@ def _torch_tie():
     return {"update": (-w.detach()).tolist()}
 
 
+def _torch_momentum_inside():
+    """efsignsgd wrapped around SGD(momentum=0.9, nesterov=True), through the real optimizer: the
+    momentum is taken over (the wrapped SGD runs with 0) and applied before compression, so every
+    step's exchanged gradient is the oracle's ``efsignsgd:momentum=0.9,nesterov=true`` on the ranks'
+    gradients, bit for bit; parameters identical on every rank; the velocity u, as the oracle's,
+    in the optimizer's checkpoint. The loss sum(w * c[rank, step]) makes every rank's gradient
+    c[rank, step], known to all ranks without a collective."""
+    import horovod.torch as hvd
+    import numpy as np
+    import torch
+    import hvdcompress.torch as hvc
+    from hvdcompress import parse_spec
+    from hvdcompress.reference import simulate
+    from mp_scenarios import _identical_across_ranks
+    world, shape = hvd.size(), (6, 5)
+    model = torch.nn.Linear(5, 6, bias=False)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, nesterov=True),
+                                   named_parameters=[("w", model.weight)], compression="efsignsgd")
+
+    def coef(rank, step):
+        return np.random.default_rng(100 * step + rank).standard_normal(shape).astype(np.float32)
+
+    oracle, states = parse_spec("efsignsgd:momentum=0.9,nesterov=true"), [{} for _ in range(world)]
+    exact, identical = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        (model.weight * torch.from_numpy(coef(hvd.rank(), step))).sum().backward()
+        opt.step()
+        want, _, _ = simulate(oracle, [coef(r, step) for r in range(world)], states, key="w", step=step, shape=shape)
+        exact.append(bool(np.array_equal(model.weight.grad.numpy().reshape(-1), want)))
+        identical.append(_identical_across_ranks(model))
+    saved = opt.state_dict()["hvdcompress"]["state"]
+    (u,) = [st["u"] for st in saved.values() if "u" in st]
+    return {"exact": exact, "identical": identical, "group_momentum": opt.param_groups[0]["momentum"],
+            "state": sorted({k for st in saved.values() for k in st}),
+            "u_equal": bool(np.array_equal(u.reshape(-1).numpy(), states[hvd.rank()]["u"]))}
+
+
 def torch_everything() -> dict:
     import horovod.torch as hvd
     import torch
@@ -229,6 +268,7 @@ def torch_everything() -> dict:
         out["interop"]["fp16 op=Sum"] = _guard(_torch_interop_one, "fp16", "Sum")
         out["fp16_average_rounding"] = _guard(_torch_fp16_average_rounding)
         out["refused"] = _guard(_torch_interop_refused)
+        out["momentum_inside"] = _guard(_torch_momentum_inside)
     from mp_scenarios import _model
     for label, text in BAD.items():
         try:

@@ -42,6 +42,7 @@ from hypothesis.extra import numpy as hnp
 from hvdcompress.reference import oracle_for, simulate
 from hvdcompress.reference.dgc import dgc_density, is_dense as dgc_is_dense
 from hvdcompress.reference.powersgd import is_compressed, matrix_shape
+from hvdcompress.reference.quantizers import payload_bytes
 from hvdcompress.sampling import ACCEPT_HIGH_TENTHS
 from hvdcompress.spec import REGISTRY, num_selected, parse_spec
 from hvdcompress.wire import index_bytes
@@ -65,15 +66,16 @@ VARIANTS = {
     "fp16": ["fp16", "fp16:residual=true"],
     "bf16": ["bf16", "bf16:residual=true"],
     "topk": ["topk:ratio=0.05", "topk:ratio=1.0", "topk:ratio=0.3,residual=false"],
-    "randomk": ["randomk:ratio=0.1,seed=3", "randomk:ratio=0.5,residual=false"],
+    "randomk": ["randomk:ratio=0.1,seed=3", "randomk:ratio=0.5,residual=false",
+                "randomk:ratio=0.3,unbiased=true,residual=false"],
     "threshold": ["threshold:threshold=0.5", "threshold:threshold=1e-30,residual=false"],
     "dgc": ["dgc:ratio=0.05,warmup_epochs=0,min_sparse_numel=16",
             "dgc:ratio=0.1,nesterov=true,clip_norm=1.0,fp16_values=true,warmup_epochs=0,min_sparse_numel=16",
             "dgc:ratio=0.1,momentum_correction=false,momentum_masking=false,warmup_epochs=1,sample_ratio=0.3,"
             "min_sparse_numel=16"],
     "signsgd": ["signsgd"],
-    "efsignsgd": ["efsignsgd", "efsignsgd:residual=false"],
-    "onebit": ["onebit"],
+    "efsignsgd": ["efsignsgd", "efsignsgd:residual=false", "efsignsgd:momentum=0.9,nesterov=true"],
+    "onebit": ["onebit", "onebit:scope=tensor,momentum=0.5"],
     "terngrad": ["terngrad", "terngrad:bucket=5,seed=3,residual=true", "terngrad:share_scale=true,bucket=4,residual=true"],
     "qsgd": ["qsgd", "qsgd:levels=1,bucket=0", "qsgd:levels=3,bucket=5,seed=11,residual=true"],
     "powersgd": ["powersgd", "powersgd:rank=1,residual=false"],
@@ -82,7 +84,8 @@ VARIANTS = {
 TEST_ONLY = {"toysign"}  # tests/toy_algorithm: the contract's worked example, not a library algorithm
 NAMES = sorted(set(REGISTRY) - TEST_ONLY)
 SPECS = [text for name in NAMES for text in VARIANTS.get(name, [name])]
-RESIDUAL_SPECS = [t for t in SPECS if parse_spec(t).params.get("residual")]
+# the conservation checks below follow a = g + r; with momentum inside a = v + r (v the velocity)
+RESIDUAL_SPECS = [t for t in SPECS if parse_spec(t).params.get("residual") and not parse_spec(t).params.get("momentum")]
 EXACT_FEEDBACK = {"topk", "randomk", "threshold", "fp16", "bf16"}  # a - D(C(a)) is exact in float32
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -262,6 +265,10 @@ def _check_wire(spec, shape, world, nbytes, itemsize, label, step=0, declared=Tr
             assert nbytes == d * itemsize, (label, nbytes, d * itemsize)
             if check_declared and (len(shape) == 2 and shape[0] == shape[1] or len(shape) == 1 and 2 * math.sqrt(d) * r >= d):
                 assert nbytes == declared, (label, nbytes, declared)
+    elif spec.name == "onebit" and spec["scope"] == "column":  # the rule counts a square matrix's columns
+        assert nbytes == payload_bytes("onebit", spec.params, d, shape=shape), (label, nbytes)
+        if len(shape) == 2 and shape[0] == shape[1]:
+            assert nbytes == declared, (label, nbytes, declared)
     else:
         assert nbytes == declared, (label, nbytes, declared)
 
@@ -388,7 +395,8 @@ def test_other_parameter_dtypes(text, dtype):
                 np.testing.assert_array_equal(_np(tf_res[r]), _np(tf_res[0]), err_msg=f"tf {label}: ranks differ")
                 _same(_np(tf_res[r]), _np(th[r]), tol, f"tf vs torch {label}")
                 assert th_sent[r] == tf_sent[r], (label, th_sent[r], tf_sent[r])
-        if spec.params.get("residual"):  # one rank, scale 1: sent + new residual == g + old residual
+        if spec.params.get("residual") and not spec.params.get("momentum"):  # one rank, scale 1: sent + new
+            # residual == g + old residual (with momentum inside: v + old residual, v the velocity)
             impls = [("torch", run_torch(spec, shape, [s[:1] for s in steps], dtype, 1.0))]
             if use_tf:
                 impls.append(("tf", run_tf(spec, shape, [s[:1] for s in steps], dtype, 1.0)))

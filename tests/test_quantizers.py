@@ -26,7 +26,7 @@ from local_world import run_lockstep  # noqa: E402
 from tf_ops import compressors as tfc  # noqa: E402
 from torch_ops import compressors as tc  # noqa: E402
 
-QUANT_SPECS = ["signsgd", "efsignsgd", "efsignsgd:residual=false", "onebit", "terngrad",
+QUANT_SPECS = ["signsgd", "efsignsgd", "efsignsgd:residual=false", "onebit", "onebit:scope=tensor", "terngrad",
                "terngrad:bucket=7,seed=3", "terngrad:residual=true", "qsgd", "qsgd:levels=1,bucket=0",
                "qsgd:levels=3,bucket=5,seed=11", "qsgd:levels=100,bucket=64,residual=true"]
 KEY = "layer.w"
@@ -170,10 +170,11 @@ def test_merged_group_keeps_per_member_scales(text):
         merged_bytes = payload_bytes(spec.name, spec.params, 48, MEMBERS)
         assert sent[0][0][0].nbytes == merged_bytes
         assert merged_bytes - packing.packed_size(48, bits) == sum(
-            payload_bytes(spec.name, spec.params, m.numel) - packing.packed_size(m.numel, bits) for m in MEMBERS)
+            payload_bytes(spec.name, spec.params, m.numel, shape=m.shape) - packing.packed_size(m.numel, bits)
+            for m in MEMBERS)
         alone = [simulate(spec, [g[m.offset:m.offset + m.numel] for g in grads], key=m.name, step=step,
                           shape=m.shape) for m in MEMBERS]
-        head = {"efsignsgd": 1, "onebit": 2}.get(spec.name, 0)
+        head = {"efsignsgd": 1, "onebit": 2}.get(spec.name, 0)  # onebit: 2 per column of each member
         if head:
             np.testing.assert_array_equal(merged, np.concatenate([a[0] for a in alone]))
         if spec.name in ("terngrad", "qsgd"):
@@ -262,6 +263,10 @@ def test_declared_wire_bytes_are_the_packed_bytes():
             _, _, sent = simulate(spec, [np.linspace(-1, 1, n, dtype=np.float32)], key=KEY)
             (rnd,) = spec.info.rounds(spec.params, [n])
             assert rnd.kind == "allgather" and rnd.collectives == 1
+            if spec.name == "onebit" and spec["scope"] == "column":  # the rule counts a square matrix's
+                # columns (it sees sizes only; test_onebit_column_scope_sends_the_means_of_each_column)
+                assert sent[0][0][0].nbytes == payload_bytes(spec.name, spec.params, n, shape=(n,)), (text, n)
+                continue
             assert float(rnd.nbytes[0]) == sent[0][0][0].nbytes == payload_bytes(spec.name, spec.params, n), (text, n)
     bits = {t: parse_spec(t).info.rounds(parse_spec(t).params, [8 * 10 ** 6])[0].nbytes[0] * 8 / 8e6
             for t in ("signsgd", "terngrad", "qsgd:levels=1", "qsgd:levels=2", "qsgd:levels=7", "qsgd:levels=127")}
@@ -325,11 +330,161 @@ def test_terngrad_shared_scale_sends_scales_then_codes_with_the_max_over_ranks()
     ("efsignsgd:residual=maybe", "efsignsgd: parameter 'residual' must be true or false"),
     ("signsgd:residual=true", "signsgd: unknown parameter 'residual'"),
     ("onebit:levels=2", "onebit: unknown parameter 'levels'"),
+    ("efsignsgd:momentum=1.0", "efsignsgd: parameter 'momentum' must be float in [0.0, 1.0) or none"),
+    ("onebit:momentum=-0.1", "onebit: parameter 'momentum' must be float in [0.0, 1.0) or none"),
+    ("onebit:nesterov=2", "onebit: parameter 'nesterov' must be true or false"),
+    ("efsignsgd:momentum_correction=false,momentum=0.9",
+     "efsignsgd: parameter 'momentum' must be none or 0 and 'nesterov' false with momentum_correction=false"),
+    ("onebit:scope=row", "onebit: parameter 'scope' must be one of column, tensor"),
+    ("randomk:unbiased=true", "randomk: parameter 'unbiased' must be false with residual=true"),
+    ("randomk:unbiased=yes please", "randomk: parameter 'unbiased' must be true or false"),
 ])
 def test_bad_parameters_raise_naming_the_parameter(text, needle):
     with pytest.raises(ValueError) as err:
         parse_spec(text)
     assert needle in str(err.value)
+
+
+# -- momentum inside (efsignsgd, onebit), 1-bit per column, unbiased random-k -----------------------
+@pytest.mark.parametrize("text,shape", [
+    ("efsignsgd:momentum=0.9", (37, 11)), ("efsignsgd:momentum=0.5,nesterov=true,residual=false", (1,)),
+    ("onebit:scope=tensor,momentum=0.9", (37, 11)), ("onebit:scope=column", (4, 3, 2)), ("onebit:scope=column", (1,)),
+    ("onebit:scope=column,momentum=0.9,nesterov=true", (37, 11)),
+    ("randomk:ratio=0.3,unbiased=true,residual=false", (37, 11))])
+def test_momentum_column_and_unbiased_variants_match_the_oracle_bit_for_bit(text, shape):
+    """Payloads, results and state (residual and the velocity u) on 3 ranks over 4 steps."""
+    compare(text, 3, shape)
+
+
+@pytest.mark.parametrize("text", ["efsignsgd:momentum=0.9,nesterov=true", "onebit:scope=column,momentum=0.9"])
+def test_momentum_and_columns_in_tf_function_and_merged_groups_match_the_oracle(text):
+    compare(text, 2, (37, 11), graph=True)
+    compare(text, 2, (1, 48), members=MEMBERS)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit:scope=tensor", "onebit:scope=column"])
+def test_momentum_is_applied_before_compression(name, nesterov):
+    """With momentum m the exchange is the momentum-free one applied to the velocity: u = m*u + g,
+    v = u (Nesterov: g + m*u), error feedback on v; momentum none or 0 is the plain spec, bit for bit."""
+    spec = parse_spec(name)
+    m = np.float32(0.9)
+    with_m = spec(momentum=0.9, nesterov=nesterov)
+    world, shape = 2, (6, 5)
+    steps = _grads(name, world, shape, steps=4)
+    s_m, s_plain = [{} for _ in range(world)], [{} for _ in range(world)]
+    u = [np.zeros(30, np.float32) for _ in range(world)]
+    for step, grads in enumerate(steps):
+        velocities = []
+        for r, g in enumerate(grads):
+            u[r] = u[r] * m + g.reshape(-1)
+            velocities.append(g.reshape(-1) + u[r] * m if nesterov else u[r].copy())
+        got, _, _ = simulate(with_m, grads, s_m, key=KEY, step=step, shape=shape)
+        want, _, _ = simulate(spec, velocities, s_plain, key=KEY, step=step, shape=shape)
+        np.testing.assert_array_equal(got, want)
+        for r in range(world):
+            np.testing.assert_array_equal(s_m[r]["u"], u[r])
+            np.testing.assert_array_equal(s_m[r]["residual"], s_plain[r]["residual"])
+    for off in ("", ",momentum=0", ",momentum=none", ",momentum_correction=false"):
+        zero = parse_spec(str(spec) + off)
+        states = [{}, {}]
+        got, _, _ = simulate(zero, steps[0], states, key=KEY, shape=shape)
+        np.testing.assert_array_equal(got, simulate(spec, steps[0], key=KEY, shape=shape)[0])
+        assert sorted(states[0]) == ["residual"]
+
+
+def test_onebit_column_scope_sends_the_means_of_each_column():
+    """Seide et al.: two values per column of the tensor viewed as (shape[0], -1), the means of its
+    entries >= 0 and < 0 (0 for an empty part); a 1-D tensor is one column (= scope tensor); the
+    bytes are 8 per column plus the packed bits; merged groups keep each member's columns; the
+    default scope."""
+    spec = parse_spec("onebit:scope=column,residual=false")
+    assert parse_spec("onebit")["scope"] == "column"
+    x = np.array([[1.0, -2.0, 0.0], [3.0, -4.0, -1.0], [-5.0, -6.0, 2.0], [7.0, -8.0, 4.0]], np.float32)
+    total, _, sent = simulate(spec, [x], key=KEY, scale=1.0)
+    pos = np.array([11 / 3, 0.0, 2.0], np.float32)
+    neg = np.array([-5.0, -5.0, -1.0], np.float32)
+    np.testing.assert_array_equal(total.reshape(4, 3), np.where(x >= 0, pos, neg))
+    scales = sent[0][0][0][:24].view(np.float32)
+    np.testing.assert_array_equal(scales, np.stack([pos, neg], 1).reshape(-1))
+    assert sent[0][0][0].nbytes == 24 + 2 == payload_bytes("onebit", spec.params, 12, shape=(4, 3))
+    conv = np.random.default_rng(0).standard_normal((4, 2, 3)).astype(np.float32)  # 6 columns of 4
+    got = simulate(spec, [conv], key=KEY, scale=1.0)[0].reshape(4, 6)
+    want = simulate(spec, [conv.reshape(4, 6)], key=KEY, scale=1.0)[0].reshape(4, 6)
+    np.testing.assert_array_equal(got, want)
+    for c in range(6):
+        col = conv.reshape(4, 6)[:, c]
+        for part in (col >= 0, col < 0):
+            if part.any():
+                np.testing.assert_allclose(got[part, c], col[part].mean(), rtol=1e-6)
+    v = np.linspace(-1, 2, 9, dtype=np.float32)
+    np.testing.assert_array_equal(simulate(spec, [v], key=KEY)[0],
+                                  simulate(parse_spec("onebit:scope=tensor,residual=false"), [v], key=KEY)[0])
+    grads = _grads("columns", 2, (48,), steps=1)[0]
+    merged, _, sent = simulate(spec, grads, key=KEY, shape=(1, 48), members=MEMBERS)
+    alone = [simulate(spec, [g[m.offset:m.offset + m.numel].reshape(m.shape) for g in grads], key=m.name)
+             for m in MEMBERS]
+    np.testing.assert_array_equal(merged, np.concatenate([a[0] for a in alone]))
+    assert sent[0][0][0].nbytes == payload_bytes("onebit", spec.params, 48, MEMBERS) == 8 * (7 + 1 + 3) + 6
+    # the wire rule sees sizes only: a square matrix's columns
+    (rnd,) = spec.info.rounds(spec.params, [400])
+    assert float(rnd.nbytes[0]) == payload_bytes("onebit", spec.params, 400, shape=(20, 20)) == 8 * 20 + 50
+
+
+def test_randomk_unbiased_scales_the_sent_values_by_n_over_k():
+    """E[D(C(a))] = a: the k drawn entries are sent times float32(n / k), the rest is 0."""
+    from hvdcompress.sampling import random_indices
+    spec = parse_spec("randomk:ratio=0.1,unbiased=true,residual=false")
+    g = np.random.default_rng(3).standard_normal(50).astype(np.float32)
+    total, _, sent = simulate(spec, [g], key=KEY, step=2, scale=1.0)
+    idx = random_indices(50, 5, 0, 2, KEY)
+    want = np.zeros(50, np.float32)
+    want[idx] = g[idx] * np.float32(10.0)
+    np.testing.assert_array_equal(total, want)
+    assert sent[0][0][0].nbytes == 5 * 4
+    mean = np.mean([simulate(spec, [g], key=KEY, step=s, scale=1.0)[0] for s in range(2000)], axis=0)
+    np.testing.assert_allclose(mean, g, atol=6 * np.sqrt(9 * g.astype(np.float64) ** 2 / 2000).max())
+
+
+def test_momentum_is_taken_over_from_the_optimizer_on_both_backends():
+    """efsignsgd and onebit take SGD's momentum (and Nesterov flag) over as DGC does: the spec gets
+    it, the optimizer runs with 0, the delayed-averaging contract (local_momentum) reports it; a
+    momentum given in the spec that differs warns; momentum_correction=false leaves the optimizer
+    alone; random-k warns that it wants no momentum."""
+    import warnings
+    w = torch.nn.Parameter(torch.zeros(3))
+    for name in ("efsignsgd", "onebit:scope=column"):
+        spec = parse_spec(name)
+        sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9, nesterov=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # momentum none: nothing to warn
+            new = tc.COMPRESSORS[spec.name].adapt_optimizer(spec, sgd.param_groups)
+        assert (new["momentum"], new["nesterov"]) == (0.9, True)
+        assert (sgd.param_groups[0]["momentum"], sgd.param_groups[0]["nesterov"]) == (0.0, False)
+        assert tc.build_compressor(new).local_momentum() == (0.9, True)
+        assert tc.build_compressor(spec).local_momentum() is None
+        with pytest.warns(UserWarning, match="taking over the optimizer's momentum=0.9"):
+            tc.COMPRESSORS[spec.name].adapt_optimizer(spec(momentum=0.5),
+                                                       torch.optim.SGD([w], lr=0.1, momentum=0.9).param_groups)
+        off = spec(momentum_correction=False)
+        sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+        assert tc.COMPRESSORS[spec.name].adapt_optimizer(off, sgd.param_groups) is off
+        assert sgd.param_groups[0]["momentum"] == 0.9 and tc.build_compressor(off).local_momentum() is None
+        config = tf.keras.optimizers.SGD(0.1, momentum=0.9).get_config()
+        tnew, tconfig = tfc.COMPRESSORS[spec.name].adapt_optimizer(spec, config)
+        assert tnew["momentum"] == pytest.approx(0.9) and tconfig["momentum"] == 0.0
+        assert tfc.build_compressor(tnew).state_slots((3,)) == ("residual", "u")
+        assert tfc.build_compressor(spec).state_slots((3,)) == ("residual",)
+        assert tfc.COMPRESSORS[spec.name].adapt_optimizer(off, config) == (off, config)
+    rk = parse_spec("randomk")
+    with pytest.warns(UserWarning, match="random-k needs no momentum"):
+        sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+        assert tc.COMPRESSORS["randomk"].adapt_optimizer(rk, sgd.param_groups) is rk
+    with pytest.warns(UserWarning, match="random-k needs no momentum"):
+        tfc.COMPRESSORS["randomk"].adapt_optimizer(rk, tf.keras.optimizers.SGD(0.1, momentum=0.9).get_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tc.COMPRESSORS["randomk"].adapt_optimizer(rk, torch.optim.SGD([w], lr=0.1).param_groups)
 
 
 # -- PowerSGD ---------------------------------------------------------------------------------------

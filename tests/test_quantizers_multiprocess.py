@@ -25,7 +25,9 @@ from launch import run_workers  # noqa: E402
 NEEDLES = {"levels": "qsgd: parameter 'levels' must be int in [1, 127]",
            "bucket": "terngrad: parameter 'bucket' must be int in [0, 2147483647]",
            "rank": "powersgd: parameter 'rank' must be int in [1, 65536]"}
-STATE = {"powersgd": ["q", "residual"], "efsignsgd": ["residual"], "onebit": ["residual"], "terngrad": ["residual"],
+# efsignsgd and onebit keep the momentum they took over from the SGD (momentum 0.9) in u
+STATE = {"powersgd": ["q", "residual"], "efsignsgd": ["residual", "u"], "onebit": ["residual", "u"],
+         "terngrad": ["residual"],
          "signsgd": [], "qsgd": []}
 
 
@@ -88,6 +90,19 @@ def test_resume_is_bit_identical(launched):
                 assert got["equal"], (backend, spec)
             assert all(got["identical"]), (backend, spec)
             assert got["state"] == STATE[spec.split(":")[0]], (backend, spec, got["state"])
+
+
+def test_efsignsgd_takes_the_momentum_over_and_matches_the_oracle_through_the_optimizer(launched):
+    """``sc._torch_momentum_inside``: every step's exchanged gradient equals the oracle's
+    efsignsgd with the momentum applied before compression, ranks identical, the wrapped SGD at
+    momentum 0, the velocity u (equal to the oracle's) saved with the residual."""
+    backend, world, results = launched
+    if (backend, world) != ("torch", 2):
+        pytest.skip("one scenario, PyTorch on 2 workers (TF's momentum take-over: test_quantizers.py)")
+    for r in results:
+        got = _ok(r["momentum_inside"])
+        assert got["exact"] == [True] * sc.STEPS and got["identical"] == [True] * sc.STEPS, got
+        assert got["group_momentum"] == 0.0 and got["state"] == ["residual", "u"] and got["u_equal"], got
 
 
 def test_signsgd_majority_vote_on_real_workers(launched):

@@ -11,9 +11,18 @@ and every rank decodes the gathered buffers rank by rank and sums them in rank o
                the vote for op=Average. Tie (an even number of ranks split evenly): 0, no update.
     efsignsgd  Karimireddy et al. 2019. a = g + e; send scale = mean|a| (one float32 per tensor)
                and sign bits; decoded = +-scale; e = a - decoded.
-    onebit     Seide et al. 2014. a = g + e; bits a >= 0; two float32 reconstruction values per
-               tensor, the mean of a over the 1-bits and over the 0-bits (0 when a part is
-               empty); e = a - decoded.
+    onebit     Seide et al. 2014. a = g + e; bits a >= 0; two float32 reconstruction values, the
+               mean of a over the 1-bits and over the 0-bits (0 when a part is empty), per tensor
+               (``scope=tensor``) or per column (``scope=column``, the default, the paper's rule: the
+               tensor viewed as (shape[0], -1), one pair per column; a 1-D tensor is one column);
+               e = a - decoded.
+
+    Momentum inside (efsignsgd, onebit; ``momentum`` > 0, the wrapped SGD's taken over): the
+    momentum is applied BEFORE compression and error feedback acts on the velocity, as DGC's
+    momentum correction does: u = m*u + g; v = u (Nesterov: g + m*u); a = v + e; e = a - decoded.
+    The optimizer then runs without momentum (its update is the exchanged velocity). Heavy-ball
+    momentum applied after the exchange, to an error-fed sign, is unstable: the residual hands the
+    momentum a delayed remainder that it amplifies.
     terngrad   Wen et al. 2017. s = max|a| per tensor (``bucket=0``) or per bucket of ``bucket``
                entries; b = (u < |a| / s); code 0 (zero), 1 (+s), 2 (-s), 2 bits; unbiased.
                ``share_scale`` (the paper's scaler sharing): two gathered rounds, the float32
@@ -31,9 +40,10 @@ float32, so that the order in which a framework adds does not change the float32
 with probability ~2**-29 per value); max is exact in any order. All other arithmetic is float32,
 one IEEE operation at a time, so torch and TensorFlow reproduce this module bit for bit.
 
-Scales are per tensor: in a merged group (``merge=PER_MEMBER``) each member of ``ctx.members``
-gets its own scale(s) and buckets, so merging changes nothing; an exchange given no members
-treats the flat tensor as one member (one scale for the whole group).
+Scales are per tensor (per column for ``onebit:scope=column``): in a merged group
+(``merge=PER_MEMBER``) each member of ``ctx.members`` gets its own scale(s) and buckets, so merging
+changes nothing; an exchange given no members treats the flat tensor as one member (one scale for
+the whole group).
 """
 
 from __future__ import annotations
@@ -44,11 +54,12 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from ..momentum import momentum_of
 from ..packing import bits_for_levels, pack, packed_size, unpack
 from ..rng import uniform
 from ..spec import GATHERED, PER_MEMBER, Param, Round, register, residual_param
 from .oneround import OneRoundOracle
-from .oracle import Allgather
+from .oracle import Allgather, Member
 
 F32 = np.float32
 SCALE_BYTES = 4
@@ -64,9 +75,13 @@ def _codes_bits(name: str, p) -> int:
 
 
 def _scales_per_tensor(name: str, p, d):
-    """float32 scales sent per tensor of d entries (array): bucket counts for terngrad/qsgd."""
+    """float32 scales sent per tensor of d entries (array): bucket counts for terngrad/qsgd. For
+    ``onebit:scope=column`` the rule sees sizes only, not shapes: it counts the columns of a
+    square matrix, ceil(sqrt(d)) (``payload_bytes`` with the shape is exact)."""
     if name == "signsgd":
         return np.zeros_like(d)
+    if name == "onebit" and p.get("scope") == "column":
+        return np.where(d > 0, 2 * np.ceil(np.sqrt(d)), 0)
     if name in ("efsignsgd", "onebit"):
         return np.where(d > 0, 1 if name == "efsignsgd" else 2, 0)
     bucket = p["bucket"]
@@ -86,13 +101,39 @@ def _wire_for(name: str):
 BUCKET = dict(low=0, high=2 ** 31 - 1)
 SEED = Param("seed", int, 0, "seed of the stochastic rounding (with step, tensor name, rank)", low=0, high=2 ** 32 - 1)
 
+
+def momentum_params():
+    """efsignsgd's and onebit's momentum inside (the module doc), DGC's conventions."""
+    return (Param("momentum", float, None, "momentum applied before compression (u = m*u + g; error feedback "
+                  "on the velocity); none: the wrapped SGD's momentum, taken over (0 without one)",
+                  low=0.0, high=1.0, high_open=True, optional=True),
+            Param("nesterov", bool, False, "Nesterov momentum (v = g + m*u); taken over with the momentum"),
+            Param("momentum_correction", bool, True, "apply the momentum inside, before compression; off: "
+                  "the wrapped optimizer keeps its momentum and applies it to the exchanged result"))
+
+
+def _check_momentum(name: str):
+    def check(p) -> None:
+        if not p["momentum_correction"] and (p["momentum"] or p["nesterov"]):
+            raise ValueError(f"{name}: parameter 'momentum' must be none or 0 and 'nesterov' false with "
+                             f"momentum_correction=false (the optimizer then keeps its own momentum); got "
+                             f"momentum={p['momentum']!r}, nesterov={p['nesterov']!r}")
+    return check
+
+
 register("signsgd", GATHERED, "signSGD with majority vote: 1 bit per entry (packed 8 per byte), the "
          "result is the sign of the vote (0 on a tie)", wire=_wire_for("signsgd"), merge=PER_MEMBER)
 register("efsignsgd", GATHERED, "error-feedback signSGD: sign bits (packed 8 per byte) times mean|a| "
-         "per tensor", residual_param(True), wire=_wire_for("efsignsgd"), merge=PER_MEMBER)
+         "per tensor; the optimizer's momentum is applied before compression (taken over)",
+         residual_param(True), *momentum_params(), check=_check_momentum("efsignsgd"),
+         wire=_wire_for("efsignsgd"), merge=PER_MEMBER)
 register("onebit", GATHERED, "1-bit SGD: sign bits (packed 8 per byte) and two reconstruction values "
-         "per tensor (the means of the two parts), with error feedback", residual_param(True),
-         wire=_wire_for("onebit"), merge=PER_MEMBER)
+         "(the means of the two parts) per tensor or per column, with error feedback; the optimizer's "
+         "momentum is applied before compression (taken over)", residual_param(True),
+         Param("scope", str, "column", "where the two reconstruction values apply: 'column' (Seide et al.: "
+               "one pair per column of the tensor viewed as (shape[0], -1), 2 * columns float32 on the wire; "
+               "a 1-D tensor is one column), 'tensor' (one pair per tensor)", choices=("column", "tensor")),
+         *momentum_params(), check=_check_momentum("onebit"), wire=_wire_for("onebit"), merge=PER_MEMBER)
 register("terngrad", GATHERED, "TernGrad: stochastic ternary {-s, 0, s}, s = max|a| per tensor or per "
          "bucket, 2-bit codes packed 4 per byte",
          Param("bucket", int, 0, "entries per scale (0: one scale per tensor)", **BUCKET), SEED,
@@ -190,8 +231,28 @@ def _split(buf: np.ndarray, nscales: int) -> Tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(buf[:head]).view(F32), buf[head:]
 
 
-def payload_bytes(name: str, params, numel: int, members: Sequence = ()) -> int:
-    """Bytes one rank sends for an exchange of ``numel`` entries (what the backends allgather)."""
+def column_spans(members: Sequence, numel: int, shape: Sequence[int] = ()) -> Tuple[Tuple[int, int, int], ...]:
+    """(offset, rows, columns) per non-empty member, each viewed as (shape[0], -1); a 1-D (or 0-D)
+    member is one column. Without members: the flat tensor, shaped ``shape`` when that matches."""
+    if not members:
+        shape = tuple(int(d) for d in shape)
+        members = (Member("", shape if shape and int(np.prod(shape, dtype=np.int64)) == numel else (int(numel),), 0),)
+    out = []
+    for m in members:
+        n, shp = int(m.numel), tuple(int(d) for d in m.shape)
+        if n == 0:
+            continue
+        rows = shp[0] if len(shp) >= 2 else n
+        out.append((int(m.offset), rows, n // rows))
+    return tuple(out)
+
+
+def payload_bytes(name: str, params, numel: int, members: Sequence = (), shape: Sequence[int] = ()) -> int:
+    """Bytes one rank sends for an exchange of ``numel`` entries (what the backends allgather);
+    ``shape`` (the tensor's, when no members are given) matters for ``onebit:scope=column`` only."""
+    if name == "onebit" and params.get("scope") == "column":
+        columns = sum(c for _, _, c in column_spans(members, numel, shape))
+        return SCALE_BYTES * 2 * columns + packed_size(numel, 1)
     nscales = {"signsgd": 0, "efsignsgd": 1, "onebit": 2}
     lay = layout_for(members, numel, params.get("bucket", 0))
     per = nscales.get(name)
@@ -222,9 +283,13 @@ class _PackedOracle(OneRoundOracle):
         scales, codes = self.encode(a.astype(F32), lay, ctx)
         return {"packed": _join(scales, pack(codes, self.bits))}
 
+    def scale_count(self, lay, numel, ctx) -> int:
+        """float32 scales at the head of a payload."""
+        return lay.segments * self.scales_per_segment
+
     def _decode_buffer(self, buf, numel, ctx):
         lay = self.layout(numel, ctx)
-        scales, packed = _split(buf, lay.segments * self.scales_per_segment)
+        scales, packed = _split(buf, self.scale_count(lay, numel, ctx))
         return self.decode(scales, unpack(packed, self.bits, numel), lay, numel, ctx)
 
     def decompress(self, payload, numel, dtype, ctx):
@@ -259,7 +324,23 @@ class SignSGDOracle(_PackedOracle):
         return codes.astype(F32) * F32(2) - F32(1)
 
 
-class EFSignSGDOracle(_PackedOracle):
+class _MomentumInside:
+    """Momentum before compression (the module doc): the exchange compresses the velocity."""
+
+    def exchange(self, x, ctx):
+        m = momentum_of(self.spec)
+        if m > 0.0 and self.spec["momentum_correction"]:
+            g = np.asarray(x)
+            u = ctx.state.get("u")
+            if u is None:
+                u = ctx.state["u"] = np.zeros_like(g)
+            mf = g.dtype.type(m)
+            u[:] = u * mf + g
+            x = g + u * mf if self.spec["nesterov"] else u.copy()
+        return (yield from super().exchange(x, ctx))
+
+
+class EFSignSGDOracle(_MomentumInside, _PackedOracle):
     name = "efsignsgd"
     scales_per_segment = 1
 
@@ -272,11 +353,21 @@ class EFSignSGDOracle(_PackedOracle):
         return np.where(codes == 1, s, -s)
 
 
-class OneBitOracle(_PackedOracle):
+class OneBitOracle(_MomentumInside, _PackedOracle):
     name = "onebit"
     scales_per_segment = 2
 
+    def columns(self, numel, ctx):
+        return column_spans(ctx.members, numel, ctx.shape) if self.spec["scope"] == "column" else None
+
+    def scale_count(self, lay, numel, ctx) -> int:
+        cols = self.columns(numel, ctx)
+        return super().scale_count(lay, numel, ctx) if cols is None else 2 * sum(c for _, _, c in cols)
+
     def encode(self, a, lay, ctx):
+        cols = self.columns(a.size, ctx)
+        if cols is not None:
+            return encode_columns(a, cols), sign_bits(a)
         bits = sign_bits(a)
         a64 = a.astype(np.float64)
         pos_sum = bucket_reduce(np.where(bits == 1, a64, 0.0), lay, "sum")
@@ -289,8 +380,41 @@ class OneBitOracle(_PackedOracle):
         return np.stack([pos, neg], axis=1).reshape(-1), bits  # (pos, neg) per tensor
 
     def decode(self, scales, codes, lay, numel, ctx):
+        cols = self.columns(numel, ctx)
+        if cols is not None:
+            return decode_columns(scales, codes, cols, numel)
         pn = scales.reshape(-1, 2)
         return np.where(codes == 1, expand(pn[:, 0].copy(), lay), expand(pn[:, 1].copy(), lay))
+
+
+def encode_columns(a: np.ndarray, cols) -> np.ndarray:
+    """Per column of every member (``column_spans``): (mean of the entries >= 0, mean of the
+    others), float64 sums rounded once to float32, 0 for an empty part; pairs in column order."""
+    out = []
+    for off, rows, c in cols:
+        part = a[off:off + rows * c].astype(np.float64).reshape(rows, c)
+        one = part >= 0
+        pos_n = one.sum(axis=0).astype(np.float64)
+        neg_n = rows - pos_n
+        pos_sum = np.where(one, part, 0.0).sum(axis=0)
+        neg_sum = np.where(one, 0.0, part).sum(axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            pos = np.where(pos_n > 0, pos_sum / pos_n, 0.0).astype(F32)
+            neg = np.where(neg_n > 0, neg_sum / neg_n, 0.0).astype(F32)
+        out.append(np.stack([pos, neg], axis=1).reshape(-1))
+    return np.concatenate(out) if out else np.zeros(0, F32)
+
+
+def decode_columns(scales: np.ndarray, codes: np.ndarray, cols, numel: int) -> np.ndarray:
+    """Every entry's column value for its bit (entries outside every member get 0)."""
+    out = np.zeros(numel, F32)
+    i = 0
+    for off, rows, c in cols:
+        pn = scales[2 * i:2 * (i + c)].reshape(c, 2)
+        bits = codes[off:off + rows * c].reshape(rows, c)
+        out[off:off + rows * c] = np.where(bits == 1, pn[None, :, 0], pn[None, :, 1]).reshape(-1)
+        i += c
+    return out
 
 
 class TernGradOracle(_PackedOracle):

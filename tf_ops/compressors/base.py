@@ -202,14 +202,17 @@ class Compressor(ABC):
 
 
 class TakesMomentum:
-    """Mixin for compressors that keep the momentum in their memory (DGC, the count sketch): a
+    """Mixin for compressors that keep the momentum in their memory (DGC, the count sketch,
+    efsignsgd and onebit): a
     Keras SGD config's momentum moves into the spec (``hvdcompress.momentum``) and the optimizer
     is rebuilt with momentum 0. Keras's decoupled ``weight_decay`` stays with the optimizer (it
     never goes through the momentum, in dense training either); Keras's gradient clipping, which
     would clip the exchanged velocity, is refused (``check_keras_config``)."""
 
     def local_momentum(self) -> Optional[Tuple[float, bool]]:
-        m = float(self.spec["momentum"])
+        from hvdcompress.momentum import momentum_of
+
+        m = momentum_of(self.spec)
         return (m, bool(self.spec.params.get("nesterov", False))) if m > 0.0 else None
 
     @classmethod

@@ -3,7 +3,9 @@
 A translation of ``torch_ops.compressors.quantizers`` (same payload: one gathered uint8 tensor,
 ``[float32 scales as bytes | packed codes]``), following the numpy oracle
 ``hvdcompress.reference.quantizers`` operation for operation, eagerly and inside ``tf.function``
-(the step may be a tensor: it seeds the stochastic rounding of terngrad and qsgd).
+(the step may be a tensor: it seeds the stochastic rounding of terngrad and qsgd). efsignsgd and
+onebit keep the momentum taken over from a Keras SGD in the flat variable ``u`` and compress the
+velocity (the oracle's module doc); ``onebit:scope=column`` sends a pair of values per column.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 from abc import abstractmethod
 import tensorflow as tf
 
+from hvdcompress.momentum import momentum_of
 from hvdcompress.packing import bits_for_levels
-from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, layout_for
+from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, column_spans, layout_for
 
 from ..collectives import Allgather
-from .base import OneRoundCompressor, scaled
+from .base import OneRoundCompressor, TakesMomentum, scaled
+from .dgc import _grouped_add
 from .packing import pack, uniform, unpack
 
 
@@ -73,9 +77,13 @@ class _Packed(OneRoundCompressor):
         head = tf.reshape(tf.bitcast(scales, tf.uint8), [-1])
         return (tf.concat([head, pack(codes, self.bits)], 0),)
 
+    def scale_count(self, lay: Layout, numel: int, ctx) -> int:
+        """float32 scales at the head of a payload."""
+        return lay.segments * self.scales_per_segment
+
     def _decode_buffer(self, buf, numel, ctx):
         lay = self.layout(numel, ctx)
-        head = SCALE_BYTES * lay.segments * self.scales_per_segment
+        head = SCALE_BYTES * self.scale_count(lay, numel, ctx)
         scales = tf.reshape(tf.bitcast(tf.reshape(buf[:head], [-1, SCALE_BYTES]), tf.float32), [-1])
         return self.decode(scales, unpack(buf[head:], self.bits, numel), lay, numel, ctx)
 
@@ -109,7 +117,40 @@ class SignSGDCompressor(_Packed):
         return tf.cast(tf.cast(tf.sign(votes), tf.float32) * float(ctx.world_size), like.dtype)
 
 
-class EFSignSGDCompressor(_Packed):
+class _MomentumInside(TakesMomentum):
+    """The optimizer's momentum before compression: the exchange compresses the velocity
+    u = m*u + g (Nesterov: g + m*u), kept in the variable ``u``, with error feedback on it. With
+    ``momentum_correction=false`` nothing is taken over and the optimizer keeps its momentum."""
+
+    @classmethod
+    def adapt_optimizer(cls, spec, config):
+        return super().adapt_optimizer(spec, config) if spec["momentum_correction"] else (spec, config)
+
+    def state_slots(self, shape):
+        slots = super().state_slots(shape)
+        return slots + ("u",) if momentum_of(self.spec) > 0.0 else slots
+
+    def initial_value(self, slot):
+        return 0.0 if slot == "u" else super().initial_value(slot)
+
+    @property
+    def stateful(self) -> bool:
+        return super().stateful or momentum_of(self.spec) > 0.0
+
+    def exchange(self, x, ctx):
+        m = momentum_of(self.spec)
+        if m > 0.0:  # only with momentum_correction (the spec's check)
+            u = ctx.state["u"]
+            mf = tf.constant(m, x.dtype)  # m rounded once to x's dtype (tf.cast(m) would round to float32 first)
+            # sums kept apart (``_grouped_add``): Grappler would flatten them with the residual's
+            # add into one AddN and round differently from the oracle
+            u_new = _grouped_add(u * mf, x)
+            u.assign(u_new)
+            x = _grouped_add(x, u_new * mf) if self.spec["nesterov"] else u_new
+        return (yield from super().exchange(x, ctx))
+
+
+class EFSignSGDCompressor(_MomentumInside, _Packed):
     name = "efsignsgd"
     scales_per_segment = 1
 
@@ -122,11 +163,21 @@ class EFSignSGDCompressor(_Packed):
         return tf.where(codes == 1, s, -s)
 
 
-class OneBitCompressor(_Packed):
+class OneBitCompressor(_MomentumInside, _Packed):
     name = "onebit"
     scales_per_segment = 2
 
+    def columns(self, numel, ctx):
+        return column_spans(ctx.members, numel, ctx.shape) if self.spec["scope"] == "column" else None
+
+    def scale_count(self, lay, numel, ctx) -> int:
+        cols = self.columns(numel, ctx)
+        return super().scale_count(lay, numel, ctx) if cols is None else 2 * sum(c for _, _, c in cols)
+
     def encode(self, a, lay, ctx):
+        cols = self.columns(int(a.shape[0]), ctx)
+        if cols is not None:
+            return encode_columns(a, cols), sign_bits(a)
         bits = sign_bits(a)
         one = bits == 1
         a64 = tf.cast(a, tf.float64)
@@ -140,8 +191,43 @@ class OneBitCompressor(_Packed):
         return tf.reshape(tf.stack([pos, neg], axis=1), [-1]), bits
 
     def decode(self, scales, codes, lay, numel, ctx):
+        cols = self.columns(numel, ctx)
+        if cols is not None:
+            return decode_columns(scales, codes, cols, numel)
         pn = tf.reshape(scales, [-1, 2])
         return tf.where(codes == 1, expand(pn[:, 0], lay, numel), expand(pn[:, 1], lay, numel))
+
+
+def encode_columns(a: tf.Tensor, cols) -> tf.Tensor:
+    """Per column of every member: (mean of the entries >= 0, mean of the others), float64 sums
+    rounded once to float32, 0 for an empty part; pairs in column order (the oracle's rule)."""
+    out = []
+    for off, rows, c in cols:
+        part = tf.reshape(tf.cast(a[off:off + rows * c], tf.float64), [rows, c])
+        one = part >= 0
+        zero = tf.zeros_like(part)
+        pos_n = tf.reduce_sum(tf.cast(one, tf.float64), axis=0)
+        pos_sum = tf.reduce_sum(tf.where(one, part, zero), axis=0)
+        neg_sum = tf.reduce_sum(tf.where(one, zero, part), axis=0)
+        pos = tf.cast(tf.math.divide_no_nan(pos_sum, pos_n), tf.float32)
+        neg = tf.cast(tf.math.divide_no_nan(neg_sum, float(rows) - pos_n), tf.float32)
+        out.append(tf.reshape(tf.stack([pos, neg], axis=1), [-1]))
+    return tf.concat(out, 0) if out else tf.zeros([0], tf.float32)
+
+
+def decode_columns(scales: tf.Tensor, codes: tf.Tensor, cols, numel: int) -> tf.Tensor:
+    """Every entry's column value for its bit (entries outside every member get 0)."""
+    pieces, pos, i = [], 0, 0
+    for off, rows, c in cols:
+        if off > pos:
+            pieces.append(tf.zeros([off - pos], tf.float32))
+        pn = tf.reshape(scales[2 * i:2 * (i + c)], [c, 2])
+        bits = tf.reshape(codes[off:off + rows * c], [rows, c])
+        pieces.append(tf.reshape(tf.where(bits == 1, pn[None, :, 0], pn[None, :, 1]), [-1]))
+        pos, i = off + rows * c, i + c
+    if numel > pos:
+        pieces.append(tf.zeros([numel - pos], tf.float32))
+    return tf.concat(pieces, 0) if pieces else tf.zeros([0], tf.float32)
 
 
 class TernGradCompressor(_Packed):

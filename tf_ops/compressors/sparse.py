@@ -14,9 +14,12 @@ order, i.e. rank order). The density is a tensor when it can change during train
 
 from __future__ import annotations
 
+import warnings
 from abc import abstractmethod
 
 import tensorflow as tf
+
+from hvdcompress.reference.sparse import randomk_momentum_warning
 
 from .base import OneRoundCompressor, selected_count
 from .selection import random_selection, threshold_indices, topk_indices, wire_index_dtype
@@ -69,8 +72,21 @@ class RandomKCompressor(OneRoundCompressor):
         return random_selection(numel, selected_count(self.density(ctx), numel), self.spec["seed"],
                                 ctx.step, ctx.key)
 
+    @classmethod
+    def adapt_optimizer(cls, spec, config):
+        """Nothing is taken over; a warning when the optimizer has momentum (the oracle's module doc)."""
+        momentum = config.get("momentum", 0.0)
+        if isinstance(momentum, (int, float)) and momentum > 0:
+            warnings.warn(randomk_momentum_warning(float(momentum)))
+        return spec, config
+
     def compress(self, a, sel, ctx):
-        return (tf.gather(a, sel),)
+        values = tf.gather(a, sel)
+        if self.spec["unbiased"]:  # n / k in double, rounded once (the oracle's unbiased_factor)
+            k = tf.cast(tf.size(sel), tf.float64)
+            f = tf.where(k > 0, tf.cast(int(a.shape[0]), tf.float64) / tf.maximum(k, 1.0), tf.constant(1.0, tf.float64))
+            values = values * tf.cast(f, values.dtype)
+        return (values,)
 
     def decompress(self, payload, like, sel, ctx):
         return scatter(sel, payload[0], like)

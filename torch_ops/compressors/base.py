@@ -181,7 +181,8 @@ class Compressor(ABC):
 
 
 class TakesMomentum:
-    """Mixin for compressors that keep the momentum in their memory (DGC, the count sketch): the
+    """Mixin for compressors that keep the momentum in their memory (DGC, the count sketch,
+    efsignsgd and onebit): the
     wrapped optimizer's momentum moves into the spec (``hvdcompress.momentum``) and its parameter
     groups run with momentum 0, also after ``load_state_dict``.
 
@@ -210,14 +211,18 @@ class TakesMomentum:
     @staticmethod
     def _take_weight_decay(spec: CompressionSpec, param_groups: List[Dict[str, Any]]) -> None:
         """SGD's groups (they have ``dampening``) only: Adam's or AdamW's decay is theirs to apply."""
-        if spec["momentum"] > 0.0:
+        from hvdcompress.momentum import momentum_of
+
+        if momentum_of(spec) > 0.0:
             for g in param_groups:
                 if "dampening" in g and g.get("weight_decay", 0.0):
                     g["hvc_weight_decay"] = g["weight_decay"]
                     g["weight_decay"] = 0.0
 
     def local_momentum(self) -> Optional[Tuple[float, bool]]:
-        m = float(self.spec["momentum"])
+        from hvdcompress.momentum import momentum_of
+
+        m = momentum_of(self.spec)
         return (m, bool(self.spec.params.get("nesterov", False))) if m > 0.0 else None
 
     def after_load(self, param_groups: List[Dict[str, Any]]) -> None:
@@ -227,7 +232,7 @@ class TakesMomentum:
         self._take_weight_decay(self.spec, param_groups)
 
     def before_step(self, param_groups: List[Dict[str, Any]], state: Dict[Any, Dict[str, Any]]) -> None:
-        m, nesterov = self.spec["momentum"], self.spec.params.get("nesterov", False)
+        m, nesterov = self.spec["momentum"] or 0.0, self.spec.params.get("nesterov", False)
         self._take_weight_decay(self.spec, param_groups)  # also a weight_decay set since
         with torch.no_grad():
             for g in param_groups:

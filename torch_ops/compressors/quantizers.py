@@ -5,7 +5,12 @@ the gathered buffers rank by rank, summing in rank order. The numpy oracle
 ``hvdcompress.reference.quantizers`` defines every operation and its order; this module follows it
 operation for operation (reductions in float64 rounded once to float32, float32 elsewhere), so the
 payload bytes, results and residuals agree bit for bit. Scales are per member of ``ctx.members``
-(``merge=PER_MEMBER``); per bucket of ``bucket`` entries for terngrad and qsgd.
+(``merge=PER_MEMBER``); per bucket of ``bucket`` entries for terngrad and qsgd; per column of each
+member for ``onebit:scope=column``.
+
+efsignsgd and onebit apply the wrapped SGD's momentum before compression (``TakesMomentum``: it is
+taken over, the optimizer runs without): u = m*u + g in ``ctx.state["u"]``, and error feedback
+compresses the velocity (the oracle's module doc says why).
 """
 
 from __future__ import annotations
@@ -15,12 +20,13 @@ from typing import Tuple
 
 import torch
 
+from hvdcompress.momentum import momentum_of
 from hvdcompress.packing import bits_for_levels
-from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, layout_for
+from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, column_spans, layout_for
 
 from ..collectives import Allgather
 from . import quant_native
-from .base import OneRoundCompressor
+from .base import OneRoundCompressor, TakesMomentum
 from .packing import pack, uniform, unpack
 
 
@@ -85,9 +91,13 @@ class _Packed(OneRoundCompressor):
         scales, codes = self.encode(a.to(torch.float32), lay, ctx)
         return (torch.cat([scales.contiguous().view(torch.uint8), pack(codes, self.bits)]),)
 
+    def scale_count(self, lay: Layout, numel: int, ctx) -> int:
+        """float32 scales at the head of a payload."""
+        return lay.segments * self.scales_per_segment
+
     def _decode_buffer(self, buf, numel, ctx):
         lay = self.layout(numel, ctx)
-        head = SCALE_BYTES * lay.segments * self.scales_per_segment
+        head = SCALE_BYTES * self.scale_count(lay, numel, ctx)
         scales = buf[:head].clone().view(torch.float32)
         return self.decode(scales, unpack(buf[head:], self.bits, numel), lay, numel, ctx)
 
@@ -128,7 +138,37 @@ class SignSGDCompressor(_Packed):
         return (torch.sign(votes).to(torch.float32) * float(ctx.world_size)).to(like.dtype)
 
 
-class EFSignSGDCompressor(_Packed):
+class _MomentumInside(TakesMomentum):
+    """The optimizer's momentum before compression: the exchange compresses the velocity
+    u = m*u + g (Nesterov: g + m*u) with error feedback on it. With ``momentum_correction=false``
+    nothing is taken over and the optimizer keeps its momentum."""
+
+    @classmethod
+    def adapt_optimizer(cls, spec, param_groups):
+        return super().adapt_optimizer(spec, param_groups) if spec["momentum_correction"] else spec
+
+    def after_load(self, param_groups) -> None:
+        if self.spec["momentum_correction"]:
+            super().after_load(param_groups)
+
+    def before_step(self, param_groups, state) -> None:
+        if self.spec["momentum_correction"]:
+            super().before_step(param_groups, state)
+
+    def exchange(self, x, ctx):
+        m = momentum_of(self.spec)
+        if m > 0.0:  # only with momentum_correction (the spec's check)
+            u = ctx.state.get("u")
+            if u is None:
+                u = ctx.state["u"] = torch.zeros_like(x)
+            mt = torch.tensor(m, dtype=x.dtype)  # m rounded to the gradient's dtype, as the oracle and TF
+            u.mul_(mt).add_(x)
+            # the exchange never writes its input, so u itself is passed on (no copy)
+            x = x + u * mt if self.spec["nesterov"] else u
+        return (yield from super().exchange(x, ctx))
+
+
+class EFSignSGDCompressor(_MomentumInside, _Packed):
     name = "efsignsgd"
     scales_per_segment = 1
 
@@ -142,11 +182,21 @@ class EFSignSGDCompressor(_Packed):
         return torch.where(codes == 1, s, -s)
 
 
-class OneBitCompressor(_Packed):
+class OneBitCompressor(_MomentumInside, _Packed):
     name = "onebit"
     scales_per_segment = 2
 
+    def columns(self, numel, ctx):
+        return column_spans(ctx.members, numel, ctx.shape) if self.spec["scope"] == "column" else None
+
+    def scale_count(self, lay, numel, ctx) -> int:
+        cols = self.columns(numel, ctx)
+        return super().scale_count(lay, numel, ctx) if cols is None else 2 * sum(c for _, _, c in cols)
+
     def encode(self, a, lay, ctx):
+        cols = self.columns(a.numel(), ctx)
+        if cols is not None:
+            return encode_columns(a, cols), sign_bits(a)
         bits = sign_bits(a)
         one = bits == 1
         a64 = a.to(torch.float64)
@@ -160,9 +210,42 @@ class OneBitCompressor(_Packed):
         return torch.stack([pos, neg], dim=1).reshape(-1), bits
 
     def decode(self, scales, codes, lay, numel, ctx):
+        cols = self.columns(numel, ctx)
+        if cols is not None:
+            return decode_columns(scales, codes, cols, numel)
         pn = scales.view(-1, 2)
         return torch.where(codes == 1, expand(pn[:, 0].contiguous(), lay, numel),
                            expand(pn[:, 1].contiguous(), lay, numel))
+
+
+def encode_columns(a: torch.Tensor, cols) -> torch.Tensor:
+    """Per column of every member: (mean of the entries >= 0, mean of the others), float64 sums
+    rounded once to float32, 0 for an empty part; pairs in column order (the oracle's rule)."""
+    out = []
+    for off, rows, c in cols:
+        part = a[off:off + rows * c].to(torch.float64).view(rows, c)
+        one = part >= 0
+        zero = part.new_zeros(())
+        pos_n = one.sum(dim=0, dtype=torch.float64)
+        neg_n = rows - pos_n
+        pos_sum = torch.where(one, part, zero).sum(dim=0)
+        neg_sum = torch.where(one, zero, part).sum(dim=0)
+        pos = torch.where(pos_n > 0, pos_sum / pos_n, zero).to(torch.float32)
+        neg = torch.where(neg_n > 0, neg_sum / neg_n, zero).to(torch.float32)
+        out.append(torch.stack([pos, neg], dim=1).reshape(-1))
+    return torch.cat(out) if out else a.new_zeros(0, dtype=torch.float32)
+
+
+def decode_columns(scales: torch.Tensor, codes: torch.Tensor, cols, numel: int) -> torch.Tensor:
+    """Every entry's column value for its bit (entries outside every member get 0)."""
+    out = scales.new_zeros(numel)
+    i = 0
+    for off, rows, c in cols:
+        pn = scales[2 * i:2 * (i + c)].view(c, 2)
+        bits = codes[off:off + rows * c].view(rows, c)
+        out[off:off + rows * c] = torch.where(bits == 1, pn[:, 0], pn[:, 1]).reshape(-1)
+        i += c
+    return out
 
 
 class TernGradCompressor(_Packed):

@@ -5,7 +5,8 @@ topk       the k = ceil(ratio * numel) largest |a|; ties go to the lower index (
 threshold  every entry with |a| >= threshold; payload (indices, values), gathered; a rank may
            send nothing.
 randomk    k entries at indices from ``hvdcompress.sampling.random_indices`` (seed, step and
-           tensor name shared by all ranks), so the values alone are allreduced.
+           tensor name shared by all ranks), so the values alone are allreduced; ``unbiased``
+           scales them by n/k.
 
 Gathered payloads are scatter-added in rank order: result[i] = sum over ranks of their value at i.
 Indices on the wire are sorted ascending.
@@ -13,10 +14,13 @@ Indices on the wire are sorted ascending.
 
 from __future__ import annotations
 
+import warnings
 from abc import abstractmethod
 
+import numpy as np
 import torch
 
+from hvdcompress.reference.sparse import randomk_momentum_warning, unbiased_factor
 from hvdcompress.sampling import index_dtype, random_indices
 from hvdcompress.spec import num_selected
 
@@ -113,8 +117,19 @@ class RandomKCompressor(OneRoundCompressor):
             self._cached = (tag, torch.from_numpy(idx).to(device=a.device, dtype=torch.int64))
         return self._cached[1]
 
+    @classmethod
+    def adapt_optimizer(cls, spec, param_groups):
+        """Nothing is taken over; a warning when the optimizer has momentum (the oracle's module doc)."""
+        momenta = sorted({float(g.get("momentum", 0.0)) for g in param_groups} - {0.0})
+        if momenta:
+            warnings.warn(randomk_momentum_warning(momenta[-1]))
+        return spec
+
     def compress(self, a, ctx):
-        return (a[self._indices(a, ctx)],)
+        idx = self._indices(a, ctx)
+        if self.spec["unbiased"]:
+            return (a[idx] * torch.tensor(unbiased_factor(a.numel(), idx.numel(), np.float64).item(), dtype=a.dtype),)
+        return (a[idx],)
 
     def decompress(self, payload, like, ctx):
         out = torch.zeros_like(like)
