@@ -31,7 +31,8 @@ from torch_ops.compressors import ExchangeContext, build_compressor, native
 KEY = "layer.w"
 QUANT = ["signsgd", "efsignsgd", "efsignsgd:residual=false", "onebit", "terngrad", "terngrad:bucket=7,seed=3",
          "terngrad:residual=true", "terngrad:share_scale=true", "qsgd", "qsgd:levels=1,bucket=0",
-         "qsgd:levels=3,bucket=5,seed=11", "qsgd:levels=127,bucket=512,residual=true", "qsgd:levels=20,bucket=9"]
+         "qsgd:levels=3,bucket=5,seed=11", "qsgd:levels=127,bucket=512,residual=true", "qsgd:levels=20,bucket=9",
+         "efsignsgd:momentum=0.9", "onebit:scope=tensor,momentum=0.9,nesterov=true"]
 OTHERS = ["none", "fp16", "bf16:residual=true", "topk:ratio=0.01", "topk:ratio=0.3,residual=false",
           "randomk:ratio=0.05,seed=3", "threshold:threshold=0.5", "dgc:ratio=0.01", "sketch:ratio=0.01",
           "powersgd:rank=2"]

@@ -335,6 +335,34 @@ namespace quant {
 enum Kind { SIGN = 0, EFSIGN = 1, ONEBIT = 2, TERN = 3, QSGD = 4 };
 constexpr int64_t CB = 2048;  // codes staged per block (a multiple of 8: blocks start on a byte)
 
+// x if keep else +0.0, by masking the bits (a select the vectorizer keeps branch-free).
+HVDC_INLINE double masked(double x, bool keep) {
+  uint64_t b;
+  std::memcpy(&b, &x, 8);
+  b &= uint64_t(0) - uint64_t(keep);
+  std::memcpy(&x, &b, 8);
+  return x;
+}
+HVDC_INLINE float masked(float x, bool keep) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  b &= uint32_t(0) - uint32_t(keep);
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// c ? x : y by masking the bits: exact (signed zeros, NaN) and free of branches, which the
+// random signs and roundings would mispredict half the time where the loop is not vectorized.
+HVDC_INLINE float select(bool c, float x, float y) {
+  uint32_t bx, by;
+  std::memcpy(&bx, &x, 4);
+  std::memcpy(&by, &y, 4);
+  const uint32_t m = uint32_t(0) - uint32_t(c);
+  bx = (bx & m) | (by & ~m);
+  std::memcpy(&x, &bx, 4);
+  return x;
+}
+
 HVDC_INLINE uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x21F0AAADu;
@@ -347,7 +375,12 @@ HVDC_INLINE uint32_t mix32(uint32_t x) {
 // hvdcompress.rng.uniform's entry i of the stream whose constant is base.
 HVDC_INLINE float uniform_at(uint32_t base, int64_t i) {
   const uint32_t h = mix32(uint32_t(i) * 0x61C88647u + base);
-  return float(h >> 8) * 5.9604644775390625e-08f;  // 2**-24
+  return float(int32_t(h >> 8)) * 5.9604644775390625e-08f;  // 2**-24 (h >> 8 < 2**24: exact)
+}
+
+// The uniforms of entries i0 .. i0 + m - 1 (m <= CB), in a loop of their own (it vectorizes).
+HVDC_INLINE void uniforms(uint32_t base, int64_t i0, int64_t m, float* __restrict u) {
+  for (int64_t t = 0; t < m; ++t) u[t] = uniform_at(base, i0 + t);
 }
 
 inline int bits_for(int kind, int levels) {
@@ -451,16 +484,16 @@ HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, i
   }
 }
 
-// Where a is read from and the residual goes. RM 0: a = x, no residual; 1: a = x, r_out <- a - d;
-// 2: a = x + r_in, r_out <- a - d (r_out may be r_in: in place).
+// Where a is read from and the residual goes. RM 0: a = x, no residual; 1: a = x, r <- a - d;
+// 2: a = x + r, r <- a - d in place (one pointer, so the vectorizer sees the same entry read and
+// written, not two arrays that might overlap).
 template <int RM>
 struct Src {
   const float* x;
-  const float* rin;
-  float* rout;
-  HVDC_INLINE float a(int64_t i) const { return RM == 2 ? x[i] + rin[i] : x[i]; }
+  float* r;
+  HVDC_INLINE float a(int64_t i) const { return RM == 2 ? x[i] + r[i] : x[i]; }
   HVDC_INLINE void keep(int64_t i, float a, float d) const {
-    if (RM) rout[i] = a - d;
+    if (RM) r[i] = a - d;
   }
 };
 
@@ -505,16 +538,16 @@ struct OneBitEnc {
       for (int k = 0; k < 4; ++k) {
         const float a = s.a(i + k);
         const bool b = a >= 0.0f;
-        ps[k] += b ? double(a) : 0.0;
-        ns[k] += b ? 0.0 : double(a);
-        pc[k] += b ? 1.0 : 0.0;
+        ps[k] += masked(double(a), b);
+        ns[k] += masked(double(a), !b);
+        pc[k] += masked(1.0, b);
       }
     for (; i < end; ++i) {
       const float a = s.a(i);
       const bool b = a >= 0.0f;
-      ps[0] += b ? double(a) : 0.0;
-      ns[0] += b ? 0.0 : double(a);
-      pc[0] += b ? 1.0 : 0.0;
+      ps[0] += masked(double(a), b);
+      ns[0] += masked(double(a), !b);
+      pc[0] += masked(1.0, b);
     }
     const double psum = (ps[0] + ps[1]) + (ps[2] + ps[3]), nsum = (ns[0] + ns[1]) + (ns[2] + ns[3]);
     const double pn = (pc[0] + pc[1]) + (pc[2] + pc[3]), nn = double(len) - pn;  // exact counts
@@ -529,7 +562,7 @@ struct OneBitEnc {
       const float a = s.a(i0 + t);
       const bool b = a >= 0.0f;
       c[t] = b;
-      s.keep(i0 + t, a, b ? p : q);
+      s.keep(i0 + t, a, select(b, p, q));
     }
   }
 };
@@ -562,12 +595,14 @@ struct TernEnc {
   template <class S> HVDC_INLINE void run(const S& s, int64_t i0, int64_t m, uint8_t* __restrict c) {
     const float p = sc, q = -sc;
     if (sc > 0.0f) {
+      alignas(64) float u[CB];
+      uniforms(base, i0, m, u);
       for (int64_t t = 0; t < m; ++t) {
         const float a = s.a(i0 + t);
-        const bool keep = uniform_at(base, i0 + t) < std::fabs(a) / p;
-        const bool neg = !(a >= 0.0f);
-        c[t] = uint8_t(keep) << neg;  // 0, 1 (+s) or 2 (-s)
-        s.keep(i0 + t, a, keep ? (neg ? q : p) : 0.0f);
+        const bool keep = u[t] < std::fabs(a) / p;
+        const bool pos = a >= 0.0f;
+        c[t] = uint8_t(int(keep) * (2 - int(pos)));  // 0, 1 (+s) or 2 (-s)
+        s.keep(i0 + t, a, select(keep, select(pos, p, q), 0.0f));
       }
     } else {  // no scale (0 or NaN): every probability is 0
       for (int64_t t = 0; t < m; ++t) {
@@ -604,16 +639,19 @@ struct QsgdEnc {
   }
   template <class Src_> HVDC_INLINE void run(const Src_& s, int64_t i0, int64_t m, uint8_t* __restrict c) {
     const float ff = f, ww = w, SS = S;
+    alignas(64) float u[CB];
+    uniforms(base, i0, m, u);
     for (int64_t t = 0; t < m; ++t) {
       const float a = s.a(i0 + t);
       const float r = std::fabs(a) * ff;
       const float low = std::floor(r);
-      float lvl = low + (uniform_at(base, i0 + t) < (r - low) ? 1.0f : 0.0f);
+      float lvl = low + (u[t] < (r - low) ? 1.0f : 0.0f);
       lvl = lvl > SS ? SS : lvl;  // the min with s (NaN stays NaN, as numpy's minimum)
       const float sg = a >= 0.0f ? lvl : -lvl;
-      const uint8_t code = uint8_t(int32_t(sg + SS));
-      c[t] = code;
-      s.keep(i0 + t, a, (float(code) - SS) * ww);
+      c[t] = uint8_t(int32_t(sg + SS));
+      // the decoded value (code - s) * w: code - s is sg exactly (an integer in [-s, s]); a NaN
+      // converts to code 0 (x86's conversion, as numpy's), i.e. -s
+      s.keep(i0 + t, a, select(sg != sg, -SS, sg) * ww);
     }
   }
 };
@@ -649,11 +687,11 @@ template <class Enc>
 HVDC_INLINE void encode_rm(Enc& enc, const float* x, const float* rin, float* rout, const int64_t* seg_n, int64_t nseg,
                int bits, float* scales, uint8_t* packed) {
   if (rout == nullptr) {
-    encode_all(enc, Src<0>{x, nullptr, nullptr}, seg_n, nseg, bits, scales, packed);
+    encode_all(enc, Src<0>{x, nullptr}, seg_n, nseg, bits, scales, packed);
   } else if (rin == nullptr) {
-    encode_all(enc, Src<1>{x, nullptr, rout}, seg_n, nseg, bits, scales, packed);
+    encode_all(enc, Src<1>{x, rout}, seg_n, nseg, bits, scales, packed);
   } else {
-    encode_all(enc, Src<2>{x, rin, rout}, seg_n, nseg, bits, scales, packed);
+    encode_all(enc, Src<2>{x, rout}, seg_n, nseg, bits, scales, packed);
   }
 }
 
@@ -769,7 +807,9 @@ HVDC_INLINE int64_t encode(int kind, const float* x, const float* rin, float* ro
   }
   const int bits = bits_for(kind, levels);
   const int nsc = scales_per_segment(kind);
-  if (total != n || out_bytes != 4 * nseg * nsc + packed_size(n, bits) || (kind == QSGD && levels < 1)) return -1;
+  if (total != n || out_bytes != 4 * nseg * nsc + packed_size(n, bits) || (kind == QSGD && levels < 1) ||
+      (rin != nullptr && rin != rout))  // the residual is updated in place
+    return -1;
   std::vector<float> scales(size_t(nseg * nsc) + 1);
   uint8_t* packed = out + 4 * nseg * nsc;
   switch (kind) {

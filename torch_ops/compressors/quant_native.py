@@ -100,17 +100,16 @@ def plan(comp, x: torch.Tensor, ctx) -> Optional[Job]:
     from ..memory import Memory, ResidualMemory
 
     name = comp.name
-    if name not in KINDS or comp.spec.params.get("share_scale") or type(comp.memory) not in (Memory, ResidualMemory):
-        return None
-    if comp.spec.params.get("scope", "tensor") != "tensor":  # per-column reconstruction values: the torch ops
-        return None
+    params = comp.spec.params
+    if (name not in KINDS or params.get("share_scale") or params.get("scope", "tensor") != "tensor"
+            or type(comp.memory) not in (Memory, ResidualMemory)):
+        return None  # scaler sharing (two rounds), onebit's per-column values: the torch ops
     n = x.numel()
     if not _usable(x, n) or x.dim() != 1:
         return None
     lib = native.lib()
     if lib is None:
         return None
-    params = comp.spec.params
     segs = _segments(member_spans(ctx.members, n), n, int(params.get("bucket", 0)))
     if segs is None:
         return None

@@ -1,0 +1,178 @@
+"""Every compressor on a CUDA device: checked against the numpy oracle, then timed against
+``torch.topk`` and one memory pass, in one run.
+
+    python benchmarks/cuda_check.py                      # check + time at 10M and 25M entries
+    python benchmarks/cuda_check.py --sizes 1e6 --repeats 3 --json /tmp/cuda_check.json
+
+Check: two simulated ranks (an in-process lockstep: allgather concatenates, allreduce sums in
+rank order) run two steps of each spec on CUDA tensors; every round's payload, the result and the
+state must equal ``hvdcompress.reference`` (bit for bit; PowerSGD's matmuls within 1e-5).
+Time: one rank's exchange (world of one: the collective returns its input) with the device
+synchronised before and after, median of ``--repeats``, next to ``x * 1.0`` (one pass) and
+``torch.topk(x.abs(), k)`` at k = 0.1% of the entries.
+
+Without a CUDA device it says so and exits with status 0 (nothing to check here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hvdcompress import parse_spec  # noqa: E402
+from hvdcompress.reference import simulate  # noqa: E402
+from torch_ops.compressors import ExchangeContext, build_compressor  # noqa: E402
+from torch_ops.collectives import Allreduce  # noqa: E402
+
+SPECS = ["none", "fp16", "bf16", "topk:ratio=0.001", "randomk:ratio=0.001", "threshold:threshold=1.0",
+         "dgc:ratio=0.001", "signsgd", "efsignsgd", "onebit", "terngrad", "qsgd:levels=127,bucket=512",
+         "qsgd", "sketch:ratio=0.001", "powersgd:rank=4"]
+KEY = "check.w"
+
+
+def lockstep(gens):
+    """Drive the ranks' exchanges; answer each round as the collectives define it."""
+    world = len(gens)
+    inbox = [None] * world
+    results = [None] * world
+    sent = [[] for _ in range(world)]
+    while True:
+        reqs = []
+        for r, g in enumerate(gens):
+            try:
+                reqs.append(g.send(inbox[r]) if inbox[r] is not None else next(g))
+            except StopIteration as stop:
+                results[r] = stop.value
+        if not reqs:
+            return results, sent
+        for r in range(world):
+            sent[r].append([q.tensor.detach().cpu().clone().numpy() for q in reqs[r]])
+        answers = [[] for _ in range(world)]
+        for i in range(len(reqs[0])):
+            parts = [reqs[r][i].tensor for r in range(world)]
+            if isinstance(reqs[0][i], Allreduce):
+                total = parts[0].clone()
+                for t in parts[1:]:
+                    total += t
+                for r in range(world):
+                    parts[r].copy_(total)
+                    answers[r].append(parts[r])
+            else:
+                cat = torch.cat(parts)
+                for r in range(world):
+                    answers[r].append(cat.clone())
+        inbox = [tuple(a) for a in answers]
+
+
+def check(spec_text, device, shape=(37, 1101), world=2, steps=2):
+    """None when the spec matches the oracle on ``device``, else what differed."""
+    spec = parse_spec(spec_text)
+    rng = np.random.default_rng(7)
+    tol = 1e-5 if spec.name == "powersgd" else 0.0
+    comp = build_compressor(spec)
+    o_states = [{} for _ in range(world)]
+    t_states = [{} for _ in range(world)]
+    for step in range(steps):
+        grads = [np.round(rng.standard_t(3, size=shape), 3).astype(np.float32) for _ in range(world)]
+        want, _, want_sent = simulate(spec, grads, o_states, key=KEY, step=step, shape=shape)
+        gens = [comp.exchange(torch.from_numpy(g.reshape(-1).copy()).to(device),
+                              ExchangeContext(KEY, step, world, 1.0 / world, st, shape, 0, r))
+                for r, (g, st) in enumerate(zip(grads, t_states))]
+        results, sent = lockstep(gens)
+
+        def same(got, exp):
+            if tol and got.dtype != np.uint8:
+                return np.allclose(got, exp, rtol=tol, atol=tol * max(1.0, float(np.abs(exp).max(initial=0))))
+            return got.shape == exp.shape and np.array_equal(got, exp, equal_nan=True)
+
+        for r in range(world):
+            for w_round, g_round in zip(want_sent[r], sent[r]):
+                for w, g in zip(w_round, g_round):
+                    if not same(g, w):
+                        return f"step {step} rank {r}: payload differs"
+            if not same(results[r].detach().cpu().numpy().reshape(want.shape), want):
+                return f"step {step} rank {r}: result differs"
+            for name, arr in o_states[r].items():
+                if not same(t_states[r][name].detach().cpu().numpy().reshape(arr.shape), arr):
+                    return f"step {step} rank {r}: state {name} differs"
+    return None
+
+
+def timed(fn, repeats):
+    out = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out[1:]) * 1e3
+
+
+def run_exchange(comp, x, state, step):
+    ctx = ExchangeContext("bench.w", step, 1, 1.0, state, (x.numel(),), 0)
+    gen = comp.exchange(x, ctx)
+    reqs = next(gen)
+    while True:
+        try:
+            reqs = gen.send(tuple(q.tensor for q in reqs))
+        except StopIteration as stop:
+            return stop.value
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--specs", nargs="+", default=SPECS)
+    p.add_argument("--sizes", type=float, nargs="+", default=[1e7, 2.5e7])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default="benchmarks/results/cuda_check.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cuda_check: no CUDA device (torch.cuda.is_available() is False); nothing to check here.")
+        return 0
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    print(f"device: {name}")
+    failures, rows = {}, []
+    for s in args.specs:
+        why = check(s, device)
+        print(f"  oracle check {s:30s} {'ok' if why is None else 'FAILED: ' + why}")
+        if why is not None:
+            failures[s] = why
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for size in map(int, args.sizes):
+        x = (torch.randn(size, generator=gen) * torch.rand(size, generator=gen)).to(device)
+        one = timed(lambda: x * 1.0, args.repeats)
+        k = max(1, size // 1000)
+        topk = timed(lambda: torch.topk(x.abs(), k, sorted=False), args.repeats)
+        print(f"\n{size:,} entries: one pass (x * 1.0) {one:.3f} ms, torch.topk(k={k}) {topk:.3f} ms")
+        print(f"{'spec':30s} {'ms':>9s} {'passes':>7s} {'x topk':>7s}")
+        for s in args.specs:
+            comp, state = build_compressor(parse_spec(s)), {}
+            run_exchange(comp, x, state, 0)
+            steps = iter(range(1, 10 ** 6))
+            ms = timed(lambda: run_exchange(comp, x, state, next(steps)), args.repeats)
+            rows.append({"size": size, "spec": s, "ms": ms, "one_pass_ms": one, "topk_ms": topk,
+                         "passes": ms / one, "x_topk": ms / topk})
+            print(f"{s:30s} {ms:9.3f} {ms / one:7.2f} {ms / topk:7.2f}")
+    out = {"device": name, "torch": torch.__version__, "repeats": args.repeats, "failures": failures, "rows": rows,
+           "command": "python " + " ".join(["benchmarks/cuda_check.py"] + (argv if argv is not None else sys.argv[1:]))}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
