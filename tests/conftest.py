@@ -49,9 +49,14 @@ def pytest_report_header(config):
     return f"horovod: {'MISSING (' + HOROVOD_MISSING + ')' if HOROVOD_MISSING else 'ok'}"
 
 
+def pytest_collection_finish(session):
+    # modules share launches (scenarios/shared_launch.py): only the scenarios of the modules with a
+    # test left to run (after -k / -m deselection) run in them
+    from scenarios import shared_launch
+    shared_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in session.items)
+
+
 def pytest_collection_modifyitems(config, items):
-    from scenarios import shared_launch  # modules share launches: only the collected ones' scenarios run
-    shared_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in items)
     if EXTENDED:
         return
     import pytest
