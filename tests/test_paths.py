@@ -210,3 +210,9 @@ def test_onebit_column_sums_follow_the_oracles_order_on_the_compiled_branch(shap
     assert sum(col.tolist()) != np.sum(col)  # the order of summation matters for this data
     check("onebit:residual=false", shape, tie=True)
     check("onebit", shape, tie=True)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's NaN arithmetic in the oracle
+def test_onebit_columns_with_nonfinite_inputs_on_every_branch_are_the_oracle(path):
+    """NaN and inf in a matrix: only their columns' values turn non-finite, as the oracle's."""
+    check("onebit", (59, 17), nonfinite=True)
