@@ -29,7 +29,7 @@ from scenarios.local_world import run_lockstep
 from torch_ops.compressors import ExchangeContext, build_compressor, native
 
 KEY = "layer.w"
-QUANT = ["signsgd", "efsignsgd", "efsignsgd:residual=false", "onebit", "terngrad", "terngrad:bucket=7,seed=3",
+QUANT = ["signsgd", "efsignsgd", "efsignsgd:residual=false", "onebit", "onebit:scope=tensor", "terngrad", "terngrad:bucket=7,seed=3",
          "terngrad:residual=true", "terngrad:share_scale=true", "qsgd", "qsgd:levels=1,bucket=0",
          "qsgd:levels=3,bucket=5,seed=11", "qsgd:levels=127,bucket=512,residual=true", "qsgd:levels=20,bucket=9",
          "efsignsgd:momentum=0.9", "onebit:scope=tensor,momentum=0.9,nesterov=true"]
@@ -50,11 +50,14 @@ def path(request):
     native.set_torch_only(False)
 
 
-def _grads(text, shape, world=2, steps=2, nonfinite=False):
+def _grads(text, shape, world=2, steps=2, nonfinite=False, tie=False):
     g = np.random.default_rng(zlib.crc32(f"{text}|{shape}".encode()))
     out = []
     for _ in range(steps):
-        step = [np.round(g.standard_t(3, size=shape), 3).astype(np.float32) for _ in range(world)]
+        if tie:
+            step = [_tie(shape, g) for _ in range(world)]
+        else:
+            step = [np.round(g.standard_t(3, size=shape), 3).astype(np.float32) for _ in range(world)]
         flat = step[0].reshape(-1)
         flat[:3] = 0.0
         if nonfinite and flat.size > 9:
@@ -63,6 +66,24 @@ def _grads(text, shape, world=2, steps=2, nonfinite=False):
             step[1].reshape(-1)[-1] = -np.inf
         out.append(step)
     return out
+
+
+def _tie(shape, g):
+    """Columns whose float32 mean depends on the float64 order of summation: 1 and 2**-24 (a tie
+    in float32) among entries of 2**-54 (a quarter of 1's float64 spacing, lost one by one, kept
+    when several are added first); every 8,192 entries of a single column repeat the pattern;
+    signs flip by column (the negative part's sum), a few entries shuffled by the seed."""
+    flat = np.full(int(np.prod(shape)), 2.0 ** -54)
+    rows = shape[0] if len(shape) >= 2 else flat.size
+    a = flat.reshape(rows, -1)
+    for r0 in range(0, rows, 8192):
+        a[r0] = 1.0
+        if r0 + 1 < rows:
+            a[r0 + 1] = 2.0 ** -24
+    a[:, 1::2] *= -1.0
+    if rows > 20:
+        a[g.integers(2, rows, 3)] = 2.0 ** -24
+    return flat.astype(np.float32).reshape(shape)
 
 
 def _tap(gen, sink):
@@ -86,9 +107,9 @@ def _same(got, want, label, tol):
         np.testing.assert_array_equal(got, want, err_msg=label)
 
 
-def check(text, shape, members=(), nonfinite=False, world=2, tol=0.0):
+def check(text, shape, members=(), nonfinite=False, world=2, tol=0.0, tie=False):
     spec = parse_spec(text)
-    steps = _grads(text, shape, world, nonfinite=nonfinite)
+    steps = _grads(text, shape, world, nonfinite=nonfinite, tie=tie)
     comp = build_compressor(spec)
     o_states = [{} for _ in range(world)]
     t_states = [{} for _ in range(world)]
@@ -144,7 +165,7 @@ def test_merged_groups_on_every_branch_are_the_oracle(path, text):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's NaN arithmetic in the oracle
-@pytest.mark.parametrize("text", ["signsgd", "efsignsgd", "onebit", "terngrad", "terngrad:bucket=4", "qsgd:bucket=8",
+@pytest.mark.parametrize("text", ["signsgd", "efsignsgd", "onebit", "onebit:scope=tensor,momentum=0.9", "terngrad", "terngrad:bucket=4", "qsgd:bucket=8",
                                   "qsgd:levels=2,bucket=0,residual=true"])
 def test_nonfinite_inputs_on_every_branch_are_the_oracle(path, text):
     check(text, (1003,), nonfinite=True)
@@ -159,3 +180,40 @@ def test_torch_only_switch_takes_neither_kernels_nor_numpy():
     finally:
         native.set_torch_only(False)
     assert cpu_selection._numpy_view(x) is not None
+
+
+# -- 1-bit SGD per column (the default scope): the compiled kernel's shapes and summation order ----
+COLUMN_MEMBERS = (Member("a", (13,), 0), Member("b", (1,), 13), Member("e", (0, 5), 14), Member("c", (3, 1370), 14),
+                  Member("d", (9000,), 4124), Member("f", (5, 4, 3), 13124), Member("g", (2, 1), 13184))
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 2), (5, 1), (1, 9), (130, 3), (20001,)], ids=str)
+@pytest.mark.parametrize("text", ["onebit", "onebit:momentum=0.9,nesterov=true", "onebit:residual=false"])
+def test_onebit_columns_on_every_branch_are_the_oracle(path, text, shape):
+    """Odd shapes (a column of one row, a row, a single column past numpy's 8,192-entry chunk),
+    with the momentum taken over from the optimizer and without error feedback."""
+    check(text, shape)
+
+
+def test_onebit_columns_in_merged_groups_on_every_branch_are_the_oracle(path):
+    """Seven members: 1-D ones (one column each, one past 8,192 entries), an empty one, a matrix
+    of 1,370 columns, a 3-D one (12 columns) and a (2, 1) one; the rank order of the sum."""
+    check("onebit:momentum=0.9", (13186,), members=COLUMN_MEMBERS, world=3)
+
+
+@pytest.mark.parametrize("shape", [(20001,), (16,), (301, 7), (16, 5)], ids=str)
+def test_onebit_column_sums_follow_the_oracles_order_on_the_compiled_branch(shape):
+    """Sums whose float32 mean changes with the float64 order (``_tie``): the kernel adds a
+    matrix's rows in turn and a single column pairwise in chunks of 8,192, as numpy does."""
+    if native.lib() is None:
+        pytest.skip("no C++ compiler: the compiled kernels are not built")
+    col = _tie(shape, np.random.default_rng(0)).astype(np.float64).reshape(shape[0], -1)[:, 0]
+    assert sum(col.tolist()) != np.sum(col)  # the order of summation matters for this data
+    check("onebit:residual=false", shape, tie=True)
+    check("onebit", shape, tie=True)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's NaN arithmetic in the oracle
+def test_onebit_columns_with_nonfinite_inputs_on_every_branch_are_the_oracle(path):
+    """NaN and inf in a matrix: only their columns' values turn non-finite, as the oracle's."""
+    check("onebit", (59, 17), nonfinite=True)

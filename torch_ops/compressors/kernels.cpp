@@ -878,6 +878,229 @@ HVDC_INLINE int64_t decode_sum(int kind, const uint8_t* buf, int64_t part, int64
   return 0;
 }
 
+
+// 1-bit SGD per column (Seide et al.): members given as (rows, cols) pairs tiling [0, n) in order,
+// each viewed row-major as (rows, cols); payload [float32 (pos, neg) per column | packed signs].
+// The column sums follow numpy's float64 reductions in the oracle (``encode_columns``): a matrix
+// (cols > 1) adds its rows one after another into each column; a single column is one 1-D sum,
+// which numpy does in buffer chunks of 8192 entries, each summed pairwise (8 lanes up to 128
+// entries, halves above), the chunks added in order to 0.
+
+constexpr int64_t NP_BUF = 8192;  // numpy's default buffer size (the chunk of a 1-D reduction)
+
+// numpy's pairwise sum of the masked parts (entries >= 0, the others) of a[off, off + n).
+template <class S>
+void pairwise_pn(const S& s, int64_t off, int64_t n, double& ps, double& ns, int64_t& pn) {
+  if (n < 8) {
+    double p = 0.0, q = 0.0;
+    for (int64_t i = off; i < off + n; ++i) {
+      const float a = s.a(i);
+      const bool b = a >= 0.0f;
+      p += b ? double(a) : 0.0;
+      q += b ? 0.0 : double(a);
+      pn += b;
+    }
+    ps = p;
+    ns = q;
+  } else if (n <= 128) {
+    double p[8], q[8];
+    for (int k = 0; k < 8; ++k) {
+      const float a = s.a(off + k);
+      const bool b = a >= 0.0f;
+      p[k] = b ? double(a) : 0.0;
+      q[k] = b ? 0.0 : double(a);
+      pn += b;
+    }
+    int64_t i = 8;
+    for (; i < n - (n % 8); i += 8)
+      for (int k = 0; k < 8; ++k) {
+        const float a = s.a(off + i + k);
+        const bool b = a >= 0.0f;
+        p[k] += b ? double(a) : 0.0;
+        q[k] += b ? 0.0 : double(a);
+        pn += b;
+      }
+    double rp = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    double rq = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
+    for (; i < n; ++i) {
+      const float a = s.a(off + i);
+      const bool b = a >= 0.0f;
+      rp += b ? double(a) : 0.0;
+      rq += b ? 0.0 : double(a);
+      pn += b;
+    }
+    ps = rp;
+    ns = rq;
+  } else {
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    double p1, q1, p2, q2;
+    pairwise_pn(s, off, n2, p1, q1, pn);
+    pairwise_pn(s, off + n2, n - n2, p2, q2, pn);
+    ps = p1 + p2;
+    ns = q1 + q2;
+  }
+}
+
+HVDC_INLINE float mean_or_zero(double sum, double count) { return count > 0 ? float(sum / count) : 0.0f; }
+
+// The (pos, neg) pair of every column of one member at off, into sc[0 .. 2 * cols).
+template <class S>
+void column_means(const S& s, int64_t off, int64_t rows, int64_t cols, double* work, float* sc) {
+  if (cols == 1) {
+    double ps = 0.0, ns = 0.0;
+    int64_t pn = 0;  // entries >= 0 (an exact count, as numpy's sum of booleans)
+    for (int64_t lo = 0; lo < rows; lo += NP_BUF) {
+      const int64_t m = std::min(rows - lo, NP_BUF);
+      double p, q;
+      pairwise_pn(s, off + lo, m, p, q, pn);
+      ps += p;
+      ns += q;
+    }
+    sc[0] = mean_or_zero(ps, double(pn));
+    sc[1] = mean_or_zero(ns, double(rows - pn));
+    return;
+  }
+  double* ps = work;
+  double* ns = work + cols;
+  int64_t* pc = reinterpret_cast<int64_t*>(work + 2 * cols);
+  for (int64_t j = 0; j < cols; ++j) {
+    ps[j] = 0.0;
+    ns[j] = 0.0;
+    pc[j] = 0;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t base = off + r * cols;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float a = s.a(base + j);
+      const bool b = a >= 0.0f;
+      ps[j] += b ? double(a) : 0.0;
+      ns[j] += b ? 0.0 : double(a);
+      pc[j] += b;
+    }
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    sc[2 * j] = mean_or_zero(ps[j], double(pc[j]));
+    sc[2 * j + 1] = mean_or_zero(ns[j], double(rows - pc[j]));
+  }
+}
+
+template <int RM>
+void encode_cols_rm(const Src<RM>& s, const int64_t* dims, int64_t nm, int64_t ncols, float* scales,
+                    uint8_t* packed) {
+  int64_t widest = 1;
+  for (int64_t k = 0; k < nm; ++k) widest = std::max(widest, dims[2 * k + 1]);
+  std::vector<double> work(size_t(3 * widest));
+  alignas(64) uint8_t c[CB + 16];
+  int64_t fill = 0, first = 0, off = 0;
+  float* sc = scales;
+  for (int64_t k = 0; k < nm; ++k) {
+    const int64_t rows = dims[2 * k], cols = dims[2 * k + 1], end = off + rows * cols;
+    column_means(s, off, rows, cols, work.data(), sc);  // first pass: the column values
+    int64_t j = 0;                                      // column of entry i
+    for (int64_t i = off; i < end;) {                   // second pass: signs and residual
+      const int64_t m = std::min(end - i, CB - fill);
+      uint8_t* cc = c + fill;
+      for (int64_t t = 0; t < m; ++t) {
+        const float a = s.a(i + t);
+        const bool b = a >= 0.0f;
+        cc[t] = b;
+        s.keep(i + t, a, b ? sc[2 * j] : sc[2 * j + 1]);
+        if (++j == cols) j = 0;
+      }
+      fill += m;
+      i += m;
+      if (fill == CB) {
+        pack(c, CB, 1, packed + first / 8);
+        first += CB;
+        fill = 0;
+      }
+    }
+    sc += 2 * cols;
+    off = end;
+  }
+  if (fill) {
+    std::memset(c + fill, 0, 16);
+    pack(c, fill, 1, packed + first / 8);
+  }
+}
+
+// Checks the (rows, cols) pairs tile [0, n); the number of columns, or -1.
+inline int64_t count_columns(const int64_t* dims, int64_t nm, int64_t n) {
+  int64_t total = 0, ncols = 0;
+  for (int64_t k = 0; k < nm; ++k) {
+    if (dims[2 * k] <= 0 || dims[2 * k + 1] <= 0) return -1;
+    total += dims[2 * k] * dims[2 * k + 1];
+    ncols += dims[2 * k + 1];
+  }
+  return total == n ? ncols : -1;
+}
+
+HVDC_INLINE int64_t encode_cols(const float* x, const float* rin, float* rout, int64_t n, const int64_t* dims,
+                                int64_t nm, uint8_t* out, int64_t out_bytes) {
+  const int64_t ncols = count_columns(dims, nm, n);
+  if (ncols < 0 || out_bytes != 8 * ncols + packed_size(n, 1)) return -1;
+  std::vector<float> scales(size_t(2 * ncols) + 1);
+  uint8_t* packed = out + 8 * ncols;
+  if (rout == nullptr) {
+    encode_cols_rm(Src<0>{x, nullptr, nullptr}, dims, nm, ncols, scales.data(), packed);
+  } else if (rin == nullptr) {
+    encode_cols_rm(Src<1>{x, nullptr, rout}, dims, nm, ncols, scales.data(), packed);
+  } else {
+    encode_cols_rm(Src<2>{x, rin, rout}, dims, nm, ncols, scales.data(), packed);
+  }
+  std::memcpy(out, scales.data(), size_t(8 * ncols));
+  return 0;
+}
+
+// Sum over ranks (in rank order) of every entry's column value for its bit, times scale.
+HVDC_INLINE int64_t decode_sum_cols(const uint8_t* buf, int64_t part, int64_t world, int64_t n, const int64_t* dims,
+                                    int64_t nm, float scale, float* out) {
+  const int64_t ncols = count_columns(dims, nm, n);
+  if (ncols < 0 || world < 1 || part != 8 * ncols + packed_size(n, 1)) return -1;
+  const int64_t head = 8 * ncols, avail = part - head;
+  std::vector<float> sc(size_t(world * 2 * ncols) + 1);
+  for (int64_t w = 0; w < world; ++w) std::memcpy(sc.data() + w * 2 * ncols, buf + w * part, size_t(head));
+  std::vector<int64_t> start(size_t(nm + 1), 0), col0(size_t(nm + 1), 0);
+  for (int64_t k = 0; k < nm; ++k) {
+    start[k + 1] = start[k] + dims[2 * k] * dims[2 * k + 1];
+    col0[k + 1] = col0[k] + dims[2 * k + 1];
+  }
+  alignas(64) float acc[CB];
+  alignas(64) uint8_t c[CB + 16];
+  int64_t k0 = 0;  // the member holding the block's first entry
+  for (int64_t lo = 0; lo < n; lo += CB) {
+    const int64_t m = std::min(n - lo, CB);
+    while (start[k0 + 1] <= lo) ++k0;
+    for (int64_t w = 0; w < world; ++w) {
+      unpack(buf + w * part + head, lo, m, 1, avail, c);
+      for (int64_t i = lo, k = k0; i < lo + m; ++k) {
+        const int64_t e = std::min(lo + m, start[k + 1]), cols = dims[2 * k + 1];
+        const float* s = sc.data() + w * 2 * ncols + 2 * col0[k];
+        int64_t j = (i - start[k]) % cols;
+        if (w == 0) {
+          for (int64_t t = i; t < e; ++t) {
+            acc[t - lo] = c[t - lo] ? s[2 * j] : s[2 * j + 1];
+            if (++j == cols) j = 0;
+          }
+        } else {
+          for (int64_t t = i; t < e; ++t) {
+            acc[t - lo] = acc[t - lo] + (c[t - lo] ? s[2 * j] : s[2 * j + 1]);
+            if (++j == cols) j = 0;
+          }
+        }
+        i = e;
+      }
+    }
+    if (scale != 1.0f) {
+      for (int64_t t = 0; t < m; ++t) out[lo + t] = acc[t] * scale;
+    } else {
+      std::memcpy(out + lo, acc, size_t(m) * 4);
+    }
+  }
+  return 0;
+}
+
 }  // namespace quant
 
 // The quantizer entry points are compiled twice, for AVX2 and for the baseline, and the loader
@@ -900,6 +1123,14 @@ HVDC_CLONES int64_t hvdc_q_decode_sum(int kind, const uint8_t* buf, int64_t part
   return quant::decode_sum(kind, buf, part, world, n, seg_n, nseg, levels, scale, out);
 }
 
+HVDC_CLONES int64_t hvdc_q1c_encode(const float* x, const float* rin, float* rout, int64_t n, const int64_t* dims,
+                                    int64_t nm, uint8_t* out, int64_t out_bytes) {
+  return quant::encode_cols(x, rin, rout, n, dims, nm, out, out_bytes);
+}
+HVDC_CLONES int64_t hvdc_q1c_decode_sum(const uint8_t* buf, int64_t part, int64_t world, int64_t n,
+                                        const int64_t* dims, int64_t nm, float scale, float* out) {
+  return quant::decode_sum_cols(buf, part, world, n, dims, nm, scale, out);
+}
 int64_t hvdc_ge_f32(const float* x, int64_t n, float t, int64_t* idx, int64_t cap) {
   return ge<float>(x, n, t, idx, cap);
 }
@@ -942,6 +1173,6 @@ int64_t hvdc_topk_small_f32(const float* x, int64_t n, int64_t k, int64_t* out, 
 int64_t hvdc_topk_small_f64(const double* x, int64_t n, int64_t k, int64_t* out, double* work) {
   return topk_small<double>(x, n, k, out, work);
 }
-int hvdc_abi_version() { return 3; }
+int hvdc_abi_version() { return 4; }
 
 }  // extern "C"
