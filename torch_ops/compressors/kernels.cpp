@@ -1043,11 +1043,11 @@ HVDC_INLINE int64_t encode_cols(const float* x, const float* rin, float* rout, i
   std::vector<float> scales(size_t(2 * ncols) + 1);
   uint8_t* packed = out + 8 * ncols;
   if (rout == nullptr) {
-    encode_cols_rm(Src<0>{x, nullptr, nullptr}, dims, nm, ncols, scales.data(), packed);
+    encode_cols_rm(Src<0>{x, nullptr}, dims, nm, ncols, scales.data(), packed);
   } else if (rin == nullptr) {
-    encode_cols_rm(Src<1>{x, nullptr, rout}, dims, nm, ncols, scales.data(), packed);
+    encode_cols_rm(Src<1>{x, rout}, dims, nm, ncols, scales.data(), packed);
   } else {
-    encode_cols_rm(Src<2>{x, rin, rout}, dims, nm, ncols, scales.data(), packed);
+    encode_cols_rm(Src<2>{x, rout}, dims, nm, ncols, scales.data(), packed);
   }
   std::memcpy(out, scales.data(), size_t(8 * ncols));
   return 0;
