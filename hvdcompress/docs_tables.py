@@ -48,8 +48,13 @@ def _default(p: spec.Param) -> str:
 
 
 def registry() -> Dict[str, spec.CompressorInfo]:
+    """The built-in algorithms: those declared by a module of ``hvdcompress/reference`` (an
+    algorithm a program registered from elsewhere, e.g. a test's toy, is not documented here)."""
+    from hvdcompress.reference.oracle import ORACLES
+
     spec._load_builtins()
-    return dict(spec.REGISTRY)
+    return {name: info for name, info in spec.REGISTRY.items()
+            if name in ORACLES and ORACLES[name].__module__.startswith("hvdcompress.reference.")}
 
 
 def specs_table(infos: Dict[str, spec.CompressorInfo]) -> str:

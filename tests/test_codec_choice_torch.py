@@ -15,7 +15,8 @@ from torch_ops.compressors import ExchangeContext, build_compressor
 WORLD, SHAPE = 2, (16, 32)
 CODECS = [None, None, "none", None, "fp16", "fp16", None, "none"]  # None: the compressor's own exchange
 SPECS = ["topk:ratio=0.05", "dgc:ratio=0.05,momentum=0.9", "dgc:ratio=0.05,momentum=0.9,nesterov=true",
-         "powersgd:rank=2", "efsignsgd", "sketch:ratio=0.05,momentum=0.9"]
+         "powersgd:rank=2", "efsignsgd", "efsignsgd:momentum=0.9", "onebit:momentum=0.9,nesterov=true",
+         "sketch:ratio=0.05,momentum=0.9"]
 
 
 def _np_state(st):

@@ -89,6 +89,7 @@ def test_local_snippets_run():
     assert not failed, failed
 
 
+@pytest.mark.multiprocess
 def test_torch_snippets_run_on_two_workers():
     from scenarios.launch import part, run_scenarios
     results = run_scenarios("torch", 2, [("docs", ds.torch_all, ())])
@@ -97,6 +98,7 @@ def test_torch_snippets_run_on_two_workers():
         assert not failed, failed
 
 
+@pytest.mark.multiprocess
 def test_tf_snippets_run_on_two_workers():
     for rank_results in shared_tf_launch.results("test_docs"):
         failed = _failures(rank_results, "tf")

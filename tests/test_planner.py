@@ -11,6 +11,7 @@ from hvdcompress.schedule.costmodel import (ComputeFit, CostModel, LinearFit, ca
 from hvdcompress.schedule.planner import MIB, Schedule, make_plan, parse_schedule
 from hvdcompress.schedule.search import brute_force, by_size, greedy, layerwise, optimal, single
 from hvdcompress.schedule.timeline import predict
+from hvdcompress.spec import parse_spec
 
 OVERLAPS = ("shared", "parallel")
 
@@ -212,7 +213,7 @@ def test_model_fit_from_samples_per_worker_count_and_compression_form():
     assert model.allreduce.beta == pytest.approx(2e-9)
     topk = model.compress["topk:ratio=0.01,residual=true"]
     assert topk.form == "dlogd" and topk.a == pytest.approx(2e-9) and topk.errors["linear"] > 0.01
-    rk = model.compress["randomk:ratio=0.01,seed=0,residual=true"]
+    rk = model.compress[str(parse_spec("randomk:ratio=0.01"))]
     assert rk.form == "linear" and rk.b == pytest.approx(3e-5)
     # top-k of 1e6 floats: 2 allgathers of k = 1e4 int32 indices and float32 values (DESIGN: 2(a + b*4*N*k))
     assert model.comm_seconds("topk:ratio=0.01", 4e6) == pytest.approx(2 * (5e-5 + 1e-9 * 4 * world * 1e4))

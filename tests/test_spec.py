@@ -11,7 +11,7 @@ def test_factories_fill_defaults_and_match_strings():
     assert Compression.topk() == parse_spec("topk")
     assert parse_spec("topk").params == {"ratio": 0.01, "residual": True}
     assert parse_spec("randomk:ratio=0.1,seed=7,residual=false").params == \
-        {"ratio": 0.1, "seed": 7, "residual": False}
+        {"ratio": 0.1, "seed": 7, "residual": False, "unbiased": False}
     assert parse_spec(" fp16 ") == Compression.fp16 == Compression.fp16()
 
 

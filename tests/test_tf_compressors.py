@@ -122,7 +122,7 @@ def test_tensorflow_graph_mode_agrees_with_the_oracle(text):
     def exchange(grads, step, density):
         payloads = []
         gens = [_tap(comp.exchange(tf.reshape(g, [-1]), tfc.ExchangeContext(KEY, step, world, 0.5, st, shape,
-                                                                             0, density)),
+                                                                             0, density=density)),
                      payloads, tf.identity)
                 for g, st in zip(grads, states)]
         results, sent = run_lockstep(gens)

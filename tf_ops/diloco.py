@@ -84,7 +84,7 @@ class DiLoCo(tf.Module):
         return self._driver
 
     def _world(self) -> int:
-        from hvdcompress.groups import process_set_size
+        from hvdcompress.schedule.groups import process_set_size
         ps = self.driver.process_set
         return process_set_size(ps) if ps is not None else 1
 

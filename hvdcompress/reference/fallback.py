@@ -5,6 +5,7 @@ Per rank, with the compressor's state (absent entries are zeros):
 
     error feedback (state "residual" r):   a = g + r;              r <- 0
     local momentum m (state "u", "v"):     u <- m*u + g;  a = u (Nesterov: g + m*u) + v;  v <- 0
+                                           (the EF quantizers with momentum inside carry "residual" as v)
     fp16:    the wire carries fp16(a); the carried entry (r or v, where the state has it) gets
              a - fp16(a) back, so the cast loses nothing
     result:  the sum over ranks, in rank order, in the wire's dtype, times ``scale``
@@ -32,9 +33,11 @@ def dense_send(g: np.ndarray, state: Dict[str, np.ndarray], codec: str,
         u = state.get("u", np.zeros_like(g)) * g.dtype.type(m) + g
         state["u"] = u
         a = g + u * g.dtype.type(m) if nesterov else u.copy()
-        if "v" in state:
-            a = a + state["v"]
-            state["v"], slot = np.zeros_like(g), "v"
+        for carried in ("v", "residual"):  # DGC / the sketch keep v; the EF quantizers a residual
+            if carried in state:
+                a = a + state[carried]
+                state[carried], slot = np.zeros_like(g), carried
+                break
     elif "residual" in state:
         a = g + state["residual"]
         state["residual"], slot = np.zeros_like(g), "residual"

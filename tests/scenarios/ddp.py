@@ -329,8 +329,11 @@ def launch(world: int, names) -> list:
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([tests, root] + ([saved] if saved else []))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    saved_cache = os.environ.get("HVDCOMPRESS_CACHE")
     try:
         with tempfile.TemporaryDirectory(prefix="hvc-ddp-") as out_dir:
+            # cost models are cached per world size and hosts, not per transport: these runs fit their own
+            os.environ["HVDCOMPRESS_CACHE"] = os.path.join(out_dir, "cache")
             mp.start_processes(_worker, args=(world, _free_port(), list(names), out_dir), nprocs=world,
                                start_method="spawn")
             results = []
@@ -339,6 +342,8 @@ def launch(world: int, names) -> list:
                     results.append(pickle.load(f))
             return results
     finally:
+        if saved_cache is not None:
+            os.environ["HVDCOMPRESS_CACHE"] = saved_cache
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:

@@ -206,18 +206,22 @@ class TakesMomentum:
         """The momentum stays local, as for the tensors these compressors send dense anyway:
         ``u = m*u + g``, send ``u`` (Nesterov: ``g + m*u``) plus the accumulated velocity ``v``
         not sent yet, and ``v`` is zeroed: the mean of the ranks' ``u`` is momentum SGD's."""
-        m, nesterov = self.local_momentum() or (0.0, False)
+        momentum = self.local_momentum()
+        if momentum is None:  # nothing taken over: plain error feedback
+            return super().dense_send(x, ctx)
+        m, nesterov = momentum
         u = ctx.state.get("u")
         if u is None:
             u = ctx.state["u"] = torch.zeros_like(x)
         u.mul_(m).add_(x)
         send = x + u * m if nesterov else u.clone()
-        v = ctx.state.get("v")
-        if v is None:
-            return send, None
-        send.add_(v)
-        v.zero_()
-        return send, "v"
+        for carried in ("v", "residual"):  # DGC / the sketch keep v; the EF quantizers a residual
+            held = ctx.state.get(carried)
+            if held is not None:
+                send.add_(held.view_as(send))
+                held.zero_()
+                return send, carried
+        return send, None
 
     def after_load(self, param_groups: List[Dict[str, Any]]) -> None:
         for g in param_groups:  # a loaded param_group must not bring the momentum back
