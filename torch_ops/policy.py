@@ -17,12 +17,13 @@ An outer-optimizer mode is a third one.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 
-class SyncPolicy:
+class SyncPolicy(ABC):
     """The interface (see the module doc); ``delay`` is how many steps after its launch an
     exchange is due, ``active`` whether replicas may differ between flushes,
     ``sparse_exchanges`` whether a sparse gradient may be exchanged sparse (its result written
@@ -33,26 +34,33 @@ class SyncPolicy:
     active = False
     sparse_exchanges = False
 
+    @abstractmethod
     def exchanges_at(self, step: int) -> bool:
-        raise NotImplementedError
+        """Whether step ``step`` launches exchanges."""
 
+    @abstractmethod
     def exchange_input(self, engine, gi: int, group, grads) -> Tuple[torch.Tensor, str]:
-        raise NotImplementedError
+        """The flat tensor group ``gi`` sends this step, and the exchange's name."""
 
+    @abstractmethod
     def write_back(self, engine, step: int, pending: Dict, exchanging: bool) -> None:
-        raise NotImplementedError
+        """Write the step's gradients into ``p.grad`` from the completed exchanges."""
 
+    @abstractmethod
     def complete_in_flight(self, engine) -> None:
-        raise NotImplementedError
+        """Finish exchanges that span steps (before a checkpoint or a regroup)."""
 
+    @abstractmethod
     def flush(self, engine, optimizer, wrapped_step: Callable[[], None]) -> None:
-        raise NotImplementedError
+        """Make the replicas identical."""
 
+    @abstractmethod
     def state(self) -> Optional[dict]:
-        raise NotImplementedError
+        """What the policy keeps between steps, for the checkpoint (None: nothing)."""
 
+    @abstractmethod
     def load(self, saved: Optional[dict], device_of) -> None:
-        raise NotImplementedError
+        """Restore ``state()`` (ValueError if it was saved by another policy)."""
 
 
 class Synchronous(SyncPolicy):
