@@ -153,6 +153,10 @@ def test_every_collective_runs_on_the_process_set_torch(tmp_path):
         if rank < 2:
             assert all(r["layerwise"]) and all(r["mgs"])
             assert r["plan"] == "mgs" and r["world"] == 2  # profiled on the 2-rank set
+        else:  # outside the set: local steps of the wrapped optimizer, bit for bit Horovod's
+            assert r["outside"]["same"] == [True] * 4 and r["outside"]["moved"] > 0
+            assert r["outside"]["momentum"] == 0.9  # DGC did not take the momentum over there
+            assert "hvdcompress" in r["outside"]["saved"]
     assert any(f.endswith(".json") for f in os.listdir(tmp_path))  # the profiled model was cached
 
 

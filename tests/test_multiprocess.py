@@ -98,3 +98,20 @@ def test_checkpoint_resume_continues_bit_identically(launches):
             assert "error" not in res, res.get("error")
             assert res["has_residual"] and res["equal"] and res["identical"], spec
             assert res["epoch"] == 5
+
+
+def test_horovod_broadcast_optimizer_state_treats_ours_as_horovods(launches):
+    """hvd.broadcast_optimizer_state: no exchange for a fresh state, rank 0's loaded state reaches a
+    rank without state (no hang), and parameters and state equal Horovod's own optimizer's."""
+    import torch
+    results = part(launches(2), "broadcast_state")
+    for rank, r in enumerate(results):
+        assert "error" not in r, r.get("error")
+        ours, theirs = r["hvdcompress"], r["horovod"]
+        assert ours["fresh_steps"] == 0  # the state was filled by the wrapped optimizer, not by an exchange
+        for key in ("fresh", "restored"):
+            assert len(ours[key]) == len(theirs[key]) > 1, (rank, key)
+            assert all(torch.equal(a, b) for a, b in zip(ours[key], theirs[key])), (rank, key)
+        assert ours["identical"] and theirs["identical"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["hvdcompress"]["restored"],
+                                                results[1]["hvdcompress"]["restored"]))

@@ -74,8 +74,11 @@ class Engine:
         self.params: List[torch.Tensor] = list(by_name.values())
         self.name_of: Dict[torch.Tensor, str] = {p: n for n, p in by_name.items()}
         self.comm = comm  # one communicator for every collective: exchanges, scheduler, profiler
+        # A rank outside the process set exchanges nothing (``synchronize``, ``flush``): as with
+        # Horovod's optimizer, its steps are the wrapped optimizer's on its local gradients.
+        self.included = comm.included()
         self.world = comm.size()
-        if self.world > 1 and check_model:
+        if self.world > 1 and check_model and self.included:
             check_same_model(comm, self.by_name)
         self.average = average
         self.predivide = predivide
@@ -207,6 +210,9 @@ class Engine:
 
     def synchronize(self) -> None:
         """Finish the exchanges due at this step and write the gradients into ``p.grad``."""
+        if not self.included:  # outside the process set: the local gradients stay
+            self.synchronized = True
+            return
         start = now()
         step = self.step
         exchanging = self.policy.exchanges_at(step)
@@ -254,8 +260,10 @@ class Engine:
         self.clock = StepClock(now())
 
     def flush(self, optimizer, wrapped_step: Callable[[], None]) -> None:
-        """Make the replicas identical (the policy's flush; nothing to do when synchronous)."""
-        self.policy.flush(self, optimizer, wrapped_step)
+        """Make the replicas identical (the policy's flush; nothing to do when synchronous, or on a
+        rank outside the process set)."""
+        if self.included:
+            self.policy.flush(self, optimizer, wrapped_step)
 
     # -- groups and state --------------------------------------------------------------------------
     def param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -297,7 +305,8 @@ class Engine:
 
     def load_state_dict(self, saved: Optional[dict], param_groups) -> None:
         """Restore ``saved`` (checked already) after the wrapped optimizer's own state."""
-        self.compressor.after_load(param_groups)
+        if self.included:  # outside the process set the wrapped optimizer runs as it is
+            self.compressor.after_load(param_groups)
         if saved is None:
             warnings.warn("load_state_dict: the state dict has no compression state (saved by a "
                           "plain optimizer?); residuals start from zero.")

@@ -53,6 +53,14 @@ from .scheduling import DEFAULT_TUNE_STEPS, check_tune_steps, now
 from .transport import Average, make_communicator
 
 
+# Horovod's ``broadcast_optimizer_state`` tells its own DistributedOptimizer by the class's module:
+# on a rank whose optimizer has no state yet it fills the state with the wrapped optimizer's step
+# (no exchange), where for any other optimizer it calls ``step()``. Ours would exchange there, on
+# the ranks without state only, while the others wait elsewhere: the class declares Horovod's
+# module so that helper (and any other that asks the same) treats it as Horovod's own.
+HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, spec: CompressionSpec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source,
@@ -76,7 +84,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.process_set = self.engine.comm.process_set
-        self._hvc_hooks = [p.register_post_accumulate_grad_hook(self.engine.gradient_ready) for p in trained]
+        # no hooks on a rank outside the process set (nothing is exchanged there), as in Horovod
+        self._hvc_hooks = ([p.register_post_accumulate_grad_hook(self.engine.gradient_ready) for p in trained]
+                           if self.engine.included else [])
 
     # -- public API (Horovod's) -----------------------------------------------------------------
     @property
@@ -163,6 +173,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 engine.synchronize()
         engine.synchronized = False
+        if not engine.included:  # outside the process set: the wrapped optimizer's update on the local gradients
+            return super(self.__class__, self).step(closure)
         start = now()
         engine.compressor.before_step(self.param_groups, self.state)  # e.g. DGC's taken-over weight decay
         loss = super(self.__class__, self).step(closure)
@@ -230,7 +242,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             exchanged sparse, uncompressed, as Horovod does (``torch_ops.sparse_grads``), so
             ``SparseAdam`` works; their parameters are never merged into groups. True: densified
             and compressed like the others.
-        process_set: a Horovod process set (default: all ranks).
+        process_set: a Horovod process set (default: all ranks). On a rank outside it nothing is
+            exchanged: as with Horovod's optimizer, ``step()`` is the wrapped optimizer's update
+            on the local gradients.
         driver: the ``torch_ops.collectives.Communicator`` every collective goes through (default
             ``Communicator(process_set)``); an extension point: a subclass may change how rounds
             complete (``hvdcompress.bench.injected_latency.LatencyDriver`` delays them).
@@ -278,11 +292,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
     alternatives = check_codec_choice(codec_choice, build_compressor(spec), delay, sync_every)
-    spec = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)  # e.g. DGC takes momentum over
+    # e.g. DGC takes the momentum over: checked here on copies of the groups (every rank, before any
+    # collective), applied below except on a rank outside the process set (it exchanges nothing and
+    # keeps the wrapped optimizer as it is)
+    adapted = compressor_class(spec).adapt_optimizer(spec, [dict(g) for g in optimizer.param_groups])
     driver = make_communicator(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
+    if driver.included():
+        adapted = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)
+    spec = adapted
 
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_DistributedOptimizer.__dict__))
+    namespace = dict(_DistributedOptimizer.__dict__)
+    if backend == "horovod":
+        namespace["__module__"] = HOROVOD_OPTIMIZER_MODULE
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, spec, backward_passes_per_step, op, factor,
                sparse_as_dense, process_set, driver, optimizer, schedule, cost_model, profile_steps,
                delay, sync_every, tune_steps, alternatives)

@@ -100,9 +100,48 @@ def dgc_default_warmup() -> dict:
     return out
 
 
+def _outside_the_set(ps) -> dict:
+    """On a rank outside ``ps``: our optimizer and Horovod's on ``ps``, side by side on the same
+    model and batches; as Horovod's, ours exchanges nothing and steps the wrapped optimizer (SGD
+    with its momentum: DGC would take it over on a rank in the set) on the local gradients, also
+    after ``synchronize()`` / ``skip_synchronize()`` as in Horovod's gradient-clipping recipe."""
+    import horovod.torch as hvd
+    import torch
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    models = {"ours": _torch_model(), "horovod": _torch_model()}
+    opts = {"ours": hvc.DistributedOptimizer(
+                torch.optim.SGD(models["ours"].parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
+                named_parameters=models["ours"].named_parameters(), compression="dgc:ratio=0.3",
+                process_set=ps),
+            "horovod": hvd.DistributedOptimizer(
+                torch.optim.SGD(models["horovod"].parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
+                named_parameters=models["horovod"].named_parameters(), process_set=ps)}
+    same = []
+    for step in range(4):
+        for key, model in models.items():
+            opt = opts[key]
+            opt.zero_grad()
+            x, y = _torch_batch(hvd.rank(), step)
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            if step == 3:
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+        same.append(bool(torch.equal(kit.torch_flat(models["ours"]), kit.torch_flat(models["horovod"]))))
+    opts["ours"].flush()
+    return {"same": same, "momentum": opts["ours"].param_groups[0]["momentum"],
+            "moved": float((kit.torch_flat(models["ours"]) - kit.torch_flat(_torch_model())).abs().max()),
+            "saved": sorted(opts["ours"].state_dict())}
+
+
 def process_set_torch() -> dict:
-    """3 ranks, the optimizer on ProcessSet([0, 1]); rank 2 takes no part. Layerwise, then a
-    cost-model schedule that profiles the transport (fresh cache) and plans."""
+    """3 ranks, the optimizer on ProcessSet([0, 1]); rank 2 takes no part in its collectives.
+    Layerwise, then a cost-model schedule that profiles the transport (fresh cache) and plans;
+    rank 2 meanwhile steps optimizers on the set locally (``_outside_the_set``)."""
     import horovod.torch as hvd
     ps = hvd.ProcessSet([0, 1])
     hvd.init(process_sets=[ps])
@@ -115,6 +154,8 @@ def process_set_torch() -> dict:
             out["mgs"] = ident
             out["plan"] = None if opt.plan is None else opt.plan.schedule
             out["world"] = opt.cost_model.world_size if opt.cost_model is not None else None
+        else:
+            out["outside"] = _outside_the_set(ps)
         kit.torch_meet("meet.again")  # all three ranks meet again: nothing hung
         out["done"] = True
     except Exception:

@@ -188,3 +188,66 @@ def _resume_one(spec, state_names) -> dict:
     except Exception:  # report, do not hang the test on a worker traceback
         result = {"error": traceback.format_exc()}
     return result
+
+
+def _state_tensors(opt) -> list:
+    """The wrapped optimizer's per-parameter state, flattened in parameter order (Horovod's
+    ``broadcast_optimizer_state`` moves these)."""
+    sd = opt.state_dict()
+    out = []
+    for pid in sorted(sd["state"]):
+        for key in sorted(sd["state"][pid]):
+            v = sd["state"][pid][key]
+            out.append(torch.as_tensor(v, dtype=torch.float64).reshape(-1))
+    return out
+
+
+def broadcast_optimizer_state() -> dict:
+    """Horovod's own ``hvd.broadcast_optimizer_state`` on our optimizer and on Horovod's, side by
+    side: (a) every rank without state yet: filled by the wrapped optimizer's step on zero
+    gradients, without an exchange; (b) rank 0 with a loaded state, rank 1 without (Horovod's
+    checkpoint recipe): rank 0's state on both. Parameters and state must be the same with both
+    optimizers, bit for bit. (b) runs only if (a) made no exchange: one made there would have
+    no partner in (b), and the launch would hang."""
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    hvd.init()
+    wrappers = {"horovod": lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters()),
+                "hvdcompress": lambda o, m: hvc.DistributedOptimizer(o, named_parameters=m.named_parameters(),
+                                                                     compression="none", schedule="layerwise")}
+
+    def build(wrap):
+        model = kit.torch_mlp()
+        return model, wrap(torch.optim.Adam(model.parameters(), lr=0.01), model)  # (a zero-gradient step
+        # with weight decay would move rank 1's parameters after their broadcast, with either optimizer)
+
+    out = {}
+    try:
+        for name, wrap in wrappers.items():
+            res = {}
+            model, opt = build(wrap)
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+            res["fresh"] = [kit.torch_flat(model)] + _state_tensors(opt)
+            if name == "hvdcompress":
+                res["fresh_steps"] = opt.engine.step
+                if opt.engine.step != 0:
+                    out[name] = res
+                    continue
+            x, y = kit.torch_batch(hvd.rank(), 0)
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            opt.step()
+            saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+            model, opt = build(wrap)
+            if hvd.rank() == 0:
+                model.load_state_dict(saved_model)
+                opt.load_state_dict(saved_opt)
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+            res["restored"] = [kit.torch_flat(model)] + _state_tensors(opt)
+            res["identical"] = kit.torch_identical(model, name=f"bos.{name}")
+            out[name] = res
+    except Exception:
+        out = {"error": traceback.format_exc()}
+    hvd.shutdown()
+    return out
