@@ -442,6 +442,19 @@ HVDC_NOINLINE void pack(const uint8_t* __restrict c, int64_t m, int bits, uint8_
   }
 }
 
+// A byte's eight bits as eight bytes of 0 or 1 (bit k in byte k of the little-endian word).
+struct Spread {
+  uint64_t v[256];
+  constexpr Spread() : v() {
+    for (int b = 0; b < 256; ++b) {
+      uint64_t w = 0;
+      for (int k = 0; k < 8; ++k) w |= uint64_t((b >> k) & 1) << (8 * k);
+      v[b] = w;
+    }
+  }
+};
+constexpr Spread SPREAD{};
+
 // The m codes from code index lo (a multiple of 8) of a stream of `avail` bytes -> c[0..m).
 HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, int bits, int64_t avail,
                         uint8_t* __restrict c) {
@@ -449,10 +462,14 @@ HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, i
   const int64_t nbytes = packed_size(m, bits);
   const uint8_t mask = uint8_t((1 << bits) - 1);
   if (bits == 1) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    for (int64_t j = 0; j < nbytes; ++j) std::memcpy(c + 8 * j, &SPREAD.v[src[j]], 8);
+#else
     for (int64_t j = 0; j < nbytes; ++j) {
       const uint8_t b = src[j];
       for (int k = 0; k < 8; ++k) c[8 * j + k] = (b >> k) & 1;
     }
+#endif
     return;
   }
   if (bits == 2) {
@@ -489,6 +506,7 @@ HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, i
 // written, not two arrays that might overlap).
 template <int RM>
 struct Src {
+  static constexpr bool ADDS = RM == 2;  // a = x + r
   const float* x;
   float* r;
   HVDC_INLINE float a(int64_t i) const { return RM == 2 ? x[i] + r[i] : x[i]; }
@@ -881,75 +899,195 @@ HVDC_INLINE int64_t decode_sum(int kind, const uint8_t* buf, int64_t part, int64
 
 // 1-bit SGD per column (Seide et al.): members given as (rows, cols) pairs tiling [0, n) in order,
 // each viewed row-major as (rows, cols); payload [float32 (pos, neg) per column | packed signs].
-// The column sums follow numpy's float64 reductions in the oracle (``encode_columns``): a matrix
-// (cols > 1) adds its rows one after another into each column; a single column is one 1-D sum,
-// which numpy does in buffer chunks of 8192 entries, each summed pairwise (8 lanes up to 128
-// entries, halves above), the chunks added in order to 0.
+// The column sums follow numpy's float64 reductions in the oracle (``encode_columns``), which start
+// from 0: a matrix (cols > 1) adds its rows one after another into each column; a single column
+// is one 1-D sum, which numpy does in buffer chunks of 8192 entries, each summed pairwise (8 lanes
+// up to 128 entries, halves above), the chunks added in order to 0. The entries >= 0 and the others
+// are summed apart (the other part's lanes get +0.0, as numpy's where), each as numpy adds.
+//
+// Encode is two reads of a = x + r: the sums (lanes that vectorize, counts exact in doubles),
+// then the signs and the residual r <- a - (pos or neg of the entry's column), staged CB codes at
+// a time and packed. Decode + sum unpacks each rank's codes block by block and adds the ranks'
+// values in rank order in an L1 accumulator. Both run over a member's rows a stretch of columns
+// at a time (the column values deinterleaved, so the loops vectorize), a single column with its
+// two values held in registers.
 
 constexpr int64_t NP_BUF = 8192;  // numpy's default buffer size (the chunk of a 1-D reduction)
 
-// numpy's pairwise sum of the masked parts (entries >= 0, the others) of a[off, off + n).
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wpsabi"  // the vector helpers are inlined: no ABI crosses a call
+// Eight lanes as two vectors of four doubles (GCC/clang vector extensions: element-wise IEEE
+// operations, lowered to whatever width the target has).
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+typedef long long v4l __attribute__((vector_size(32)));
+
 template <class S>
-void pairwise_pn(const S& s, int64_t off, int64_t n, double& ps, double& ns, int64_t& pn) {
+HVDC_INLINE v4d load4d(const S& s, int64_t i) {
+  v4f a;
+  std::memcpy(&a, s.x + i, 16);
+  if (S::ADDS) {
+    v4f r;
+    std::memcpy(&r, s.r + i, 16);
+    a = a + r;
+  }
+  return __builtin_convertvector(a, v4d);
+}
+
+struct Lanes {
+  v4d p0, p1, q0, q1, c0, c1;
+  HVDC_INLINE static void parts(const v4d& d, v4d& p, v4d& q, v4d& c, bool first) {
+    const v4l m = d >= 0.0;  // all ones where a >= 0 (false for NaN)
+    const v4d one = {1.0, 1.0, 1.0, 1.0};
+    const v4d pp = (v4d)((v4l)d & m), qq = (v4d)((v4l)d & ~m), cc = (v4d)((v4l)one & m);
+    if (first) {
+      p = pp;
+      q = qq;
+      c = cc;
+    } else {
+      p += pp;
+      q += qq;
+      c += cc;
+    }
+  }
+  template <class S> HVDC_INLINE void set(const S& s, int64_t i) {
+    parts(load4d(s, i), p0, q0, c0, true);
+    parts(load4d(s, i + 4), p1, q1, c1, true);
+  }
+  template <class S> HVDC_INLINE void add(const S& s, int64_t i) {
+    parts(load4d(s, i), p0, q0, c0, false);
+    parts(load4d(s, i + 4), p1, q1, c1, false);
+  }
+  HVDC_INLINE static void store(const v4d& lo, const v4d& hi, double* r) {
+    std::memcpy(r, &lo, 32);
+    std::memcpy(r + 4, &hi, 32);
+  }
+  HVDC_INLINE void out(double* p, double* q, double* c) const {
+    store(p0, p1, p);
+    store(q0, q1, q);
+    store(c0, c1, c);
+  }
+};
+#else
+struct Lanes {  // the same eight lanes, one entry at a time
+  double p[8], q[8], c[8];
+  template <class S> HVDC_INLINE void set(const S& s, int64_t i) {
+    for (int k = 0; k < 8; ++k) {
+      const float a = s.a(i + k);
+      const bool b = a >= 0.0f;
+      p[k] = masked(double(a), b);
+      q[k] = masked(double(a), !b);
+      c[k] = masked(1.0, b);
+    }
+  }
+  template <class S> HVDC_INLINE void add(const S& s, int64_t i) {
+    for (int k = 0; k < 8; ++k) {
+      const float a = s.a(i + k);
+      const bool b = a >= 0.0f;
+      p[k] += masked(double(a), b);
+      q[k] += masked(double(a), !b);
+      c[k] += masked(1.0, b);
+    }
+  }
+  HVDC_INLINE void out(double* pp, double* qq, double* cc) const {
+    for (int k = 0; k < 8; ++k) {
+      pp[k] = p[k];
+      qq[k] = q[k];
+      cc[k] = c[k];
+    }
+  }
+};
+#endif
+
+HVDC_INLINE double tree8(const double* r) { return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7])); }
+
+// numpy's pairwise sum splits n > 128 entries at n / 2 rounded down to a multiple of 8 and adds
+// the halves' sums; a leaf of 8 .. 128 entries is summed in eight lanes (started from the first
+// eight entries) added as a tree, then the rest one by one; a leaf under 8 entries from 0. The
+// leaves are summed in a loop of their own (inlined into the entry point, so it gets the CPU's
+// vector width), the tree over their sums is added afterwards.
+constexpr int MAX_LEAVES = 256;  // a chunk of NP_BUF entries has at most 128 leaves
+
+inline void pairwise_leaves(int64_t n, int64_t* len, int& count) {
+  if (n <= 128) {
+    len[count++] = n;
+    return;
+  }
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  pairwise_leaves(n2, len, count);
+  pairwise_leaves(n - n2, len, count);
+}
+
+inline double pairwise_combine(int64_t n, const double* leaf, int& at) {
+  if (n <= 128) return leaf[at++];
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  const double a = pairwise_combine(n2, leaf, at);
+  return a + pairwise_combine(n - n2, leaf, at);
+}
+
+// One leaf's sums of the masked parts of a[off, off + n), n <= 128; pn counts the entries >= 0.
+template <class S>
+HVDC_INLINE void leaf_pn(const S& s, int64_t off, int64_t n, double& ps, double& ns, double& pn) {
   if (n < 8) {
     double p = 0.0, q = 0.0;
     for (int64_t i = off; i < off + n; ++i) {
       const float a = s.a(i);
       const bool b = a >= 0.0f;
-      p += b ? double(a) : 0.0;
-      q += b ? 0.0 : double(a);
+      p += masked(double(a), b);
+      q += masked(double(a), !b);
       pn += b;
     }
     ps = p;
     ns = q;
-  } else if (n <= 128) {
-    double p[8], q[8];
-    for (int k = 0; k < 8; ++k) {
-      const float a = s.a(off + k);
-      const bool b = a >= 0.0f;
-      p[k] = b ? double(a) : 0.0;
-      q[k] = b ? 0.0 : double(a);
-      pn += b;
-    }
-    int64_t i = 8;
-    for (; i < n - (n % 8); i += 8)
-      for (int k = 0; k < 8; ++k) {
-        const float a = s.a(off + i + k);
-        const bool b = a >= 0.0f;
-        p[k] += b ? double(a) : 0.0;
-        q[k] += b ? 0.0 : double(a);
-        pn += b;
-      }
-    double rp = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-    double rq = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
-    for (; i < n; ++i) {
-      const float a = s.a(off + i);
-      const bool b = a >= 0.0f;
-      rp += b ? double(a) : 0.0;
-      rq += b ? 0.0 : double(a);
-      pn += b;
-    }
-    ps = rp;
-    ns = rq;
-  } else {
-    int64_t n2 = n / 2;
-    n2 -= n2 % 8;
-    double p1, q1, p2, q2;
-    pairwise_pn(s, off, n2, p1, q1, pn);
-    pairwise_pn(s, off + n2, n - n2, p2, q2, pn);
-    ps = p1 + p2;
-    ns = q1 + q2;
+    return;
   }
+  Lanes ln;  // the lanes start from the first eight entries, as numpy's
+  ln.set(s, off);
+  const int64_t whole = n - (n % 8);
+  int64_t i = 8;
+  for (; i < whole; i += 8) ln.add(s, off + i);
+  alignas(64) double p[8], q[8], c[8];
+  ln.out(p, q, c);
+  double rp = tree8(p), rq = tree8(q);
+  pn += tree8(c);  // an exact count
+  for (; i < n; ++i) {
+    const float a = s.a(off + i);
+    const bool b = a >= 0.0f;
+    rp += masked(double(a), b);
+    rq += masked(double(a), !b);
+    pn += b;
+  }
+  ps = rp;
+  ns = rq;
+}
+
+// numpy's pairwise sums of the masked parts of a[off, off + n), n <= NP_BUF.
+template <class S>
+HVDC_INLINE void pairwise_pn(const S& s, int64_t off, int64_t n, double& ps, double& ns, double& pn) {
+  int64_t len[MAX_LEAVES];
+  double lp[MAX_LEAVES], lq[MAX_LEAVES];
+  int count = 0;
+  pairwise_leaves(n, len, count);
+  for (int l = 0; l < count; ++l) {
+    leaf_pn(s, off, len[l], lp[l], lq[l], pn);
+    off += len[l];
+  }
+  int at = 0;
+  ps = pairwise_combine(n, lp, at);
+  at = 0;
+  ns = pairwise_combine(n, lq, at);
 }
 
 HVDC_INLINE float mean_or_zero(double sum, double count) { return count > 0 ? float(sum / count) : 0.0f; }
 
-// The (pos, neg) pair of every column of one member at off, into sc[0 .. 2 * cols).
+// The (pos, neg) values of every column of one member at off, into P[0 .. cols) and Q[0 .. cols).
+// work holds 3 * cols doubles.
 template <class S>
-void column_means(const S& s, int64_t off, int64_t rows, int64_t cols, double* work, float* sc) {
+HVDC_INLINE void column_means(const S& s, int64_t off, int64_t rows, int64_t cols, double* work, float* P, float* Q) {
   if (cols == 1) {
-    double ps = 0.0, ns = 0.0;
-    int64_t pn = 0;  // entries >= 0 (an exact count, as numpy's sum of booleans)
+    double ps = 0.0, ns = 0.0, pn = 0.0;
     for (int64_t lo = 0; lo < rows; lo += NP_BUF) {
       const int64_t m = std::min(rows - lo, NP_BUF);
       double p, q;
@@ -957,57 +1095,89 @@ void column_means(const S& s, int64_t off, int64_t rows, int64_t cols, double* w
       ps += p;
       ns += q;
     }
-    sc[0] = mean_or_zero(ps, double(pn));
-    sc[1] = mean_or_zero(ns, double(rows - pn));
+    P[0] = mean_or_zero(ps, pn);
+    Q[0] = mean_or_zero(ns, double(rows) - pn);
     return;
   }
-  double* ps = work;
-  double* ns = work + cols;
-  int64_t* pc = reinterpret_cast<int64_t*>(work + 2 * cols);
+  double* __restrict ps = work;
+  double* __restrict ns = work + cols;
+  double* __restrict pc = work + 2 * cols;
   for (int64_t j = 0; j < cols; ++j) {
     ps[j] = 0.0;
     ns[j] = 0.0;
-    pc[j] = 0;
+    pc[j] = 0.0;
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = off + r * cols;
     for (int64_t j = 0; j < cols; ++j) {
       const float a = s.a(base + j);
       const bool b = a >= 0.0f;
-      ps[j] += b ? double(a) : 0.0;
-      ns[j] += b ? 0.0 : double(a);
-      pc[j] += b;
+      const double d = double(a);
+      ps[j] += masked(d, b);
+      ns[j] += masked(d, !b);
+      pc[j] += masked(1.0, b);
     }
   }
   for (int64_t j = 0; j < cols; ++j) {
-    sc[2 * j] = mean_or_zero(ps[j], double(pc[j]));
-    sc[2 * j + 1] = mean_or_zero(ns[j], double(rows - pc[j]));
+    P[j] = mean_or_zero(ps[j], pc[j]);
+    Q[j] = mean_or_zero(ns[j], double(rows) - pc[j]);
+  }
+}
+
+// Signs and residual of entries i .. i + m - 1 of a member (the first in column j): a stretch of
+// columns at a time, or a single column's two values throughout.
+template <class S>
+HVDC_INLINE void emit_cols(const S& s, int64_t i, int64_t m, int64_t j, int64_t cols, const float* P, const float* Q,
+                           uint8_t* __restrict c) {
+  if (cols == 1) {
+    const float p = P[0], q = Q[0];
+    for (int64_t t = 0; t < m; ++t) {
+      const float a = s.a(i + t);
+      const bool b = a >= 0.0f;
+      c[t] = b;
+      s.keep(i + t, a, select(b, p, q));
+    }
+    return;
+  }
+  for (int64_t t = 0; t < m;) {
+    const int64_t len = std::min(m - t, cols - j);
+    const float* __restrict pp = P + j;
+    const float* __restrict qq = Q + j;
+    const int64_t at = i + t;
+    uint8_t* __restrict cc = c + t;
+    for (int64_t u = 0; u < len; ++u) {
+      const float a = s.a(at + u);
+      const bool b = a >= 0.0f;
+      cc[u] = b;
+      s.keep(at + u, a, select(b, pp[u], qq[u]));
+    }
+    t += len;
+    j += len;
+    if (j == cols) j = 0;
   }
 }
 
 template <int RM>
-void encode_cols_rm(const Src<RM>& s, const int64_t* dims, int64_t nm, int64_t ncols, float* scales,
-                    uint8_t* packed) {
+HVDC_INLINE void encode_cols_rm(const Src<RM>& s, const int64_t* dims, int64_t nm, float* scales, uint8_t* packed) {
   int64_t widest = 1;
   for (int64_t k = 0; k < nm; ++k) widest = std::max(widest, dims[2 * k + 1]);
   std::vector<double> work(size_t(3 * widest));
+  std::vector<float> pq(size_t(2 * widest));
+  float* P = pq.data();
+  float* Q = P + widest;
   alignas(64) uint8_t c[CB + 16];
   int64_t fill = 0, first = 0, off = 0;
   float* sc = scales;
   for (int64_t k = 0; k < nm; ++k) {
     const int64_t rows = dims[2 * k], cols = dims[2 * k + 1], end = off + rows * cols;
-    column_means(s, off, rows, cols, work.data(), sc);  // first pass: the column values
-    int64_t j = 0;                                      // column of entry i
-    for (int64_t i = off; i < end;) {                   // second pass: signs and residual
+    column_means(s, off, rows, cols, work.data(), P, Q);  // first read: the column values
+    for (int64_t j = 0; j < cols; ++j) {
+      sc[2 * j] = P[j];
+      sc[2 * j + 1] = Q[j];
+    }
+    for (int64_t i = off; i < end;) {  // second read: signs and residual
       const int64_t m = std::min(end - i, CB - fill);
-      uint8_t* cc = c + fill;
-      for (int64_t t = 0; t < m; ++t) {
-        const float a = s.a(i + t);
-        const bool b = a >= 0.0f;
-        cc[t] = b;
-        s.keep(i + t, a, b ? sc[2 * j] : sc[2 * j + 1]);
-        if (++j == cols) j = 0;
-      }
+      emit_cols(s, i, m, cols == 1 ? 0 : (i - off) % cols, cols, P, Q, c + fill);
       fill += m;
       i += m;
       if (fill == CB) {
@@ -1039,18 +1209,46 @@ inline int64_t count_columns(const int64_t* dims, int64_t nm, int64_t n) {
 HVDC_INLINE int64_t encode_cols(const float* x, const float* rin, float* rout, int64_t n, const int64_t* dims,
                                 int64_t nm, uint8_t* out, int64_t out_bytes) {
   const int64_t ncols = count_columns(dims, nm, n);
-  if (ncols < 0 || out_bytes != 8 * ncols + packed_size(n, 1)) return -1;
+  if (ncols < 0 || out_bytes != 8 * ncols + packed_size(n, 1) || (rin != nullptr && rin != rout)) return -1;
   std::vector<float> scales(size_t(2 * ncols) + 1);
   uint8_t* packed = out + 8 * ncols;
   if (rout == nullptr) {
-    encode_cols_rm(Src<0>{x, nullptr}, dims, nm, ncols, scales.data(), packed);
+    encode_cols_rm(Src<0>{x, nullptr}, dims, nm, scales.data(), packed);
   } else if (rin == nullptr) {
-    encode_cols_rm(Src<1>{x, rout}, dims, nm, ncols, scales.data(), packed);
+    encode_cols_rm(Src<1>{x, rout}, dims, nm, scales.data(), packed);
   } else {
-    encode_cols_rm(Src<2>{x, rout}, dims, nm, ncols, scales.data(), packed);
+    encode_cols_rm(Src<2>{x, rout}, dims, nm, scales.data(), packed);
   }
   std::memcpy(out, scales.data(), size_t(8 * ncols));
   return 0;
+}
+
+// Adds (First: writes) the values of codes c[0 .. m) of a member, the first in column j.
+template <bool First>
+HVDC_INLINE void decode_cols(const uint8_t* __restrict c, int64_t m, int64_t j, int64_t cols, const float* P,
+                             const float* Q, float* __restrict acc) {
+  if (cols == 1) {
+    const float p = P[0], q = Q[0];
+    for (int64_t t = 0; t < m; ++t) {
+      const float v = select(c[t] != 0, p, q);
+      acc[t] = First ? v : acc[t] + v;
+    }
+    return;
+  }
+  for (int64_t t = 0; t < m;) {
+    const int64_t len = std::min(m - t, cols - j);
+    const float* __restrict pp = P + j;
+    const float* __restrict qq = Q + j;
+    const uint8_t* __restrict cc = c + t;
+    float* __restrict aa = acc + t;
+    for (int64_t u = 0; u < len; ++u) {
+      const float v = select(cc[u] != 0, pp[u], qq[u]);
+      aa[u] = First ? v : aa[u] + v;
+    }
+    t += len;
+    j += len;
+    if (j == cols) j = 0;
+  }
 }
 
 // Sum over ranks (in rank order) of every entry's column value for its bit, times scale.
@@ -1059,8 +1257,16 @@ HVDC_INLINE int64_t decode_sum_cols(const uint8_t* buf, int64_t part, int64_t wo
   const int64_t ncols = count_columns(dims, nm, n);
   if (ncols < 0 || world < 1 || part != 8 * ncols + packed_size(n, 1)) return -1;
   const int64_t head = 8 * ncols, avail = part - head;
-  std::vector<float> sc(size_t(world * 2 * ncols) + 1);
-  for (int64_t w = 0; w < world; ++w) std::memcpy(sc.data() + w * 2 * ncols, buf + w * part, size_t(head));
+  // the column values of every rank, deinterleaved: rank w's P at pq[2 w ncols], Q ncols later
+  std::vector<float> pq(size_t(world * 2 * ncols) + 1);
+  for (int64_t w = 0; w < world; ++w) {
+    float pair[2];
+    for (int64_t j = 0; j < ncols; ++j) {
+      std::memcpy(pair, buf + w * part + 8 * j, 8);
+      pq[size_t(w * 2 * ncols + j)] = pair[0];
+      pq[size_t(w * 2 * ncols + ncols + j)] = pair[1];
+    }
+  }
   std::vector<int64_t> start(size_t(nm + 1), 0), col0(size_t(nm + 1), 0);
   for (int64_t k = 0; k < nm; ++k) {
     start[k + 1] = start[k] + dims[2 * k] * dims[2 * k + 1];
@@ -1074,21 +1280,14 @@ HVDC_INLINE int64_t decode_sum_cols(const uint8_t* buf, int64_t part, int64_t wo
     while (start[k0 + 1] <= lo) ++k0;
     for (int64_t w = 0; w < world; ++w) {
       unpack(buf + w * part + head, lo, m, 1, avail, c);
+      const float* P = pq.data() + w * 2 * ncols;
       for (int64_t i = lo, k = k0; i < lo + m; ++k) {
         const int64_t e = std::min(lo + m, start[k + 1]), cols = dims[2 * k + 1];
-        const float* s = sc.data() + w * 2 * ncols + 2 * col0[k];
-        int64_t j = (i - start[k]) % cols;
-        if (w == 0) {
-          for (int64_t t = i; t < e; ++t) {
-            acc[t - lo] = c[t - lo] ? s[2 * j] : s[2 * j + 1];
-            if (++j == cols) j = 0;
-          }
-        } else {
-          for (int64_t t = i; t < e; ++t) {
-            acc[t - lo] = acc[t - lo] + (c[t - lo] ? s[2 * j] : s[2 * j + 1]);
-            if (++j == cols) j = 0;
-          }
-        }
+        const int64_t j = cols == 1 ? 0 : (i - start[k]) % cols;
+        if (w == 0)
+          decode_cols<true>(c + (i - lo), e - i, j, cols, P + col0[k], P + ncols + col0[k], acc + (i - lo));
+        else
+          decode_cols<false>(c + (i - lo), e - i, j, cols, P + col0[k], P + ncols + col0[k], acc + (i - lo));
         i = e;
       }
     }
