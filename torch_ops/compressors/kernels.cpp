@@ -12,6 +12,9 @@
 //   topk_small  the k largest |x|, ties toward the lower index (small tensors: a copy, nth_element)
 //   q_encode    a quantizer's payload (scales, packed codes) and its error-feedback residual
 //   q_decode_sum  the sum over ranks of the decoded payloads, times the average's scale
+//   q1c_encode / q1c_decode_sum  1-bit SGD with a (pos, neg) pair per column
+//   sk_update_sketch  the sketch's momentum and error update and its count sketch (one pass)
+//   sk_estimates_abs  |estimate| of every entry from a summed sketch (lower median over rows)
 //
 // The scans write at most `cap` indices and return how many passed (more than cap: the caller
 // knows the list is incomplete).
@@ -1302,6 +1305,185 @@ HVDC_INLINE int64_t decode_sum_cols(const uint8_t* buf, int64_t part, int64_t wo
 
 }  // namespace quant
 
+// -- count sketch (Sketched-SGD): the update and sketch in one pass, the estimates in another ------
+// hvdcompress.reference.sketch and hvdcompress.hashing define every operation: the hashes are
+// computed from the index (simple tabulation over two 16-bit halves, then one multiply-shift into
+// a signed cell y in [0, 2c)); the sketch adds v into each row's 2c signed cells in ascending index
+// order (np.add.at's order) and folds them, S[j, b] = cell[2b] - cell[2b + 1]; the estimate of
+// entry i is the lower median over rows of (y even ? S[j, y >> 1] : -S[j, y >> 1]), in the order of
+// np.sort (NaN last). All float operations are float32, one at a time (no FMA).
+namespace sketch {
+
+constexpr uint32_t C1 = 0x7FEB352Du, C2 = 0x31848BABu, C3 = 0x2545F491u;
+constexpr int64_t BLOCK = 65536;  // entries per HIGH value
+constexpr int64_t SB = 512;       // entries hashed per sub-block (their cells stay in L1)
+constexpr int64_t CH = 4096;      // entries per chunk (a divisor of BLOCK): rows x CH floats in L2
+
+HVDC_INLINE uint32_t mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= C1;
+  x ^= x >> 15;
+  x *= C2;
+  x ^= x >> 16;
+  return x;
+}
+
+// The rows' LOW tables (min(n, BLOCK) each) and HIGH tables (ceil(n / BLOCK) each), from the
+// rows' keys and high keys (hashing.row_key, hashing.high_key).
+struct Tables {
+  int64_t n_low, n_high;
+  std::vector<uint32_t> low, high;
+  Tables(const uint32_t* keys, const uint32_t* hkeys, int rows, int64_t n)
+      : n_low(std::min(n, BLOCK)), n_high((n + BLOCK - 1) / BLOCK), low(size_t(rows * n_low)),
+        high(size_t(rows * n_high)) {
+    for (int j = 0; j < rows; ++j) {
+      uint32_t* lo = low.data() + j * n_low;
+      for (int64_t t = 0; t < n_low; ++t) lo[t] = mix(uint32_t(t) ^ keys[j]);
+      uint32_t* hi = high.data() + j * n_high;
+      for (int64_t b = 0; b < n_high; ++b) hi[b] = mix(uint32_t(b) ^ hkeys[j]);
+    }
+  }
+};
+
+// y = (((HIGH ^ LOW[t]) * C3) mod 2**32 * 2c) >> 32 for the m entries from t0 of a block.
+HVDC_INLINE void cells(const uint32_t* __restrict low, uint32_t high, int64_t t0, int64_t m, uint64_t two_c,
+                       uint32_t* __restrict y) {
+  for (int64_t t = 0; t < m; ++t) {
+    const uint32_t z = (high ^ low[t0 + t]) * C3;
+    y[t] = uint32_t((uint64_t(z) * two_c) >> 32);
+  }
+}
+
+// u <- u*m + g and v <- v + u, then v into the rows' signed cells, folded into table (rows x cols).
+HVDC_INLINE int64_t update_sketch(const float* g, float* u, float* v, int64_t n, float mom, const uint32_t* keys,
+                                  const uint32_t* hkeys, int rows, int64_t cols, float* table) {
+  if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30)) return -1;
+  const Tables tb(keys, hkeys, rows, n);
+  const int64_t two_c = 2 * cols;
+  std::vector<float> signed_cells(size_t(rows * two_c), 0.0f);
+  alignas(64) uint32_t y[SB];
+  for (int64_t i0 = 0; i0 < n; i0 += CH) {  // a chunk inside one block: its v stays in cache
+    const int64_t m_chunk = std::min(n - i0, CH), b = i0 / BLOCK, t_chunk = i0 - b * BLOCK;
+    float* __restrict uu = u + i0;
+    float* __restrict vv = v + i0;
+    const float* __restrict gg = g + i0;
+    for (int64_t t = 0; t < m_chunk; ++t) {
+      const float nu = uu[t] * mom + gg[t];
+      uu[t] = nu;
+      vv[t] = vv[t] + nu;
+    }
+    for (int j = 0; j < rows; ++j) {  // a row at a time: one row's cells in cache
+      const uint32_t* low = tb.low.data() + j * tb.n_low;
+      const uint32_t high = tb.high[size_t(j * tb.n_high + b)];
+      float* __restrict cell = signed_cells.data() + j * two_c;
+      for (int64_t t0 = 0; t0 < m_chunk; t0 += SB) {
+        const int64_t m = std::min(m_chunk - t0, SB);
+        cells(low, high, t_chunk + t0, m, uint64_t(two_c), y);
+        const float* __restrict x = vv + t0;
+        for (int64_t t = 0; t < m; ++t) cell[y[t]] += x[t];  // index order within every cell
+      }
+    }
+  }
+  for (int j = 0; j < rows; ++j) {
+    const float* s = signed_cells.data() + j * two_c;
+    float* out = table + j * cols;
+    for (int64_t c = 0; c < cols; ++c) out[c] = s[2 * c] - s[2 * c + 1];
+  }
+  return 0;
+}
+
+// np.sort's order (NaN last) as a compare-exchange that keeps both values: lo <- the smaller.
+HVDC_INLINE void cmpx(float& lo, float& hi) {
+  const float a = lo, b = hi;
+  const bool keep = b != b || a <= b;
+  lo = keep ? a : b;
+  hi = keep ? b : a;
+}
+
+// The lower median (element (r-1)//2 in np.sort's order) of every column of w (rows x m, row
+// stride CH), in place; written to out. r = 3 and r = 5: selection networks; else odd-even
+// transposition sort.
+HVDC_INLINE void lower_median(float* w, int rows, int64_t m, float* __restrict out) {
+  if (rows == 1) {
+    for (int64_t t = 0; t < m; ++t) out[t] = w[t];
+    return;
+  }
+  if (rows == 3) {
+    float* __restrict a = w;
+    float* __restrict b = w + CH;
+    float* __restrict c = w + 2 * CH;
+    for (int64_t t = 0; t < m; ++t) {
+      float x = a[t], y = b[t], z = c[t];
+      cmpx(x, y);  // x = min(a, b), y = max(a, b)
+      cmpx(y, z);  // y = min(max(a, b), c)
+      cmpx(x, y);  // y = max(min(a, b), min(max(a, b), c))
+      out[t] = y;
+    }
+    return;
+  }
+  if (rows == 5) {
+    float* __restrict a = w;
+    float* __restrict b = w + CH;
+    float* __restrict c = w + 2 * CH;
+    float* __restrict d = w + 3 * CH;
+    float* __restrict e = w + 4 * CH;
+    for (int64_t t = 0; t < m; ++t) {
+      float p = a[t], q = b[t], r = c[t], s = d[t], x = e[t];
+      cmpx(p, q);  // p = min(a, b), q = max(a, b)
+      cmpx(r, s);  // r = min(c, d), s = max(c, d)
+      cmpx(r, p);  // p = f, the larger of the minima
+      cmpx(q, s);  // q = g, the smaller of the maxima
+      cmpx(x, p);  // x = min(e, f), p = max(e, f)
+      cmpx(p, q);  // p = min(max(e, f), g)
+      cmpx(x, p);  // p = the median of (e, f, g)
+      out[t] = p;
+    }
+    return;
+  }
+  for (int pass = 0; pass < rows; ++pass)
+    for (int i = pass % 2; i < rows - 1; i += 2) {
+      float* __restrict a = w + i * CH;
+      float* __restrict b = w + (i + 1) * CH;
+      for (int64_t t = 0; t < m; ++t) cmpx(a[t], b[t]);
+    }
+  const float* med = w + ((rows - 1) / 2) * CH;
+  for (int64_t t = 0; t < m; ++t) out[t] = med[t];
+}
+
+// est_abs[i] = |lower median over rows of s_j(i) * table[j, h_j(i)]| for i < n.
+HVDC_INLINE int64_t estimates_abs(const float* table, int64_t n, const uint32_t* keys, const uint32_t* hkeys,
+                                  int rows, int64_t cols, float* est_abs) {
+  if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30)) return -1;
+  const Tables tb(keys, hkeys, rows, n);
+  const int64_t two_c = 2 * cols;
+  alignas(64) uint32_t y[SB];
+  std::vector<float> w(size_t(rows * CH));
+  alignas(64) float med[CH];
+  for (int64_t i0 = 0; i0 < n; i0 += CH) {
+    const int64_t m_chunk = std::min(n - i0, CH), b = i0 / BLOCK, t_chunk = i0 - b * BLOCK;
+    for (int j = 0; j < rows; ++j) {  // a row at a time: one row of the table in cache
+      const uint32_t* low = tb.low.data() + j * tb.n_low;
+      const uint32_t high = tb.high[size_t(j * tb.n_high + b)];
+      const float* s = table + j * cols;
+      for (int64_t t0 = 0; t0 < m_chunk; t0 += SB) {
+        const int64_t m = std::min(m_chunk - t0, SB);
+        cells(low, high, t_chunk + t0, m, uint64_t(two_c), y);
+        float* __restrict wj = w.data() + j * CH + t0;
+        for (int64_t t = 0; t < m; ++t) {
+          const float x = s[y[t] >> 1];
+          wj[t] = (y[t] & 1) ? -x : x;
+        }
+      }
+    }
+    lower_median(w.data(), rows, m_chunk, med);
+    float* __restrict out = est_abs + i0;
+    for (int64_t t = 0; t < m_chunk; ++t) out[t] = std::fabs(med[t]);
+  }
+  return 0;
+}
+
+}  // namespace sketch
+
 // The quantizer entry points are compiled twice, for AVX2 and for the baseline, and the loader
 // picks one by the CPU (the same IEEE operations either way: only the speed differs).
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && !defined(__clang__)
@@ -1329,6 +1511,14 @@ HVDC_CLONES int64_t hvdc_q1c_encode(const float* x, const float* rin, float* rou
 HVDC_CLONES int64_t hvdc_q1c_decode_sum(const uint8_t* buf, int64_t part, int64_t world, int64_t n,
                                         const int64_t* dims, int64_t nm, float scale, float* out) {
   return quant::decode_sum_cols(buf, part, world, n, dims, nm, scale, out);
+}
+HVDC_CLONES int64_t hvdc_sk_update_sketch(const float* g, float* u, float* v, int64_t n, float m, const uint32_t* keys,
+                                          const uint32_t* hkeys, int rows, int64_t cols, float* table) {
+  return sketch::update_sketch(g, u, v, n, m, keys, hkeys, rows, cols, table);
+}
+HVDC_CLONES int64_t hvdc_sk_estimates_abs(const float* table, int64_t n, const uint32_t* keys, const uint32_t* hkeys,
+                                          int rows, int64_t cols, float* est_abs) {
+  return sketch::estimates_abs(table, n, keys, hkeys, rows, cols, est_abs);
 }
 int64_t hvdc_ge_f32(const float* x, int64_t n, float t, int64_t* idx, int64_t cap) {
   return ge<float>(x, n, t, idx, cap);
@@ -1372,6 +1562,6 @@ int64_t hvdc_topk_small_f32(const float* x, int64_t n, int64_t k, int64_t* out, 
 int64_t hvdc_topk_small_f64(const double* x, int64_t n, int64_t k, int64_t* out, double* work) {
   return topk_small<double>(x, n, k, out, work);
 }
-int hvdc_abi_version() { return 4; }
+int hvdc_abi_version() { return 5; }
 
 }  // extern "C"
