@@ -23,6 +23,14 @@ one ``scatter_add_`` of v into the row's 2c signed cells (no sign multiply) to s
 min/max selection network. Nothing of size r x d is ever held; the estimates (d floats) are the
 only dense temporary besides the state.
 
+On CPU (float32, contiguous, the compiled library loaded: ``Native``) two calls of
+``kernels.cpp`` replace these ops: one pass that updates u and v and adds v into each row's signed
+cells (the hashes computed inline from the same tables, a row at a time per chunk of 4096 entries
+so one row's cells are the only random-access data), and one that writes |estimate| of every
+entry into a buffer kept between steps (the candidates depend on |est| only). The result is built
+in ``ctx.out`` when it is offered. The torch ops stay the path of other devices and dtypes and of
+``HVDCOMPRESS_NATIVE=0`` / the torch-only switch; both give the oracle's bits (tests/test_paths.py).
+
 Bit-exactness: on CPU ``scatter_add_`` of a 1-D source adds serially, in index order, chunk after
 chunk into the same cells -- the oracle's order (``np.add.at``); tests check the table,
 candidates, selected indices, results and state bit for bit. On a GPU it adds with atomics in no
