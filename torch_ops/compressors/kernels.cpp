@@ -1307,58 +1307,44 @@ HVDC_INLINE int64_t decode_sum_cols(const uint8_t* buf, int64_t part, int64_t wo
 
 // -- count sketch (Sketched-SGD): the update and sketch in one pass, the estimates in another ------
 // hvdcompress.reference.sketch and hvdcompress.hashing define every operation: the hashes are
-// computed from the index (simple tabulation over two 16-bit halves, then one multiply-shift into
-// a signed cell y in [0, 2c)); the sketch adds v into each row's 2c signed cells in ascending index
+// computed from the index and the rows' short tables (hashing.tables, passed in: simple tabulation
+// over two 16-bit halves, then one multiply-shift into a signed cell y in [0, 2c)); the sketch adds v into each row's 2c signed cells in ascending index
 // order (np.add.at's order) and folds them, S[j, b] = cell[2b] - cell[2b + 1]; the estimate of
 // entry i is the lower median over rows of (y even ? S[j, y >> 1] : -S[j, y >> 1]), in the order of
 // np.sort (NaN last). All float operations are float32, one at a time (no FMA).
 namespace sketch {
 
-constexpr uint32_t C1 = 0x7FEB352Du, C2 = 0x31848BABu, C3 = 0x2545F491u;
+constexpr uint32_t C3 = 0x2545F491u;
 constexpr int64_t BLOCK = 65536;  // entries per HIGH value
 constexpr int64_t SB = 512;       // entries hashed per sub-block (their cells stay in L1)
 constexpr int64_t CH = 4096;      // entries per chunk (a divisor of BLOCK): rows x CH floats in L2
 
-HVDC_INLINE uint32_t mix(uint32_t x) {
-  x ^= x >> 16;
-  x *= C1;
-  x ^= x >> 15;
-  x *= C2;
-  x ^= x >> 16;
-  return x;
-}
-
-// The rows' LOW tables (min(n, BLOCK) each) and HIGH tables (ceil(n / BLOCK) each), from the
-// rows' keys and high keys (hashing.row_key, hashing.high_key).
+// The rows' hash tables (hashing.tables, as uint32): LOW row-major, min(n, BLOCK) per row; HIGH
+// ceil(n / BLOCK) per row.
 struct Tables {
   int64_t n_low, n_high;
-  std::vector<uint32_t> low, high;
-  Tables(const uint32_t* keys, const uint32_t* hkeys, int rows, int64_t n)
-      : n_low(std::min(n, BLOCK)), n_high((n + BLOCK - 1) / BLOCK), low(size_t(rows * n_low)),
-        high(size_t(rows * n_high)) {
-    for (int j = 0; j < rows; ++j) {
-      uint32_t* lo = low.data() + j * n_low;
-      for (int64_t t = 0; t < n_low; ++t) lo[t] = mix(uint32_t(t) ^ keys[j]);
-      uint32_t* hi = high.data() + j * n_high;
-      for (int64_t b = 0; b < n_high; ++b) hi[b] = mix(uint32_t(b) ^ hkeys[j]);
-    }
-  }
+  const uint32_t* low;
+  const uint32_t* high;
+  Tables(const uint32_t* lo, const uint32_t* hi, int64_t n)
+      : n_low(std::min(n, BLOCK)), n_high((n + BLOCK - 1) / BLOCK), low(lo), high(hi) {}
 };
 
 // y = (((HIGH ^ LOW[t]) * C3) mod 2**32 * 2c) >> 32 for the m entries from t0 of a block.
+// 2c <= 2**31 fits 32 bits, so the product is a 32 x 32 -> 64-bit multiply (it vectorizes).
 HVDC_INLINE void cells(const uint32_t* __restrict low, uint32_t high, int64_t t0, int64_t m, uint64_t two_c,
                        uint32_t* __restrict y) {
+  const uint32_t c2 = uint32_t(two_c);
   for (int64_t t = 0; t < m; ++t) {
     const uint32_t z = (high ^ low[t0 + t]) * C3;
-    y[t] = uint32_t((uint64_t(z) * two_c) >> 32);
+    y[t] = uint32_t((uint64_t(z) * uint64_t(c2)) >> 32);
   }
 }
 
 // u <- u*m + g and v <- v + u, then v into the rows' signed cells, folded into table (rows x cols).
-HVDC_INLINE int64_t update_sketch(const float* g, float* u, float* v, int64_t n, float mom, const uint32_t* keys,
-                                  const uint32_t* hkeys, int rows, int64_t cols, float* table) {
+HVDC_INLINE int64_t update_sketch(const float* g, float* u, float* v, int64_t n, float mom, const uint32_t* low,
+                                  const uint32_t* high, int rows, int64_t cols, float* table) {
   if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30)) return -1;
-  const Tables tb(keys, hkeys, rows, n);
+  const Tables tb(low, high, n);
   const int64_t two_c = 2 * cols;
   std::vector<float> signed_cells(size_t(rows * two_c), 0.0f);
   alignas(64) uint32_t y[SB];
@@ -1373,7 +1359,7 @@ HVDC_INLINE int64_t update_sketch(const float* g, float* u, float* v, int64_t n,
       vv[t] = vv[t] + nu;
     }
     for (int j = 0; j < rows; ++j) {  // a row at a time: one row's cells in cache
-      const uint32_t* low = tb.low.data() + j * tb.n_low;
+      const uint32_t* low = tb.low + j * tb.n_low;
       const uint32_t high = tb.high[size_t(j * tb.n_high + b)];
       float* __restrict cell = signed_cells.data() + j * two_c;
       for (int64_t t0 = 0; t0 < m_chunk; t0 += SB) {
@@ -1451,10 +1437,10 @@ HVDC_INLINE void lower_median(float* w, int rows, int64_t m, float* __restrict o
 }
 
 // est_abs[i] = |lower median over rows of s_j(i) * table[j, h_j(i)]| for i < n.
-HVDC_INLINE int64_t estimates_abs(const float* table, int64_t n, const uint32_t* keys, const uint32_t* hkeys,
+HVDC_INLINE int64_t estimates_abs(const float* table, int64_t n, const uint32_t* low, const uint32_t* high,
                                   int rows, int64_t cols, float* est_abs) {
   if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30)) return -1;
-  const Tables tb(keys, hkeys, rows, n);
+  const Tables tb(low, high, n);
   const int64_t two_c = 2 * cols;
   alignas(64) uint32_t y[SB];
   std::vector<float> w(size_t(rows * CH));
@@ -1462,7 +1448,7 @@ HVDC_INLINE int64_t estimates_abs(const float* table, int64_t n, const uint32_t*
   for (int64_t i0 = 0; i0 < n; i0 += CH) {
     const int64_t m_chunk = std::min(n - i0, CH), b = i0 / BLOCK, t_chunk = i0 - b * BLOCK;
     for (int j = 0; j < rows; ++j) {  // a row at a time: one row of the table in cache
-      const uint32_t* low = tb.low.data() + j * tb.n_low;
+      const uint32_t* low = tb.low + j * tb.n_low;
       const uint32_t high = tb.high[size_t(j * tb.n_high + b)];
       const float* s = table + j * cols;
       for (int64_t t0 = 0; t0 < m_chunk; t0 += SB) {
@@ -1512,13 +1498,13 @@ HVDC_CLONES int64_t hvdc_q1c_decode_sum(const uint8_t* buf, int64_t part, int64_
                                         const int64_t* dims, int64_t nm, float scale, float* out) {
   return quant::decode_sum_cols(buf, part, world, n, dims, nm, scale, out);
 }
-HVDC_CLONES int64_t hvdc_sk_update_sketch(const float* g, float* u, float* v, int64_t n, float m, const uint32_t* keys,
-                                          const uint32_t* hkeys, int rows, int64_t cols, float* table) {
-  return sketch::update_sketch(g, u, v, n, m, keys, hkeys, rows, cols, table);
+HVDC_CLONES int64_t hvdc_sk_update_sketch(const float* g, float* u, float* v, int64_t n, float m, const uint32_t* low,
+                                          const uint32_t* high, int rows, int64_t cols, float* table) {
+  return sketch::update_sketch(g, u, v, n, m, low, high, rows, cols, table);
 }
-HVDC_CLONES int64_t hvdc_sk_estimates_abs(const float* table, int64_t n, const uint32_t* keys, const uint32_t* hkeys,
+HVDC_CLONES int64_t hvdc_sk_estimates_abs(const float* table, int64_t n, const uint32_t* low, const uint32_t* high,
                                           int rows, int64_t cols, float* est_abs) {
-  return sketch::estimates_abs(table, n, keys, hkeys, rows, cols, est_abs);
+  return sketch::estimates_abs(table, n, low, high, rows, cols, est_abs);
 }
 int64_t hvdc_ge_f32(const float* x, int64_t n, float t, int64_t* idx, int64_t cap) {
   return ge<float>(x, n, t, idx, cap);

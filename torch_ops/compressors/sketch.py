@@ -184,10 +184,11 @@ class Native:
     Taken for float32 CPU contiguous tensors with the library loaded and the torch-only switch off;
     the same operations as the torch ops, so the same bits."""
 
-    def __init__(self, lib, keys, rows: int, cols: int):
+    def __init__(self, lib, keys, d: int, rows: int, cols: int):
         self.lib, self.rows, self.cols = lib, rows, cols
-        self.keys = np.array(keys, dtype=np.uint32)
-        self.hkeys = np.array([hashing.high_key(k) for k in keys], dtype=np.uint32)
+        low, high = _tables(tuple(keys), d, torch.device("cpu"))  # cached across steps
+        self.low = np.stack([t.numpy() for t in low]).astype(np.uint32)
+        self.high = np.stack([t.numpy() for t in high]).astype(np.uint32)
 
     @staticmethod
     def plan(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, keys, rows: int, cols: int) -> Optional["Native"]:
@@ -195,13 +196,13 @@ class Native:
         if not (_f32(x, n) and _f32(u, n) and _f32(v, n)) or n == 0 or rows > 32:
             return None
         lib = native.lib()
-        return None if lib is None else Native(lib, keys, rows, cols)
+        return None if lib is None else Native(lib, keys, n, rows, cols)
 
     def update_sketch(self, g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, m: float) -> torch.Tensor:
         """u <- m*u + g; v <- v + u; the r x c count sketch of v."""
         table = torch.empty(self.rows, self.cols, dtype=torch.float32)
         rc = self.lib.hvdc_sk_update_sketch(g.data_ptr(), u.data_ptr(), v.data_ptr(), g.numel(), float(np.float32(m)),
-                                            self.keys.ctypes.data, self.hkeys.ctypes.data, self.rows, self.cols,
+                                            self.low.ctypes.data, self.high.ctypes.data, self.rows, self.cols,
                                             table.data_ptr())
         if rc != 0:
             raise RuntimeError("sketch: the compiled kernel refused its arguments")
@@ -213,7 +214,7 @@ class Native:
         if not _f32(table, self.rows * self.cols):
             table = table.to(torch.float32).contiguous()
         out = _scratch.get(d, torch.float32, torch.device("cpu"), "sketch.est")
-        rc = self.lib.hvdc_sk_estimates_abs(table.data_ptr(), d, self.keys.ctypes.data, self.hkeys.ctypes.data,
+        rc = self.lib.hvdc_sk_estimates_abs(table.data_ptr(), d, self.low.ctypes.data, self.high.ctypes.data,
                                             self.rows, self.cols, out.data_ptr())
         if rc != 0:
             raise RuntimeError("sketch: the compiled kernel refused its arguments")
