@@ -217,3 +217,47 @@ def test_onebit_column_sums_follow_the_oracles_order_on_the_compiled_branch(shap
 def test_onebit_columns_with_nonfinite_inputs_on_every_branch_are_the_oracle(path):
     """NaN and inf in a matrix: only their columns' values turn non-finite, as the oracle's."""
     check("onebit", (59, 17), nonfinite=True)
+
+
+# -- the count sketch's compiled kernels (update + sketch in one pass, |estimates|) ---------------
+SKETCHES = ["sketch:ratio=0.01", "sketch:ratio=0.02,rows=4,cols_ratio=0.03,p2=2,momentum=0.0,seed=7",
+            "sketch:k=9,rows=3,cols=80,p2=3,seed=123456789012", "sketch:ratio=0.05,rows=1,cols_ratio=0.1,p2=1"]
+
+
+@pytest.mark.parametrize("shape", [(3001,), (67, 45)], ids=str)
+@pytest.mark.parametrize("text", SKETCHES)
+def test_sketches_on_every_branch_are_the_oracle(path, text, shape):
+    """Shapes big enough for the sketch (not the dense rule); rows 5, 4, 3 and 1 (the median's
+    networks), no momentum, a 64-bit seed."""
+    check(text, shape)
+
+
+def test_sketch_across_hash_blocks_and_chunks_on_every_branch_is_the_oracle(path):
+    """A 65,536-entry hash block and a partial second one, whose last chunk of the kernels is cut
+    short."""
+    check("sketch:ratio=0.002,rows=5", (65536 + 4099,))
+
+
+def test_sketch_of_a_merged_group_on_every_branch_is_the_oracle(path):
+    members = (Member("a", (13,), 0), Member("b", (40, 50), 13), Member("c", (3001,), 2013))
+    check("sketch:ratio=0.01", (5014,), members=members)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's NaN arithmetic in the oracle
+def test_sketch_with_nonfinite_inputs_on_the_cpu_branches_is_the_oracle(path):
+    """NaN and inf in the gradient: the estimates' median sorts NaN last, as np.sort. Not on the
+    torch-only branch: its ``topk_indices`` finds no candidates among NaN magnitudes (selection.py)."""
+    if path == "torch":
+        pytest.skip("the torch-only topk_indices does not rank NaN magnitudes as the oracle does")
+    check("sketch:ratio=0.01", (3001,), nonfinite=True)
+
+
+def test_sketch_takes_the_compiled_kernels_on_the_compiled_branch(monkeypatch):
+    if native.lib() is None:
+        pytest.skip("no C++ compiler: the compiled kernels are not built")
+    from torch_ops.compressors import sketch as torch_sketch
+    calls = []
+    real = torch_sketch.Native.estimates_abs
+    monkeypatch.setattr(torch_sketch.Native, "estimates_abs", lambda self, *a: calls.append(1) or real(self, *a))
+    check("sketch:ratio=0.01", (3001,))
+    assert len(calls) == 4  # two ranks, two steps

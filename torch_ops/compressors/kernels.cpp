@@ -12,6 +12,9 @@
 //   topk_small  the k largest |x|, ties toward the lower index (small tensors: a copy, nth_element)
 //   q_encode    a quantizer's payload (scales, packed codes) and its error-feedback residual
 //   q_decode_sum  the sum over ranks of the decoded payloads, times the average's scale
+//   q1c_encode / q1c_decode_sum  1-bit SGD with a (pos, neg) pair per column
+//   sk_update_sketch  the sketch's momentum and error update and its count sketch (one pass)
+//   sk_estimates_abs  |estimate| of every entry from a summed sketch (lower median over rows)
 //
 // The scans write at most `cap` indices and return how many passed (more than cap: the caller
 // knows the list is incomplete).
@@ -442,6 +445,19 @@ HVDC_NOINLINE void pack(const uint8_t* __restrict c, int64_t m, int bits, uint8_
   }
 }
 
+// A byte's eight bits as eight bytes of 0 or 1 (bit k in byte k of the little-endian word).
+struct Spread {
+  uint64_t v[256];
+  constexpr Spread() : v() {
+    for (int b = 0; b < 256; ++b) {
+      uint64_t w = 0;
+      for (int k = 0; k < 8; ++k) w |= uint64_t((b >> k) & 1) << (8 * k);
+      v[b] = w;
+    }
+  }
+};
+constexpr Spread SPREAD{};
+
 // The m codes from code index lo (a multiple of 8) of a stream of `avail` bytes -> c[0..m).
 HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, int bits, int64_t avail,
                         uint8_t* __restrict c) {
@@ -449,10 +465,14 @@ HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, i
   const int64_t nbytes = packed_size(m, bits);
   const uint8_t mask = uint8_t((1 << bits) - 1);
   if (bits == 1) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    for (int64_t j = 0; j < nbytes; ++j) std::memcpy(c + 8 * j, &SPREAD.v[src[j]], 8);
+#else
     for (int64_t j = 0; j < nbytes; ++j) {
       const uint8_t b = src[j];
       for (int k = 0; k < 8; ++k) c[8 * j + k] = (b >> k) & 1;
     }
+#endif
     return;
   }
   if (bits == 2) {
@@ -489,6 +509,7 @@ HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, i
 // written, not two arrays that might overlap).
 template <int RM>
 struct Src {
+  static constexpr bool ADDS = RM == 2;  // a = x + r
   const float* x;
   float* r;
   HVDC_INLINE float a(int64_t i) const { return RM == 2 ? x[i] + r[i] : x[i]; }
@@ -881,75 +902,195 @@ HVDC_INLINE int64_t decode_sum(int kind, const uint8_t* buf, int64_t part, int64
 
 // 1-bit SGD per column (Seide et al.): members given as (rows, cols) pairs tiling [0, n) in order,
 // each viewed row-major as (rows, cols); payload [float32 (pos, neg) per column | packed signs].
-// The column sums follow numpy's float64 reductions in the oracle (``encode_columns``): a matrix
-// (cols > 1) adds its rows one after another into each column; a single column is one 1-D sum,
-// which numpy does in buffer chunks of 8192 entries, each summed pairwise (8 lanes up to 128
-// entries, halves above), the chunks added in order to 0.
+// The column sums follow numpy's float64 reductions in the oracle (``encode_columns``), which start
+// from 0: a matrix (cols > 1) adds its rows one after another into each column; a single column
+// is one 1-D sum, which numpy does in buffer chunks of 8192 entries, each summed pairwise (8 lanes
+// up to 128 entries, halves above), the chunks added in order to 0. The entries >= 0 and the others
+// are summed apart (the other part's lanes get +0.0, as numpy's where), each as numpy adds.
+//
+// Encode is two reads of a = x + r: the sums (lanes that vectorize, counts exact in doubles),
+// then the signs and the residual r <- a - (pos or neg of the entry's column), staged CB codes at
+// a time and packed. Decode + sum unpacks each rank's codes block by block and adds the ranks'
+// values in rank order in an L1 accumulator. Both run over a member's rows a stretch of columns
+// at a time (the column values deinterleaved, so the loops vectorize), a single column with its
+// two values held in registers.
 
 constexpr int64_t NP_BUF = 8192;  // numpy's default buffer size (the chunk of a 1-D reduction)
 
-// numpy's pairwise sum of the masked parts (entries >= 0, the others) of a[off, off + n).
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wpsabi"  // the vector helpers are inlined: no ABI crosses a call
+// Eight lanes as two vectors of four doubles (GCC/clang vector extensions: element-wise IEEE
+// operations, lowered to whatever width the target has).
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+typedef long long v4l __attribute__((vector_size(32)));
+
 template <class S>
-void pairwise_pn(const S& s, int64_t off, int64_t n, double& ps, double& ns, int64_t& pn) {
+HVDC_INLINE v4d load4d(const S& s, int64_t i) {
+  v4f a;
+  std::memcpy(&a, s.x + i, 16);
+  if (S::ADDS) {
+    v4f r;
+    std::memcpy(&r, s.r + i, 16);
+    a = a + r;
+  }
+  return __builtin_convertvector(a, v4d);
+}
+
+struct Lanes {
+  v4d p0, p1, q0, q1, c0, c1;
+  HVDC_INLINE static void parts(const v4d& d, v4d& p, v4d& q, v4d& c, bool first) {
+    const v4l m = d >= 0.0;  // all ones where a >= 0 (false for NaN)
+    const v4d one = {1.0, 1.0, 1.0, 1.0};
+    const v4d pp = (v4d)((v4l)d & m), qq = (v4d)((v4l)d & ~m), cc = (v4d)((v4l)one & m);
+    if (first) {
+      p = pp;
+      q = qq;
+      c = cc;
+    } else {
+      p += pp;
+      q += qq;
+      c += cc;
+    }
+  }
+  template <class S> HVDC_INLINE void set(const S& s, int64_t i) {
+    parts(load4d(s, i), p0, q0, c0, true);
+    parts(load4d(s, i + 4), p1, q1, c1, true);
+  }
+  template <class S> HVDC_INLINE void add(const S& s, int64_t i) {
+    parts(load4d(s, i), p0, q0, c0, false);
+    parts(load4d(s, i + 4), p1, q1, c1, false);
+  }
+  HVDC_INLINE static void store(const v4d& lo, const v4d& hi, double* r) {
+    std::memcpy(r, &lo, 32);
+    std::memcpy(r + 4, &hi, 32);
+  }
+  HVDC_INLINE void out(double* p, double* q, double* c) const {
+    store(p0, p1, p);
+    store(q0, q1, q);
+    store(c0, c1, c);
+  }
+};
+#else
+struct Lanes {  // the same eight lanes, one entry at a time
+  double p[8], q[8], c[8];
+  template <class S> HVDC_INLINE void set(const S& s, int64_t i) {
+    for (int k = 0; k < 8; ++k) {
+      const float a = s.a(i + k);
+      const bool b = a >= 0.0f;
+      p[k] = masked(double(a), b);
+      q[k] = masked(double(a), !b);
+      c[k] = masked(1.0, b);
+    }
+  }
+  template <class S> HVDC_INLINE void add(const S& s, int64_t i) {
+    for (int k = 0; k < 8; ++k) {
+      const float a = s.a(i + k);
+      const bool b = a >= 0.0f;
+      p[k] += masked(double(a), b);
+      q[k] += masked(double(a), !b);
+      c[k] += masked(1.0, b);
+    }
+  }
+  HVDC_INLINE void out(double* pp, double* qq, double* cc) const {
+    for (int k = 0; k < 8; ++k) {
+      pp[k] = p[k];
+      qq[k] = q[k];
+      cc[k] = c[k];
+    }
+  }
+};
+#endif
+
+HVDC_INLINE double tree8(const double* r) { return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7])); }
+
+// numpy's pairwise sum splits n > 128 entries at n / 2 rounded down to a multiple of 8 and adds
+// the halves' sums; a leaf of 8 .. 128 entries is summed in eight lanes (started from the first
+// eight entries) added as a tree, then the rest one by one; a leaf under 8 entries from 0. The
+// leaves are summed in a loop of their own (inlined into the entry point, so it gets the CPU's
+// vector width), the tree over their sums is added afterwards.
+constexpr int MAX_LEAVES = 256;  // a chunk of NP_BUF entries has at most 128 leaves
+
+inline void pairwise_leaves(int64_t n, int64_t* len, int& count) {
+  if (n <= 128) {
+    len[count++] = n;
+    return;
+  }
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  pairwise_leaves(n2, len, count);
+  pairwise_leaves(n - n2, len, count);
+}
+
+inline double pairwise_combine(int64_t n, const double* leaf, int& at) {
+  if (n <= 128) return leaf[at++];
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  const double a = pairwise_combine(n2, leaf, at);
+  return a + pairwise_combine(n - n2, leaf, at);
+}
+
+// One leaf's sums of the masked parts of a[off, off + n), n <= 128; pn counts the entries >= 0.
+template <class S>
+HVDC_INLINE void leaf_pn(const S& s, int64_t off, int64_t n, double& ps, double& ns, double& pn) {
   if (n < 8) {
     double p = 0.0, q = 0.0;
     for (int64_t i = off; i < off + n; ++i) {
       const float a = s.a(i);
       const bool b = a >= 0.0f;
-      p += b ? double(a) : 0.0;
-      q += b ? 0.0 : double(a);
+      p += masked(double(a), b);
+      q += masked(double(a), !b);
       pn += b;
     }
     ps = p;
     ns = q;
-  } else if (n <= 128) {
-    double p[8], q[8];
-    for (int k = 0; k < 8; ++k) {
-      const float a = s.a(off + k);
-      const bool b = a >= 0.0f;
-      p[k] = b ? double(a) : 0.0;
-      q[k] = b ? 0.0 : double(a);
-      pn += b;
-    }
-    int64_t i = 8;
-    for (; i < n - (n % 8); i += 8)
-      for (int k = 0; k < 8; ++k) {
-        const float a = s.a(off + i + k);
-        const bool b = a >= 0.0f;
-        p[k] += b ? double(a) : 0.0;
-        q[k] += b ? 0.0 : double(a);
-        pn += b;
-      }
-    double rp = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-    double rq = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
-    for (; i < n; ++i) {
-      const float a = s.a(off + i);
-      const bool b = a >= 0.0f;
-      rp += b ? double(a) : 0.0;
-      rq += b ? 0.0 : double(a);
-      pn += b;
-    }
-    ps = rp;
-    ns = rq;
-  } else {
-    int64_t n2 = n / 2;
-    n2 -= n2 % 8;
-    double p1, q1, p2, q2;
-    pairwise_pn(s, off, n2, p1, q1, pn);
-    pairwise_pn(s, off + n2, n - n2, p2, q2, pn);
-    ps = p1 + p2;
-    ns = q1 + q2;
+    return;
   }
+  Lanes ln;  // the lanes start from the first eight entries, as numpy's
+  ln.set(s, off);
+  const int64_t whole = n - (n % 8);
+  int64_t i = 8;
+  for (; i < whole; i += 8) ln.add(s, off + i);
+  alignas(64) double p[8], q[8], c[8];
+  ln.out(p, q, c);
+  double rp = tree8(p), rq = tree8(q);
+  pn += tree8(c);  // an exact count
+  for (; i < n; ++i) {
+    const float a = s.a(off + i);
+    const bool b = a >= 0.0f;
+    rp += masked(double(a), b);
+    rq += masked(double(a), !b);
+    pn += b;
+  }
+  ps = rp;
+  ns = rq;
+}
+
+// numpy's pairwise sums of the masked parts of a[off, off + n), n <= NP_BUF.
+template <class S>
+HVDC_INLINE void pairwise_pn(const S& s, int64_t off, int64_t n, double& ps, double& ns, double& pn) {
+  int64_t len[MAX_LEAVES];
+  double lp[MAX_LEAVES], lq[MAX_LEAVES];
+  int count = 0;
+  pairwise_leaves(n, len, count);
+  for (int l = 0; l < count; ++l) {
+    leaf_pn(s, off, len[l], lp[l], lq[l], pn);
+    off += len[l];
+  }
+  int at = 0;
+  ps = pairwise_combine(n, lp, at);
+  at = 0;
+  ns = pairwise_combine(n, lq, at);
 }
 
 HVDC_INLINE float mean_or_zero(double sum, double count) { return count > 0 ? float(sum / count) : 0.0f; }
 
-// The (pos, neg) pair of every column of one member at off, into sc[0 .. 2 * cols).
+// The (pos, neg) values of every column of one member at off, into P[0 .. cols) and Q[0 .. cols).
+// work holds 3 * cols doubles.
 template <class S>
-void column_means(const S& s, int64_t off, int64_t rows, int64_t cols, double* work, float* sc) {
+HVDC_INLINE void column_means(const S& s, int64_t off, int64_t rows, int64_t cols, double* work, float* P, float* Q) {
   if (cols == 1) {
-    double ps = 0.0, ns = 0.0;
-    int64_t pn = 0;  // entries >= 0 (an exact count, as numpy's sum of booleans)
+    double ps = 0.0, ns = 0.0, pn = 0.0;
     for (int64_t lo = 0; lo < rows; lo += NP_BUF) {
       const int64_t m = std::min(rows - lo, NP_BUF);
       double p, q;
@@ -957,57 +1098,89 @@ void column_means(const S& s, int64_t off, int64_t rows, int64_t cols, double* w
       ps += p;
       ns += q;
     }
-    sc[0] = mean_or_zero(ps, double(pn));
-    sc[1] = mean_or_zero(ns, double(rows - pn));
+    P[0] = mean_or_zero(ps, pn);
+    Q[0] = mean_or_zero(ns, double(rows) - pn);
     return;
   }
-  double* ps = work;
-  double* ns = work + cols;
-  int64_t* pc = reinterpret_cast<int64_t*>(work + 2 * cols);
+  double* __restrict ps = work;
+  double* __restrict ns = work + cols;
+  double* __restrict pc = work + 2 * cols;
   for (int64_t j = 0; j < cols; ++j) {
     ps[j] = 0.0;
     ns[j] = 0.0;
-    pc[j] = 0;
+    pc[j] = 0.0;
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = off + r * cols;
     for (int64_t j = 0; j < cols; ++j) {
       const float a = s.a(base + j);
       const bool b = a >= 0.0f;
-      ps[j] += b ? double(a) : 0.0;
-      ns[j] += b ? 0.0 : double(a);
-      pc[j] += b;
+      const double d = double(a);
+      ps[j] += masked(d, b);
+      ns[j] += masked(d, !b);
+      pc[j] += masked(1.0, b);
     }
   }
   for (int64_t j = 0; j < cols; ++j) {
-    sc[2 * j] = mean_or_zero(ps[j], double(pc[j]));
-    sc[2 * j + 1] = mean_or_zero(ns[j], double(rows - pc[j]));
+    P[j] = mean_or_zero(ps[j], pc[j]);
+    Q[j] = mean_or_zero(ns[j], double(rows) - pc[j]);
+  }
+}
+
+// Signs and residual of entries i .. i + m - 1 of a member (the first in column j): a stretch of
+// columns at a time, or a single column's two values throughout.
+template <class S>
+HVDC_INLINE void emit_cols(const S& s, int64_t i, int64_t m, int64_t j, int64_t cols, const float* P, const float* Q,
+                           uint8_t* __restrict c) {
+  if (cols == 1) {
+    const float p = P[0], q = Q[0];
+    for (int64_t t = 0; t < m; ++t) {
+      const float a = s.a(i + t);
+      const bool b = a >= 0.0f;
+      c[t] = b;
+      s.keep(i + t, a, select(b, p, q));
+    }
+    return;
+  }
+  for (int64_t t = 0; t < m;) {
+    const int64_t len = std::min(m - t, cols - j);
+    const float* __restrict pp = P + j;
+    const float* __restrict qq = Q + j;
+    const int64_t at = i + t;
+    uint8_t* __restrict cc = c + t;
+    for (int64_t u = 0; u < len; ++u) {
+      const float a = s.a(at + u);
+      const bool b = a >= 0.0f;
+      cc[u] = b;
+      s.keep(at + u, a, select(b, pp[u], qq[u]));
+    }
+    t += len;
+    j += len;
+    if (j == cols) j = 0;
   }
 }
 
 template <int RM>
-void encode_cols_rm(const Src<RM>& s, const int64_t* dims, int64_t nm, int64_t ncols, float* scales,
-                    uint8_t* packed) {
+HVDC_INLINE void encode_cols_rm(const Src<RM>& s, const int64_t* dims, int64_t nm, float* scales, uint8_t* packed) {
   int64_t widest = 1;
   for (int64_t k = 0; k < nm; ++k) widest = std::max(widest, dims[2 * k + 1]);
   std::vector<double> work(size_t(3 * widest));
+  std::vector<float> pq(size_t(2 * widest));
+  float* P = pq.data();
+  float* Q = P + widest;
   alignas(64) uint8_t c[CB + 16];
   int64_t fill = 0, first = 0, off = 0;
   float* sc = scales;
   for (int64_t k = 0; k < nm; ++k) {
     const int64_t rows = dims[2 * k], cols = dims[2 * k + 1], end = off + rows * cols;
-    column_means(s, off, rows, cols, work.data(), sc);  // first pass: the column values
-    int64_t j = 0;                                      // column of entry i
-    for (int64_t i = off; i < end;) {                   // second pass: signs and residual
+    column_means(s, off, rows, cols, work.data(), P, Q);  // first read: the column values
+    for (int64_t j = 0; j < cols; ++j) {
+      sc[2 * j] = P[j];
+      sc[2 * j + 1] = Q[j];
+    }
+    for (int64_t i = off; i < end;) {  // second read: signs and residual
       const int64_t m = std::min(end - i, CB - fill);
-      uint8_t* cc = c + fill;
-      for (int64_t t = 0; t < m; ++t) {
-        const float a = s.a(i + t);
-        const bool b = a >= 0.0f;
-        cc[t] = b;
-        s.keep(i + t, a, b ? sc[2 * j] : sc[2 * j + 1]);
-        if (++j == cols) j = 0;
-      }
+      emit_cols(s, i, m, cols == 1 ? 0 : (i - off) % cols, cols, P, Q, c + fill);
       fill += m;
       i += m;
       if (fill == CB) {
@@ -1039,18 +1212,46 @@ inline int64_t count_columns(const int64_t* dims, int64_t nm, int64_t n) {
 HVDC_INLINE int64_t encode_cols(const float* x, const float* rin, float* rout, int64_t n, const int64_t* dims,
                                 int64_t nm, uint8_t* out, int64_t out_bytes) {
   const int64_t ncols = count_columns(dims, nm, n);
-  if (ncols < 0 || out_bytes != 8 * ncols + packed_size(n, 1)) return -1;
+  if (ncols < 0 || out_bytes != 8 * ncols + packed_size(n, 1) || (rin != nullptr && rin != rout)) return -1;
   std::vector<float> scales(size_t(2 * ncols) + 1);
   uint8_t* packed = out + 8 * ncols;
   if (rout == nullptr) {
-    encode_cols_rm(Src<0>{x, nullptr}, dims, nm, ncols, scales.data(), packed);
+    encode_cols_rm(Src<0>{x, nullptr}, dims, nm, scales.data(), packed);
   } else if (rin == nullptr) {
-    encode_cols_rm(Src<1>{x, rout}, dims, nm, ncols, scales.data(), packed);
+    encode_cols_rm(Src<1>{x, rout}, dims, nm, scales.data(), packed);
   } else {
-    encode_cols_rm(Src<2>{x, rout}, dims, nm, ncols, scales.data(), packed);
+    encode_cols_rm(Src<2>{x, rout}, dims, nm, scales.data(), packed);
   }
   std::memcpy(out, scales.data(), size_t(8 * ncols));
   return 0;
+}
+
+// Adds (First: writes) the values of codes c[0 .. m) of a member, the first in column j.
+template <bool First>
+HVDC_INLINE void decode_cols(const uint8_t* __restrict c, int64_t m, int64_t j, int64_t cols, const float* P,
+                             const float* Q, float* __restrict acc) {
+  if (cols == 1) {
+    const float p = P[0], q = Q[0];
+    for (int64_t t = 0; t < m; ++t) {
+      const float v = select(c[t] != 0, p, q);
+      acc[t] = First ? v : acc[t] + v;
+    }
+    return;
+  }
+  for (int64_t t = 0; t < m;) {
+    const int64_t len = std::min(m - t, cols - j);
+    const float* __restrict pp = P + j;
+    const float* __restrict qq = Q + j;
+    const uint8_t* __restrict cc = c + t;
+    float* __restrict aa = acc + t;
+    for (int64_t u = 0; u < len; ++u) {
+      const float v = select(cc[u] != 0, pp[u], qq[u]);
+      aa[u] = First ? v : aa[u] + v;
+    }
+    t += len;
+    j += len;
+    if (j == cols) j = 0;
+  }
 }
 
 // Sum over ranks (in rank order) of every entry's column value for its bit, times scale.
@@ -1059,8 +1260,16 @@ HVDC_INLINE int64_t decode_sum_cols(const uint8_t* buf, int64_t part, int64_t wo
   const int64_t ncols = count_columns(dims, nm, n);
   if (ncols < 0 || world < 1 || part != 8 * ncols + packed_size(n, 1)) return -1;
   const int64_t head = 8 * ncols, avail = part - head;
-  std::vector<float> sc(size_t(world * 2 * ncols) + 1);
-  for (int64_t w = 0; w < world; ++w) std::memcpy(sc.data() + w * 2 * ncols, buf + w * part, size_t(head));
+  // the column values of every rank, deinterleaved: rank w's P at pq[2 w ncols], Q ncols later
+  std::vector<float> pq(size_t(world * 2 * ncols) + 1);
+  for (int64_t w = 0; w < world; ++w) {
+    float pair[2];
+    for (int64_t j = 0; j < ncols; ++j) {
+      std::memcpy(pair, buf + w * part + 8 * j, 8);
+      pq[size_t(w * 2 * ncols + j)] = pair[0];
+      pq[size_t(w * 2 * ncols + ncols + j)] = pair[1];
+    }
+  }
   std::vector<int64_t> start(size_t(nm + 1), 0), col0(size_t(nm + 1), 0);
   for (int64_t k = 0; k < nm; ++k) {
     start[k + 1] = start[k] + dims[2 * k] * dims[2 * k + 1];
@@ -1074,21 +1283,14 @@ HVDC_INLINE int64_t decode_sum_cols(const uint8_t* buf, int64_t part, int64_t wo
     while (start[k0 + 1] <= lo) ++k0;
     for (int64_t w = 0; w < world; ++w) {
       unpack(buf + w * part + head, lo, m, 1, avail, c);
+      const float* P = pq.data() + w * 2 * ncols;
       for (int64_t i = lo, k = k0; i < lo + m; ++k) {
         const int64_t e = std::min(lo + m, start[k + 1]), cols = dims[2 * k + 1];
-        const float* s = sc.data() + w * 2 * ncols + 2 * col0[k];
-        int64_t j = (i - start[k]) % cols;
-        if (w == 0) {
-          for (int64_t t = i; t < e; ++t) {
-            acc[t - lo] = c[t - lo] ? s[2 * j] : s[2 * j + 1];
-            if (++j == cols) j = 0;
-          }
-        } else {
-          for (int64_t t = i; t < e; ++t) {
-            acc[t - lo] = acc[t - lo] + (c[t - lo] ? s[2 * j] : s[2 * j + 1]);
-            if (++j == cols) j = 0;
-          }
-        }
+        const int64_t j = cols == 1 ? 0 : (i - start[k]) % cols;
+        if (w == 0)
+          decode_cols<true>(c + (i - lo), e - i, j, cols, P + col0[k], P + ncols + col0[k], acc + (i - lo));
+        else
+          decode_cols<false>(c + (i - lo), e - i, j, cols, P + col0[k], P + ncols + col0[k], acc + (i - lo));
         i = e;
       }
     }
@@ -1102,6 +1304,171 @@ HVDC_INLINE int64_t decode_sum_cols(const uint8_t* buf, int64_t part, int64_t wo
 }
 
 }  // namespace quant
+
+// -- count sketch (Sketched-SGD): the update and sketch in one pass, the estimates in another ------
+// hvdcompress.reference.sketch and hvdcompress.hashing define every operation: the hashes are
+// computed from the index and the rows' short tables (hashing.tables, passed in: simple tabulation
+// over two 16-bit halves, then one multiply-shift into a signed cell y in [0, 2c)); the sketch adds v into each row's 2c signed cells in ascending index
+// order (np.add.at's order) and folds them, S[j, b] = cell[2b] - cell[2b + 1]; the estimate of
+// entry i is the lower median over rows of (y even ? S[j, y >> 1] : -S[j, y >> 1]), in the order of
+// np.sort (NaN last). All float operations are float32, one at a time (no FMA).
+namespace sketch {
+
+constexpr uint32_t C3 = 0x2545F491u;
+constexpr int64_t BLOCK = 65536;  // entries per HIGH value
+constexpr int64_t SB = 512;       // entries hashed per sub-block (their cells stay in L1)
+constexpr int64_t CH = 4096;      // entries per chunk (a divisor of BLOCK): rows x CH floats in L2
+
+// The rows' hash tables (hashing.tables, as uint32): LOW row-major, min(n, BLOCK) per row; HIGH
+// ceil(n / BLOCK) per row.
+struct Tables {
+  int64_t n_low, n_high;
+  const uint32_t* low;
+  const uint32_t* high;
+  Tables(const uint32_t* lo, const uint32_t* hi, int64_t n)
+      : n_low(std::min(n, BLOCK)), n_high((n + BLOCK - 1) / BLOCK), low(lo), high(hi) {}
+};
+
+// y = (((HIGH ^ LOW[t]) * C3) mod 2**32 * 2c) >> 32 for the m entries from t0 of a block.
+// 2c <= 2**31 fits 32 bits, so the product is a 32 x 32 -> 64-bit multiply (it vectorizes).
+HVDC_INLINE void cells(const uint32_t* __restrict low, uint32_t high, int64_t t0, int64_t m, uint64_t two_c,
+                       uint32_t* __restrict y) {
+  const uint32_t c2 = uint32_t(two_c);
+  for (int64_t t = 0; t < m; ++t) {
+    const uint32_t z = (high ^ low[t0 + t]) * C3;
+    y[t] = uint32_t((uint64_t(z) * uint64_t(c2)) >> 32);
+  }
+}
+
+// u <- u*m + g and v <- v + u, then v into the rows' signed cells, folded into table (rows x cols).
+HVDC_INLINE int64_t update_sketch(const float* g, float* u, float* v, int64_t n, float mom, const uint32_t* low,
+                                  const uint32_t* high, int rows, int64_t cols, float* table) {
+  if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30)) return -1;
+  const Tables tb(low, high, n);
+  const int64_t two_c = 2 * cols;
+  std::vector<float> signed_cells(size_t(rows * two_c), 0.0f);
+  alignas(64) uint32_t y[SB];
+  for (int64_t i0 = 0; i0 < n; i0 += CH) {  // a chunk inside one block: its v stays in cache
+    const int64_t m_chunk = std::min(n - i0, CH), b = i0 / BLOCK, t_chunk = i0 - b * BLOCK;
+    float* __restrict uu = u + i0;
+    float* __restrict vv = v + i0;
+    const float* __restrict gg = g + i0;
+    for (int64_t t = 0; t < m_chunk; ++t) {
+      const float nu = uu[t] * mom + gg[t];
+      uu[t] = nu;
+      vv[t] = vv[t] + nu;
+    }
+    for (int j = 0; j < rows; ++j) {  // a row at a time: one row's cells in cache
+      const uint32_t* low = tb.low + j * tb.n_low;
+      const uint32_t high = tb.high[size_t(j * tb.n_high + b)];
+      float* __restrict cell = signed_cells.data() + j * two_c;
+      for (int64_t t0 = 0; t0 < m_chunk; t0 += SB) {
+        const int64_t m = std::min(m_chunk - t0, SB);
+        cells(low, high, t_chunk + t0, m, uint64_t(two_c), y);
+        const float* __restrict x = vv + t0;
+        for (int64_t t = 0; t < m; ++t) cell[y[t]] += x[t];  // index order within every cell
+      }
+    }
+  }
+  for (int j = 0; j < rows; ++j) {
+    const float* s = signed_cells.data() + j * two_c;
+    float* out = table + j * cols;
+    for (int64_t c = 0; c < cols; ++c) out[c] = s[2 * c] - s[2 * c + 1];
+  }
+  return 0;
+}
+
+// np.sort's order (NaN last) as a compare-exchange that keeps both values: lo <- the smaller.
+HVDC_INLINE void cmpx(float& lo, float& hi) {
+  const float a = lo, b = hi;
+  const bool keep = b != b || a <= b;
+  lo = keep ? a : b;
+  hi = keep ? b : a;
+}
+
+// The lower median (element (r-1)//2 in np.sort's order) of every column of w (rows x m, row
+// stride CH), in place; written to out. r = 3 and r = 5: selection networks; else odd-even
+// transposition sort.
+HVDC_INLINE void lower_median(float* w, int rows, int64_t m, float* __restrict out) {
+  if (rows == 1) {
+    for (int64_t t = 0; t < m; ++t) out[t] = w[t];
+    return;
+  }
+  if (rows == 3) {
+    float* __restrict a = w;
+    float* __restrict b = w + CH;
+    float* __restrict c = w + 2 * CH;
+    for (int64_t t = 0; t < m; ++t) {
+      float x = a[t], y = b[t], z = c[t];
+      cmpx(x, y);  // x = min(a, b), y = max(a, b)
+      cmpx(y, z);  // y = min(max(a, b), c)
+      cmpx(x, y);  // y = max(min(a, b), min(max(a, b), c))
+      out[t] = y;
+    }
+    return;
+  }
+  if (rows == 5) {
+    float* __restrict a = w;
+    float* __restrict b = w + CH;
+    float* __restrict c = w + 2 * CH;
+    float* __restrict d = w + 3 * CH;
+    float* __restrict e = w + 4 * CH;
+    for (int64_t t = 0; t < m; ++t) {
+      float p = a[t], q = b[t], r = c[t], s = d[t], x = e[t];
+      cmpx(p, q);  // p = min(a, b), q = max(a, b)
+      cmpx(r, s);  // r = min(c, d), s = max(c, d)
+      cmpx(r, p);  // p = f, the larger of the minima
+      cmpx(q, s);  // q = g, the smaller of the maxima
+      cmpx(x, p);  // x = min(e, f), p = max(e, f)
+      cmpx(p, q);  // p = min(max(e, f), g)
+      cmpx(x, p);  // p = the median of (e, f, g)
+      out[t] = p;
+    }
+    return;
+  }
+  for (int pass = 0; pass < rows; ++pass)
+    for (int i = pass % 2; i < rows - 1; i += 2) {
+      float* __restrict a = w + i * CH;
+      float* __restrict b = w + (i + 1) * CH;
+      for (int64_t t = 0; t < m; ++t) cmpx(a[t], b[t]);
+    }
+  const float* med = w + ((rows - 1) / 2) * CH;
+  for (int64_t t = 0; t < m; ++t) out[t] = med[t];
+}
+
+// est_abs[i] = |lower median over rows of s_j(i) * table[j, h_j(i)]| for i < n.
+HVDC_INLINE int64_t estimates_abs(const float* table, int64_t n, const uint32_t* low, const uint32_t* high,
+                                  int rows, int64_t cols, float* est_abs) {
+  if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30)) return -1;
+  const Tables tb(low, high, n);
+  const int64_t two_c = 2 * cols;
+  alignas(64) uint32_t y[SB];
+  std::vector<float> w(size_t(rows * CH));
+  alignas(64) float med[CH];
+  for (int64_t i0 = 0; i0 < n; i0 += CH) {
+    const int64_t m_chunk = std::min(n - i0, CH), b = i0 / BLOCK, t_chunk = i0 - b * BLOCK;
+    for (int j = 0; j < rows; ++j) {  // a row at a time: one row of the table in cache
+      const uint32_t* low = tb.low + j * tb.n_low;
+      const uint32_t high = tb.high[size_t(j * tb.n_high + b)];
+      const float* s = table + j * cols;
+      for (int64_t t0 = 0; t0 < m_chunk; t0 += SB) {
+        const int64_t m = std::min(m_chunk - t0, SB);
+        cells(low, high, t_chunk + t0, m, uint64_t(two_c), y);
+        float* __restrict wj = w.data() + j * CH + t0;
+        for (int64_t t = 0; t < m; ++t) {
+          const float x = s[y[t] >> 1];
+          wj[t] = (y[t] & 1) ? -x : x;
+        }
+      }
+    }
+    lower_median(w.data(), rows, m_chunk, med);
+    float* __restrict out = est_abs + i0;
+    for (int64_t t = 0; t < m_chunk; ++t) out[t] = std::fabs(med[t]);
+  }
+  return 0;
+}
+
+}  // namespace sketch
 
 // The quantizer entry points are compiled twice, for AVX2 and for the baseline, and the loader
 // picks one by the CPU (the same IEEE operations either way: only the speed differs).
@@ -1130,6 +1497,14 @@ HVDC_CLONES int64_t hvdc_q1c_encode(const float* x, const float* rin, float* rou
 HVDC_CLONES int64_t hvdc_q1c_decode_sum(const uint8_t* buf, int64_t part, int64_t world, int64_t n,
                                         const int64_t* dims, int64_t nm, float scale, float* out) {
   return quant::decode_sum_cols(buf, part, world, n, dims, nm, scale, out);
+}
+HVDC_CLONES int64_t hvdc_sk_update_sketch(const float* g, float* u, float* v, int64_t n, float m, const uint32_t* low,
+                                          const uint32_t* high, int rows, int64_t cols, float* table) {
+  return sketch::update_sketch(g, u, v, n, m, low, high, rows, cols, table);
+}
+HVDC_CLONES int64_t hvdc_sk_estimates_abs(const float* table, int64_t n, const uint32_t* low, const uint32_t* high,
+                                          int rows, int64_t cols, float* est_abs) {
+  return sketch::estimates_abs(table, n, low, high, rows, cols, est_abs);
 }
 int64_t hvdc_ge_f32(const float* x, int64_t n, float t, int64_t* idx, int64_t cap) {
   return ge<float>(x, n, t, idx, cap);
@@ -1173,6 +1548,6 @@ int64_t hvdc_topk_small_f32(const float* x, int64_t n, int64_t k, int64_t* out, 
 int64_t hvdc_topk_small_f64(const double* x, int64_t n, int64_t k, int64_t* out, double* work) {
   return topk_small<double>(x, n, k, out, work);
 }
-int hvdc_abi_version() { return 4; }
+int hvdc_abi_version() { return 5; }
 
 }  // extern "C"

@@ -30,7 +30,7 @@ from typing import Optional
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 # -ffp-contract=off: no fused multiply-add, so every float operation rounds as numpy's does
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
-ABI = 4
+ABI = 5
 
 _lib = None
 _tried = False
@@ -102,6 +102,10 @@ def _bind(path: str):
     lib.hvdc_q1c_encode.restype = i64
     lib.hvdc_q1c_decode_sum.argtypes = [p, i64, i64, i64, p, i64, ctypes.c_float, p]
     lib.hvdc_q1c_decode_sum.restype = i64
+    lib.hvdc_sk_update_sketch.argtypes = [p, p, p, i64, ctypes.c_float, p, p, i32, i64, p]
+    lib.hvdc_sk_update_sketch.restype = i64
+    lib.hvdc_sk_estimates_abs.argtypes = [p, i64, p, p, i32, i64, p]
+    lib.hvdc_sk_estimates_abs.restype = i64
     lib.hvdc_abi_version.restype = ctypes.c_int
     if lib.hvdc_abi_version() != ABI:
         raise RuntimeError("stale kernel library")

@@ -23,6 +23,14 @@ one ``scatter_add_`` of v into the row's 2c signed cells (no sign multiply) to s
 min/max selection network. Nothing of size r x d is ever held; the estimates (d floats) are the
 only dense temporary besides the state.
 
+On CPU (float32, contiguous, the compiled library loaded: ``Native``) two calls of
+``kernels.cpp`` replace these ops: one pass that updates u and v and adds v into each row's signed
+cells (the hashes computed inline from the same tables, a row at a time per chunk of 4096 entries
+so one row's cells are the only random-access data), and one that writes |estimate| of every
+entry into a buffer kept between steps (the candidates depend on |est| only). The result is built
+in ``ctx.out`` when it is offered. The torch ops stay the path of other devices and dtypes and of
+``HVDCOMPRESS_NATIVE=0`` / the torch-only switch; both give the oracle's bits (tests/test_paths.py).
+
 Bit-exactness: on CPU ``scatter_add_`` of a 1-D source adds serially, in index order, chunk after
 chunk into the same cells -- the oracle's order (``np.add.at``); tests check the table,
 candidates, selected indices, results and state bit for bit. On a GPU it adds with atomics in no
@@ -33,8 +41,9 @@ in the last bits there.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
+import numpy as np
 import torch
 
 from hvdcompress import hashing
@@ -42,8 +51,9 @@ from hvdcompress.reference.sketch import geometry
 from hvdcompress.spec import CompressionSpec
 
 from ..collectives import Allreduce
+from . import native
 from .base import Compressor, ExchangeContext, TakesMomentum
-from .selection import topk_indices
+from .selection import _scratch, topk_indices
 
 CHUNK = 1 << 19
 
@@ -112,9 +122,10 @@ def lower_median_rows(rows: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     """Row (r-1)//2 of ``rows`` (r x n) sorted along dim 0, computed in place (``rows`` is
     overwritten): for r = 3 and r = 5 a median selection network of 4 and 10 elementwise min/max,
     else an odd-even transposition sorting network (r passes). Min/max pick an input, so this is
-    exactly the oracle's value (only the sign of a zero may differ, and |est| is what counts)."""
+    exactly the oracle's value (only the sign of a zero may differ, and |est| is what counts).
+    NaN sorts last, as in np.sort: ``fmin`` returns the other value, ``maximum`` the NaN."""
     r = rows.shape[0]
-    mn, mx = torch.minimum, torch.maximum
+    mn, mx = torch.fmin, torch.maximum
     if r == 3:
         a, b, c = rows
         mn(a, b, out=tmp)
@@ -161,6 +172,55 @@ def estimates(table: torch.Tensor, keys, d: int, chunk: int = CHUNK, hashes: Has
     return out
 
 
+def _f32(t: Optional[torch.Tensor], n: int) -> bool:
+    return (t is not None and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not t.is_neg()
+            and not t.requires_grad and t.numel() == n)
+
+
+class Native:
+    """The compiled path of one exchange (``kernels.cpp``: ``sk_update_sketch``, ``sk_estimates_abs``):
+    the momentum and error update fused with the sketch in one pass over g, u, v (the hashes computed
+    inline), and |estimate| of every entry into a reused buffer (the candidates need |est| only).
+    Taken for float32 CPU contiguous tensors with the library loaded and the torch-only switch off;
+    the same operations as the torch ops, so the same bits."""
+
+    def __init__(self, lib, keys, d: int, rows: int, cols: int):
+        self.lib, self.rows, self.cols = lib, rows, cols
+        low, high = _tables(tuple(keys), d, torch.device("cpu"))  # cached across steps
+        self.low = np.stack([t.numpy() for t in low]).astype(np.uint32)
+        self.high = np.stack([t.numpy() for t in high]).astype(np.uint32)
+
+    @staticmethod
+    def plan(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, keys, rows: int, cols: int) -> Optional["Native"]:
+        n = x.numel()
+        if not (_f32(x, n) and _f32(u, n) and _f32(v, n)) or n == 0 or rows > 32:
+            return None
+        lib = native.lib()
+        return None if lib is None else Native(lib, keys, n, rows, cols)
+
+    def update_sketch(self, g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, m: float) -> torch.Tensor:
+        """u <- m*u + g; v <- v + u; the r x c count sketch of v."""
+        table = torch.empty(self.rows, self.cols, dtype=torch.float32)
+        rc = self.lib.hvdc_sk_update_sketch(g.data_ptr(), u.data_ptr(), v.data_ptr(), g.numel(), float(np.float32(m)),
+                                            self.low.ctypes.data, self.high.ctypes.data, self.rows, self.cols,
+                                            table.data_ptr())
+        if rc != 0:
+            raise RuntimeError("sketch: the compiled kernel refused its arguments")
+        return table
+
+    def estimates_abs(self, table: torch.Tensor, d: int) -> torch.Tensor:
+        """|lower median over rows of s_j(i) * S[j, h_j(i)]| for every i < d (a reused buffer)."""
+        table = table.contiguous()
+        if not _f32(table, self.rows * self.cols):
+            table = table.to(torch.float32).contiguous()
+        out = _scratch.get(d, torch.float32, torch.device("cpu"), "sketch.est")
+        rc = self.lib.hvdc_sk_estimates_abs(table.data_ptr(), d, self.low.ctypes.data, self.high.ctypes.data,
+                                            self.rows, self.cols, out.data_ptr())
+        if rc != 0:
+            raise RuntimeError("sketch: the compiled kernel refused its arguments")
+        return out
+
+
 class SketchCompressor(TakesMomentum, Compressor):
     name = "sketch"
     summed = True
@@ -180,24 +240,36 @@ class SketchCompressor(TakesMomentum, Compressor):
         u = self._state(ctx, "u", x)
         v = self._state(ctx, "v", x)
         geo = geometry(p, x.numel())
-        u.mul_(self.m).add_(x)
         if geo.dense:
+            u.mul_(self.m).add_(x)
             (total,) = yield (Allreduce(u.clone()),)
             return total.mul_(ctx.scale)
-        v.add_(u)
         keys = hashing.row_keys(p["seed"], ctx.key, geo.rows)
-        hashes = Hashes(keys, geo.d, geo.cols, v.device)
-        table = sketch_table(v, keys, geo.cols, hashes=hashes)
-        (summed,) = yield (Allreduce(table.view(-1)),)
-        est = estimates(summed.view(geo.rows, geo.cols), keys, geo.d, hashes=hashes)
-        del hashes
+        fast = Native.plan(x, u, v, keys, geo.rows, geo.cols)
+        if fast is not None:
+            table = fast.update_sketch(x, u, v, self.m)
+            (summed,) = yield (Allreduce(table.view(-1)),)
+            est = fast.estimates_abs(summed.view(geo.rows, geo.cols), geo.d)
+        else:
+            u.mul_(self.m).add_(x)
+            v.add_(u)
+            hashes = Hashes(keys, geo.d, geo.cols, v.device)
+            table = sketch_table(v, keys, geo.cols, hashes=hashes)
+            (summed,) = yield (Allreduce(table.view(-1)),)
+            est = estimates(summed.view(geo.rows, geo.cols), keys, geo.d, hashes=hashes)
+            del hashes
         cand = topk_indices(est, geo.candidates)
         del est
         (w,) = yield (Allreduce(v[cand]),)
         pos = topk_indices(w, geo.k)
         sel = cand[pos]
-        total = torch.zeros_like(v)
-        total[sel] = w[pos]
         u[sel] = 0
         v[sel] = 0
-        return total.mul_(ctx.scale)
+        # the result is zero but at the selected entries: built in the offered buffer when there
+        # is one (total * scale: 0 * scale is 0, so only the selected values are scaled)
+        out = ctx.out.view(-1) if ctx.out is not None and ctx.out.dtype == v.dtype and ctx.out.numel() == v.numel() \
+            and ctx.out.device == v.device and ctx.out.is_contiguous() else None
+        total = out.zero_() if out is not None else torch.zeros_like(v)
+        vals = w[pos]
+        total[sel] = vals.mul_(ctx.scale) if ctx.scale != 1.0 else vals
+        return total
