@@ -12,10 +12,17 @@ with rank 0's, so the check is itself a collective that every rank of the set mu
 
 from __future__ import annotations
 
+import os
 import traceback
 
 STANDARD_MLP = (20, 32, 32, 4)  # in, hidden..., out
 STANDARD_ACTS = ("relu", "tanh")  # after the first, second, ... hidden layer
+
+
+def extended() -> bool:
+    """True in the extended tier (``HVDC_EXTENDED_TESTS=1``, ``make test-full``): scenarios then also
+    run the cases that repeat an exchange the default suite covers (workers inherit the variable)."""
+    return os.environ.get("HVDC_EXTENDED_TESTS", "") == "1"
 
 
 def guard(fn, *args):

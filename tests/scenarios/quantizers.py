@@ -10,6 +10,8 @@ import tempfile
 import time
 import traceback
 
+from scenarios import kit
+
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 SPECS = ["signsgd", "efsignsgd", "onebit", "terngrad:bucket=100", "qsgd:levels=3,bucket=64", "powersgd:rank=2",
@@ -31,6 +33,26 @@ RESUME = {2: ["powersgd:rank=2", "efsignsgd", "onebit", "signsgd", "qsgd:levels=
 TF_RESUME = {2: [("keras", "powersgd:rank=2"), ("keras", "efsignsgd"), ("keras", "onebit"), ("tape", "signsgd"),
                  ("keras", "qsgd:levels=3,bucket=64"), ("tape", "terngrad:share_scale=true,bucket=100,residual=true")],
              3: [("keras", "powersgd:rank=2"), ("tape", "terngrad:share_scale=true,bucket=100,residual=true")]}
+# TF on 2 workers in the default suite: the exchange kinds of TF3_SPECS. efsignsgd and onebit (signs
+# gathered as signSGD's, with their own state) and TernGrad without the shared scale repeat those
+# exchanges; their TF state and arithmetic are checked against the oracle in one process
+# (tests/test_quantizers.py) and on 2 and 3 real workers in PyTorch. HVDC_EXTENDED_TESTS=1 trains
+# (and resumes) them on 2 TF workers too.
+TF_EXTENDED_ONLY = ("efsignsgd", "onebit", "terngrad:bucket=100")
+
+
+def tf_specs(world: int):
+    """The specs the TF launch of ``world`` workers trains (``tf_everything``)."""
+    if world != 2:
+        return list(TF3_SPECS)
+    return [s for s in SPECS if kit.extended() or s not in TF_EXTENDED_ONLY]
+
+
+def tf_resume(world: int):
+    """``(kind, spec)`` of the TF resume checks in the launch of ``world`` workers."""
+    return [(k, s) for k, s in TF_RESUME[world] if kit.extended() or s not in TF_EXTENDED_ONLY]
+
+
 BAD = {"levels": "qsgd:levels=0", "bucket": "terngrad:bucket=-1", "rank": "powersgd:rank=0"}
 STEPS = 4
 LR = 0.05
@@ -435,12 +457,12 @@ def tf_everything() -> dict:
     world = hvd.size()
     out = {"world": world, "train": {}, "resume": {}, "bad": {}, "interop": {}}
     tmp = tempfile.mkdtemp()
-    keras_resume = {spec for kind, spec in TF_RESUME[world] if kind == "keras"}
-    for spec in SPECS if world == 2 else TF3_SPECS:
+    keras_resume = {spec for kind, spec in tf_resume(world) if kind == "keras"}
+    for spec in tf_specs(world):
         out["train"][spec] = got = _guard(_keras_one, spec, os.path.join(tmp, "train") if spec in keras_resume else None)
         if spec in keras_resume:  # the Keras resume check rode on this run
             out["resume"][spec] = got.pop("resume") if "resume" in got else got
-    for kind, spec in TF_RESUME[world]:
+    for kind, spec in tf_resume(world):
         if kind == "tape":
             out["resume"][spec] = _guard(_tf_resume, kind, spec, tmp)
     out["tie"] = _guard(_tf_tie)

@@ -18,7 +18,10 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 DGC = "dgc:ratio=0.1,warmup_epochs=0,min_sparse_numel=16"
 FLUSH_SPECS = ["none", "topk:ratio=0.1", DGC]
 ZERO_SPECS = ["topk:ratio=0.1", DGC]
-FLUSH_CASES = [(spec, d, 1) for spec in FLUSH_SPECS for d in (1, 2)] + [("topk:ratio=0.1", 1, 2)]
+# (spec, delay, sync_every): every spec and both delays once in the default suite; all six
+# combinations in the extended tier.
+FLUSH_CASES = ([(spec, d, 1) for spec in FLUSH_SPECS for d in (1, 2)] if kit.extended() else
+               [("none", 1, 1), ("topk:ratio=0.1", 2, 1), (DGC, 1, 1)]) + [("topk:ratio=0.1", 1, 2)]
 IDENTITY = [(1, 1, "avg"), (2, 1, "sum"), (3, 1, "avg"), (1, 2, "avg")]
 IDENTITY_STEPS = 7
 # DGC keeps the momentum (spec default 0.9; density 1, a 6-entry variable: sent dense as its velocity)
