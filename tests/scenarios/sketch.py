@@ -30,7 +30,9 @@ def _recorder(cls, log):
         before = {k: (v.clone() if hasattr(v, "clone") else v.numpy().copy()) for k, v in ctx.state.items()}
         xin = x.clone() if hasattr(x, "clone") else x
         result = yield from orig(self, x, ctx)
-        log.append((ctx.step, ctx.key, tuple(ctx.shape), ctx.scale, xin, before, result))
+        # the result may be ctx.out, the engine's buffer that the next step reuses: keep a copy
+        kept = result.clone() if hasattr(result, "clone") else result
+        log.append((ctx.step, ctx.key, tuple(ctx.shape), ctx.scale, xin, before, kept))
         return result
 
     cls.exchange = exchange
