@@ -245,5 +245,6 @@ def test_groups_switch_between_compressed_and_dense_losing_nothing(results):
         for key in ("resumed_during_tuning", "resumed_after_tuning"):  # bit for bit, codecs restored
             assert r[key]["equal"] and r[key]["codecs_equal"] and r[key]["identical"] and r[key]["steps"] >= 2, r[key]
         assert len(codecs) > r["decided_at"] and r["plan_codecs"]  # the kept plan carries its codecs
+        assert r["untimed_alternatives"] == {"planned": True, "identical": True}, r["untimed_alternatives"]
         assert r["lost"] <= 3e-3 * max(1.0, r["scale"]), r  # fp16 sums round; a lost residual is O(scale)
         assert r["tuning"] and any("(all topk)" in label for label in r["tuning"])

@@ -331,16 +331,25 @@ def load_or_profile(specs: Iterable = ("none",), max_bytes: Optional[float] = No
         kwargs.setdefault("comm_bytes", comm_sizes_up_to(max_bytes))
         return profile_cost_model(specs, comm=comm, **kwargs)
     model = CostModel.from_dict(cached)
+    completed = with_fits(model, specs, comm=comm, compress_elements=kwargs.get("compress_elements"))
+    if completed is not model and kwargs.get("save", True) and _host_leader(names, comm):
+        completed.save()
+    return completed
+
+
+def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=None) -> CostModel:
+    """``model`` with a compression and decompression fit for every spec of ``specs``: the missing
+    ones are timed on this machine and added (``model`` itself when none is missing). Call on every
+    rank of the process set (``comm``): the timings are agreed across ranks."""
+    comm = _comm(comm)
+    specs = [resolve(s) for s in specs]
     missing = [s for s in specs if not (model.has_compress_fit(s) and model.has_decompress_fit(s))]
     if not missing:
         return model
     compress, decompress = dict(model.compress), dict(model.decompress)
-    sizes = kwargs.get("compress_elements", DEFAULT_COMPRESS_ELEMENTS)
+    sizes = compress_elements or DEFAULT_COMPRESS_ELEMENTS
     for s in missing:
         for table, timer in ((compress, time_compression), (decompress, time_decompression)):
             samples = timer(s, sizes, comm=comm)
             table[str(s)] = fit_compute([d for d, _ in samples], [t for _, t in samples])
-    model = replace(model, compress=compress, decompress=decompress)
-    if kwargs.get("save", True) and _host_leader(names, comm):
-        model.save()
-    return model
+    return replace(model, compress=compress, decompress=decompress)

@@ -294,6 +294,9 @@ class Scheduler:
             from .profiling import load_or_profile
             model = self.cost_model = load_or_profile([self.spec, *self.alternatives], max_bytes=sum(self.sizes.values()),
                                                       comm=self._comm())
+        elif self.alternatives:  # a model given by the caller: time the alternatives it has no fit for
+            from .profiling import with_fits
+            model = self.cost_model = with_fits(model, [self.spec, *self.alternatives], comm=self._comm())
         calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
         plan, candidates = _broadcast_result(self._comm(), lambda: self._model_plan(calibrated), "hvc.plan.model")
         note = ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "

@@ -369,7 +369,14 @@ def codec_switch(world) -> dict:
                        [b["codecs"] for b in log[at:stop - 1]] if at == during else
                        [a["codecs"] for a in again] == [b["codecs"] for b in log[at:stop]],
                        "identical": all(a["identical"] for a in again)}
+    # a given model with no fit for the alternatives: they are timed on this machine at the plan
+    partial = CostModel.from_link(world, gbit_per_s=1.0, latency_s=5e-3,
+                                  compress={spec: ComputeFit("linear", 1e-9, 5e-2)})
+    model3, opt3 = make(spec, **dict(kw, cost_model=partial, tune_steps=0))
+    log3, _, _ = _codec_steps(model3, opt3, 0, 3, lr)
     return {"codecs": [r["codecs"] for r in log], "identical": all(r["identical"] for r in log),
+            "untimed_alternatives": {"planned": opt3.plan is not None and opt3.plan.codecs is not None,
+                                     "identical": all(r["identical"] for r in log3)},
             "lost": float((moved + held - given).abs().max()), "scale": float(given.abs().max()),
             "resumed_during_tuning": resumed[during], "resumed_after_tuning": resumed[after],
             "plan_codecs": opt.plan.codecs, "decided_at": decided,
