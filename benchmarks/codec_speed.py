@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--grace", default=None, help="a checkout of github.com/sands-lab/grace to compare with")
-    p.add_argument("--json", default="benchmarks/results/codec_speed.json")
+    p.add_argument("--json", default="benchmarks/results/kernels/codec_speed.json")
     p.add_argument("--quick", action="store_true", help="smoke test: 100K and 1M entries, 2 repeats")
     args = p.parse_args(argv)
     if args.quick:

@@ -292,14 +292,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
     alternatives = check_codec_choice(codec_choice, build_compressor(spec), delay, sync_every)
-    # e.g. DGC takes the momentum over: checked here on copies of the groups (every rank, before any
-    # collective), applied below except on a rank outside the process set (it exchanges nothing and
-    # keeps the wrapped optimizer as it is)
-    adapted = compressor_class(spec).adapt_optimizer(spec, [dict(g) for g in optimizer.param_groups])
     driver = make_communicator(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
-    if driver.included():
-        adapted = compressor_class(spec).adapt_optimizer(spec, optimizer.param_groups)
-    spec = adapted
+    # e.g. DGC takes the momentum over (checked on every rank, before any collective); a rank outside
+    # the process set exchanges nothing and keeps the wrapped optimizer as it is: there the check
+    # runs on copies of the groups
+    groups = optimizer.param_groups if driver.included() else [dict(g) for g in optimizer.param_groups]
+    spec = compressor_class(spec).adapt_optimizer(spec, groups)
 
     namespace = dict(_DistributedOptimizer.__dict__)
     if backend == "horovod":
