@@ -52,7 +52,8 @@ from .codec_choice import check_codec_choice, fallback_exchange
 from .compressors import ExchangeContext, build_compressor
 from .nonfinite import RestoreMarker, guard
 from .slots import ensure_slots, group_state, step_density
-from .delayed import DelayedAveraging, apply_and_average, check_delay, check_sync_every
+from .delayed import DelayedAveraging, check_delay, check_sync_every
+from .policy import Synchronous
 from .grouping import (Group, cached_cost_model, check_cost_model, check_plannable, check_schedule, flatten, make_groups,
                        needs_cost_model, schedule_text, split, split_state)
 
@@ -66,7 +67,7 @@ class _Local:
         self.plans: Dict[tuple, tuple] = {}  # gradient signature -> (groups, planner Plan or None)
         self.scratch: Dict[tuple, tf.Variable] = {}  # merged groups' working state (not checkpointed)
         self.last: Optional[tuple] = None  # (groups, plan) of the latest traced exchange
-        self.last_args: Optional[tuple] = None  # delayed averaging: (world, scale, prescale, process set)
+        self.last_args: Optional[tuple] = None  # the latest exchange's (world, scale, prescale, process set)
         self.warned_epoch = False
         with tf.init_scope():
             def counter(name):
@@ -156,9 +157,10 @@ class GradientCompression(tf.Module):
                              if self._compressor.has_density else None)
         self.slots: List[Dict[str, tf.Variable]] = []
         self._restored = RestoreMarker()  # a restore makes the next exchange check the state is finite
-        # delayed averaging state (tf_ops.delayed); None when synchronous, so that path is unchanged
-        self.delayed = (DelayedAveraging(delay, sync_every, momentum=self._compressor.local_momentum())
-                        if delay > 0 or sync_every > 1 else None)
+        # the sync policy (tf_ops.policy), chosen once: the plain exchange, or delayed averaging with
+        # its state (tf_ops.delayed; tracked, so checkpoints hold it)
+        self.policy = (DelayedAveraging(delay, sync_every, momentum=self._compressor.local_momentum())
+                       if delay > 0 or sync_every > 1 else Synchronous())
 
     # -- what users read and set -------------------------------------------------------------
     @property
@@ -211,27 +213,32 @@ class GradientCompression(tf.Module):
     @property
     def stateful(self) -> bool:
         """True when the exchange keeps state between steps (then one object must serve every step)."""
-        return self._compressor.stateful or self.delayed is not None
+        return self._compressor.stateful or self.policy.active
+
+    @property
+    def delayed(self) -> Optional[DelayedAveraging]:
+        """The delayed-averaging policy with its state (``tf_ops.delayed``), or None when synchronous."""
+        return self.policy if isinstance(self.policy, DelayedAveraging) else None
 
     @property
     def delay(self) -> int:
-        return 0 if self.delayed is None else self.delayed.delay
+        return self.policy.delay
 
     @property
     def sync_every(self) -> int:
-        return 1 if self.delayed is None else self.delayed.every
+        return self.policy.every
 
     def flush_corrections(self) -> List[Optional[tf.Tensor]]:
         """Delayed averaging: exchange what ``sync_every`` only applied locally, and return (and
         forget) every correction not yet applied, summed per gradient position (None where none);
         [] when synchronous or before the first exchange. Call on every rank, between steps."""
         args = self._local.last_args
-        if self.delayed is None or args is None:
+        if not self.policy.active or args is None:
             return []
         world_size, scale, prescale, process_set = args
 
         def pending():
-            return self.delayed.pending(lambda gs: self._exchange_now(gs, *args), prescale * scale * world_size)
+            return self.policy.pending(lambda gs: self._exchange_now(gs, *args), prescale * scale * world_size)
         if not tf.executing_eagerly():
             return pending()
         fn = self._local.functions.get(("flush",) + args[:3] + (id(process_set),))
@@ -246,12 +253,12 @@ class GradientCompression(tf.Module):
         optimizer's slot variables over the ranks, so every rank holds identical values. Call it on
         every rank between steps (before evaluating or comparing replicas). Nothing to do when
         synchronous (delay=0, sync_every=1) or before the first exchange."""
-        corrections = self.flush_corrections()
-        if self.delayed is None or self._local.last_args is None:
+        if self._local.last_args is None:
             return
-        apply_and_average(corrections, variables, optimizer,
-                          apply_gradients if apply_gradients is not None else optimizer.apply_gradients,
-                          self._local.last_args[3], f"{self.name}.flush")
+        corrections = self.flush_corrections()
+        self.policy.finish_flush(corrections, variables, optimizer,
+                                 apply_gradients if apply_gradients is not None else optimizer.apply_gradients,
+                                 self._local.last_args[3], f"{self.name}.flush")
 
     @property
     def density(self) -> Optional[float]:
@@ -303,8 +310,7 @@ class GradientCompression(tf.Module):
             if isinstance(g, tf.IndexedSlices):
                 raise ValueError(f"gradient {i} is a tf.IndexedSlices; densify it first "
                                  "(the Horovod wrappers do, see sparse_as_dense)")
-        if self.delayed is not None:
-            self._local.last_args = (world_size, scale, prescale, process_set)
+        self._local.last_args = (world_size, scale, prescale, process_set)  # what a flush exchanges with
         if not tf.executing_eagerly():
             return self._exchange(grads, world_size, scale, prescale, process_set)
         key = (world_size, float(scale), float(prescale), id(process_set))
@@ -383,11 +389,9 @@ class GradientCompression(tf.Module):
         return density
 
     def _exchange(self, grads, world_size, scale, prescale, process_set):
-        if self.delayed is None:
-            return self._exchange_now(grads, world_size, scale, prescale, process_set)
-        self._local.last_args = (world_size, scale, prescale, process_set)  # what flush exchanges with
-        return self.delayed.step(grads, lambda gs: self._exchange_now(gs, world_size, scale, prescale, process_set),
-                                 prescale * scale * world_size)
+        self._local.last_args = (world_size, scale, prescale, process_set)  # what a flush exchanges with
+        return self.policy.step(grads, lambda gs: self._exchange_now(gs, world_size, scale, prescale, process_set),
+                                prescale * scale * world_size)
 
     def _exchange_now(self, grads, world_size, scale, prescale, process_set):
         pending = self.start_exchange(grads, world_size=world_size, scale=scale, prescale=prescale,

@@ -9,7 +9,7 @@ where g_t,j is the local term worker j put into the exchange of step t, R_t the 
 decompressed) result, and f the averaging factor that puts the local term in the result's units
 (1 for ``op=Average``, N for ``Sum``; ``prescale * scale * N`` in general). Unrolled, plain SGD gives
 ``w_n,j = w_0 - lr*sum_(t<=n-D) R_t - lr*sum_(n-D<t<=n) g_t,j``. D = 0 and K = 1 do not come here
-at all: the synchronous exchange runs, bit for bit.
+at all: they take the ``Synchronous`` policy (``tf_ops.policy``), the plain exchange, bit for bit.
 
 With ``sync_every=K`` a worker exchanges once every K steps: on the other steps it applies its
 local gradient (times f) and adds it to an accumulator; on every K-th step it exchanges the
@@ -62,19 +62,22 @@ and at the end of every epoch and of training.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from hvdcompress.delay import check_delay, check_sync_every
 
+from .policy import Exchange, SyncPolicy
 
-Exchange = Callable[[List[Optional[tf.Tensor]]], List[Optional[tf.Tensor]]]
 
+class DelayedAveraging(tf.Module, SyncPolicy):
+    """The sync policy of delayed / temporally sparse exchanges (``tf_ops.policy``): its state and
+    arithmetic (module doc). The ``GradientCompression`` owning it does the exchanges; this decides
+    what is applied when."""
 
-class DelayedAveraging(tf.Module):
-    """The state and arithmetic of delayed / temporally sparse exchanges (module doc). The
-    ``GradientCompression`` owning it does the exchanges; this decides what is applied when."""
+    active = True
+    sparse_exchanges = False  # corrections are dense: sparse gradients are densified first
 
     def __init__(self, delay: int, sync_every: int, name: str = "delayed",
                  momentum: Optional[Tuple[float, bool]] = None):
@@ -217,6 +220,11 @@ class DelayedAveraging(tf.Module):
         for i in present:
             out[i] = sums[i]
         return out
+
+    def finish_flush(self, corrections, variables, optimizer, apply_gradients, process_set, name) -> None:
+        """Apply the corrections as one more optimizer step, then average the variables and the
+        optimizer's state over the ranks (``apply_and_average``)."""
+        apply_and_average(corrections, variables, optimizer, apply_gradients, process_set, name)
 
 
 def optimizer_slot_variables(optimizer) -> List[tf.Variable]:

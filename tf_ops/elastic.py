@@ -106,7 +106,7 @@ def _compressions(optimizer, compression) -> List[GradientCompression]:
 def check_elastic(optimizer, compressions: List[GradientCompression]) -> None:
     """What cannot follow a reset raises here (module doc), on every rank, before any collective."""
     for c in compressions:
-        if c.delayed is not None:
+        if c.policy.active:
             raise ValueError("delay: delayed averaging (delay/sync_every) keeps corrections of exchanges "
                              "among the current ranks and cannot follow an elastic reset; use delay=0, "
                              "sync_every=1 with elastic training")

@@ -93,7 +93,7 @@ class Exchanger:
         grads = list(grads)
         if self.sparse_as_dense:
             grads = self.densify(grads)
-        elif self.compression.delayed is not None:
+        elif not self.compression.policy.sparse_exchanges:
             grads = self.densify(grads, "delayed averaging keeps dense corrections")
         self.check_model(grads, variables)
         if os.environ.get("HOROVOD_ELASTIC", "0") == "1":

@@ -96,7 +96,7 @@ class _KerasMixin:
         values. Call it on every rank between steps (``DelayedAveragingFlushCallback`` does in
         ``model.fit``). Nothing to do when synchronous (delay=0, sync_every=1) or before a step."""
         variables = getattr(self._hvc, "variables", None)
-        if variables is None or self.gradient_compression.delayed is None:
+        if variables is None:
             return
         base = super(_KerasMixin, self)
         self.gradient_compression.flush(self, variables, lambda pairs: base.apply_gradients(pairs))
