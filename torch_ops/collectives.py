@@ -33,6 +33,13 @@ def request_bytes(requests: Sequence[Request]) -> int:
     return sum(r.tensor.numel() * r.tensor.element_size() for r in payload_requests(requests))
 
 
+# Waiting for a collective (``Communicator._synchronize``): polls before the first sleep, and the
+# sleeps, doubling from the first to the last.
+SPIN_POLLS = 20
+MIN_PAUSE_S = 2e-5
+MAX_PAUSE_S = 2e-4
+
+
 class Communicator:
     """Every collective hvdcompress makes, on one Horovod process set (default: all ranks).
 
@@ -92,9 +99,26 @@ class Communicator:
     def wait(self, handles: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
         out = []
         for h in handles:
-            r = self._hvd.synchronize(h)
+            r = self._synchronize(h)
             out.append(r[0] if isinstance(r, tuple) else r)  # alltoall: (output, received splits)
         return tuple(out)
+
+    def _synchronize(self, handle):
+        """``hvd.synchronize(handle)`` without its busy wait: Horovod's ``WaitAndClear`` loops on
+        ``std::this_thread::yield()``, holding a whole core while the collective runs, the core
+        that Horovod's background thread (which runs the collective) and, where ranks share a
+        machine's cores, the other ranks' compute need. The handle is polled a few times, then
+        with sleeps that grow to ``MAX_PAUSE_S`` (at most that much latency added), and
+        synchronized once done."""
+        hvd = self._hvd
+        for _ in range(SPIN_POLLS):
+            if hvd.poll(handle):
+                return hvd.synchronize(handle)
+        pause = MIN_PAUSE_S
+        while not hvd.poll(handle):
+            time.sleep(pause)
+            pause = min(2 * pause, MAX_PAUSE_S)
+        return hvd.synchronize(handle)
 
     def poll(self, handles: Sequence[Any]) -> bool:
         return all(self._hvd.poll(h) for h in handles)
@@ -102,10 +126,11 @@ class Communicator:
     # -- blocking collectives (scheduler, profiler) ------------------------------------------------
     def allreduce_(self, t: torch.Tensor, name: str, average: bool = False) -> torch.Tensor:
         hvd = self._hvd
-        return hvd.allreduce_(t, op=hvd.Average if average else hvd.Sum, name=name, process_set=self.process_set)
+        return self._synchronize(hvd.allreduce_async_(t, op=hvd.Average if average else hvd.Sum, name=name,
+                                                      process_set=self.process_set))
 
     def allgather(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        return self._hvd.allgather(t, name=name, process_set=self.process_set)
+        return self._synchronize(self._hvd.allgather_async(t, name=name, process_set=self.process_set))
 
     def barrier(self) -> None:
         self._hvd.barrier(process_set=self.process_set)
