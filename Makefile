@@ -12,12 +12,14 @@ install:
 digits: install
 	horovodrun -np $(NP) -H localhost:$(NP) --gloo $(PYTHON) examples/pytorch_digits.py --compression $(COMPRESSION)
 
+# Two pytest-xdist workers: the tests that launch Horovod workers run in order in one of them
+# (tests/conftest.py groups them), the single-process tests share both.
 test: install
-	$(PYTHON) -m pytest tests -q --durations=25
+	$(PYTHON) -m pytest tests -q -n 2 --dist loadgroup --durations=25
 
 # The default suite plus the extended tier (tests/conftest.py: costly repeats of covered paths).
 test-full: install
-	HVDC_EXTENDED_TESTS=1 $(PYTHON) -m pytest tests -q
+	HVDC_EXTENDED_TESTS=1 $(PYTHON) -m pytest tests -q -n 2 --dist loadgroup
 
 # Single-process tests only: deselects the tests marked ``multiprocess`` (tests/conftest.py), the
 # ones that launch Horovod/Gloo worker processes.

@@ -13,6 +13,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # the ``scenarios`` package
 SESSION_CACHE = tempfile.mkdtemp(prefix="hvdcompress-test-cache-")
 os.environ["HVDCOMPRESS_CACHE"] = SESSION_CACHE
 atexit.register(shutil.rmtree, SESSION_CACHE, True)
+# The compiled kernels (torch_ops/compressors/native.py) are the exception: a build is named by the
+# digest of its source and flags, so the one `make install` made serves the tests too, instead of
+# a compile per session (and per xdist worker).
+os.environ.setdefault("HVDCOMPRESS_NATIVE_CACHE",
+                      os.path.join(os.path.expanduser("~"), ".cache", "hvdcompress", "native"))
 
 
 # Two tiers. The default suite (the README's test command, CI) runs every feature on real Horovod
@@ -57,9 +62,15 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(config, items):
+    import pytest
+    # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every test that launches workers runs
+    # in one xdist worker, in order: one Horovod job at a time, and the shared launches
+    # (scenarios/shared_launch.py) stay in one process; the single-process tests fill the other core.
+    for item in items:
+        if "multiprocess" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))
     if EXTENDED:
         return
-    import pytest
     skip = pytest.mark.skip(reason="extended tier: set HVDC_EXTENDED_TESTS=1 (make test-full)")
     for item in items:
         if "extended" in item.keywords:

@@ -2,10 +2,10 @@
 
     python -m torch_ops.compressors.native          # build (scripts/install.sh runs this), report
 
-The library is plain C++ with a C interface (no Python or torch headers: about a second to
-compile). It is built into ``$HVDCOMPRESS_CACHE/native`` (default ``~/.cache/hvdcompress/native``)
-under a name that holds a hash of the source and the flags, so an edited source is rebuilt. At
-first use, when the library is missing and a C++ compiler is on PATH, it is built then (under a
+The library is plain C++ with a C interface (no Python or torch headers; about ten seconds of
+one core to compile). It is built into ``$HVDCOMPRESS_NATIVE_CACHE`` if set, else
+``$HVDCOMPRESS_CACHE/native`` (default ``~/.cache/hvdcompress/native``) under a name that holds a
+hash of the source and the flags, so an edited source is rebuilt. At first use, when the library is missing and a C++ compiler is on PATH, it is built then (under a
 file lock, renamed into place, so concurrent workers build it once). Without a compiler, or with
 ``HVDCOMPRESS_NATIVE=0``, ``lib()`` returns None and the callers use the pure numpy/torch paths,
 which give the same results bit for bit (tests/test_selection.py checks both).
@@ -37,6 +37,12 @@ _tried = False
 
 
 def _cache_dir() -> str:
+    """Where the library is built: $HVDCOMPRESS_NATIVE_CACHE, else $HVDCOMPRESS_CACHE/native (default
+    ~/.cache/hvdcompress/native). Builds are named by the digest of the source and flags, so one
+    directory serves every checkout and process (a lock file serialises concurrent builds)."""
+    own = os.environ.get("HVDCOMPRESS_NATIVE_CACHE")
+    if own:
+        return own
     base = os.environ.get("HVDCOMPRESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hvdcompress")
     return os.path.join(base, "native")
 
