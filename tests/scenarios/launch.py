@@ -26,6 +26,12 @@ from typing import Dict, Optional, Sequence, Tuple
 # wait can reach 30 s; the workers get a longer timeout, and a real hang still fails, later.
 GLOO_TIMEOUT_S = "300"
 
+# Set to "1" in a TF launch's environment: its workers run every tf.function without Grappler's
+# graph rewrites (about a third of the CPU a Keras step's first call takes, which a test launch
+# pays once per compressor and model). The single-process tests keep the rewrites on and check
+# tf.function against the numpy oracle bit for bit, so what they could change is still covered.
+NO_GRAPH_OPTIMIZER = "HVDC_TESTS_NO_GRAPH_OPTIMIZER"
+
 
 def worker_cache_dir() -> str:
     """The cost-model cache the workers use: $HVDCOMPRESS_CACHE as the test session set it
@@ -85,6 +91,9 @@ def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> d
     each scenario starts from the launch's environment."""
     import importlib
     hvd = importlib.import_module({"torch": "horovod.torch", "tf": "horovod.tensorflow"}[framework])
+    if framework == "tf" and os.environ.get(NO_GRAPH_OPTIMIZER) == "1":
+        import tensorflow as tf
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     hvd.init()
     shutdown, hvd.shutdown = hvd.shutdown, lambda: None
     out = {"seconds": {}}
