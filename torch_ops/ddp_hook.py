@@ -164,7 +164,7 @@ class CommHookState:
         exchanged in when those partition the bucket (so a resumed run, whose DDP starts from its
         initial buckets, exchanges as the run it resumes did), else the bucket as one unit,
         remembered. A unit is one group (one exchange), or, for a layerwise compressor, one
-        exchange per parameter whose first rounds are fused (``_exchanges``)."""
+        exchange per parameter, their first rounds launched in one batch."""
         names = tuple(n for n, _, _ in members)
         inside = set(names)
         known = [self._layout.get(n) for n in names]

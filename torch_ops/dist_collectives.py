@@ -25,9 +25,10 @@ Three things differ from Horovod, and this class absorbs them:
 * **Matching.** Horovod matches collectives across ranks by name; torch.distributed by the order
   they are issued on the group, so every rank must issue the same collectives in the same order.
   This class issues collectives only inside ``launch``, ``wait``, at the end of ``batch`` and in
-  the blocking methods (never from a completion callback), which the optimizer and the DDP hook call in the same sequence on
-  every rank. The data stage of a gather, which needs the sizes, is issued at the next such call
-  (first in, first out), waiting for the sizes collective if it is still running. And ``poll``
+  the blocking methods (never from a completion callback), which the optimizer and the DDP hook
+  call in the same sequence on every rank. The data stage of a gather, which needs the sizes, is
+  issued at the next such call (first in, first out), waiting for the sizes collective if it is
+  still running. And ``poll``
   answers False: what it would let a caller launch next (a later round, as ``PendingQueue.poll``
   does from the backward hooks) would depend on timing, which differs between ranks; later rounds
   are therefore launched when the caller waits for the earlier one (in ``synchronize`` / the DDP

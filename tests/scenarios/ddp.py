@@ -322,7 +322,8 @@ def communicator() -> dict:
     with c.batch():
         f1 = c.launch((Allreduce(small), Flag(torch.ones(1)), Allgather(torch.full((r,), r))), "f1")
         f2 = c.launch((Allreduce(torch.full((2,), r + 0.5, dtype=torch.float64)), Allreduce(big),
-                       Allreduce(torch.arange(3, dtype=torch.float32) * (r + 1)), Allgather(torch.ones(1, 2) * r)), "f2")
+                       Allreduce(torch.arange(3, dtype=torch.float32) * (r + 1)),
+                       Allgather(torch.ones(1, 2) * r)), "f2")
         f3 = c.launch((Allreduce(torch.full((2,), 2.0 ** -30 * (r + 1))),), "f3")
         issued_inside = dict(c.collectives)
         rf3 = c.wait(f3)  # waited for inside the batch: the batch so far is issued
@@ -330,8 +331,8 @@ def communicator() -> dict:
     rf1, rf2, rf4 = c.wait(f1), c.wait(f2), c.wait(f4)
     batch_counts = {k: c.collectives[k] - counted[k] for k in counted}
     batch_inside = {k: issued_inside[k] - counted[k] for k in counted}
-    fused = {"f1": [t.tolist() for t in rf1], "f2": [t.tolist() for t in rf2[:1]] + [rf2[1][:3].tolist(), rf2[1].numel()]
-             + [t.tolist() for t in rf2[2:]], "f3": rf3[0].tolist(), "f4": [t.tolist() for t in rf4],
+    fused = {"f1": [t.tolist() for t in rf1],
+             "f2": [rf2[0].tolist(), rf2[1][:3].tolist(), rf2[1].numel()] + [t.tolist() for t in rf2[2:]], "f3": rf3[0].tolist(), "f4": [t.tolist() for t in rf4],
              "in_place": rf2[1] is big and rf1[0] is small,  # allreduce sums in place, fused or not
              "counts": batch_counts, "inside": batch_inside}
     objs = c.allgather_object({"rank": r, "pad": "x" * (7 * r)}, "o")
