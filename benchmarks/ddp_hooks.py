@@ -2,6 +2,8 @@
 
 Pairs (torch.distributed, Gloo; every configuration runs in the same processes, one after the other):
 
+    compute          a hook that exchanges nothing (the bucket's own gradients, at once): the
+                     compute-only step, the floor every other configuration is measured against
     ddp              DDP's default hook (dense fp32 allreduce, averaged)
     torch-fp16       torch's ``fp16_compress_hook``            vs  ours-fp16       ``fp16``
     torch-powersgd   torch's ``powerSGD_hook`` (rank r, warm     vs  ours-powersgd   ``powersgd:rank=r``
@@ -14,10 +16,16 @@ Three parts (``--part``):
 
 * ``timing``: seconds per training step (slowest rank, median over the measured steps, after
   warm-up steps that cover DDP's bucket rebuild and torch PowerSGD's dense start) of a model from
-  ``hvdcompress.bench.torch_models`` (``vgg``: 6.4M parameters, ``mlp``: 12.6M) on synthetic batches.
+  ``hvdcompress.bench.torch_models`` on synthetic batches (``--model``: ``vgg``, 6.4M parameters,
+  compute-bound on a CPU; ``mlp``, 12.6M parameters in 8 tensors and little compute per byte of
+  gradient, where the link dominates; ``deep``, 0.33M parameters in 100 tensors).
   ``--link 100mbit,1gbit`` runs the workers in network namespaces whose veth links are rate-limited
   by ``tbf`` (``hvdcompress.bench.netns``: an emulated network; no latency is added; needs root);
-  ``--link loopback`` runs them on the machine's loopback.
+  ``--link loopback`` runs them on the machine's loopback. On an emulated link each configuration
+  also gets its *limit*: the compute-only step plus the bytes per step over the link rate, where
+  the bytes are what the busiest rank's link carried per measured step in its busier direction
+  (the interface's counters, ``/proc/net/dev``: headers and the loop's own per-step barrier and
+  timing allreduce included), and the distance to it (step / limit).
 * ``accuracy``: the digits CNN of ``examples/ddp_digits.py`` trained for ``--epochs`` with each
   configuration on the same shards and batch order; test accuracy and final loss.
 * ``degenerate``: 5 steps on 2 ranks of a 64-64-10 MLP with loss ``output.sum()`` (the last
@@ -27,6 +35,7 @@ Three parts (``--part``):
 Figures are printed and written as JSON (``--json``). Timings need a quiet machine. Examples::
 
     python benchmarks/ddp_hooks.py --part timing --workers 2,4 --link 100mbit,1gbit --model vgg --json t.json
+    python benchmarks/ddp_hooks.py --part timing --workers 2,4 --link 100mbit,1gbit --model mlp --json m.json
     python benchmarks/ddp_hooks.py --part accuracy --workers 2 --epochs 20 --json a.json
     python benchmarks/ddp_hooks.py --part degenerate --json d.json
     python benchmarks/ddp_hooks.py --quick            # a smoke run of all three parts, tiny sizes
@@ -47,7 +56,8 @@ from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-CONFIGS = ("ddp", "torch-fp16", "ours-fp16", "torch-powersgd", "ours-powersgd", "ours-topk", "ours-dgc")
+MODELS = ("vgg", "mlp", "deep")  # hvdcompress.bench.torch_models.MODELS
+CONFIGS = ("compute", "ddp", "torch-fp16", "ours-fp16", "torch-powersgd", "ours-powersgd", "ours-topk", "ours-dgc")
 
 
 # -- inside a worker ---------------------------------------------------------------------------------
@@ -57,6 +67,9 @@ def _register(name: str, ddp, opt, rank_r: int):
 
     import hvdcompress.ddp as hddp
     if name == "ddp":
+        return None
+    if name == "compute":
+        ddp.register_comm_hook(None, _no_exchange)
         return None
     if name == "torch-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -71,6 +84,26 @@ def _register(name: str, ddp, opt, rank_r: int):
     state, hook = hddp.comm_hook(spec, model=ddp, optimizer=opt)
     ddp.register_comm_hook(state, hook)
     return state
+
+
+def _no_exchange(state, bucket):
+    """A DDP hook that exchanges nothing: the bucket's own gradients, in a completed future."""
+    import torch
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _link_bytes(iface: str):
+    """(received, sent) bytes so far on ``iface`` in this process's network namespace, or None
+    when the interface is not listed."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == iface and rest:
+                fields = rest.split()
+                return int(fields[0]), int(fields[8])
+    return None
 
 
 def _flat(model):
@@ -101,7 +134,11 @@ def _timing(cfg: dict) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         state = _register(name, model, opt, cfg["rank"])
         times = []
+        iface = cfg.get("iface")
+        counted = None
         for step in range(cfg["warmup"] + cfg["steps"]):
+            if step == cfg["warmup"] and iface:
+                counted = _link_bytes(iface)
             dist.barrier()
             start = time.perf_counter()
             opt.zero_grad()
@@ -111,10 +148,18 @@ def _timing(cfg: dict) -> dict:
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank's does
             if step >= cfg["warmup"]:
                 times.append(float(took))
+        link = None
+        if counted is not None:
+            now = _link_bytes(iface)
+            mine = torch.tensor([(now[0] - counted[0]) / len(times), (now[1] - counted[1]) / len(times)],
+                                dtype=torch.float64)
+            link = [r.tolist() for r in _all_ranks(mine)]  # every rank's (received, sent) bytes per step
         rows = _all_ranks(_flat(model))
         out[name] = {"median_step_s": statistics.median(times), "mean_step_s": statistics.fmean(times),
-                     "steps": len(times), "identical": all(bool((r == rows[0]).all()) for r in rows),
-                     "bytes_per_step": state.stats.as_dict()["bytes_per_step"] if state is not None else None}
+                     "steps": len(times),
+                     "identical": None if name == "compute" else all(bool((r == rows[0]).all()) for r in rows),
+                     "bytes_per_step": state.stats.as_dict()["bytes_per_step"] if state is not None else None,
+                     "link_bytes_per_step": link}
     return out
 
 
@@ -219,6 +264,7 @@ def launch(part: str, cfg: dict, workers: int, link: str = "loopback") -> dict:
             from hvdcompress.bench.netns import EmulatedNetwork, parse_bandwidth
             net = stack.enter_context(EmulatedNetwork(workers, parse_bandwidth(link), f"ddp{part[:3]}"))
             prefixes, addr, iface = [net.exec_prefix(r) for r in range(workers)], net.addresses[0], net.iface
+            cfg = dict(cfg, iface=iface)  # the workers count the bytes their link carries
         port = _free_port()
         procs = []
         for r in range(workers):
@@ -234,6 +280,31 @@ def launch(part: str, cfg: dict, workers: int, link: str = "loopback") -> dict:
             return json.load(f)
 
 
+def _timing_rows(got: dict, link: str, world: int) -> List[Dict[str, object]]:
+    """One row per configuration of one (link, world) run: step time, speed-up over DDP, and on an
+    emulated link the bytes the busiest link carried per step, the limit and the distance to it."""
+    base = got.get("ddp", {}).get("median_step_s")
+    compute = got.get("compute", {}).get("median_step_s")
+    bps = None
+    if link != "loopback":
+        from hvdcompress.bench.netns import parse_bandwidth
+        bps = parse_bandwidth(link)
+    rows = []
+    for name, r in got.items():
+        step = r["median_step_s"]
+        wire = max(max(rank) for rank in r["link_bytes_per_step"]) if r.get("link_bytes_per_step") else None
+        limit = compute + wire * 8 / bps if None not in (compute, wire, bps) else None
+        rows.append({"link": link + (" (tbf, emulated)" if link != "loopback" else ""), "workers": world,
+                     "config": name, "median_step_ms": step * 1e3,
+                     "speedup_vs_ddp": base / step if base else float("nan"),
+                     "link_mb_per_step": wire / 1e6 if wire is not None else None,
+                     "limit_ms": limit * 1e3 if limit is not None else None,
+                     "step_over_limit": step / limit if limit else None,
+                     "payload_mb_per_step": r["bytes_per_step"] / 1e6 if r.get("bytes_per_step") is not None else None,
+                     "identical": "n/a" if r["identical"] is None else r["identical"]})
+    return rows
+
+
 def _print_table(title: str, rows: List[Dict[str, object]]) -> None:
     print(f"\n{title}")
     if not rows:
@@ -242,7 +313,8 @@ def _print_table(title: str, rows: List[Dict[str, object]]) -> None:
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for row in rows:
-        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else "-" if v is None else str(v)
+                                for v in row.values()) + " |")
 
 
 def main(argv=None) -> int:
@@ -250,7 +322,10 @@ def main(argv=None) -> int:
     p.add_argument("--part", default="all", choices=("all", "timing", "accuracy", "degenerate"))
     p.add_argument("--workers", default="2", help="comma-separated world sizes (timing, accuracy)")
     p.add_argument("--link", default="loopback", help="timing: comma-separated: loopback, 100mbit, 1gbit, ...")
-    p.add_argument("--model", default="vgg", help="timing: vgg, mlp or deep (hvdcompress.bench.torch_models)")
+    p.add_argument("--model", default="vgg", choices=MODELS,
+                   help="timing: vgg (6.4M parameters, compute-bound on a CPU), mlp (12.6M parameters, little "
+                        "compute: link-bound, where top-k / DGC can reach 10x over dense) or deep (0.33M in 100 "
+                        "tensors); hvdcompress.bench.torch_models")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=20, help="timing: measured steps per configuration")
     p.add_argument("--warmup", type=int, default=5, help="timing: steps before measuring (>= 3)")
@@ -280,19 +355,16 @@ def main(argv=None) -> int:
                 cfg = {"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
                        "warmup": args.warmup, "rank": args.rank, "configs": configs}
                 got = launch("timing", cfg, world, link)
-                base = got.get("ddp", {}).get("median_step_s")
-                for name, r in got.items():
-                    rows.append({"link": link + (" (tbf, emulated)" if link != "loopback" else ""), "workers": world,
-                                 "config": name, "median_step_ms": r["median_step_s"] * 1e3,
-                                 "speedup_vs_ddp": base / r["median_step_s"] if base else float("nan"),
-                                 "identical": r["identical"]})
-        result["timing"] = {"model": args.model, "batch_size": args.batch_size, "rows": rows}
+                rows += _timing_rows(got, link, world)
+        result["timing"] = {"model": args.model, "batch_size": args.batch_size, "rows": rows,
+                            "limit": "compute-only step + link bytes per step (busiest rank, busier direction) / "
+                                     "link rate; step_over_limit = median step / limit"}
         _print_table(f"step time, model {args.model}, batch {args.batch_size} per rank", rows)
     if "accuracy" in parts:
         rows = []
         for world in worlds:
             got = launch("accuracy", {"epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
-                                      "rank": args.rank, "configs": configs}, world)
+                                      "rank": args.rank, "configs": [c for c in configs if c != "compute"]}, world)
             rows += [{"workers": world, "config": n, "test_accuracy": r["test_accuracy"], "final_loss": r["final_loss"],
                       "epochs": r["epochs"], "identical": r["identical"]} for n, r in got.items()]
         result["accuracy"] = rows

@@ -16,14 +16,14 @@ import copy
 import numpy as np
 import pytest
 
-from scenarios.ddp import SAVE_AT, SPECS, STEPS, launch
+from scenarios.ddp import FUSED_SPEC, FUSED_STEPS, SAVE_AT, SPECS, STEPS, launch
 from hvdcompress import parse_spec
 from hvdcompress.reference import simulate
 
 pytestmark = pytest.mark.multiprocess  # real gloo process groups
 
-TWO = ["communicator", "every_compressor", "bad_specs", "nonfinite", "auto_schedule", "delayed", "example"]
-THREE = ["communicator", "every_compressor", "bad_specs"]
+TWO = ["communicator", "every_compressor", "fused", "bad_specs", "nonfinite", "auto_schedule", "delayed", "example"]
+THREE = ["communicator", "every_compressor", "fused", "bad_specs"]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,44 @@ def test_communicator(world):
                                 [sum(k + 7 for k in range(n))] * 2, "torch.int16"]
         assert got["poll"] is False  # never lets a caller launch in a timing-dependent order
         assert got["versions"]["torch.distributed"] == "gloo"
+
+
+def test_communicator_batch_fuses_allreduces(world):
+    """Inside ``batch()``: the small allreduces of one dtype share one collective, a large one goes
+    alone, the gathers share their row-count collective; nothing is issued before the batch ends
+    or one of its requests is waited for; results are the per-request sums, in place."""
+    n = len(world)
+    s = n * (n - 1) // 2  # sum of the ranks
+    for got in part(world, "communicator"):
+        f = got["fused"]
+        assert f["inside"] == {"all_reduce": 0, "all_gather": 0, "all_to_all": 0, "barrier": 0}
+        # f1..f3 at f3's wait: float32 (4 + 1 + 3 + 2 entries), float64, the large one; one row-count
+        # gather and the two gathers' data; f4 at the batch's end: float32, float64
+        assert f["counts"] == {"all_reduce": 5, "all_gather": 3, "all_to_all": 0, "barrier": 0}
+        assert f["f1"] == [[float(s)] * 4, [float(n)], [k for k in range(n) for _ in range(k)]]
+        assert f["f2"] == [[n * n / 2] * 2, [float(s)] * 3, 2 ** 18 + 1, [0.0, n * (n + 1) / 2, float(n * (n + 1))],
+                           [[float(k)] * 2 for k in range(n)]]
+        assert f["f3"] == [2.0 ** -30 * n * (n + 1) / 2] * 2
+        assert f["f4"] == [[float(n)] * 5, [3.0 * n]]
+        assert f["in_place"]
+
+
+def test_split_bucket_takes_one_collective_per_round(world):
+    """PowerSGD through the hook: a bucket is split into one exchange per parameter, and the
+    exchanges' rounds are fused. One bucket for the model: 2 allreduces per step (every P, dense
+    1-D tensor and non-finite flag; then every Q), where one per request would be 15. Tiny buckets
+    (several once DDP rebuilt them): one allreduce per bucket (its first rounds, launched during
+    backward) and one for every bucket's second round. Nothing is gathered; parameters stay identical on every rank."""
+    for got in part(world, "fused"):
+        for step in got["one_bucket"]:
+            assert step["buckets"] == 1 and step["identical"], step
+            assert step["collectives"] == {"all_reduce": 2, "all_gather": 0, "all_to_all": 0, "barrier": 0}, step
+        assert len(got["tiny_buckets"]) == FUSED_STEPS
+        assert max(step["buckets"] for step in got["tiny_buckets"]) > 1  # after DDP's rebuild
+        for step in got["tiny_buckets"]:
+            assert step["identical"], step
+            assert step["collectives"] == {"all_reduce": step["buckets"] + 1, "all_gather": 0, "all_to_all": 0,
+                                           "barrier": 0}, step
 
 
 def test_every_compressor_identical_and_resumed_exactly(world):
@@ -132,7 +170,7 @@ def test_exchanges_equal_the_oracle(world):
                 assert _same(e["after"][k], v, tol), (where, k)
             exact[e0["tag"][1]] = exact.get(e0["tag"][1], True) and np.array_equal(e["result"], want)
         seen.add(e0["tag"])
-    assert seen == {(path, spec) for spec in SPECS for path in ("hook", "opt")}
+    assert seen == {(path, spec) for spec in SPECS for path in ("hook", "opt")} | {("hook-one-bucket", FUSED_SPEC)}
     inexact = {s.split(":")[0] for s, ok in exact.items() if not ok}
     assert inexact <= ({"powersgd"} if n == 2 else SUMMING), inexact  # else bit for bit
 

@@ -11,7 +11,8 @@ is a generator that *yields* a tuple of requests and is *sent* their results.
 
 ``Communicator`` is the one object through which the project makes collectives of any kind, on
 the user's process set: the exchanges' async requests (``launch`` / ``poll`` / ``wait``, from
-outside Horovod: ``allreduce_async_``, ``allgather_async``, ``alltoall_async``, ``synchronize``),
+outside Horovod: ``allreduce_async_``, ``allgather_async``, ``alltoall_async``, ``synchronize``;
+``batch()`` around launches that may be fused, a no-op where the transport fuses by itself),
 and the scheduler's and profiler's object broadcasts, gathers, barriers and timed collectives.
 ``PendingExchange`` counts the bytes each rank hands to the transport, so compression ratios are
 measured from the real payload tensors, not claimed. ``PendingQueue`` keeps exchanges in flight
@@ -20,6 +21,7 @@ across hooks and steps, advancing them by polling.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -122,6 +124,13 @@ class Communicator:
 
     def poll(self, handles: Sequence[Any]) -> bool:
         return all(self._hvd.poll(h) for h in handles)
+
+    def batch(self):
+        """A context in which ``launch`` calls may be issued together at its end, fused where the
+        transport allows (``TorchDistCommunicator``: one collective per dtype for the batch's
+        small allreduces). Here it changes nothing: Horovod's background thread already fuses
+        the allreduces that are submitted together into one buffer."""
+        return contextlib.nullcontext()
 
     # -- blocking collectives (scheduler, profiler) ------------------------------------------------
     def allreduce_(self, t: torch.Tensor, name: str, average: bool = False) -> torch.Tensor:
@@ -249,7 +258,18 @@ class PendingQueue:
 
 def finish_all(pending: Sequence[PendingExchange]) -> None:
     """Drive every exchange to completion, round-robin, so multi-round exchanges interleave:
-    while one exchange's second round is in flight, the others' first rounds are collected."""
+    while one exchange's second round is in flight, the others' first rounds are collected.
+
+    Each pass (every exchange waits for its current round and launches its next) runs inside its
+    communicators' ``batch()``: the next rounds launched in one pass go out together, fused into
+    one collective per dtype on torch.distributed. The order of the pass is the order of
+    ``pending``, so it is the same on every rank. A stand-in driver without ``batch`` is driven
+    one launch at a time."""
     queue = [p for p in pending if not p.done]
     while queue:
-        queue = [p for p in queue if not p.step()]
+        with contextlib.ExitStack() as stack:
+            for driver in dict.fromkeys(p.driver for p in queue):
+                batch = getattr(driver, "batch", None)
+                if batch is not None:
+                    stack.enter_context(batch())
+            queue = [p for p in queue if not p.step()]

@@ -13,21 +13,32 @@ the bucket.
 
 Every exchange goes through a ``TorchDistCommunicator`` on DDP's process group, wrapped in the
 non-finite guard (``torch_ops.nonfinite``: a non-finite gradient on any rank gives NaN on every
-rank and leaves no NaN in the state). The first round of each bucket's exchange is launched by
-its hook call, so it overlaps the rest of backward; the hook call of the last bucket drives every
-exchange of the step to completion (later rounds included, round-robin, in the same order on every
-rank: torch.distributed matches collectives by issue order) and completes the futures DDP waits
-for. The result is the average over the ranks (DDP's default hook averages too).
+rank and leaves no NaN in the state). torch.distributed has no tensor fusion of its own (Horovod
+fuses concurrent allreduces in its background thread), so the hook batches
+(``TorchDistCommunicator.batch``):
+
+* the first rounds of a bucket's exchanges are launched by its hook call, so they overlap the
+  rest of backward, one batch per *unit* (the bucket, or the saved groups it holds after a
+  resume): a split bucket's first-round allreduces (PowerSGD's P's, its dense 1-D tensors, the
+  non-finite flags) travel as one collective per dtype, not one or two per parameter;
+* the hook call of the last bucket drives every exchange of the step to completion, round by
+  round (``finish_all``: each pass's next rounds, of every bucket, go out as one batch: every Q of
+  the step in one collective), in the model's parameter order, the same on every rank
+  (torch.distributed matches collectives by issue order), and completes the futures DDP waits for.
+
+A fused collective's layout depends only on the units and the parameter order, not on DDP's
+current buckets, so a resumed run adds in the same order as the run it resumes, on any number of
+ranks. The result is the average over the ranks (DDP's default hook averages too).
 
 State (residuals, momenta, PowerSGD's Q) is kept per parameter name: DDP rebuilds its buckets
 after the first iteration (from one bucket in registration order to buckets in the order the
 gradients became ready), so state is joined into a bucket's layout when a bucket of new members
 appears and split back per parameter for ``state_dict()``. ``state.state_dict()`` /
 ``load_state_dict()`` save and restore it (each rank its own: residuals differ per rank), in the
-format of our ``DistributedOptimizer``'s ``state_dict()["hvdcompress"]``, with the groups in use:
-a resumed DDP starts again from its initial buckets, and where those hold the saved groups the
-hook exchanges the saved groups (gathered from the bucket, results scattered back), so resuming
-is exact.
+format of our ``DistributedOptimizer``'s ``state_dict()["hvdcompress"]``, with the units in use
+(``ddp_groups``): a resumed DDP starts again from its initial buckets, and where those hold the
+saved units the hook exchanges the saved units (a merged group gathered from the bucket, results
+scattered back), so resuming is exact.
 
 Compressors that keep the momentum in their memory (DGC, the count sketch) take the optimizer's
 momentum over as our optimizer does (``Compressor.adapt_optimizer``): pass ``optimizer=`` and the
@@ -48,7 +59,7 @@ from hvdcompress.stats import WireStats
 from hvdcompress.warmup import auto_epoch
 
 from . import checkpoint
-from .collectives import PendingExchange, PendingQueue
+from .collectives import PendingExchange, finish_all
 from .compressors import ExchangeContext, TakesMomentum, build_compressor, compressor_class
 from .grouping import Group, join_state, split_state
 from .nonfinite import guard
@@ -90,8 +101,9 @@ class CommHookState:
         self._epoch, self._epoch_set, self._warned_epoch = 0, False, False
         self._groups: Dict[Tuple[str, ...], State] = {}  # state of the buckets seen, in their layout
         self._per_param: Dict[str, State] = {}  # state of parameters in no bucket seen since (load, rebuild)
-        self._layout: Dict[str, Tuple[str, ...]] = {}  # parameter -> the group it was last exchanged in
-        self._queue = PendingQueue()
+        self._layout: Dict[str, Tuple[str, ...]] = {}  # parameter -> the unit it was last exchanged in
+        self._order = {name: i for i, name in enumerate(self._params)}  # the model's parameter order
+        self._pending: List[Tuple[int, PendingExchange]] = []  # this backward pass's exchanges in flight
         self._buckets: List[Tuple[torch.futures.Future, torch.Tensor, List[Any]]] = []  # this backward pass
         self.stats = WireStats()
         self.optimizer = optimizer
@@ -147,14 +159,13 @@ class CommHookState:
             offset += p.numel()
         return out
 
-    def _groups_of(self, members) -> List[Tuple[str, ...]]:
-        """How the bucket's parameters are exchanged: one group per parameter (layerwise
-        compressors); else the groups they were last exchanged in when those groups partition the
-        bucket (so a resumed run, whose DDP starts from its initial buckets, exchanges as the run it
-        resumes did); else the bucket as one group, remembered."""
+    def _units_of(self, members) -> List[Tuple[str, ...]]:
+        """The bucket's *units*, each exchanged as one batch: the units its parameters were last
+        exchanged in when those partition the bucket (so a resumed run, whose DDP starts from its
+        initial buckets, exchanges as the run it resumes did), else the bucket as one unit,
+        remembered. A unit is one group (one exchange), or, for a layerwise compressor, one
+        exchange per parameter, their first rounds launched in one batch."""
         names = tuple(n for n, _, _ in members)
-        if self.layerwise:
-            return [(n,) for n in names]
         inside = set(names)
         known = [self._layout.get(n) for n in names]
         if all(g is not None and inside.issuperset(g) for g in known):
@@ -170,20 +181,25 @@ class CommHookState:
         step, epoch, rank, world = self.step, self.epoch, self.comm.rank(), self.world
         parts = []
         with torch.no_grad():
-            for names in self._groups_of(members):
-                group = Group(names, tuple(where[n][0] for n in names))
-                spans = [(where[n][1], m) for n, m in zip(names, group.numels)]
-                if all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
-                    x = buf[spans[0][0]:spans[0][0] + group.numel]  # a view: the result is built in place
-                else:
-                    x = torch.cat([buf[o:o + m] for o, m in spans])
-                state = self._state_for(group)
-                ctx = ExchangeContext(group.key, step, world, 1.0 / world, state, group.shape, epoch, rank,
-                                      group.layout, out=x)
-                exchange = guard(self.compressor.exchange(x, ctx), x, state)  # non-finite never hidden
-                key = (bucket.index(), group.key)
-                self._queue.add(key, PendingExchange(exchange, f"hvc.{group.key}", self.comm), step)
-                parts.append((key, spans))
+            for unit in self._units_of(members):
+                # one batch per unit: a split unit's first rounds travel as one collective per dtype,
+                # laid out by the unit alone (not by DDP's current buckets), so sums are reproduced
+                # exactly after a resume
+                with self.comm.batch():
+                    for names in ([(n,) for n in unit] if self.layerwise else [unit]):
+                        group = Group(names, tuple(where[n][0] for n in names))
+                        spans = [(where[n][1], m) for n, m in zip(names, group.numels)]
+                        if all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
+                            x = buf[spans[0][0]:spans[0][0] + group.numel]  # a view: the result is built in place
+                        else:
+                            x = torch.cat([buf[o:o + m] for o, m in spans])
+                        state = self._state_for(group)
+                        ctx = ExchangeContext(group.key, step, world, 1.0 / world, state, group.shape, epoch, rank,
+                                              group.layout, out=x)
+                        exchange = guard(self.compressor.exchange(x, ctx), x, state)  # non-finite never hidden
+                        ex = PendingExchange(exchange, f"hvc.{group.key}", self.comm)
+                        self._pending.append((self._order[names[0]], ex))
+                        parts.append((ex, spans))
         fut: torch.futures.Future = torch.futures.Future()
         self._buckets.append((fut, buf, parts))
         if bucket.is_last():
@@ -193,12 +209,14 @@ class CommHookState:
     def _finish(self) -> None:
         """Complete every exchange of this backward pass and the futures DDP waits for."""
         with torch.no_grad():
-            done = self._queue.finish(None)
+            # later rounds in the model's parameter order: the fused layout is the same whatever
+            # DDP's buckets are
+            pending, self._pending = sorted(self._pending, key=lambda item: item[0]), []
+            finish_all([ex for _, ex in pending])
             sent = dense = 0
             seconds = 0.0
             for _, buf, parts in self._buckets:
-                for key, spans in parts:
-                    ex = done[key]
+                for ex, spans in parts:
                     result, pos = ex.result.reshape(-1), 0
                     for offset, n in spans:
                         target = buf[offset:offset + n]

@@ -6,33 +6,44 @@ scheduler's object collectives and the profiler's timed ones, on one process gro
 group unless one is given: process groups stand where Horovod has process sets). Requests are
 async ops (``async_op=True``); their completion is waited on in ``wait``.
 
-Two things differ from Horovod, and this class absorbs both:
+Three things differ from Horovod, and this class absorbs them:
 
+* **Fusion.** Horovod's background thread fuses the allreduces submitted together into one
+  buffer; torch.distributed issues one collective per call, and each pays a start-up (on Gloo,
+  2(N-1) latency-bound messages for the ring). Here the requests launched inside one ``batch()``
+  (one ``launch`` call is a batch of its own) are issued together at its end: the small
+  allreduces of one dtype in one flat collective, the row counts of all gathers in one. Whoever
+  drives several exchanges together opens the batch: ``finish_all`` for every pass of rounds
+  (all the exchanges' next rounds), the DDP hook for the first rounds of a bucket it splits.
 * **Sizes.** Horovod's allgather and alltoall take different sizes per rank and negotiate them in
-  their background thread. Here an ``Allgather`` round first allgathers every gathered tensor's
-  row count (one int64 collective for all the round's gathers), then each tensor travels padded
+  their background thread. Here the gathers of a batch first allgather every gathered tensor's
+  row count (one int64 collective for all of them), then each tensor travels padded
   to the largest count (``all_gather_single``) and the padding is cut off; a gather with no rows
   anywhere issues no data collective. ``Alltoall`` first exchanges its split sizes
   (``all_to_all_single`` of one count per rank), then the rows (``all_to_all_single`` with the
   splits).
 * **Matching.** Horovod matches collectives across ranks by name; torch.distributed by the order
   they are issued on the group, so every rank must issue the same collectives in the same order.
-  This class issues collectives only inside ``launch``, ``wait`` and the blocking methods (never
-  from a completion callback), which the optimizer and the DDP hook call in the same sequence on
-  every rank. The data stage of a gather, which needs the sizes, is issued at the next such call
-  (first in, first out), waiting for the sizes collective if it is still running. And ``poll``
+  This class issues collectives only inside ``launch``, ``wait``, at the end of ``batch`` and in
+  the blocking methods (never from a completion callback), which the optimizer and the DDP hook
+  call in the same sequence on every rank. The data stage of a gather, which needs the sizes, is
+  issued at the next such call (first in, first out), waiting for the sizes collective if it is
+  still running. And ``poll``
   answers False: what it would let a caller launch next (a later round, as ``PendingQueue.poll``
   does from the backward hooks) would depend on timing, which differs between ranks; later rounds
   are therefore launched when the caller waits for the earlier one (in ``synchronize`` / the DDP
   hook's last bucket), in the same order everywhere.
 
 Results are the same as Horovod's: allreduce sums in place (the result is the request's tensor;
-Gloo adds two ranks' values as a + b, so 2 ranks match the oracle bit for bit, and 3 or more may
-differ from the rank-order sum in the last bit), allgather concatenates in rank order.
+Gloo adds two ranks' values as a + b, so 2 ranks match the oracle bit for bit, fused or not, and
+3 or more may differ from the rank-order sum in the last bit, by an order that depends on where an
+entry falls in the ring's chunks, so on the fusion too), allgather concatenates in rank order.
+``collectives`` counts the collectives issued, by kind.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -66,7 +77,7 @@ class _Op:
     """One request in flight: its data collective (``work``) and how to read its result."""
 
     __slots__ = ("kind", "tensor", "work", "out", "rows", "rest", "sizes", "column", "splits", "recv_splits", "trimmed",
-                 "cast", "summed")
+                 "cast", "summed", "wire", "pending", "fused")
 
     def __init__(self, kind: str, tensor: torch.Tensor):
         self.kind, self.tensor = kind, tensor
@@ -81,6 +92,40 @@ class _Op:
         self.trimmed = False  # allgather: the padding was cut off the result
         self.cast = None  # (dtype, trailing shape) when the tensor travels as bytes
         self.summed: Optional[torch.Tensor] = None  # allreduce of a dtype summed in a wider copy
+        self.wire: Optional[torch.Tensor] = None  # allreduce: the tensor summed (the request's, or ``summed``)
+        self.pending = False  # launched in a batch not issued yet
+        self.fused: Optional[Tuple[torch.Tensor, int]] = None  # allreduce: (flat buffer, offset) when fused
+
+
+# Allreduces launched in one batch (``TorchDistCommunicator.batch``) are fused when each is at most
+# FUSE_REQUEST_BYTES: fusing saves a collective's start-up (latency-bound for small tensors) and
+# costs two copies, which only pay for small tensors. A fused collective holds at most
+# FUSE_BUFFER_BYTES.
+FUSE_REQUEST_BYTES = 1 << 20
+FUSE_BUFFER_BYTES = 64 << 20
+
+
+def _fusion_plan(ops: Sequence[_Op]) -> List[List[_Op]]:
+    """The allreduces of a batch, partitioned into collectives: requests of at most
+    FUSE_REQUEST_BYTES with the same dtype and device share one (in launch order, a new one when
+    FUSE_BUFFER_BYTES would be exceeded), larger ones go alone; collectives in the order of their
+    first request. A function of the requests' shapes and dtypes only, so the same on every rank."""
+    plan: List[List[_Op]] = []
+    open_: Dict[Any, List[int]] = {}  # (dtype, device) -> [index in plan, bytes]
+    for op in ops:
+        nbytes = op.wire.numel() * op.wire.element_size()
+        if nbytes > FUSE_REQUEST_BYTES:
+            plan.append([op])
+            continue
+        key = (op.wire.dtype, op.wire.device)
+        slot = open_.get(key)
+        if slot is None or slot[1] + nbytes > FUSE_BUFFER_BYTES:
+            open_[key] = [len(plan), nbytes]
+            plan.append([op])
+        else:
+            plan[slot[0]].append(op)
+            slot[1] += nbytes
+    return plan
 
 
 class TorchDistCommunicator(Communicator):
@@ -104,6 +149,14 @@ class TorchDistCommunicator(Communicator):
         self.process_set = group  # the interface's name for the set of ranks
         self._ps = group
         self._deferred: List[_Op] = []  # gathers / alltoalls whose data stage waits for their sizes
+        self._batched: List[_Op] = []  # allreduces / gathers launched in the open batch, not issued yet
+        self._depth = 0  # nesting of ``batch()``
+        # collectives issued on the group so far, by kind ("all_reduce", "all_gather", "all_to_all",
+        # "barrier"): what tests and benchmarks count per step
+        self.collectives: Dict[str, int] = {"all_reduce": 0, "all_gather": 0, "all_to_all": 0, "barrier": 0}
+
+    def _count(self, kind: str) -> None:
+        self.collectives[kind] += 1
 
     # -- who --------------------------------------------------------------------------------------
     def rank(self) -> int:
@@ -126,50 +179,92 @@ class TorchDistCommunicator(Communicator):
 
     # -- async requests (the exchanges) -------------------------------------------------------------
     def launch(self, requests: Sequence[Request], name: str) -> List[_Op]:
+        """Start one round's requests. Allreduces and gathers are issued when the enclosing
+        ``batch()`` ends (a call outside one is its own batch), alltoalls at once."""
         dist, group = self._dist, self.group
         self._flush()
         ops: List[_Op] = []
-        gathers: List[_Op] = []
-        for req in requests:
-            if isinstance(req, Allreduce):  # Flag included
-                op = _Op("allreduce", req.tensor)
-                wire = req.tensor
-                if wire.dtype not in _MOVED:
-                    if wire.is_floating_point() or wire.is_complex():
-                        raise TypeError(f"Allreduce of {wire.dtype} is not supported by torch.distributed")
-                    wire = op.summed = wire.to(torch.int64)
-                op.work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
-                op.out = req.tensor
-            elif isinstance(req, Allgather):
-                t = req.tensor.contiguous()
-                wire, cast = _as_bytes(t.reshape(1) if t.dim() == 0 else t)
-                op = _Op("allgather", wire)
-                op.cast = cast
-                gathers.append(op)
-            elif isinstance(req, Alltoall):
-                t, cast = _as_bytes(req.tensor.contiguous())
-                op = _Op("alltoall", t)
-                op.cast = cast
-                op.splits = [int(s) for s in req.splits]
-                if len(op.splits) != self.size() or sum(op.splits) != t.shape[0]:
-                    raise ValueError(f"Alltoall: splits {op.splits} must have one entry per rank ({self.size()}) "
-                                     f"summing to the tensor's {t.shape[0]} rows")
-                send = torch.tensor(op.splits, dtype=torch.int64, device=t.device)
-                op.recv_splits = torch.empty_like(send)
-                op.work = dist.all_to_all_single(op.recv_splits, send, group=group, async_op=True)
-                self._deferred.append(op)
-            else:
-                raise TypeError(f"exchange yielded {req!r}; expected Allreduce, Allgather or Alltoall requests")
-            ops.append(op)
-        if gathers:  # one collective carries the row counts of all the round's gathers
+        with self.batch():
+            for req in requests:
+                if isinstance(req, Allreduce):  # Flag included
+                    op = _Op("allreduce", req.tensor)
+                    wire = req.tensor
+                    if wire.dtype not in _MOVED:
+                        if wire.is_floating_point() or wire.is_complex():
+                            raise TypeError(f"Allreduce of {wire.dtype} is not supported by torch.distributed")
+                        wire = op.summed = wire.to(torch.int64)
+                    op.wire, op.out, op.pending = wire, req.tensor, True
+                    self._batched.append(op)
+                elif isinstance(req, Allgather):
+                    t = req.tensor.contiguous()
+                    wire, cast = _as_bytes(t.reshape(1) if t.dim() == 0 else t)
+                    op = _Op("allgather", wire)
+                    op.cast, op.pending = cast, True
+                    self._batched.append(op)
+                elif isinstance(req, Alltoall):
+                    t, cast = _as_bytes(req.tensor.contiguous())
+                    op = _Op("alltoall", t)
+                    op.cast = cast
+                    op.splits = [int(s) for s in req.splits]
+                    if len(op.splits) != self.size() or sum(op.splits) != t.shape[0]:
+                        raise ValueError(f"Alltoall: splits {op.splits} must have one entry per rank ({self.size()}) "
+                                         f"summing to the tensor's {t.shape[0]} rows")
+                    send = torch.tensor(op.splits, dtype=torch.int64, device=t.device)
+                    op.recv_splits = torch.empty_like(send)
+                    op.work = dist.all_to_all_single(op.recv_splits, send, group=group, async_op=True)
+                    self._count("all_to_all")
+                    self._deferred.append(op)
+                else:
+                    raise TypeError(f"exchange yielded {req!r}; expected Allreduce, Allgather or Alltoall requests")
+                ops.append(op)
+        return ops
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Issue the allreduces and gathers launched inside together when the outermost ``batch``
+        ends (or earlier, when one of them is waited for): the allreduces of at most
+        ``FUSE_REQUEST_BYTES`` each go in one flat collective per dtype and device (concatenated,
+        summed, copied back into each request's tensor), up to ``FUSE_BUFFER_BYTES`` per
+        collective; larger ones travel alone; one collective carries the row counts of all the
+        batch's gathers (their data stages stay one collective each). Which requests share a
+        collective depends only on the sequence of launches, the same on every rank."""
+        self._depth += 1
+        try:
+            yield self
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._issue()
+
+    def _issue(self) -> None:
+        """Issue the batched requests (``batch``): the gathers' row counts, then the allreduces."""
+        dist, group = self._dist, self.group
+        ops, self._batched = self._batched, []
+        gathers = [op for op in ops if op.kind == "allgather"]
+        if gathers:  # one collective carries the row counts of all the batch's gathers
             counts = torch.tensor([op.tensor.shape[0] for op in gathers], dtype=torch.int64,
                                   device=gathers[0].tensor.device)
             table = counts.new_empty(self.size() * len(gathers))
             sizes = (_gather_single(dist, table, counts, group), table)
+            self._count("all_gather")
             for j, op in enumerate(gathers):
                 op.sizes, op.column = sizes, j
                 self._deferred.append(op)
-        return ops
+        for fused in _fusion_plan([op for op in ops if op.kind == "allreduce"]):
+            if len(fused) == 1:
+                wire = fused[0].wire
+            else:
+                wire = torch.cat([op.wire.reshape(-1) for op in fused])
+                offset = 0
+                for op in fused:
+                    op.fused = (wire, offset)
+                    offset += op.wire.numel()
+            work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            self._count("all_reduce")
+            for op in fused:
+                op.work = work
+        for op in ops:
+            op.pending = False
 
     def _flush(self) -> None:
         """Issue the data stage of every deferred gather / alltoall, oldest first (module doc)."""
@@ -196,6 +291,7 @@ class TorchDistCommunicator(Communicator):
                     t = padded
                 op.out = t.new_empty((world * top,) + op.rest)
                 op.work = _gather_single(dist, op.out, t, group)
+                self._count("all_gather")
         else:  # alltoall
             op.work.wait()
             recv = [int(r) for r in op.recv_splits.tolist()]
@@ -206,16 +302,23 @@ class TorchDistCommunicator(Communicator):
             op.recv_splits = recv
             if sum(recv) or sum(op.splits):
                 op.work = dist.all_to_all_single(op.out, op.tensor, recv, op.splits, group=group, async_op=True)
+                self._count("all_to_all")
             else:
                 op.work = None
 
     def wait(self, handles: Sequence[_Op]) -> Tuple[torch.Tensor, ...]:
+        if any(op.pending for op in handles):  # waited for inside the batch that launched it
+            self._issue()
         self._flush()
         out = []
         for op in handles:
             if op.work is not None:
-                op.work.wait()
+                op.work.wait()  # a fused collective's work is waited for once per request: a no-op after the first
                 op.work = None
+            if op.fused is not None:
+                flat, offset = op.fused
+                op.wire.copy_(flat[offset:offset + op.wire.numel()].view(op.wire.shape))
+                op.fused = None
             if op.summed is not None:
                 op.out.copy_(op.summed)
                 op.summed = None
@@ -239,6 +342,7 @@ class TorchDistCommunicator(Communicator):
     def allreduce_(self, t: torch.Tensor, name: str, average: bool = False) -> torch.Tensor:
         self._flush()
         self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self.group)
+        self._count("all_reduce")
         if average:
             if t.is_floating_point() or t.is_complex():
                 t.div_(self.size())
@@ -252,6 +356,7 @@ class TorchDistCommunicator(Communicator):
     def barrier(self) -> None:
         self._flush()
         self._dist.barrier(group=self.group)
+        self._count("barrier")
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj``, in rank order (pickled bytes, gathered with their sizes)."""

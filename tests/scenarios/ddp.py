@@ -176,6 +176,50 @@ def every_compressor(rec) -> dict:
     return out
 
 
+FUSED_SPEC = "powersgd:rank=2"
+FUSED_STEPS = 3
+
+
+def fused(rec) -> dict:
+    """PowerSGD (layerwise: every bucket split per parameter) through the hook, with one bucket for
+    the whole model and with tiny buckets: the collectives the communicator issued in each step and
+    the buckets DDP handed over, identical parameters every step; the one-bucket run's exchanges are
+    logged (tag ``("hook-one-bucket", FUSED_SPEC)``) for the oracle replay."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import hvdcompress.ddp as hddp
+    out = {}
+    for tag, cap in (("one_bucket", 25.0), ("tiny_buckets", 0.002)):
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        state, hook = hddp.comm_hook(FUSED_SPEC, model=ddp, optimizer=opt)
+        calls = []
+
+        def counting(st, bucket, calls=calls):
+            calls[-1] += 1
+            return hook(st, bucket)
+
+        ddp.register_comm_hook(state, counting)
+        steps = []
+        for step in range(FUSED_STEPS):
+            calls.append(0)
+            before = dict(state.comm.collectives)
+            if tag == "one_bucket":
+                rec.tag = ("hook-one-bucket", FUSED_SPEC)
+            opt.zero_grad()
+            x, y = _batch(dist.get_rank(), step)
+            nn.CrossEntropyLoss()(ddp(x), y).backward()
+            opt.step()
+            rec.tag = None
+            after = state.comm.collectives
+            steps.append({"buckets": calls[-1], "collectives": {k: after[k] - before[k] for k in after},
+                          "identical": _identical(model)})
+        out[tag] = steps
+    return out
+
+
 def bad_specs() -> dict:
     """Bad specs and arguments raise ValueError on every rank, before any collective (the next
     collective, a barrier, then meets on every rank)."""
@@ -269,6 +313,28 @@ def communicator() -> dict:
     rb = c.wait(b)
     ra = c.wait(a)
     ro = c.wait(odd)
+    # a batch: the small float32 allreduces of three launches in one collective, float64 in another,
+    # the large one alone, one row-count collective for both gathers, and a wait inside the batch
+    from torch_ops.dist_collectives import FUSE_REQUEST_BYTES
+    counted = dict(c.collectives)
+    big = torch.full((FUSE_REQUEST_BYTES // 4 + 1,), float(r))
+    small = torch.full((4,), float(r))
+    with c.batch():
+        f1 = c.launch((Allreduce(small), Flag(torch.ones(1)), Allgather(torch.full((r,), r))), "f1")
+        f2 = c.launch((Allreduce(torch.full((2,), r + 0.5, dtype=torch.float64)), Allreduce(big),
+                       Allreduce(torch.arange(3, dtype=torch.float32) * (r + 1)),
+                       Allgather(torch.ones(1, 2) * r)), "f2")
+        f3 = c.launch((Allreduce(torch.full((2,), 2.0 ** -30 * (r + 1))),), "f3")
+        issued_inside = dict(c.collectives)
+        rf3 = c.wait(f3)  # waited for inside the batch: the batch so far is issued
+        f4 = c.launch((Allreduce(torch.ones(5)), Allreduce(torch.full((1,), 3.0, dtype=torch.float64))), "f4")
+    rf1, rf2, rf4 = c.wait(f1), c.wait(f2), c.wait(f4)
+    batch_counts = {k: c.collectives[k] - counted[k] for k in counted}
+    batch_inside = {k: issued_inside[k] - counted[k] for k in counted}
+    fused = {"f1": [t.tolist() for t in rf1],
+             "f2": [rf2[0].tolist(), rf2[1][:3].tolist(), rf2[1].numel()] + [t.tolist() for t in rf2[2:]], "f3": rf3[0].tolist(), "f4": [t.tolist() for t in rf4],
+             "in_place": rf2[1] is big and rf1[0] is small,  # allreduce sums in place, fused or not
+             "counts": batch_counts, "inside": batch_inside}
     objs = c.allgather_object({"rank": r, "pad": "x" * (7 * r)}, "o")
     root = c.broadcast_object(("from", r), "bc", root=n - 1)
     mean = c.allreduce_(torch.tensor([float(r)]), "m", average=True)
@@ -276,7 +342,7 @@ def communicator() -> dict:
     return {"gather_int": ra[0].tolist(), "sum": ra[1].tolist(), "empty": list(ra[2].shape), "flag": ra[3].tolist(),
             "gather_2d": ra[4].tolist(), "alltoall": rb[0].tolist(), "splits": splits, "objs": objs, "root": root,
             "mean": mean.tolist(), "int16": [ro[0].tolist(), str(ro[0].dtype), ro[1].tolist(), str(ro[1].dtype)],
-            "poll": c.poll(a), "rank": r, "size": n, "versions": c.versions(),
+            "poll": c.poll(a), "rank": r, "size": n, "versions": c.versions(), "fused": fused,
             "backend": dist.get_backend()}
 
 
@@ -303,7 +369,7 @@ def _worker(rank, world, port, names, out_dir):
     for name in names:
         start = time.perf_counter()
         try:
-            out[name] = every_compressor(rec) if name == "every_compressor" else globals()[name]()
+            out[name] = globals()[name](rec) if name in ("every_compressor", "fused") else globals()[name]()
         except Exception:
             out[name] = {"error": traceback.format_exc()}
         out["seconds"][name] = round(time.perf_counter() - start, 2)

@@ -6,7 +6,8 @@ error feedback, the summed Q kept as the next step's warm start. 1-D tensors and
 factors are no smaller than the matrix are allreduced dense. State per tensor: ``residual`` (n*m
 entries) and ``q`` (m*r entries, not elementwise: ``check_state`` knows its size), so the
 compressor is never merged (``merge=LAYERWISE``). Allreduce sums in place: what a round's
-results are needed for is computed before the next round is yielded.
+results are needed for is computed before the next round is yielded. Large buffers are reused:
+the compensation and the new residual live in the residual's buffer, the result in ``ctx.out``.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ class PowerSGDCompressor(Compressor):
         n, m = matrix_shape(shape)
         st = ctx.state
         mat = x.view(n, m)
-        if p["residual"] and "residual" in st:
-            mat = mat + st["residual"].view(n, m)
+        res = st.get("residual") if p["residual"] else None
+        own = res is not None and res.dtype == x.dtype and res.numel() == x.numel()
+        if own:  # the compensated gradient in the residual's buffer (r + x == x + r), rebuilt below
+            mat = res.view(n, m).add_(mat)
+        elif res is not None:
+            mat = mat + res.view(n, m)
         q = st.get("q")
         if q is None or not bool(q.any()):
             q = uniform(m * r, p["seed"], ctx.step, ctx.key, 0, device=x.device).sub_(0.5)
@@ -57,10 +62,15 @@ class PowerSGDCompressor(Compressor):
         phat = orthogonalize(psum)
         qloc = mat.t() @ phat
         if p["residual"]:
-            st["residual"] = (mat - phat @ qloc.t()).reshape(-1)
+            approx = phat @ qloc.t()
+            st["residual"] = (mat.sub_(approx) if own else torch.sub(mat, approx, out=approx)).reshape(-1)
         (qsum,) = yield (Allreduce(qloc),)
         st["q"] = qsum.reshape(-1).clone()
-        out = (phat @ qsum.t()).reshape(-1)
+        out = ctx.out  # x is no longer read: the result is built in the buffer offered for it
+        if out is not None and out.dtype == x.dtype and out.numel() == x.numel() and out.is_contiguous():
+            out = torch.mm(phat, qsum.t(), out=out.view(n, m)).view(-1)
+        else:
+            out = (phat @ qsum.t()).reshape(-1)
         return out.mul_(ctx.scale) if ctx.scale != 1.0 else out
 
     def check_state(self, key, state, numel):
