@@ -33,6 +33,14 @@ GLOO_TIMEOUT_S = "300"
 NO_GRAPH_OPTIMIZER = "HVDC_TESTS_NO_GRAPH_OPTIMIZER"
 
 
+def tf_graph_options() -> None:
+    """In a TF worker, before its first tf.function runs: Grappler off when the launch asked
+    (``NO_GRAPH_OPTIMIZER``)."""
+    if os.environ.get(NO_GRAPH_OPTIMIZER) == "1":
+        import tensorflow as tf
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+
+
 def worker_cache_dir() -> str:
     """The cost-model cache the workers use: $HVDCOMPRESS_CACHE as the test session set it
     (conftest.py: a temporary directory per session; a test may set its own), else a temporary
@@ -91,9 +99,8 @@ def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> d
     each scenario starts from the launch's environment."""
     import importlib
     hvd = importlib.import_module({"torch": "horovod.torch", "tf": "horovod.tensorflow"}[framework])
-    if framework == "tf" and os.environ.get(NO_GRAPH_OPTIMIZER) == "1":
-        import tensorflow as tf
-        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    if framework == "tf":
+        tf_graph_options()
     hvd.init()
     shutdown, hvd.shutdown = hvd.shutdown, lambda: None
     out = {"seconds": {}}

@@ -12,6 +12,7 @@ import traceback
 from functools import partial
 
 from scenarios import kit
+from scenarios.launch import tf_graph_options
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -226,6 +227,7 @@ def everything() -> dict:
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(2)
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf_graph_options()
     hvd.init()
     out = {}
     start = time.time()
