@@ -4,6 +4,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 sys.path.insert(0, os.path.dirname(__file__))  # the ``scenarios`` package
 
@@ -61,8 +63,8 @@ def pytest_collection_finish(session):
     shared_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in session.items)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
-    import pytest
     # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every test that launches workers runs
     # in one xdist worker, in order: one Horovod job at a time, and the shared launches
     # (scenarios/shared_launch.py) stay in one process; the single-process tests fill the other core.
