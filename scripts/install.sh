@@ -108,5 +108,5 @@ else
   "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps --no-build-isolation -e "$HERE"
 fi
 # --- 4. the optional compiled selection kernels (torch_ops/compressors/kernels.cpp; ~1 s) -------
-"$PY" -c "import sys; from torch_ops.compressors import native; sys.exit(native.main())" | sed 's/^/[install] /'
+"$PY" -c "import sys; from hvdcompress import native; sys.exit(native.main())" | sed 's/^/[install] /'
 log "done: $(horovodrun --check-build 2>/dev/null | grep -E '\[X\]' | tr -s ' ' | tr '\n' ' ')"

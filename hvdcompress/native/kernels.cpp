@@ -320,10 +320,11 @@ int64_t topk_small(const T* x, int64_t n, int64_t k, int64_t* out, T* work) {
 // of the two signs, max |a|, the squared norm: sums in float64, each accumulator in order, as
 // the oracle's float64 sums which it then rounds to float32 once), and once more to emit the
 // codes, staged CB at a time in L1 and packed from there, and to write the residual
-// r <- a - decoded (a = x + r). A short segment (a bucket) is still in cache the second time.
-// The stochastic rounding's uniforms are hvdcompress.rng's, computed inline from the entry's
-// index. Decode + sum unpacks each rank's codes block by block into L1, adds the ranks'
-// decoded values in rank order into an L1 accumulator and writes each output entry once.
+// r <- a - decoded (a = x + r; in place, or read from one buffer and written to another). A short
+// segment (a bucket) is still in cache the second time. The stochastic rounding's uniforms are
+// hvdcompress.rng's, computed inline from the entry's index. Decode + sum unpacks each rank's
+// codes block by block into L1, adds the ranks' decoded values in rank order into an L1
+// accumulator and writes each output entry once.
 // Every float operation is the oracle's, one at a time, in its order (no FMA: -ffp-contract=off).
 namespace quant {
 
@@ -506,13 +507,16 @@ HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, i
 
 // Where a is read from and the residual goes. RM 0: a = x, no residual; 1: a = x, r <- a - d;
 // 2: a = x + r, r <- a - d in place (one pointer, so the vectorizer sees the same entry read and
-// written, not two arrays that might overlap).
+// written, not two arrays that might overlap); 3: a = x + ri, r <- a - d into another buffer (a
+// caller whose residual is immutable, as a TensorFlow variable's value seen from numpy).
 template <int RM>
 struct Src {
-  static constexpr bool ADDS = RM == 2;  // a = x + r
+  static constexpr bool ADDS = RM >= 2;  // a = x + r
   const float* x;
   float* r;
-  HVDC_INLINE float a(int64_t i) const { return RM == 2 ? x[i] + r[i] : x[i]; }
+  const float* ri = nullptr;  // RM 3: the residual read
+  HVDC_INLINE const float* rin() const { return RM == 3 ? ri : r; }
+  HVDC_INLINE float a(int64_t i) const { return RM == 2 ? x[i] + r[i] : (RM == 3 ? x[i] + ri[i] : x[i]); }
   HVDC_INLINE void keep(int64_t i, float a, float d) const {
     if (RM) r[i] = a - d;
   }
@@ -711,8 +715,10 @@ HVDC_INLINE void encode_rm(Enc& enc, const float* x, const float* rin, float* ro
     encode_all(enc, Src<0>{x, nullptr}, seg_n, nseg, bits, scales, packed);
   } else if (rin == nullptr) {
     encode_all(enc, Src<1>{x, rout}, seg_n, nseg, bits, scales, packed);
-  } else {
+  } else if (rin == rout) {
     encode_all(enc, Src<2>{x, rout}, seg_n, nseg, bits, scales, packed);
+  } else {
+    encode_all(enc, Src<3>{x, rout, rin}, seg_n, nseg, bits, scales, packed);
   }
 }
 
@@ -829,7 +835,7 @@ HVDC_INLINE int64_t encode(int kind, const float* x, const float* rin, float* ro
   const int bits = bits_for(kind, levels);
   const int nsc = scales_per_segment(kind);
   if (total != n || out_bytes != 4 * nseg * nsc + packed_size(n, bits) || (kind == QSGD && levels < 1) ||
-      (rin != nullptr && rin != rout))  // the residual is updated in place
+      (rin != nullptr && rout == nullptr))  // a residual read is a residual written
     return -1;
   std::vector<float> scales(size_t(nseg * nsc) + 1);
   uint8_t* packed = out + 4 * nseg * nsc;
@@ -931,7 +937,7 @@ HVDC_INLINE v4d load4d(const S& s, int64_t i) {
   std::memcpy(&a, s.x + i, 16);
   if (S::ADDS) {
     v4f r;
-    std::memcpy(&r, s.r + i, 16);
+    std::memcpy(&r, s.rin() + i, 16);
     a = a + r;
   }
   return __builtin_convertvector(a, v4d);
@@ -1212,15 +1218,17 @@ inline int64_t count_columns(const int64_t* dims, int64_t nm, int64_t n) {
 HVDC_INLINE int64_t encode_cols(const float* x, const float* rin, float* rout, int64_t n, const int64_t* dims,
                                 int64_t nm, uint8_t* out, int64_t out_bytes) {
   const int64_t ncols = count_columns(dims, nm, n);
-  if (ncols < 0 || out_bytes != 8 * ncols + packed_size(n, 1) || (rin != nullptr && rin != rout)) return -1;
+  if (ncols < 0 || out_bytes != 8 * ncols + packed_size(n, 1) || (rin != nullptr && rout == nullptr)) return -1;
   std::vector<float> scales(size_t(2 * ncols) + 1);
   uint8_t* packed = out + 8 * ncols;
   if (rout == nullptr) {
     encode_cols_rm(Src<0>{x, nullptr}, dims, nm, scales.data(), packed);
   } else if (rin == nullptr) {
     encode_cols_rm(Src<1>{x, rout}, dims, nm, scales.data(), packed);
-  } else {
+  } else if (rin == rout) {
     encode_cols_rm(Src<2>{x, rout}, dims, nm, scales.data(), packed);
+  } else {
+    encode_cols_rm(Src<3>{x, rout, rin}, dims, nm, scales.data(), packed);
   }
   std::memcpy(out, scales.data(), size_t(8 * ncols));
   return 0;
