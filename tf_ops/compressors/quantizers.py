@@ -11,13 +11,20 @@ velocity (the oracle's module doc); ``onebit:scope=column`` sends a pair of valu
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Optional
+
+import numpy as np
 import tensorflow as tf
 
 from hvdcompress.momentum import momentum_of
+from hvdcompress.native.quant import Codec, codec
 from hvdcompress.packing import bits_for_levels
 from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, column_spans, layout_for
+from hvdcompress.rng import stream_base
 
+from . import host
 from ..collectives import Allgather
+from ..memory import Memory, ResidualMemory
 from .base import OneRoundCompressor, TakesMomentum, scaled
 from .dgc import _grouped_add
 from .packing import pack, uniform, unpack
@@ -54,10 +61,91 @@ def sign_bits(a: tf.Tensor) -> tf.Tensor:
     return tf.cast(a >= 0, tf.uint8)
 
 
+class Compiled:
+    """One exchange on the shared compiled kernels (``hvdcompress.native.quant``), called through
+    ``host.call``: ``encode`` (the payload; the residual variable assigned the kernel's new
+    residual) and ``decode_sum`` (the sum over ranks, times the scale). The same bytes and results
+    as the TF ops, bit for bit."""
+
+    def __init__(self, lib, layout: Codec, comp, ctx, residual: Optional[tf.Variable]):
+        self.lib, self.layout, self.ctx, self.residual = lib, layout, ctx, residual
+        params = comp.spec.params
+        self.seed = params["seed"] if "seed" in params else None
+
+    def _base(self, step) -> int:
+        ctx = self.ctx
+        return 0 if self.seed is None else stream_base(self.seed, int(step), ctx.key, ctx.rank)
+
+    def encode(self, x: tf.Tensor) -> tf.Tensor:
+        lay, lib, n = self.layout, self.lib, self.layout.numel
+        r = self.residual
+        step = self.ctx.step
+        inputs = [x] + ([r] if r is not None else [])
+        stepped = self.seed is not None and tf.is_tensor(step)
+        if stepped:
+            inputs.append(tf.cast(step, tf.int64))
+        fixed = None if stepped else self._base(step)
+
+        def enc(xa, *rest):
+            ra = rest[0] if r is not None else None
+            out = host.empty(lay.part, np.uint8)
+            rout = host.empty(n, np.float32) if r is not None else None
+            lay.encode(lib, host.address(xa), host.address(ra), host.address(rout),
+                       self._base(rest[-1]) if stepped else fixed, host.address(out))
+            return (out,) if rout is None else (out, rout)
+
+        outputs = [(tf.uint8, [lay.part])] + ([(tf.float32, [n])] if r is not None else [])
+        results = host.call(enc, inputs, outputs)
+        if r is not None:
+            r.assign(results[1], read_value=False)
+        return results[0]
+
+    def decode_sum(self, gathered: tf.Tensor) -> tf.Tensor:
+        lay, lib, n = self.layout, self.lib, self.layout.numel
+        world, scale = self.ctx.world_size, self.ctx.scale
+
+        def dec(ga):
+            if ga.size != world * lay.part:
+                raise ValueError(f"{lay.name}: gathered {ga.size} bytes, expected {world} x {lay.part}")
+            out = host.empty(n, np.float32)
+            lay.decode_sum(lib, host.address(ga), world, scale, host.address(out))
+            return (out,)
+
+        return host.call(dec, [gathered], [(tf.float32, [n])])[0]
+
+
+def compiled(comp, x: tf.Tensor, ctx) -> Optional[Compiled]:
+    """A ``Compiled`` exchange when the kernels serve it (float32 on CPU, no other memory than the
+    residual, a layout the kernels take: ``hvdcompress.native.quant.codec``), else None."""
+    if type(comp.memory) not in (Memory, ResidualMemory) or len(x.shape) != 1:
+        return None
+    residual = None
+    if comp.spec.params.get("residual", False):
+        residual = ctx.state.get("residual")
+        if residual is None or residual.dtype != tf.float32:
+            return None  # the TF ops (which say what is missing)
+    lib = host.kernels(x)
+    if lib is None:
+        return None
+    n = int(x.shape[0])
+    layout = codec(comp.name, comp.spec.params, ctx.members, ctx.shape, n)
+    if layout is None or (residual is not None and tuple(residual.shape) != (n,)):
+        return None
+    return Compiled(lib, layout, comp, ctx, residual)
+
+
 class _Packed(OneRoundCompressor):
     summed = False
     bits = 1
     scales_per_segment = 0
+
+    def exchange(self, x, ctx):
+        """The shared compiled kernels where they serve (``compiled``: float32 on CPU), else the TF ops."""
+        job = compiled(self, x, ctx)
+        if job is None:
+            return (yield from super().exchange(x, ctx))
+        (gathered,) = yield (Allgather(job.encode(x)),)
+        return job.decode_sum(gathered)
 
     def layout(self, numel: int, ctx) -> Layout:
         return layout_for(ctx.members, numel, self.spec.params.get("bucket", 0))
@@ -289,13 +377,15 @@ class QSGDCompressor(_Packed):
         numel = int(a.shape[0])
         s = tf.constant(float(self.spec["levels"]), tf.float32)
         v = tf.cast(tf.sqrt(bucket_reduce(tf.square(tf.cast(a, tf.float64)), lay, "sum")), tf.float32)
-        f = tf.math.divide_no_nan(tf.fill(tf.shape(v), s), v)
+        f = tf.where(v > 0, s / v, tf.zeros_like(v))  # 0 for a NaN norm too (the oracle's rule)
         r = tf.abs(a) * expand(f, lay, numel)
         low = tf.floor(r)
         u = uniform(numel, self.spec["seed"], ctx.step, ctx.key, ctx.rank)
         level = tf.minimum(low + tf.cast(u < (r - low), tf.float32), s)
         signed = tf.where(a >= 0, level, -level)
-        return v, tf.cast(signed + s, tf.uint8)
+        # a NaN's code is 0 (numpy's conversion on x86, the oracle's); TF's cast gives another byte
+        codes = tf.cast(signed + s, tf.uint8)
+        return v, tf.where(tf.math.is_nan(signed), tf.zeros_like(codes), codes)
 
     def decode(self, scales, codes, lay, numel, ctx):
         s = tf.constant(float(self.spec["levels"]), tf.float32)
