@@ -28,8 +28,9 @@ traced once at the warm-up repeat, then called with the step as a tensor -- what
 memory pass is ``x * one`` timed the same way (in graph mode ``one`` is an argument, so Grappler
 cannot fold the product away). Paths: ``compiled`` (the shared kernels through
 ``tf.numpy_function`` on CPU), ``pure`` (TF ops only: ``hvdcompress.native.set_enabled(False)``).
-``--ops`` instead counts the operations of one traced exchange, of one tensor and of a merged
-group of ``--members`` tensors, per spec and path.
+``--ops`` instead counts the operations of one traced exchange on ``--world`` ranks (a gather
+answered with copies of the rank's own payload), of one tensor and of a merged group of
+``--members`` tensors, per spec and path.
 
 DGC exchanges 1-D tensors dense, so its spec is timed on a (1, n) tensor, past its warm-up (at
 its ratio); every other spec on a 1-D tensor (``onebit``: one column).
@@ -102,12 +103,18 @@ def load_grace(path: str, specs):
     return out
 
 
-def _drive(gen):
-    """Runs an exchange on a world of one rank: every round is answered with its input."""
+def _drive(gen, world: int = 1, concat=None):
+    """Runs an exchange on a world of one rank: every round is answered with its input. With
+    ``world`` > 1 (op counts only) a gather is answered with ``world`` copies of its input
+    (``concat``), as if every rank had sent the same."""
+    from hvdcompress.contract import Allgather
+
     reqs = next(gen)
     while True:
+        answer = tuple(concat([r.tensor] * world) if world > 1 and isinstance(r, Allgather) else r.tensor
+                       for r in reqs)
         try:
-            reqs = gen.send(tuple(r.tensor for r in reqs))
+            reqs = gen.send(answer)
         except StopIteration as stop:
             return stop.value
 
@@ -215,7 +222,7 @@ def _tf_setup(threads: int):
 class TFExchange:
     """One spec's exchange on a world of one rank, eager or traced, with its state variables."""
 
-    def __init__(self, spec_text: str, shape, mode: str, members=()):
+    def __init__(self, spec_text: str, shape, mode: str, members=(), world: int = 1):
         import tensorflow as tf
         from tf_ops.compressors import ExchangeContext, build_compressor
 
@@ -225,9 +232,9 @@ class TFExchange:
         self.density = comp.scheduled_density(PAST_WARMUP) if comp.has_schedule else None
 
         def exchange(x, step, density):
-            ctx = ExchangeContext("bench.w", step, 1, 1.0, self.state, self.shape, PAST_WARMUP,
+            ctx = ExchangeContext("bench.w", step, world, 1.0 / world, self.state, self.shape, PAST_WARMUP,
                                   members=self.members, density=density)
-            return _drive(comp.exchange(x, ctx))
+            return _drive(comp.exchange(x, ctx), world, lambda ts: tf.concat(ts, 0))
 
         self.fn = tf.function(exchange) if mode == "graph" else exchange
 
@@ -282,21 +289,23 @@ def tf_ops_main(args) -> dict:
     n = int(args.sizes[0])
     members = merged_members(n, args.members)
     rows = []
-    print(f"TF ops per traced exchange: one tensor of {n:,} entries; a merged group of {len(members)} members")
+    print(f"TF ops per traced exchange on {args.world} ranks: one tensor of {n:,} entries; a merged group of "
+          f"{len(members)} members")
     print(f"{'spec':28s} {'path':9s} {'one tensor':>11s} {'merged':>8s}")
     for s in args.specs:
         for path in args.paths:
             _set_path(path)
             try:
-                one = TFExchange(s, bench_shape(s, n), "graph").op_count(n)
+                one = TFExchange(s, bench_shape(s, n), "graph", world=args.world).op_count(n)
                 info = parse_spec(s).info
                 merged = None
                 if info.merge != "layerwise":
                     shape = (n,) if all(len(m.shape) == 1 for m in members) else (1, n)
-                    merged = TFExchange(s, shape, "graph", members).op_count(n)
+                    merged = TFExchange(s, shape, "graph", members, args.world).op_count(n)
             finally:
                 native.set_enabled(True)
-            rows.append({"spec": s, "path": path, "numel": n, "members": len(members), "ops": one, "ops_merged": merged})
+            rows.append({"spec": s, "path": path, "numel": n, "members": len(members), "world": args.world, "ops": one,
+                         "ops_merged": merged})
             print(f"{s:28s} {path:9s} {one:11d} {('-' if merged is None else str(merged)):>8s}")
     return {"ops_rows": rows}
 
@@ -357,6 +366,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"], help="tf only")
     p.add_argument("--ops", action="store_true", help="tf: count the ops of one traced exchange instead of timing")
     p.add_argument("--members", type=int, default=16, help="tf --ops: members of the merged group")
+    p.add_argument("--world", type=int, default=2, help="tf --ops: ranks the traced exchange decodes")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--grace", default=None, help="a checkout of github.com/sands-lab/grace to compare with")
