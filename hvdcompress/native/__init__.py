@@ -35,7 +35,7 @@ from typing import Optional
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 # -ffp-contract=off: no fused multiply-add, so every float operation rounds as numpy's does
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
-ABI = 5
+ABI = 6
 
 _lib = None
 _tried = False
@@ -90,8 +90,10 @@ def _bind(path: str):
         fns = {
             "ge": [p, i64, real, p, i64],
             "add_ge": [p, p, i64, real, p, i64],
+            "add_ge_to": [p, p, p, i64, real, p, i64],
             "dgc_sample": [p, p, p, i64, real, i32, i64, i64, p],
             "dgc_pass": [p, p, p, i64, real, i32, i64, i64, p, real, p, p, i64, p, p],
+            "dgc_pass_to": [p, p, p, p, p, i64, real, i32, i64, i64, p, real, p, p, i64, p, p],
             "take_and_zero": [p, p, i64, p, i64, p],
             "topk_small": [p, i64, i64, p, p],
         }
@@ -109,6 +111,8 @@ def _bind(path: str):
     lib.hvdc_q1c_decode_sum.restype = i64
     lib.hvdc_sk_update_sketch.argtypes = [p, p, p, i64, ctypes.c_float, p, p, i32, i64, p]
     lib.hvdc_sk_update_sketch.restype = i64
+    lib.hvdc_sk_update_sketch_to.argtypes = [p, p, p, p, p, i64, ctypes.c_float, p, p, i32, i64, p]
+    lib.hvdc_sk_update_sketch_to.restype = i64
     lib.hvdc_sk_estimates_abs.argtypes = [p, i64, p, p, i32, i64, p]
     lib.hvdc_sk_estimates_abs.restype = i64
     lib.hvdc_abi_version.restype = ctypes.c_int

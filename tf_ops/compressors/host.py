@@ -20,6 +20,7 @@ the TF ops run, so no tensor is copied to the host.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -63,6 +64,31 @@ def empty(n: int, dtype) -> np.ndarray:
     raw = np.empty(n * dtype.itemsize + ALIGN, np.uint8)
     start = (-raw.ctypes.data) % ALIGN
     return raw[start:start + n * dtype.itemsize].view(dtype)
+
+
+class Buffers:
+    """Aligned result buffers reused across calls of one exchange: a buffer is handed out again
+    only when nothing but this pool refers to it -- TensorFlow holds a reference to every numpy
+    result it took without copying (a variable that adopted it, a gradient still in use), and
+    drops it when it releases the memory. Reuse spares the page faults of fresh memory (about as
+    dear as writing it once)."""
+
+    KEEP = 4  # buffers kept per size and dtype
+
+    def __init__(self):
+        self.pool = {}
+
+    def get(self, n: int, dtype) -> np.ndarray:
+        """An uninitialised ALIGN-aligned array of n entries nobody else refers to."""
+        dtype = np.dtype(dtype)
+        kept = self.pool.setdefault((n, dtype.str), [])
+        for i in range(len(kept)):
+            if sys.getrefcount(kept[i]) == 2:  # the list's reference and this call's argument
+                return kept[i]
+        a = empty(n, dtype)
+        if len(kept) < self.KEEP:
+            kept.append(a)
+        return a
 
 
 def address(a: Optional[np.ndarray]) -> Optional[int]:

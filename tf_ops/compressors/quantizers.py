@@ -109,6 +109,7 @@ class Compiled:
 
     def __init__(self, lib, layout: Codec, comp, ctx, residual: Optional[tf.Variable]):
         self.lib, self.layout, self.ctx, self.residual = lib, layout, ctx, residual
+        self.buffers = host.Buffers()  # the new residual and the result, reused across steps
         params = comp.spec.params
         self.seed = params["seed"] if "seed" in params else None
 
@@ -129,7 +130,7 @@ class Compiled:
         def enc(xa, *rest):
             ra = rest[0] if r is not None else None
             out = host.empty(lay.part, np.uint8)
-            rout = host.empty(n, np.float32) if r is not None else None
+            rout = self.buffers.get(n, np.float32) if r is not None else None
             lay.encode(lib, host.address(xa), host.address(ra), host.address(rout),
                        self._base(rest[-1]) if stepped else fixed, host.address(out))
             return (out,) if rout is None else (out, rout)
@@ -147,7 +148,7 @@ class Compiled:
         def dec(ga):
             if ga.size != world * lay.part:
                 raise ValueError(f"{lay.name}: gathered {ga.size} bytes, expected {world} x {lay.part}")
-            out = host.empty(n, np.float32)
+            out = self.buffers.get(n, np.float32)
             lay.decode_sum(lib, host.address(ga), world, scale, host.address(out))
             return (out,)
 
