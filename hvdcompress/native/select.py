@@ -7,7 +7,7 @@ PyTorch, what ``tf.numpy_function`` hands over in TensorFlow) and gives exactly 
 
 ``topk``           exact top-k from a candidate set {|x| >= t}, t from a strided sample a few
                    standard deviations below the k-th largest (``torch_ops.compressors.selection``'s
-                   module doc says why this is exact)
+                   module doc says why this is exact); ``topk_any`` for any k
 ``mostly_zero``    the shortcut for a tensor that is mostly zeros
 ``ge``             every |x| >= t, chunk by chunk (or one compiled pass)
 ``sampled_select`` DGC's rule on a sample (``hvdcompress.sampling``)
@@ -156,6 +156,20 @@ def topk(x: np.ndarray, k: int, kth: Kth = kth_largest) -> np.ndarray:
         if idx.size >= k:  # every entry of the answer has |x| >= the k-th largest >= t
             return idx if idx.size == k else idx[positions(mag, k, kth)]
     return positions(np.abs(x), k, kth)
+
+
+def topk_any(x: np.ndarray, k: int, kth: Kth = kth_largest) -> np.ndarray:
+    """``topk_indices`` (int64, ascending) for any k: none, all, the first largest |x| (NaN never
+    before a number, as the oracle's order), or ``topk``."""
+    n = x.size
+    if k <= 0:
+        return np.empty(0, np.int64)
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    if k == 1:
+        mag = np.abs(x)
+        return np.array([np.argmax(np.where(mag != mag, mag.dtype.type(-1), mag))], np.int64)
+    return topk(x, k, kth)
 
 
 def mostly_zero(x: np.ndarray, k: int, kth: Kth = kth_largest) -> Optional[np.ndarray]:

@@ -13,9 +13,9 @@ results as tensors of the declared dtypes and static shapes:
 
 ``kernels(*tensors)`` says whether the kernels serve tensors: the library loaded and neither
 switch set (``HVDCOMPRESS_NATIVE=0``, ``hvdcompress.native.set_enabled(False)`` or the torch-only
-switch: then the TF ops run, as on a GPU), float32, static shapes, and on CPU -- an eager tensor's
-own device, or, for a tensor being traced (placed later), no GPU visible to TensorFlow. On a GPU
-the TF ops run, so no tensor is copied to the host.
+switch: then the TF ops run, as on a GPU), float32 (or the dtypes asked), static shapes, and on
+CPU -- an eager tensor's own device, or, for a tensor being traced (placed later), no GPU visible
+to TensorFlow. On a GPU the TF ops run, so no tensor is copied to the host.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def _on_cpu(t) -> bool:
     return not _gpu_visible()
 
 
-def kernels(*tensors):
-    """The kernel library when it serves these tensors (float32, static shapes, on CPU), else None."""
+def kernels(*tensors, dtypes=(tf.float32,)):
+    """The kernel library when it serves these tensors (of ``dtypes``, static shapes, on CPU), else None."""
     lib = native.lib()
     if lib is None:
         return None
     for t in tensors:
-        if t.dtype != tf.float32 or not t.shape.is_fully_defined() or not _on_cpu(t):
+        if t.dtype not in dtypes or not t.shape.is_fully_defined() or not _on_cpu(t):
             return None
     return lib
 
