@@ -19,15 +19,16 @@ import pytest
 import tensorflow as tf
 
 from hvdcompress import native, parse_spec
+from hvdcompress.native.select import NATIVE_DIRECT_BELOW
 from hvdcompress.reference import Member, simulate
 from scenarios.local_world import run_lockstep
-from test_paths import COLUMN_MEMBERS, QUANT, _grads, _tie
+from test_paths import COLUMN_MEMBERS, QUANT, SKETCHES, _grads, _tie
 from tf_ops.compressors import ExchangeContext, build_compressor, host
 
 KEY = "layer.w"
 PATHS = ["compiled", "pure"]
 MODES = ["eager", "graph"]
-SERVED = ("signsgd", "efsignsgd", "onebit", "terngrad", "qsgd")  # the quantizers the kernels serve
+SERVED = ("signsgd", "efsignsgd", "onebit", "terngrad", "qsgd", "dgc", "sketch")  # what the kernels serve
 
 
 @pytest.fixture(params=PATHS)
@@ -65,13 +66,16 @@ def _same(got, want, label):
     np.testing.assert_array_equal(got, want, err_msg=label)  # NaN equals NaN at the same place
 
 
-def served(text: str) -> bool:
+def served(text: str, shape=None) -> bool:
     spec = parse_spec(text)
+    if spec.name == "topk":  # tensors of at least NATIVE_DIRECT_BELOW entries
+        return shape is not None and int(np.prod(shape)) >= NATIVE_DIRECT_BELOW
     return spec.name in SERVED and not spec.params.get("share_scale")
 
 
-def check(text, shape, mode, members=(), nonfinite=False, world=2, tie=False, steps=2):
-    """Oracle vs TF for ``steps`` steps: every round's payload, the results, the state."""
+def check(text, shape, mode, members=(), nonfinite=False, world=2, tie=False, steps=2, density=False):
+    """Oracle vs TF for ``steps`` steps: every round's payload, the results, the state. With
+    ``density`` (graph mode) the spec's ratio is passed as a tensor, as the Keras wrappers do."""
     spec = parse_spec(text)
     grads = _grads(text, shape, world, steps=steps, nonfinite=nonfinite, tie=tie)
     comp = build_compressor(spec)
@@ -80,8 +84,9 @@ def check(text, shape, mode, members=(), nonfinite=False, world=2, tie=False, st
 
     def one_step(step, *xs):
         sent = []
+        d = tf.constant(spec["ratio"], tf.float64) if density else None
         gens = [_tap(comp.exchange(tf.reshape(x, [-1]), ExchangeContext(KEY, step, world, 1.0 / world, st, shape, 0, r,
-                                                                        members)), sent, tf.identity)
+                                                                        members, density=d)), sent, tf.identity)
                 for r, (x, st) in enumerate(zip(xs, t_states))]
         results, _ = run_lockstep(gens)
         return results, sent
@@ -106,16 +111,17 @@ def check(text, shape, mode, members=(), nonfinite=False, world=2, tie=False, st
         assert fn.experimental_get_tracing_count() == 1
 
 
-def _kernels_ran(path, text, calls):
-    if path == "compiled" and served(text):
+def _kernels_ran(path, text, calls, shape=None):
+    if path == "compiled" and served(text, shape):
         assert calls, f"{text}: the compiled branch did not call the kernels"
     elif path == "pure":
         assert not calls, f"{text}: the pure branch called the kernels"
 
 
 # -- quantizers ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (37, 11)], ids=["0", "1", "7", "2d"])
+@pytest.mark.parametrize("shape, mode", [((0,), "eager"), ((1,), "eager"), ((7,), "eager"), ((37, 11), "eager"),
+                                         ((7,), "graph"), ((37, 11), "graph")],
+                         ids=["0-eager", "1-eager", "7-eager", "2d-eager", "7-graph", "2d-graph"])
 @pytest.mark.parametrize("text", QUANT)
 def test_quantizers_on_both_branches_are_the_oracle(path, calls, text, shape, mode):
     check(text, shape, mode)
@@ -202,3 +208,66 @@ def test_the_switches_select_the_tf_ops(calls):
     assert not calls
     check("efsignsgd", (9,), "eager")
     assert calls
+
+
+# -- DGC, top-k, the count sketch ------------------------------------------------------------------
+DGC = ["dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256",
+       "dgc:ratio=0.02,nesterov=true,clip_norm=1.0,warmup_epochs=0,min_sparse_numel=256",
+       "dgc:ratio=0.02,momentum_correction=false,warmup_epochs=0,min_sparse_numel=256",
+       "dgc:ratio=0.05,momentum_masking=false,fp16_values=true,sample_ratio=0.05,warmup_epochs=0,min_sparse_numel=256"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(37, 11), (300, 407)], ids=str)
+@pytest.mark.parametrize("text", DGC)
+def test_dgc_on_both_branches_is_the_oracle(path, calls, text, shape, mode):
+    """Momentum correction, Nesterov with clipping, no correction, no masking with fp16 values;
+    a tensor whose list of candidates the compiled pass keeps (122,100 entries)."""
+    check(text, shape, mode, steps=3)
+    _kernels_ran(path, text, calls)
+
+
+def test_dgc_with_the_density_as_a_tensor_on_both_branches_is_the_oracle(path, calls):
+    check(DGC[0], (300, 407), "graph", density=True)
+    _kernels_ran(path, DGC[0], calls)
+
+
+TOPK = ["topk:ratio=0.001", "topk:ratio=0.01,residual=false", "topk:ratio=0.00001", "topk:ratio=1.0"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(7,), (300, 200), (100_003,)], ids=str)
+@pytest.mark.parametrize("text", TOPK)
+def test_topk_on_both_branches_is_the_oracle(path, calls, text, shape, mode):
+    """Error feedback fused with the scan and without a residual; k = 1 and k = n at the edges;
+    tensors below and above the compiled branch's size."""
+    check(text, shape, mode)
+    _kernels_ran(path, text, calls, shape)
+
+
+def test_topk_with_the_density_as_a_tensor_on_both_branches_is_the_oracle(path, calls):
+    check(TOPK[0], (100_003,), "graph", density=True)
+    _kernels_ran(path, TOPK[0], calls, (100_003,))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(3001,), (67, 45)], ids=str)
+@pytest.mark.parametrize("text", SKETCHES)
+def test_sketches_on_both_branches_are_the_oracle(path, calls, text, shape, mode):
+    check(text, shape, mode)
+    _kernels_ran(path, text, calls)
+
+
+def test_sketch_of_a_merged_group_across_hash_blocks_on_both_branches_is_the_oracle(path):
+    members = (Member("a", (13,), 0), Member("b", (400, 170), 13), Member("c", (3001,), 68013))
+    check("sketch:ratio=0.002,rows=5", (1, 71014), "graph", members=members)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's NaN arithmetic in the oracle
+@pytest.mark.parametrize("text", ["sketch:ratio=0.01", DGC[0], "topk:ratio=0.001"])
+def test_sparsifiers_with_nonfinite_inputs_on_the_compiled_branch_are_the_oracle(calls, text):
+    if native.lib() is None:
+        pytest.skip("no C++ compiler: the compiled kernels are not built")
+    shape = (300, 200)
+    check(text, shape, "graph", nonfinite=True)
+    _kernels_ran("compiled", text, calls, shape)

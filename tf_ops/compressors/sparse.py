@@ -75,7 +75,11 @@ class CompiledTopK:
         if idx is None:  # k at an edge (or the kernels switched off after tracing): numpy
             np.add(r_in, x, out=r)
             idx = shared.topk_any(r, k)
-        return idx, shared.take_and_zero(r, None, idx), r
+        values = shared.take_and_zero(r, None, idx)
+        bad = ~np.isfinite(values)
+        if bad.any():  # the residual is a - a at a sent entry: NaN for inf and NaN (the oracle's)
+            r[idx[bad]] = values[bad] - values[bad]
+        return idx, values, r
 
     def __call__(self, x: tf.Tensor, k):
         """(indices int64, values); the residual assigned what is left of x + r."""
