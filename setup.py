@@ -15,6 +15,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hvdcompress", "hvdcompress.*", "torch_ops", "torch_ops.*",
                                     "tf_ops", "tf_ops.*"]),
+    package_data={"hvdcompress.native": ["kernels.cpp"]},  # compiled at install or first use
     python_requires=">=3.9",
     install_requires=["numpy"],
     extras_require={"dev": ["pytest", "tqdm", "matplotlib", "scikit-learn"]},

@@ -6,7 +6,7 @@ Columns, all on the same tensor, alternating within every repeat (median of ``--
 
     torch.topk    ``torch.topk(a.abs(), k, sorted=False)`` -- unordered, no tie rule
     topk (ours)   ``topk_indices``: the oracle's exact set (ties to the lower index), ascending,
-                  with the compiled kernels (``torch_ops/compressors/native.py``)
+                  with the compiled kernels (``hvdcompress/native``)
     topk (pure)   the same call on the pure numpy/torch path (kernels switched off)
     DGC select    ``sampled_threshold_select`` (sample ratio 0.01, 4 adaptations)
     a.max()       one read of a: the memory floor of any selection

@@ -107,6 +107,6 @@ if (cd / && "$PY" -c "import hvdcompress, torch_ops, tf_ops, sys; sys.exit(0 if 
 else
   "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps --no-build-isolation -e "$HERE"
 fi
-# --- 4. the optional compiled selection kernels (torch_ops/compressors/kernels.cpp; ~1 s) -------
-"$PY" -c "import sys; from torch_ops.compressors import native; sys.exit(native.main())" | sed 's/^/[install] /'
+# --- 4. the optional compiled kernels (hvdcompress/native/kernels.cpp; ~1 s) ----------------------
+"$PY" -c "import sys; from hvdcompress import native; sys.exit(native.main())" | sed 's/^/[install] /'
 log "done: $(horovodrun --check-build 2>/dev/null | grep -E '\[X\]' | tr -s ' ' | tr '\n' ' ')"

@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
+from hvdcompress.native import select as shared
 from hvdcompress.sampling import sample_stride
 from hvdcompress.reference.dgc import dgc_density, dgc_sends_dense
 from hvdcompress.spec import CompressionSpec
 
+from . import host
 from ..collectives import Allgather, Allreduce
 from .base import Compressor, ExchangeContext, scaled, selected_count, TakesMomentum
 from .selection import sampled_threshold_select, sampling_offset, wire_index_dtype
@@ -72,6 +75,66 @@ def _update_in_place(u: tf.Variable, v: tf.Variable, g: tf.Tensor, momentum, nes
     u_new = u * m + g
     u.assign(u_new, read_value=False)
     v.assign_add(_grouped_add(g, u_new * m) if nesterov else u_new, read_value=False)
+
+
+def scaled_sum(indices: tf.Tensor, values: tf.Tensor, n: int, scale: float) -> tf.Tensor:
+    """The dense sum of gathered (index, value) pairs (``tf.scatter_nd`` adds repeated indices in
+    their order: rank order), times ``scale`` -- only the entries some rank sent are scaled (each
+    to ``sum * scale``, the rounding of scaling the whole tensor, whose other entries stay 0),
+    instead of a pass over all of it."""
+    at = tf.cast(indices, tf.int64)[:, None]
+    total = tf.scatter_nd(at, values, tf.constant([n], tf.int64))
+    if scale == 1.0:
+        return total
+    return tf.tensor_scatter_nd_update(total, at, tf.gather_nd(total, at) * tf.cast(scale, total.dtype))
+
+
+class CompiledStep:
+    """DGC's update, selection, send values and masking on the shared compiled kernels
+    (``hvdcompress.native.select.dgc_select`` and ``take_and_zero``), in one host call: reads g,
+    u, v; writes the new u and v (buffers TensorFlow adopts when the variables are assigned), the
+    indices and the values. The TF ops' results bit for bit (the rule is ``hvdcompress.sampling``'s
+    and the update the oracle's order, in the kernels as in ``_update_in_place``)."""
+
+    def __init__(self, comp: "DGCCompressor", n: int):
+        self.comp, self.n = comp, n
+        self.buffers = host.Buffers()
+
+    def _run(self, g, u_in, v_in, k, offset):
+        comp, n = self.comp, self.n
+        p = comp.spec.params
+        momentum = comp.m if comp.correction else None
+        k, offset = int(k), int(offset)
+        v = self.buffers.get(n, v_in.dtype)
+        u = self.buffers.get(n, u_in.dtype) if momentum is not None else u_in  # no momentum: u stays
+        idx = shared.dgc_select(g, u_in, v_in, u, v, momentum, comp.nesterov, k, p["sample_ratio"],
+                                p["adapt_iters"], offset)
+        if idx is None:  # the kernels were switched off after tracing: the same update in numpy
+            mt = v_in.dtype.type(comp.m)
+            if momentum is None:
+                np.add(v_in, g, out=v)
+            else:
+                np.add(u_in * mt, g, out=u)
+                np.add(v_in, g + u * mt if comp.nesterov else u, out=v)
+            sample = np.abs(v[offset::sample_stride(p["sample_ratio"])])
+            idx = shared.sampled_select(v, k, sample, p["adapt_iters"])
+        values = shared.take_and_zero(v, u if comp.masking else None, idx)
+        out = (idx.astype(np.int64, copy=False), values, v)
+        return out + (u,) if momentum is not None else out
+
+    def __call__(self, g: tf.Tensor, u: tf.Variable, v: tf.Variable, k, offset):
+        """(indices int64, values); u and v assigned their new values."""
+        dtype, n = v.dtype, self.n
+        outputs = [(tf.int64, [None]), (dtype, [None]), (dtype, [n])]
+        with_u = self.comp.correction
+        if with_u:
+            outputs.append((dtype, [n]))
+        results = host.call(self._run, [g, u, v, tf.cast(k, tf.int64), tf.cast(offset, tf.int64)], outputs)
+        idx, values = results[0], results[1]
+        v.assign(results[2], read_value=False)
+        if with_u:
+            u.assign(results[3], read_value=False)
+        return idx, values
 
 
 class DGCCompressor(TakesMomentum, Compressor):
@@ -151,26 +214,36 @@ class DGCCompressor(TakesMomentum, Compressor):
             return total if self.correction else self._momentum_after(total, u)
 
         v = ctx.state["v"]
-        _update_in_place(u, v, g, self.m if self.correction else None, self.nesterov)
-        v_new = v.read_value()  # after the update (automatic control dependencies, or eager order)
         p = self.spec.params
         n = int(x.shape[0])
         k = selected_count(self.density(ctx), n)
         offset = sampling_offset(sample_stride(p["sample_ratio"]), n, p["seed"], ctx.step, ctx.key)
-        idx = sampled_threshold_select(v_new, k, p["sample_ratio"], p["adapt_iters"], offset)
-        values = tf.gather(v_new, idx)
-        dtype = v_new.dtype
-        del v_new  # no reference left when v is written: it is zeroed in place, not copied first
+        dtype = v.dtype
+        if self._compiled(g, u, v, n):
+            idx, values = CompiledStep(self, n)(g, u, v, k, offset)
+        else:
+            _update_in_place(u, v, g, self.m if self.correction else None, self.nesterov)
+            v_new = v.read_value()  # after the update (automatic control dependencies, or eager order)
+            idx = sampled_threshold_select(v_new, k, p["sample_ratio"], p["adapt_iters"], offset)
+            values = tf.gather(v_new, idx)
+            del v_new  # no reference left when v is written: it is zeroed in place, not copied first
+            at, zeros = idx[:, None], tf.zeros(tf.shape(idx), dtype)
+            # zero the sent entries in place (a sparse update of the variable), once the values and
+            # the selection are read
+            with tf.control_dependencies([values, idx]):
+                v.scatter_nd_update(at, zeros)
+                if self.masking:
+                    u.scatter_nd_update(at, zeros)
         if p["fp16_values"]:
             values = tf.cast(values, tf.float16)
-        at, zeros = idx[:, None], tf.zeros(tf.shape(idx), dtype)
-        # zero the sent entries in place (a sparse update of the variable), once the values and
-        # the selection are read
-        with tf.control_dependencies([values, idx]):
-            v.scatter_nd_update(at, zeros)
-            if self.masking:
-                u.scatter_nd_update(at, zeros)
         indices, gathered = yield (Allgather(tf.cast(idx, wire_index_dtype(n))), Allgather(values))
-        total = scaled(tf.scatter_nd(tf.cast(indices, tf.int64)[:, None], tf.cast(gathered, dtype),
-                                     tf.constant([n], tf.int64)), ctx.scale)
+        total = scaled_sum(indices, tf.cast(gathered, dtype), n, ctx.scale)
         return total if self.correction else self._momentum_after(total, u)
+
+    @staticmethod
+    def _compiled(g: tf.Tensor, u: tf.Variable, v: tf.Variable, n: int) -> bool:
+        """Whether the shared kernels serve this step (``CompiledStep``): float32/float64 state and
+        gradient of one dtype on CPU, the library loaded and not switched off."""
+        dtypes = (tf.float32, tf.float64)
+        return (g.dtype == u.dtype == v.dtype and tuple(u.shape) == tuple(v.shape) == (n,)
+                and host.kernels(g, u, v, dtypes=dtypes) is not None)

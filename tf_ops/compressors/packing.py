@@ -17,10 +17,6 @@ def _shr(x, k):
     return tf.bitwise.right_shift(x, tf.constant(k, x.dtype))
 
 
-def _shl(x, k):
-    return tf.bitwise.left_shift(x, tf.constant(k, x.dtype))
-
-
 def _mix32(x: tf.Tensor) -> tf.Tensor:
     """hvdcompress.rng.mix32 on int64 tensors."""
     m = tf.constant(MASK, tf.int64)
@@ -49,8 +45,21 @@ def uniform(n: int, seed: int, step, key: str, rank: int = 0) -> tf.Tensor:
     return tf.cast(_shr(h, 8), tf.float32) * tf.constant(_UNIT, tf.float32)
 
 
+def _merge_last2(t: tf.Tensor) -> tf.Tensor:
+    """[..., a, b] -> [..., a * b] (a static shape where the input's is)."""
+    if t.shape.is_fully_defined():
+        dims = t.shape.as_list()
+        return tf.reshape(t, dims[:-2] + [dims[-2] * dims[-1]])
+    shape = tf.shape(t)
+    return tf.reshape(t, tf.concat([shape[:-2], [shape[-2] * shape[-1]]], 0))
+
+
 def pack(codes: tf.Tensor, bits: int) -> tf.Tensor:
-    """uint8 codes (each < 2**bits) -> packed uint8 bytes (``hvdcompress.packing`` layout)."""
+    """uint8 codes (each < 2**bits, flat) -> packed uint8 bytes (``hvdcompress.packing`` layout).
+
+    A few ops whatever ``bits``: the codes in groups (8 // bits to a byte, or 8 to ``bits``
+    bytes), each group's codes times their place values summed in one reduction (disjoint bits:
+    the sum is the OR), then, for the widths that straddle bytes, the group's word cut into bytes."""
     bits = check_bits(bits)
     codes = tf.cast(tf.reshape(codes, [-1]), tf.uint8)
     n = int(codes.shape[0])
@@ -61,38 +70,44 @@ def pack(codes: tf.Tensor, bits: int) -> tf.Tensor:
     groups = -(-n // per)
     grid = tf.reshape(tf.pad(codes, [[0, groups * per - n]]), [groups, per])
     if 8 % bits == 0:
-        out = grid[:, 0]
-        for j in range(1, per):
-            out = tf.bitwise.bitwise_or(out, _shl(grid[:, j], bits * j))
-        return out
-    wide = tf.cast(grid, tf.int64)
-    word = wide[:, 0]
-    for j in range(1, 8):
-        word = tf.bitwise.bitwise_or(word, _shl(wide[:, j], bits * j))
-    cols = [tf.bitwise.bitwise_and(_shr(word, 8 * i), tf.constant(0xFF, tf.int64)) for i in range(bits)]
-    return tf.reshape(tf.cast(tf.stack(cols, axis=1), tf.uint8), [-1])[:nbytes]
+        place = tf.constant([1 << (bits * j) for j in range(per)], tf.int32)
+        return tf.cast(tf.reduce_sum(tf.cast(grid, tf.int32) * place, axis=1), tf.uint8)
+    place = tf.constant([1 << (bits * j) for j in range(8)], tf.int64)
+    word = tf.reduce_sum(tf.cast(grid, tf.int64) * place, axis=1)
+    shifts = tf.constant([8 * i for i in range(bits)], tf.int64)
+    cut = tf.bitwise.bitwise_and(tf.bitwise.right_shift(word[:, None], shifts), tf.constant(0xFF, tf.int64))
+    return tf.reshape(tf.cast(cut, tf.uint8), [-1])[:nbytes]
 
 
 def unpack(packed: tf.Tensor, bits: int, n: int) -> tf.Tensor:
-    """Packed bytes -> the first n uint8 codes."""
+    """Packed bytes -> the first n uint8 codes, along the last axis (leading axes: one row of
+    bytes per rank, unpacked together)."""
     bits = check_bits(bits)
-    packed = tf.reshape(packed, [-1])
-    if packed.shape[0] is not None and int(packed.shape[0]) < packed_size(n, bits):
-        raise ValueError(f"unpack: {packed.shape[0]} bytes cannot hold {n} codes of {bits} bits")
+    if len(packed.shape) == 0:
+        raise ValueError("unpack: the packed bytes must have at least one axis")
+    have = packed.shape[-1]
+    if have is not None and int(have) < packed_size(n, bits):
+        raise ValueError(f"unpack: {have} bytes cannot hold {n} codes of {bits} bits")
     if bits == 8:
-        return tf.identity(packed[:n])
+        return tf.identity(packed[..., :n])
     mask = (1 << bits) - 1
     if 8 % bits == 0:
         per = 8 // bits
-        m = -(-n // per)
-        src = packed[:m]
-        cols = [tf.bitwise.bitwise_and(_shr(src, bits * j), tf.constant(mask, tf.uint8)) for j in range(per)]
-        return tf.reshape(tf.stack(cols, axis=1), [-1])[:n]
+        src = packed[..., :-(-n // per)]
+        shifts = tf.constant([bits * j for j in range(per)], tf.uint8)
+        cols = tf.bitwise.bitwise_and(tf.bitwise.right_shift(src[..., None], shifts), tf.constant(mask, tf.uint8))
+        return _merge_last2(cols)[..., :n]
     groups = -(-n // 8)
-    src = packed[:min(packed_size(n, bits), groups * bits)]
-    grid = tf.cast(tf.reshape(tf.pad(src, [[0, groups * bits - packed_size(n, bits)]]), [groups, bits]), tf.int64)
-    word = grid[:, 0]
-    for i in range(1, bits):
-        word = tf.bitwise.bitwise_or(word, _shl(grid[:, i], 8 * i))
-    cols = [tf.bitwise.bitwise_and(_shr(word, bits * j), tf.constant(mask, tf.int64)) for j in range(8)]
-    return tf.reshape(tf.cast(tf.stack(cols, axis=1), tf.uint8), [-1])[:n]
+    nbytes = packed_size(n, bits)
+    src = packed[..., :nbytes]
+    pad = [[0, 0]] * (len(packed.shape) - 1) + [[0, groups * bits - nbytes]]
+    if src.shape.is_fully_defined():
+        shape = src.shape.as_list()[:-1] + [groups, bits]
+    else:
+        shape = tf.concat([tf.shape(src)[:-1], [groups, bits]], 0)
+    grid = tf.cast(tf.reshape(tf.pad(src, pad), shape), tf.int64)
+    place = tf.constant([1 << (8 * i) for i in range(bits)], tf.int64)
+    word = tf.reduce_sum(grid * place, axis=-1)
+    shifts = tf.constant([bits * j for j in range(8)], tf.int64)
+    cols = tf.bitwise.bitwise_and(tf.bitwise.right_shift(word[..., None], shifts), tf.constant(mask, tf.int64))
+    return tf.cast(_merge_last2(cols), tf.uint8)[..., :n]

@@ -25,16 +25,20 @@ fixed order, so the table may differ in the last bits there.
 
 from __future__ import annotations
 
-
+import numpy as np
 import tensorflow as tf
 
 from hvdcompress import hashing
 from hvdcompress.hashing import C1, C2, M32, SHIFTS, row_keys
+from hvdcompress.native import select as shared
+from hvdcompress.native.sketch import Kernels
 from hvdcompress.reference.sketch import geometry
 from hvdcompress.spec import CompressionSpec
 
+from . import host
 from ..collectives import Allreduce
 from .base import Compressor, ExchangeContext, scaled, TakesMomentum
+from .dgc import scaled_sum
 from .selection import topk_indices
 
 
@@ -113,6 +117,40 @@ def lower_median(rows):
     return rows[(r - 1) // 2]
 
 
+class CompiledSketch:
+    """The sketch's first two stages on the shared compiled kernels (``hvdcompress.native.sketch``),
+    two host calls: ``update_sketch`` (u = m*u + g; v = v + u into new buffers, and the count
+    sketch of v, in one pass) and ``candidates`` (|estimate| of every entry into a reused buffer,
+    then its top P*k: ``hvdcompress.native.select.topk_any``). The TF ops' results bit for bit."""
+
+    def __init__(self, lib, keys, n: int, rows: int, cols: int, m: float):
+        self.kernels = Kernels(lib, keys, n, cols)
+        self.n, self.rows, self.cols, self.m = n, rows, cols, m
+        self.buffers = host.Buffers()
+
+    def _update(self, g, u_in, v_in):
+        n = self.n
+        u, v = self.buffers.get(n, np.float32), self.buffers.get(n, np.float32)
+        table = host.empty(self.rows * self.cols, np.float32)
+        a = host.address
+        self.kernels.update_sketch(a(g), a(u), a(v), self.m, a(table), a(u_in), a(v_in))
+        return table, u, v
+
+    def update_sketch(self, g, u: tf.Variable, v: tf.Variable):
+        """(flat table, new u, new v) as tensors; the variables are not assigned yet."""
+        n, size = self.n, self.rows * self.cols
+        return host.call(self._update, [g, u, v], [(tf.float32, [size]), (tf.float32, [n]), (tf.float32, [n])])
+
+    def _candidates(self, table, count):
+        est = self.buffers.get(self.n, np.float32)
+        self.kernels.estimates_abs(host.address(np.ascontiguousarray(table, np.float32)), host.address(est))
+        return (shared.topk_any(est, int(count)),)
+
+    def candidates(self, summed: tf.Tensor, count: int) -> tf.Tensor:
+        """Indices (int64, ascending) of the ``count`` largest |estimate| from the summed table."""
+        return host.call(self._candidates, [summed, tf.constant(count, tf.int64)], [(tf.int64, [count])])[0]
+
+
 class SketchCompressor(TakesMomentum, Compressor):
     name = "sketch"
     summed = True
@@ -138,22 +176,36 @@ class SketchCompressor(TakesMomentum, Compressor):
         geo = geometry(p, n)
         m = tf.cast(self.m, x.dtype)
         u, v = ctx.state["u"], ctx.state["v"]
-        u_new = u * m + x
         if geo.dense:
+            u_new = u * m + x
             u.assign(u_new)
             (total,) = yield (Allreduce(u_new),)
             return scaled(total, ctx.scale)
-        v_new = v + u_new
         keys = row_keys(p["seed"], ctx.key, geo.rows)
-        table = sketch_table(v_new, keys, geo.cols)
-        (summed,) = yield (Allreduce(tf.reshape(table, [-1])),)
-        est = estimates(tf.reshape(summed, [geo.rows, geo.cols]), keys, n)
-        cand = topk_indices(est, geo.candidates)
+        fast = self._compiled(x, u, v, keys, geo)
+        if fast is not None:
+            table, u_new, v_new = fast.update_sketch(x, u, v)
+            (summed,) = yield (Allreduce(table),)
+            cand = fast.candidates(summed, geo.candidates)
+        else:
+            u_new = u * m + x
+            v_new = v + u_new
+            table = sketch_table(v_new, keys, geo.cols)
+            (summed,) = yield (Allreduce(tf.reshape(table, [-1])),)
+            est = estimates(tf.reshape(summed, [geo.rows, geo.cols]), keys, n)
+            cand = topk_indices(est, geo.candidates)
         (w,) = yield (Allreduce(tf.gather(v_new, cand)),)
         pos = topk_indices(w, geo.k)
-        at = tf.gather(cand, pos)[:, None]
+        at = tf.gather(cand, pos)
         zeros = tf.zeros([geo.k], x.dtype)
-        u.assign(tf.tensor_scatter_nd_update(u_new, at, zeros))
-        v.assign(tf.tensor_scatter_nd_update(v_new, at, zeros))
-        total = tf.scatter_nd(at, tf.gather(w, pos), [n])
-        return scaled(total, ctx.scale)
+        u.assign(tf.tensor_scatter_nd_update(u_new, at[:, None], zeros), read_value=False)
+        v.assign(tf.tensor_scatter_nd_update(v_new, at[:, None], zeros), read_value=False)
+        return scaled_sum(at, tf.gather(w, pos), n, ctx.scale)
+
+    def _compiled(self, x, u, v, keys, geo):
+        """A ``CompiledSketch`` for float32 tensors on CPU (the kernels' rows limit), else None."""
+        n = int(x.shape[0])
+        if not Kernels.serves(geo.rows, n) or tuple(u.shape) != (n,) or tuple(v.shape) != (n,):
+            return None
+        lib = host.kernels(x, u, v)
+        return None if lib is None else CompiledSketch(lib, keys, n, geo.rows, geo.cols, self.m)

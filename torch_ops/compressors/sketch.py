@@ -24,7 +24,7 @@ min/max selection network. Nothing of size r x d is ever held; the estimates (d 
 only dense temporary besides the state.
 
 On CPU (float32, contiguous, the compiled library loaded: ``Native``) two calls of
-``kernels.cpp`` replace these ops: one pass that updates u and v and adds v into each row's signed
+``kernels.cpp`` (through ``hvdcompress.native.sketch``, shared with TensorFlow) replace these ops: one pass that updates u and v and adds v into each row's signed
 cells (the hashes computed inline from the same tables, a row at a time per chunk of 4096 entries
 so one row's cells are the only random-access data), and one that writes |estimate| of every
 entry into a buffer kept between steps (the candidates depend on |est| only). The result is built
@@ -43,10 +43,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator, Optional, Tuple
 
-import numpy as np
 import torch
 
 from hvdcompress import hashing
+from hvdcompress.native.sketch import Kernels as SketchKernels
 from hvdcompress.reference.sketch import geometry
 from hvdcompress.spec import CompressionSpec
 
@@ -178,22 +178,21 @@ def _f32(t: Optional[torch.Tensor], n: int) -> bool:
 
 
 class Native:
-    """The compiled path of one exchange (``kernels.cpp``: ``sk_update_sketch``, ``sk_estimates_abs``):
-    the momentum and error update fused with the sketch in one pass over g, u, v (the hashes computed
-    inline), and |estimate| of every entry into a reused buffer (the candidates need |est| only).
-    Taken for float32 CPU contiguous tensors with the library loaded and the torch-only switch off;
-    the same operations as the torch ops, so the same bits."""
+    """The compiled path of one exchange (``hvdcompress.native.sketch``, shared with TensorFlow:
+    ``sk_update_sketch``, ``sk_estimates_abs``): the momentum and error update fused with the
+    sketch in one pass over g, u, v (the hashes computed inline), and |estimate| of every entry
+    into a reused buffer (the candidates need |est| only). Taken for float32 CPU contiguous
+    tensors with the library loaded and the torch-only switch off; the same operations as the
+    torch ops, so the same bits."""
 
     def __init__(self, lib, keys, d: int, rows: int, cols: int):
-        self.lib, self.rows, self.cols = lib, rows, cols
-        low, high = _tables(tuple(keys), d, torch.device("cpu"))  # cached across steps
-        self.low = np.stack([t.numpy() for t in low]).astype(np.uint32)
-        self.high = np.stack([t.numpy() for t in high]).astype(np.uint32)
+        self.rows, self.cols = rows, cols
+        self.kernels = SketchKernels(lib, keys, d, cols)
 
     @staticmethod
     def plan(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, keys, rows: int, cols: int) -> Optional["Native"]:
         n = x.numel()
-        if not (_f32(x, n) and _f32(u, n) and _f32(v, n)) or n == 0 or rows > 32:
+        if not (_f32(x, n) and _f32(u, n) and _f32(v, n)) or not SketchKernels.serves(rows, n):
             return None
         lib = native.lib()
         return None if lib is None else Native(lib, keys, n, rows, cols)
@@ -201,11 +200,7 @@ class Native:
     def update_sketch(self, g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, m: float) -> torch.Tensor:
         """u <- m*u + g; v <- v + u; the r x c count sketch of v."""
         table = torch.empty(self.rows, self.cols, dtype=torch.float32)
-        rc = self.lib.hvdc_sk_update_sketch(g.data_ptr(), u.data_ptr(), v.data_ptr(), g.numel(), float(np.float32(m)),
-                                            self.low.ctypes.data, self.high.ctypes.data, self.rows, self.cols,
-                                            table.data_ptr())
-        if rc != 0:
-            raise RuntimeError("sketch: the compiled kernel refused its arguments")
+        self.kernels.update_sketch(g.data_ptr(), u.data_ptr(), v.data_ptr(), m, table.data_ptr())
         return table
 
     def estimates_abs(self, table: torch.Tensor, d: int) -> torch.Tensor:
@@ -214,10 +209,7 @@ class Native:
         if not _f32(table, self.rows * self.cols):
             table = table.to(torch.float32).contiguous()
         out = _scratch.get(d, torch.float32, torch.device("cpu"), "sketch.est")
-        rc = self.lib.hvdc_sk_estimates_abs(table.data_ptr(), d, self.low.ctypes.data, self.high.ctypes.data,
-                                            self.rows, self.cols, out.data_ptr())
-        if rc != 0:
-            raise RuntimeError("sketch: the compiled kernel refused its arguments")
+        self.kernels.estimates_abs(table.data_ptr(), out.data_ptr())
         return out
 
 

@@ -8,6 +8,9 @@
 //   add_ge      r <- r + g, then the indices of |r| >= t               (error feedback, one pass)
 //   dgc_sample  DGC's sample of |v| after the update, computed before the update runs
 //   dgc_pass    DGC's u/v update, its sample of |v| and a self-tightening candidate list (one pass)
+//   add_ge_to, dgc_pass_to, sk_update_sketch_to: the same, the state read from one buffer and
+//               written to another (a caller whose state is immutable, as TensorFlow's variables
+//               seen from numpy; the same traffic as in place)
 //   take_and_zero  the sent values gathered, v (and u) zeroed there
 //   topk_small  the k largest |x|, ties toward the lower index (small tensors: a copy, nth_element)
 //   q_encode    a quantizer's payload (scales, packed codes) and its error-feedback residual
@@ -70,15 +73,16 @@ int64_t ge(const T* __restrict x, int64_t n, T t, int64_t* __restrict idx, int64
   return c;
 }
 
-template <typename T>
+// SEP: r <- rin + g into r (rin another buffer), else in place (rin unused).
+template <typename T, bool SEP = false>
 int64_t add_ge(const T* __restrict g, T* __restrict r, int64_t n, T t, int64_t* __restrict idx,
-               int64_t cap) {
+               int64_t cap, const T* __restrict rin = nullptr) {
   int64_t c = 0;
   for (int64_t lo = 0; lo < n; lo += B) {
     const int64_t hi = std::min(n, lo + B);
     int any = 0;
     for (int64_t i = lo; i < hi; ++i) {
-      const T a = g[i] + r[i];
+      const T a = g[i] + (SEP ? rin[i] : r[i]);
       r[i] = a;
       any |= (mag(a) >= t);
     }
@@ -167,10 +171,12 @@ int64_t dgc_sample(const T* __restrict g, const T* __restrict u, const T* __rest
 // Returns how many candidates there are (<= cap), or -1 when no threshold can make room (the
 // collected magnitudes are all equal to the largest one, e.g. all inf): the update and the sample
 // are still complete, the caller scans v instead.
-template <typename T>
+// SEP: u and v read from uin / vin and written to u / v (other buffers), else in place.
+template <typename T, bool SEP = false>
 int64_t dgc_pass(const T* __restrict g, T* __restrict u, T* __restrict v, int64_t n, T m, int mode,
                  int64_t offset, int64_t stride, T* __restrict sample, T t0, int64_t* __restrict idx,
-                 T* __restrict mags, int64_t cap, T* __restrict work, T* t_out) {
+                 T* __restrict mags, int64_t cap, T* __restrict work, T* t_out,
+                 const T* __restrict uin = nullptr, const T* __restrict vin = nullptr) {
   int64_t c = 0, next = offset, ns = 0;
   T t = t0;
   bool collecting = cap > 0;  // cap 0: no list (the caller scans v); t0 = inf would still pass infs
@@ -179,27 +185,27 @@ int64_t dgc_pass(const T* __restrict g, T* __restrict u, T* __restrict v, int64_
     int any = 0;
     if (mode == 0) {
       for (int64_t i = lo; i < hi; ++i) {
-        const T a = v[i] + g[i];
+        const T a = (SEP ? vin[i] : v[i]) + g[i];
         v[i] = a;
         any |= (mag(a) >= t);
       }
     } else if (mode == 1) {
       for (int64_t i = lo; i < hi; ++i) {
-        T un = u[i] * m;
+        T un = (SEP ? uin[i] : u[i]) * m;
         un = un + g[i];
         u[i] = un;
-        const T a = v[i] + un;
+        const T a = (SEP ? vin[i] : v[i]) + un;
         v[i] = a;
         any |= (mag(a) >= t);
       }
     } else {
       for (int64_t i = lo; i < hi; ++i) {
-        T un = u[i] * m;
+        T un = (SEP ? uin[i] : u[i]) * m;
         un = un + g[i];
         u[i] = un;
         T s = un * m;
         s = g[i] + s;
-        const T a = v[i] + s;
+        const T a = (SEP ? vin[i] : v[i]) + s;
         v[i] = a;
         any |= (mag(a) >= t);
       }
@@ -320,10 +326,11 @@ int64_t topk_small(const T* x, int64_t n, int64_t k, int64_t* out, T* work) {
 // of the two signs, max |a|, the squared norm: sums in float64, each accumulator in order, as
 // the oracle's float64 sums which it then rounds to float32 once), and once more to emit the
 // codes, staged CB at a time in L1 and packed from there, and to write the residual
-// r <- a - decoded (a = x + r). A short segment (a bucket) is still in cache the second time.
-// The stochastic rounding's uniforms are hvdcompress.rng's, computed inline from the entry's
-// index. Decode + sum unpacks each rank's codes block by block into L1, adds the ranks'
-// decoded values in rank order into an L1 accumulator and writes each output entry once.
+// r <- a - decoded (a = x + r; in place, or read from one buffer and written to another). A short
+// segment (a bucket) is still in cache the second time. The stochastic rounding's uniforms are
+// hvdcompress.rng's, computed inline from the entry's index. Decode + sum unpacks each rank's
+// codes block by block into L1, adds the ranks' decoded values in rank order into an L1
+// accumulator and writes each output entry once.
 // Every float operation is the oracle's, one at a time, in its order (no FMA: -ffp-contract=off).
 namespace quant {
 
@@ -506,13 +513,16 @@ HVDC_NOINLINE void unpack(const uint8_t* __restrict in, int64_t lo, int64_t m, i
 
 // Where a is read from and the residual goes. RM 0: a = x, no residual; 1: a = x, r <- a - d;
 // 2: a = x + r, r <- a - d in place (one pointer, so the vectorizer sees the same entry read and
-// written, not two arrays that might overlap).
+// written, not two arrays that might overlap); 3: a = x + ri, r <- a - d into another buffer (a
+// caller whose residual is immutable, as a TensorFlow variable's value seen from numpy).
 template <int RM>
 struct Src {
-  static constexpr bool ADDS = RM == 2;  // a = x + r
+  static constexpr bool ADDS = RM >= 2;  // a = x + r
   const float* x;
   float* r;
-  HVDC_INLINE float a(int64_t i) const { return RM == 2 ? x[i] + r[i] : x[i]; }
+  const float* ri = nullptr;  // RM 3: the residual read
+  HVDC_INLINE const float* rin() const { return RM == 3 ? ri : r; }
+  HVDC_INLINE float a(int64_t i) const { return RM == 2 ? x[i] + r[i] : (RM == 3 ? x[i] + ri[i] : x[i]); }
   HVDC_INLINE void keep(int64_t i, float a, float d) const {
     if (RM) r[i] = a - d;
   }
@@ -711,8 +721,10 @@ HVDC_INLINE void encode_rm(Enc& enc, const float* x, const float* rin, float* ro
     encode_all(enc, Src<0>{x, nullptr}, seg_n, nseg, bits, scales, packed);
   } else if (rin == nullptr) {
     encode_all(enc, Src<1>{x, rout}, seg_n, nseg, bits, scales, packed);
-  } else {
+  } else if (rin == rout) {
     encode_all(enc, Src<2>{x, rout}, seg_n, nseg, bits, scales, packed);
+  } else {
+    encode_all(enc, Src<3>{x, rout, rin}, seg_n, nseg, bits, scales, packed);
   }
 }
 
@@ -829,7 +841,7 @@ HVDC_INLINE int64_t encode(int kind, const float* x, const float* rin, float* ro
   const int bits = bits_for(kind, levels);
   const int nsc = scales_per_segment(kind);
   if (total != n || out_bytes != 4 * nseg * nsc + packed_size(n, bits) || (kind == QSGD && levels < 1) ||
-      (rin != nullptr && rin != rout))  // the residual is updated in place
+      (rin != nullptr && rout == nullptr))  // a residual read is a residual written
     return -1;
   std::vector<float> scales(size_t(nseg * nsc) + 1);
   uint8_t* packed = out + 4 * nseg * nsc;
@@ -931,7 +943,7 @@ HVDC_INLINE v4d load4d(const S& s, int64_t i) {
   std::memcpy(&a, s.x + i, 16);
   if (S::ADDS) {
     v4f r;
-    std::memcpy(&r, s.r + i, 16);
+    std::memcpy(&r, s.rin() + i, 16);
     a = a + r;
   }
   return __builtin_convertvector(a, v4d);
@@ -1212,15 +1224,17 @@ inline int64_t count_columns(const int64_t* dims, int64_t nm, int64_t n) {
 HVDC_INLINE int64_t encode_cols(const float* x, const float* rin, float* rout, int64_t n, const int64_t* dims,
                                 int64_t nm, uint8_t* out, int64_t out_bytes) {
   const int64_t ncols = count_columns(dims, nm, n);
-  if (ncols < 0 || out_bytes != 8 * ncols + packed_size(n, 1) || (rin != nullptr && rin != rout)) return -1;
+  if (ncols < 0 || out_bytes != 8 * ncols + packed_size(n, 1) || (rin != nullptr && rout == nullptr)) return -1;
   std::vector<float> scales(size_t(2 * ncols) + 1);
   uint8_t* packed = out + 8 * ncols;
   if (rout == nullptr) {
     encode_cols_rm(Src<0>{x, nullptr}, dims, nm, scales.data(), packed);
   } else if (rin == nullptr) {
     encode_cols_rm(Src<1>{x, rout}, dims, nm, scales.data(), packed);
-  } else {
+  } else if (rin == rout) {
     encode_cols_rm(Src<2>{x, rout}, dims, nm, scales.data(), packed);
+  } else {
+    encode_cols_rm(Src<3>{x, rout, rin}, dims, nm, scales.data(), packed);
   }
   std::memcpy(out, scales.data(), size_t(8 * ncols));
   return 0;
@@ -1341,8 +1355,11 @@ HVDC_INLINE void cells(const uint32_t* __restrict low, uint32_t high, int64_t t0
 }
 
 // u <- u*m + g and v <- v + u, then v into the rows' signed cells, folded into table (rows x cols).
+// SEP: u and v read from uin / vin and written to u / v (other buffers), else in place.
+template <bool SEP>
 HVDC_INLINE int64_t update_sketch(const float* g, float* u, float* v, int64_t n, float mom, const uint32_t* low,
-                                  const uint32_t* high, int rows, int64_t cols, float* table) {
+                                  const uint32_t* high, int rows, int64_t cols, float* table,
+                                  const float* uin = nullptr, const float* vin = nullptr) {
   if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30)) return -1;
   const Tables tb(low, high, n);
   const int64_t two_c = 2 * cols;
@@ -1353,10 +1370,20 @@ HVDC_INLINE int64_t update_sketch(const float* g, float* u, float* v, int64_t n,
     float* __restrict uu = u + i0;
     float* __restrict vv = v + i0;
     const float* __restrict gg = g + i0;
-    for (int64_t t = 0; t < m_chunk; ++t) {
-      const float nu = uu[t] * mom + gg[t];
-      uu[t] = nu;
-      vv[t] = vv[t] + nu;
+    if (SEP) {
+      const float* __restrict ui = uin + i0;
+      const float* __restrict vi = vin + i0;
+      for (int64_t t = 0; t < m_chunk; ++t) {
+        const float nu = ui[t] * mom + gg[t];
+        uu[t] = nu;
+        vv[t] = vi[t] + nu;
+      }
+    } else {
+      for (int64_t t = 0; t < m_chunk; ++t) {
+        const float nu = uu[t] * mom + gg[t];
+        uu[t] = nu;
+        vv[t] = vv[t] + nu;
+      }
     }
     for (int j = 0; j < rows; ++j) {  // a row at a time: one row's cells in cache
       const uint32_t* low = tb.low + j * tb.n_low;
@@ -1500,7 +1527,13 @@ HVDC_CLONES int64_t hvdc_q1c_decode_sum(const uint8_t* buf, int64_t part, int64_
 }
 HVDC_CLONES int64_t hvdc_sk_update_sketch(const float* g, float* u, float* v, int64_t n, float m, const uint32_t* low,
                                           const uint32_t* high, int rows, int64_t cols, float* table) {
-  return sketch::update_sketch(g, u, v, n, m, low, high, rows, cols, table);
+  return sketch::update_sketch<false>(g, u, v, n, m, low, high, rows, cols, table);
+}
+HVDC_CLONES int64_t hvdc_sk_update_sketch_to(const float* g, const float* uin, const float* vin, float* u, float* v,
+                                             int64_t n, float m, const uint32_t* low, const uint32_t* high, int rows,
+                                             int64_t cols, float* table) {
+  if (uin == nullptr || vin == nullptr) return -1;
+  return sketch::update_sketch<true>(g, u, v, n, m, low, high, rows, cols, table, uin, vin);
 }
 HVDC_CLONES int64_t hvdc_sk_estimates_abs(const float* table, int64_t n, const uint32_t* low, const uint32_t* high,
                                           int rows, int64_t cols, float* est_abs) {
@@ -1517,6 +1550,13 @@ int64_t hvdc_add_ge_f32(const float* g, float* r, int64_t n, float t, int64_t* i
 }
 int64_t hvdc_add_ge_f64(const double* g, double* r, int64_t n, double t, int64_t* idx, int64_t cap) {
   return add_ge<double>(g, r, n, t, idx, cap);
+}
+int64_t hvdc_add_ge_to_f32(const float* g, const float* rin, float* r, int64_t n, float t, int64_t* idx, int64_t cap) {
+  return add_ge<float, true>(g, r, n, t, idx, cap, rin);
+}
+int64_t hvdc_add_ge_to_f64(const double* g, const double* rin, double* r, int64_t n, double t, int64_t* idx,
+                           int64_t cap) {
+  return add_ge<double, true>(g, r, n, t, idx, cap, rin);
 }
 int64_t hvdc_dgc_sample_f32(const float* g, const float* u, const float* v, int64_t n, float m, int mode,
                             int64_t offset, int64_t stride, float* out) {
@@ -1536,6 +1576,18 @@ int64_t hvdc_dgc_pass_f64(const double* g, double* u, double* v, int64_t n, doub
                           double* work, double* t_out) {
   return dgc_pass<double>(g, u, v, n, m, mode, offset, stride, sample, t0, idx, mags, cap, work, t_out);
 }
+int64_t hvdc_dgc_pass_to_f32(const float* g, const float* uin, const float* vin, float* u, float* v, int64_t n,
+                             float m, int mode, int64_t offset, int64_t stride, float* sample, float t0, int64_t* idx,
+                             float* mags, int64_t cap, float* work, float* t_out) {
+  return dgc_pass<float, true>(g, u, v, n, m, mode, offset, stride, sample, t0, idx, mags, cap, work, t_out, uin,
+                               vin);
+}
+int64_t hvdc_dgc_pass_to_f64(const double* g, const double* uin, const double* vin, double* u, double* v, int64_t n,
+                             double m, int mode, int64_t offset, int64_t stride, double* sample, double t0,
+                             int64_t* idx, double* mags, int64_t cap, double* work, double* t_out) {
+  return dgc_pass<double, true>(g, u, v, n, m, mode, offset, stride, sample, t0, idx, mags, cap, work, t_out, uin,
+                                vin);
+}
 int64_t hvdc_take_and_zero_f32(float* v, float* u, int64_t n, const int64_t* idx, int64_t c, float* values) {
   return take_and_zero<float>(v, u, n, idx, c, values);
 }
@@ -1548,6 +1600,6 @@ int64_t hvdc_topk_small_f32(const float* x, int64_t n, int64_t k, int64_t* out, 
 int64_t hvdc_topk_small_f64(const double* x, int64_t n, int64_t k, int64_t* out, double* work) {
   return topk_small<double>(x, n, k, out, work);
 }
-int hvdc_abi_version() { return 5; }
+int hvdc_abi_version() { return 6; }
 
 }  // extern "C"
