@@ -25,7 +25,9 @@ betas 0.9/0.95) as the optimizer, or the inner optimizer of the DiLoCo family:
     diloco10/50/100  DiLoCo, H = 10 / 50 / 100, outer SGD lr 0.7, momentum 0.9, Nesterov
     streaming    Streaming DiLoCo: H = 100, 4 fragments, overlap 5 steps, mix 0.5, 4-bit outer
                  gradients (qsgd:levels=7: codes in [-7, 7], 4 bits, a norm per 512 entries)
-    sparseloco   SparseLoCo-like: H = 50, sparseloco:ratio=0.02,bits=2,beta=0.95
+    sparseloco   SparseLoCo-like: H = 50, sparseloco:ratio=0.02,bits=2,beta=0.95, outer SGD lr 1 without
+                 momentum (as in the SparseLoCo paper: the decayed error-feedback accumulator takes the
+                 outer momentum's place)
 
 Each worker runs the methods one after another (a *phase* each, never interleaved: an exchange in
 flight must not be hidden by another phase's steps), preceded by a compute-only phase (AdamW, no
@@ -65,7 +67,8 @@ METHODS = {
     "diloco100": {"kind": "diloco", "sync_every": 100},
     "streaming": {"kind": "diloco", "sync_every": 100, "fragments": 4, "overlap_steps": 5, "mix": 0.5,
                   "compression": "qsgd:levels=7,bucket=512"},
-    "sparseloco": {"kind": "diloco", "sync_every": 50, "compression": "sparseloco:ratio=0.02,bits=2,beta=0.95"},
+    "sparseloco": {"kind": "diloco", "sync_every": 50, "compression": "sparseloco:ratio=0.02,bits=2,beta=0.95",
+                   "outer": {"lr": 1.0, "momentum": 0.0}},
 }
 MODEL = {"width": 128, "layers": 2, "heads": 4, "context": 64}
 QUICK_MODEL = {"width": 32, "layers": 1, "heads": 2, "context": 16}
@@ -84,6 +87,24 @@ def counting(base, *args):
             return super().launch(requests, name)
 
     return Counting(*args)
+
+
+def lr_schedule(name: str, steps: int):
+    """The inner learning rate's factor at step s: "constant" (1), or "cosine": a linear warm-up over
+    the first 5% of the steps, then a cosine decay to 10% of the peak (the usual language-model
+    schedule, as in the DiLoCo paper's inner optimizer)."""
+    import math
+
+    if name == "constant":
+        return lambda s: 1.0
+    warm = max(1, steps // 20)
+
+    def cosine(s):
+        if s < warm:
+            return (s + 1) / warm
+        t = min(1.0, (s - warm) / max(1, steps - warm))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t))
+    return cosine
 
 
 # -- worker (one per rank) -----------------------------------------------------------------------
@@ -109,6 +130,8 @@ def worker_main(config_path: str) -> int:
         torch.manual_seed(0)
         model = CharTransformer(width=dims["width"], layers=dims["layers"], heads=dims["heads"], context=dims["context"])
         inner = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
+        lr_at = lr_schedule(cfg["lr_schedule"], cfg["steps"])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_at)
         m = METHODS.get(name, {"kind": "local"})
         latency = float(cfg["latency_ms"]) / 1000.0
         driver = counting(LatencyDriver, latency) if latency > 0 else counting(Communicator)
@@ -119,7 +142,10 @@ def worker_main(config_path: str) -> int:
                                            schedule="layerwise" if m["compression"] == "none" else "single")
             opt.set_epoch(1000)  # past any warm-up: the density asked for is the one measured
         elif m["kind"] == "diloco":
-            opt = hvc.DiLoCo(model, inner, sync_every=m["sync_every"], fragments=m.get("fragments", 1),
+            outer = None  # DiLoCo's default: SGD lr 0.7, momentum 0.9, Nesterov
+            if "outer" in m:
+                outer = torch.optim.SGD(model.parameters(), lr=m["outer"]["lr"], momentum=m["outer"]["momentum"])
+            opt = hvc.DiLoCo(model, inner, outer_optimizer=outer, sync_every=m["sync_every"], fragments=m.get("fragments", 1),
                              overlap_steps=m.get("overlap_steps", 0), mix=m.get("mix", 0.0),
                              compression=m.get("compression"), driver=driver)
         else:
@@ -134,6 +160,7 @@ def worker_main(config_path: str) -> int:
             loss = model.loss(x, y)
             loss.backward()
             opt.step()
+            scheduler.step()  # drives the inner optimizer's lr (DiLoCo: the inner steps only)
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
         sent = driver.payload_bytes if driver is not None else 0  # the steps' exchanges, not the flush's
@@ -224,7 +251,7 @@ def run(args, argv) -> int:
     if unknown:
         print(f"unknown methods {unknown}; known: {', '.join(METHODS)}", file=sys.stderr)
         return 2
-    config = {"methods": methods, "steps": args.steps, "batch": args.batch, "lr": args.lr, "threads": 1,
+    config = {"methods": methods, "steps": args.steps, "batch": args.batch, "lr": args.lr, "lr_schedule": args.lr_schedule, "threads": 1,
               "latency_ms": args.latency_ms, "corpus_bytes": args.corpus_bytes,
               "model": dict(QUICK_MODEL if args.quick else MODEL), "eval_windows": 16 if args.quick else 256}
     for key in ("width", "layers", "context"):
@@ -232,6 +259,7 @@ def run(args, argv) -> int:
             config["model"][key] = getattr(args, key)
     meta = {"command": "python benchmarks/diloco_wan.py " + shlex.join(argv), "workers": args.workers,
             "steps": args.steps, "batch_per_worker": args.batch, "model": config["model"], "lr": args.lr,
+            "lr_schedule": args.lr_schedule,
             "latency": (f"{args.latency_ms:g} ms INJECTED in the worker processes (LatencyDriver: every exchange "
                         "round completes no sooner than that after its launch; netem is unavailable)")
             if args.latency_ms > 0 else "none added",
@@ -293,6 +321,8 @@ def main(argv=None) -> int:
     r.add_argument("--steps", type=int, default=1500)
     r.add_argument("--batch", type=int, default=32)
     r.add_argument("--lr", type=float, default=2e-3)
+    r.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="inner learning rate over the steps (cosine: 5%% warm-up, decay to 10%% of --lr)")
     r.add_argument("--corpus-bytes", type=int, default=2_000_000)
     r.add_argument("--methods", nargs="*", default=None, help=f"subset of: {', '.join(METHODS)}")
     r.add_argument("--width", type=int, default=None, help=f"model width (default {MODEL['width']})")
