@@ -220,6 +220,8 @@ def test_bad_schedule_arguments_raise_on_every_rank(results):
         "profile_steps": "profile_steps: must be an int in [1, 1000]; got 0",
         "profile_steps_type": "profile_steps: must be an int in [1, 1000]; got 2.5",
         "cost_model": "cost_model: expected an hvdcompress.schedule.costmodel.CostModel or None",
+        "revalidate_every": "revalidate_every: must be None (default: 100 with codec_choice='auto', else 0), "
+                            "0 (no re-validation on drift) or an int in [3, 1000000] (steps per window); got 2",
         "not_consecutive": "schedule: explicit groups must hold parameters that are consecutive in backward order",
         "mgs_without_fit": "schedule 'mgs' needs the compression time of 'topk:ratio=0.1",
     }

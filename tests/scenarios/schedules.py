@@ -283,6 +283,7 @@ def bad_arguments(world) -> dict:
         "profile_steps": dict(profile_steps=0),
         "profile_steps_type": dict(profile_steps=2.5),
         "cost_model": dict(cost_model={"world_size": world}),
+        "revalidate_every": dict(codec_choice="auto", revalidate_every=2),
     }
     errors = {}
     for label, kwargs in cases.items():
