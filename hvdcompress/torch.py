@@ -14,7 +14,8 @@ Names:
 
 * ``DistributedOptimizer(optimizer, named_parameters=None, compression=None, ...)``: wraps any
   ``torch.optim`` optimizer; Horovod's arguments keep their meaning, plus ``schedule=``,
-  ``cost_model=``, ``profile_steps=``, ``tune_steps=``, ``delay=``, ``sync_every=`` (its docstring
+  ``cost_model=``, ``profile_steps=``, ``tune_steps=``, ``codec_choice=``, ``revalidate_every=``,
+  ``delay=``, ``sync_every=`` (its docstring
   lists each with its default and range). Bad arguments raise ``ValueError`` before any collective.
 * ``Compression.<name>(**params)``, ``parse_spec("name:key=value")``, ``CompressionSpec``: the
   compression specs (``hvdcompress specs`` lists them; docs/algorithms.md has every parameter).

@@ -220,6 +220,8 @@ def test_bad_schedule_arguments_raise_on_every_rank(results):
         "profile_steps": "profile_steps: must be an int in [1, 1000]; got 0",
         "profile_steps_type": "profile_steps: must be an int in [1, 1000]; got 2.5",
         "cost_model": "cost_model: expected an hvdcompress.schedule.costmodel.CostModel or None",
+        "revalidate_every": "revalidate_every: must be None (default: 100 with codec_choice='auto', else 0), "
+                            "0 (no re-validation on drift) or an int in [3, 1000000] (steps per window); got 2",
         "not_consecutive": "schedule: explicit groups must hold parameters that are consecutive in backward order",
         "mgs_without_fit": "schedule 'mgs' needs the compression time of 'topk:ratio=0.1",
     }
@@ -248,3 +250,38 @@ def test_groups_switch_between_compressed_and_dense_losing_nothing(results):
         assert r["untimed_alternatives"] == {"planned": True, "identical": True}, r["untimed_alternatives"]
         assert r["lost"] <= 3e-3 * max(1.0, r["scale"]), r  # fp16 sums round; a lost residual is O(scale)
         assert r["tuning"] and any("(all topk)" in label for label in r["tuning"])
+        # the fixed choices ran beside the choice (or the choice is one of them, measured once)
+        choice = r["candidates"][0]
+        for name, prefix in (("topk", "topk"), ("fp16", "fp16"), ("dense", "none")):
+            assert any(f"(all {name})" in c["label"] for c in r["candidates"]) or \
+                all(x.startswith(prefix) for x in choice["codecs"]), (name, r["candidates"])
+
+
+def test_a_drifting_step_time_reruns_the_validation_on_every_rank_alike(results):
+    ranks = _part(results, "codec_drift")
+    for r in ranks:
+        log = r["log"]
+        assert r["identical"], [x["step"] for x in log if not x["identical"]]
+        # validations start after profiling (step 1), at the window that saw the slowdown (the step
+        # after slow_from: the window is one step before it and two slowed), at the first window
+        # after the slowdown was lifted (its reference was set on the step before lifted_from)
+        started = [x["step"] for prev, x in zip(log, log[1:]) if x["tuning"] and not prev["tuning"]]
+        assert started == [1, r["slow_from"] + 1, r["lifted_from"] + 2], (started, r["slow_from"], r["lifted_from"])
+        slowed, final = r["after_slow"], r["final"]
+        assert slowed["revalidations"] == 1 and final["revalidations"] == 2
+        assert slowed["drift"]["window_seconds"] > 1.25 * slowed["drift"]["reference_seconds"]  # slower
+        assert slowed["drift"]["window_seconds"] >= sc.DRIFT_SLEEP_S
+        assert final["drift"]["window_seconds"] < 0.75 * final["drift"]["reference_seconds"]  # faster
+        assert final["drift"]["reference_seconds"] == r["slowed_reference"] >= sc.DRIFT_SLEEP_S
+        # while the candidates run again, groups switch between top-k and dense both ways
+        again = [x["codecs"] for x in log if x["step"] > r["slow_from"] and x["tuning"]]
+        dense = [c is not None and any(s is not None and s.startswith(("none", "fp16")) for s in c) for c in again]
+        assert any(dense) and not all(dense), again
+        assert r["lost"] <= 3e-3 * max(1.0, r["scale"]), r  # the residual went out with the dense groups
+        resumed = r["resumed"]  # inside a window: the same checks, bit for bit up to the decision
+        assert all(resumed[k] for k in ("equal", "same_windows", "same_tuning", "same_codecs", "identical")), resumed
+        assert resumed["steps"] >= 4
+    decisions = [[(x["step"], x["tuning"], x["window"], x["codecs"], x["revalidations"]) for x in r["log"]]
+                 for r in ranks]
+    assert decisions[0] == decisions[1]  # every rank decided at the same step, the same way
+    assert ranks[0]["final"] == ranks[1]["final"]

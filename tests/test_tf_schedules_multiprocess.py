@@ -48,3 +48,20 @@ def test_bad_schedules_raise_on_every_rank_before_any_collective(results):
         assert r["after"] == 2.0
         for label, needle in expected.items():
             assert r["errors"][label] is not None and needle in r["errors"][label], (label, r["errors"][label])
+
+
+def test_a_group_switching_between_topk_and_dense_loses_nothing_and_resumes_exactly(results):
+    ranks = _part(results, "codec")
+    for r in ranks:
+        codecs = r["codecs"]  # the plan of each object: top-k everywhere, dense everywhere, top-k again
+        assert codecs["compressed"] and all(c.startswith("topk") for c in codecs["compressed"]), codecs
+        assert codecs["dense"] and set(codecs["dense"]) == {"none"}, codecs
+        assert codecs["again"] == codecs["compressed"]
+        assert r["identical"]
+        res = r["residuals"]  # per step, this rank's residual left (sum of |r|)
+        assert r["held_before_dense"] > 0 and all(x > 0 for x in res[:3])
+        assert res[3:6] == [0.0, 0.0, 0.0]  # the first dense step sent what top-k held back
+        assert all(x > 0 for x in res[6:])  # top-k again holds some back
+        assert r["lost"] <= 1e-4 * max(1.0, r["scale"]), r  # error feedback: nothing lost across the switches
+        assert all(r["resumed_equal"]) and all(r["resumed_residuals_equal"]) and len(r["resumed_equal"]) == 5
+    assert ranks[0]["codecs"] == ranks[1]["codecs"]

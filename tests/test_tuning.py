@@ -94,6 +94,84 @@ def test_propose_leaves_layerwise_out_when_the_model_predicts_it_far_slower():
     assert any(len(c.groups) == len(SIZES) for c in labels_or_groups)
 
 
+# --- with a per-group codec choice: the fixed choices beside it -----------------------------------
+def _fixed(label, groups, codec):
+    from types import SimpleNamespace
+    return label, SimpleNamespace(groups=[list(g) for g in groups], predicted_seconds=0.5,
+                                  codecs=[codec] * len(groups))
+
+
+def test_with_fixed_choices_puts_the_choice_first_then_every_fixed_choice_then_fills_up():
+    choice = tuning.Candidate("mgs", ((0, 1), (2,)), 0.1, ("topk", "none"))
+    others = [tuning.Candidate("mgs:greedy", ((0,), (1, 2)), 0.2, ("topk", "topk")),
+              tuning.Candidate("single", ((0, 1, 2),), 0.3, ("none",)),
+              tuning.Candidate("size:1", ((0,), (1,), (2,)), 0.4, ("topk", "none", "none"))]
+    fixed = [_fixed("mgs (all topk)", [[0, 1], [2]], "topk"), _fixed("mgwfbp (all fp16)", [[0, 1, 2]], "fp16"),
+             _fixed("mgwfbp (all dense)", [[0, 1, 2]], "none")]
+    out = tuning.with_fixed_choices([choice] + others, fixed)
+    # "single" is the same plan as "all dense" (same groups, same specs): dropped; at most 5
+    assert [c.label for c in out] == ["mgs", "mgs (all topk)", "mgwfbp (all fp16)", "mgwfbp (all dense)",
+                                      "mgs:greedy"]
+    assert out[0] == choice and out[3].codecs == ("none",) and out[1].groups == ((0, 1), (2,))
+    # the fixed choices are never dropped, whatever the cap; the choice stays first
+    assert [c.label for c in tuning.with_fixed_choices([choice] + others, fixed, max_candidates=1)] == \
+        ["mgs", "mgs (all topk)", "mgwfbp (all fp16)", "mgwfbp (all dense)"]
+    # a fixed choice that is the choice itself is not measured twice: the choice keeps its place
+    same = tuning.Candidate("mgs", ((0, 1), (2,)), 0.1, ("topk", "topk"))
+    assert [c.label for c in tuning.with_fixed_choices([same], fixed)] == ["mgs", "mgwfbp (all fp16)",
+                                                                          "mgwfbp (all dense)"]
+    with pytest.raises(ValueError, match="max_candidates"):
+        tuning.with_fixed_choices([choice], fixed, max_candidates=0)
+    with pytest.raises(ValueError, match="no candidates"):
+        tuning.with_fixed_choices([], fixed)
+
+
+def _choice_model(gbps):
+    from dataclasses import replace
+    from hvdcompress.spec import resolve
+    fit = ComputeFit("linear", 2e-9, 1e-4)
+    model = CostModel.from_link(2, gbit_per_s=gbps, latency_s=2e-3,
+                                compress={"topk:ratio=0.01,residual=true": fit, "fp16:residual=false": fit})
+    return replace(model, decompress={str(resolve(s)): fit for s in ("topk:ratio=0.01", "fp16", "none")})
+
+
+def _choosing_scheduler(schedule, gbps, tune_steps=1, **kw):
+    sizes = {f"p{i}": float(s) for i, s in enumerate(SIZES)}
+    sched = Scheduler(schedule, _spec(), _choice_model(gbps), 1, sizes, 2, _OneRank(), tune_steps=tune_steps,
+                      alternatives=("fp16", "none"), **kw)
+    sched.end_of_step(_first_clock(list(sizes)))
+    sched.end_of_step(_clock(0.0, list(sizes), 0.2))
+    return sched
+
+
+@pytest.mark.parametrize("gbps", [0.01, 1.0, 100.0])
+def test_codec_choice_measures_the_compressor_fp16_and_dense_each_on_its_own_plan(gbps):
+    from hvdcompress.spec import resolve
+    sched = _choosing_scheduler("auto", gbps)
+    cands = sched._tuner.candidates
+    assert cands[0].label == "mgs" and list(cands[0].codecs) == sched.plan.codecs  # the choice, first
+    assert len(cands) <= tuning.MAX_CANDIDATES
+    model = sched._calibrated  # what the plans were made with
+    for spec, schedule, name in (("topk:ratio=0.01", "mgs", "topk"), ("fp16", "mgwfbp", "fp16"),
+                                 ("none", "mgwfbp", "dense")):
+        alone = sched.workload.plan("auto", model, resolve(spec), 2)  # the planner's plan for that spec alone
+        assert alone.schedule == schedule
+        want = (tuple(tuple(g) for g in alone.groups), (str(resolve(spec)),) * len(alone.groups))
+        found = [c for c in cands if (c.groups, c.codecs) == want]
+        assert found, (spec, [c.label for c in cands])
+        # labelled as that fixed choice, unless it is the choice itself (measured once, first)
+        assert found[0].label == f"{schedule} (all {name})" or found[0] is cands[0]
+    assert len({(c.groups, c.codecs) for c in cands}) == len(cands)
+
+
+def test_codec_choice_on_a_fixed_partition_measures_the_same_groups_with_each_spec():
+    sched = _choosing_scheduler("size:1", 100.0)
+    cands = sched._tuner.candidates
+    assert all(c.groups == cands[0].groups for c in cands) and cands[0].label == "size:1"
+    fixed = {c.label: set(c.codecs) for c in cands[1:]}
+    assert fixed.get("size:1 (all fp16)") == {"fp16:residual=false"} and fixed.get("size:1 (all dense)") == {"none"}
+
+
 def test_candidate_round_trips_through_a_dict():
     c = tuning.Candidate("size:1", ((0, 1), (2,)), 0.25)
     assert tuning.Candidate.from_dict(c.to_dict()) == c
@@ -259,6 +337,114 @@ def test_scheduler_without_tuning_keeps_the_model_plan():
     sched.end_of_step(_clock(0.0, names, 0.2))
     assert sched.done and not sched.tuning and sched.plan.tuning is None
     assert set(sched.calibration) == {"compress", "decompress", "skew"} and sched.calibration["skew"] >= 0
+
+
+# --- re-validation on drift ---------------------------------------------------------------------
+@pytest.mark.parametrize("good", [0, tuning.MIN_REVALIDATE_EVERY, 100, tuning.MAX_REVALIDATE_EVERY])
+def test_revalidate_every_accepts_zero_or_ints_in_range(good):
+    assert tuning.check_revalidate_every(good) == good
+
+
+def test_revalidate_every_defaults_to_on_with_the_codec_choice_only():
+    assert tuning.check_revalidate_every(None, choosing=True) == tuning.DEFAULT_REVALIDATE_EVERY
+    assert tuning.check_revalidate_every(None) == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1, 2, tuning.MAX_REVALIDATE_EVERY + 1, 10.0, True, "100"])
+def test_revalidate_every_errors_name_the_parameter_and_range(bad):
+    with pytest.raises(ValueError, match=r"^revalidate_every: must be None .* or an int in \[3, 1000000\]"):
+        tuning.check_revalidate_every(bad)
+
+
+def test_window_median_takes_the_slowest_rank_per_step_and_skips_unknown_steps():
+    assert tuning.window_median([[0.1, 0.3, 0.2], [0.2, 0.1, float("nan")]]) == pytest.approx(0.25)
+    assert tuning.window_median([[0.1, 0.4, 0.2]]) == pytest.approx(0.2)
+    assert math.isnan(tuning.window_median([[float("nan")], [0.1]]))
+    with pytest.raises(ValueError, match="same steps"):
+        tuning.window_median([[0.1, 0.2], [0.1]])
+
+
+def test_drift_rule_fires_beyond_the_threshold_either_way():
+    ref = 0.2
+    assert tuning.DRIFT_THRESHOLD == 0.25
+    assert not tuning.drifted(0.24, ref) and not tuning.drifted(0.16, ref)  # within 25%: kept
+    assert tuning.drifted(0.26, ref) and tuning.drifted(0.14, ref)  # slower or faster by more: re-validate
+    assert tuning.drifted(0.23, ref, threshold=0.1) and not tuning.drifted(0.23, ref, threshold=0.2)
+    for unknown in ((0.3, None), (float("nan"), ref), (0.3, 0.0), (0.3, float("inf"))):
+        assert not tuning.drifted(*unknown)
+    with pytest.raises(ValueError, match="threshold"):
+        tuning.drifted(0.3, ref, threshold=0)
+
+
+def _validate(sched, names, t_fast=0.05, t_slow=0.3):
+    """Drives one measured validation; the candidate labelled with dense everywhere is the fastest."""
+    n = len(sched._tuner.candidates)
+    fast = next(i for i, c in enumerate(sched._tuner.candidates) if "dense" in c.label)
+    out = None
+    for _ in range(1 + sched.tune_steps):
+        for ci in range(n):
+            out = sched.end_of_step(_clock(0.0, names, t_fast if ci == fast else t_slow))
+    assert not sched.tuning
+    return fast, out
+
+
+def test_drift_watch_sets_a_reference_then_revalidates_when_the_step_time_moves():
+    names = [f"p{i}" for i in range(len(SIZES))]
+    every = 4
+    sched = _choosing_scheduler("auto", 1.0, revalidate_every=every)
+    assert sched.tuning and not sched.watching
+    fast, _ = _validate(sched, names)
+    assert sched.watching and sched.plan.tuning["revalidations"] == 0 and sched.plan.tuning["drift"] is None
+    kept = sched.plan.tuning["kept"]
+    assert kept == fast != 0  # the choice (top-k here) was not kept
+    # first window: the reference (no regrouping); the next, within 25% of it: nothing happens
+    for t in [0.10] * every + [0.11, 0.12, 0.09, 0.11]:
+        assert sched.end_of_step(_clock(0.0, names, t)) is None and sched.watching and not sched.tuning
+    saved = sched.plan_dict()
+    assert saved["watch"] == {"reference_seconds": pytest.approx(0.10), "times": []}
+    # two steps into a window, then a checkpoint: the watch goes on where it was
+    for t in (0.2, 0.2):
+        assert sched.end_of_step(_clock(0.0, names, t)) is None
+    mid = sched.plan_dict()
+    assert mid["watch"]["times"] == pytest.approx([0.2, 0.2])
+    again = Scheduler("auto", _spec(), _choice_model(1.0), 1, {n: float(s) for n, s in zip(names, SIZES)}, 2,
+                      _OneRank(), tune_steps=1, alternatives=("fp16", "none"), revalidate_every=every)
+    assert again.restore(mid) is not None and again.watching and again.plan_dict()["watch"] == mid["watch"]
+    # a window 2x slower: the same candidates run again, the choice first, on both
+    for s in (sched, again):
+        assert s.end_of_step(_clock(0.0, names, 0.2)) is None
+        out = s.end_of_step(_clock(0.0, names, 0.2))
+        first = s.plan_dict()["tuning"]["in_progress"]
+        assert s.tuning and not s.watching
+        assert [c["label"] for c in first["candidates"]] == [c["label"] for c in saved["tuning"]["candidates"]]
+        assert out == [[names[i] for i in g] for g in first["candidates"][0]["groups"]]
+        assert first["drift"] == {"reference_seconds": pytest.approx(0.10), "window_seconds": pytest.approx(0.2),
+                                  "count": 1}
+        # now the choice is the fastest: kept, the count and the trigger recorded
+        for _ in range(1 + s.tune_steps):
+            for ci in range(len(first["candidates"])):
+                s.end_of_step(_clock(0.0, names, 0.05 if ci == 0 else 0.3))
+        assert s.plan.tuning["kept"] == 0 and s.plan.tuning["revalidations"] == 1
+        assert s.plan.tuning["drift"]["window_seconds"] == pytest.approx(0.2)
+        assert s.plan.codecs == list(first["candidates"][0]["codecs"]) and s.watching
+        assert s.plan_dict()["watch"] == {"reference_seconds": None, "times": []}  # a new reference next
+    assert sched.plan_dict() == again.plan_dict()
+
+
+def test_drift_watch_is_off_with_revalidate_every_zero_or_without_the_codec_choice():
+    names = [f"p{i}" for i in range(len(SIZES))]
+    sched = _choosing_scheduler("auto", 1.0, revalidate_every=0)
+    _validate(sched, names)
+    assert not sched.watching and "watch" not in sched.plan_dict()
+    for _ in range(10):
+        assert sched.end_of_step(_clock(0.0, names, 0.1 * (1 + _))) is None
+    sizes = {n: float(s) for n, s in zip(names, SIZES)}
+    plain = Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=1)
+    assert plain.revalidate_every == 0
+    on = Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=1, revalidate_every=5)
+    assert on.revalidate_every == 5  # an int asks for the watch without the codec choice too
+    with pytest.raises(ValueError, match="^revalidate_every: "):
+        Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=1, revalidate_every=-3)
 
 
 def _first_clock(names):

@@ -67,7 +67,8 @@ class Engine:
 
     def __init__(self, spec: CompressionSpec, by_name: Dict[str, torch.Tensor], comm, *, average: bool,
                  predivide: float, passes: int, sparse_as_dense: bool, schedule, cost_model, profile_steps: int,
-                 tune_steps: int, delay: int, sync_every: int, check_model: bool, alternatives=()):
+                 tune_steps: int, delay: int, sync_every: int, check_model: bool, alternatives=(),
+                 revalidate_every=None):
         self.spec = spec
         self.compressor = build_compressor(spec)
         self.by_name: Dict[str, torch.Tensor] = dict(by_name)
@@ -88,7 +89,7 @@ class Engine:
         self.sparse_as_dense = sparse_as_dense
         self.scheduler = Scheduler(schedule, spec, cost_model, profile_steps,
                                    {n: float(p.numel() * p.element_size()) for n, p in self.by_name.items()},
-                                   self.world, comm, tune_steps, alternatives)
+                                   self.world, comm, tune_steps, alternatives, revalidate_every)
         # the local gradient in result units: x1 for Average, xN for Sum
         self.policy = make_policy(delay, sync_every, self.prescale * self.scale * self.world,
                                   self.compressor.local_momentum())

@@ -49,7 +49,7 @@ from .codec_choice import check_codec_choice
 from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
-from .scheduling import DEFAULT_TUNE_STEPS, check_tune_steps, now
+from .scheduling import DEFAULT_TUNE_STEPS, check_revalidate_every, check_tune_steps, now
 from .transport import Average, make_communicator
 
 
@@ -64,7 +64,8 @@ HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, spec: CompressionSpec, backward_passes_per_step: int,
                  op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source,
-                 schedule, cost_model, profile_steps, delay=0, sync_every=1, tune_steps=0, alternatives=()):
+                 schedule, cost_model, profile_steps, delay=0, sync_every=1, tune_steps=0, alternatives=(),
+                 revalidate_every=None):
         super(self.__class__, self).__init__(params)
         self.defaults = dict(source.defaults)
         self.state.update(source.state)
@@ -75,6 +76,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              passes=backward_passes_per_step, sparse_as_dense=sparse_as_dense, schedule=schedule,
                              cost_model=cost_model, profile_steps=profile_steps, tune_steps=tune_steps,
                              delay=delay, sync_every=sync_every, alternatives=alternatives,
+                             revalidate_every=revalidate_every,
                              check_model=not elastic_mode())  # elastic: checked at each sync (torch_ops.elastic)
         self._should_synchronize = True
         # Horovod's introspection attributes, with their meaning there
@@ -225,7 +227,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                          process_set=None, driver=None, schedule="auto", cost_model=None,
                          profile_steps: int = 5, delay: int = 0, sync_every: int = 1,
-                         tune_steps: int = DEFAULT_TUNE_STEPS, codec_choice=None, backend: str = "horovod"):
+                         tune_steps: int = DEFAULT_TUNE_STEPS, codec_choice=None, backend: str = "horovod",
+                         revalidate_every=None):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -266,7 +269,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         tune_steps: measured validation of a cost-model plan (int in [0, 100], default 3; 0: off):
             a few candidate plans (the model's first, "single", size plans, ...) each run one
             settling step and this many measured steps, and the fastest (median, slowest rank)
-            is kept, on every rank from the same step. Ignored by the fixed schedules.
+            is kept, on every rank from the same step. Ignored by the fixed schedules. With
+            codec_choice="auto" the candidates also hold the compressor, fp16 and dense, each
+            on every group, so the plan kept is never measurably slower than the best of them.
+        revalidate_every: after measured validation, watch the step time in windows of this
+            many steps (int: 0 is off, else in [3, 1000000]; None, the default: 100 with
+            codec_choice="auto", else 0): the first window after a decision sets a reference,
+            and a window whose median (slowest rank) differs from it by more than 25% runs the
+            measured validation again, deciding at the same step on every rank. Needs
+            tune_steps > 0.
         codec_choice: "auto": the plan also picks, per group, the compressor, "fp16" or dense,
             whichever the calibrated cost model predicts fastest (``torch_ops.codec_choice``;
             residuals go out with a group that turns dense). None or "off" (default): the
@@ -292,6 +303,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
     alternatives = check_codec_choice(codec_choice, build_compressor(spec), delay, sync_every)
+    check_revalidate_every(revalidate_every, bool(alternatives))
     driver = make_communicator(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
     # e.g. DGC takes the momentum over (checked on every rank, before any collective); a rank outside
     # the process set exchanges nothing and keeps the wrapped optimizer as it is: there the check
@@ -305,4 +317,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, spec, backward_passes_per_step, op, factor,
                sparse_as_dense, process_set, driver, optimizer, schedule, cost_model, profile_steps,
-               delay, sync_every, tune_steps, alternatives)
+               delay, sync_every, tune_steps, alternatives, revalidate_every)

@@ -36,14 +36,25 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
   (candidates, position, this rank's times) and a resumed run goes on from there, on every rank
   alike; one taken afterwards holds the kept plan, which a resume with the same schedule uses
   without tuning again.
+* re-validation on drift (``revalidate_every`` > 0; by default 100 with a per-group codec choice,
+  else off): after a measured validation every rank records its step times; every
+  ``revalidate_every`` steps they are gathered (``allgather_object``, at the same step on every
+  rank, as each counts its own steps) and rank 0 takes the median of the slowest rank's step
+  (``tuning.window_median``) and broadcasts what it decided. The first window after a decision
+  sets the reference; a later window whose median differs from it by more than
+  ``tuning.DRIFT_THRESHOLD`` (25%), slower or faster, runs the measured validation again over the
+  same candidates, and its decision starts a new reference. ``plan.tuning`` counts the
+  re-validations and holds what triggered the latest (``revalidations``, ``drift``). A checkpoint
+  holds the watch (reference, this rank's window so far), so a resumed run checks at the same steps.
 
 Per-group codec choice (``codec_choice="auto"``: ``alternatives`` = fp16, none): the plan also
 gives every group the spec it is sent with (``Plan.codecs``; ``codec_of`` tells the optimizer at
 launch, ``torch_ops.codec_choice`` runs the others). The cost model then needs compression fits
 for the alternatives too (profiled with the spec); a fixed schedule is profiled with its own
-groups and its partition kept; measured validation adds the plan with the compressor on every
-group as a candidate, so the choice is kept only if it is measured no slower. The codecs in use
-are saved with the plan and restored with it.
+groups and its partition kept; measured validation runs the fixed choices beside the choice
+(``tuning.with_fixed_choices``: the compressor, fp16 and dense, each on every group of the plan
+the planner makes for that spec alone), so the plan kept is never measurably slower than the
+best of them. The codecs in use are saved with the plan and restored with it.
 
 Rank 0 makes the plan and broadcasts it, so every rank exchanges the same groups, and a failure
 there is raised on every rank. A fixed schedule given a ``cost_model`` also gets a predicted step
@@ -58,6 +69,7 @@ last layer) is the plan's ``forward_seconds``.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -67,7 +79,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from hvdcompress.schedule import tuning
 from hvdcompress.schedule.costmodel import CostModel, skew_factor
 from hvdcompress.schedule.groups import check_mergeable
-from hvdcompress.schedule.planner import Plan, Schedule, Workload, make_plan, parse_schedule
+from hvdcompress.schedule.planner import Plan, Schedule, Workload, codec_options, make_plan, parse_schedule
 from hvdcompress.spec import CompressionSpec
 from hvdcompress.schedule.search import Option, predict_choice
 from hvdcompress.schedule.timeline import check_partition
@@ -92,6 +104,7 @@ def check_profile_steps(n) -> int:
 
 check_tune_steps = tuning.check_tune_steps
 DEFAULT_TUNE_STEPS = tuning.DEFAULT_TUNE_STEPS
+check_revalidate_every = tuning.check_revalidate_every
 
 
 def check_cost_model(model) -> Optional[CostModel]:
@@ -140,13 +153,15 @@ class Scheduler:
 
     def __init__(self, schedule, spec: CompressionSpec, cost_model: Optional[CostModel], profile_steps: int,
                  sizes_bytes: Dict[str, float], world_size: int, comm=None, tune_steps: int = 0,
-                 alternatives: Sequence[str] = ()):
-        self.comm = comm
+                 alternatives: Sequence[str] = (), revalidate_every: Optional[int] = None):
+        self.comm = comm  # the optimizer's Communicator: every collective here runs on its process set
         # specs a group may be sent with instead of ``spec`` (torch_ops.codec_choice); the plan picks
         self.alternatives = tuple(alternatives)
-        self._codecs: Dict[Tuple[str, ...], str] = {}  # group members -> its alternative, where one is used  # the optimizer's Communicator: every collective here runs on its process set
+        self._codecs: Dict[Tuple[str, ...], str] = {}  # group members -> its alternative, where one is used
         self.tune_steps = check_tune_steps(tune_steps)
+        self.revalidate_every = check_revalidate_every(revalidate_every, bool(self.alternatives))
         self._tuner: Optional[_Tuner] = None  # candidates being measured (measured validation)
+        self._watch: Optional[_Watch] = None  # the kept plan's step times, watched for drift
         self.schedule = check_schedule(schedule)
         if not check_mergeable(self.text, spec):  # a compressor that cannot merge: auto -> layerwise
             self.schedule = parse_schedule("layerwise")
@@ -174,7 +189,8 @@ class Scheduler:
         without measured validation (the candidates would be timed on a changing set of ranks)."""
         return Scheduler(self.schedule if isinstance(self.schedule, list) else self.text, self.spec,
                          self.cost_model if self.world == world_size else None, self.profile_steps, self.sizes,
-                         world_size, self.comm, alternatives=self.alternatives)
+                         world_size, self.comm, alternatives=self.alternatives,
+                         revalidate_every=self.revalidate_every)
 
     @property
     def text(self) -> str:
@@ -212,7 +228,8 @@ class Scheduler:
 
     @property
     def done(self) -> bool:
-        """Nothing left to measure or decide."""
+        """The plan is made and validated: nothing left to measure before it is used (a drift
+        watch, ``watching``, may still re-validate it later)."""
         return self._tuner is None and self.plan is not None and (
             self.plan.predicted_seconds is not None or self.cost_model is None and not self.needs_model)
 
@@ -220,6 +237,11 @@ class Scheduler:
     def tuning(self) -> bool:
         """Candidate plans are being measured now (see the module doc)."""
         return self._tuner is not None
+
+    @property
+    def watching(self) -> bool:
+        """The kept plan's step times are watched for drift (``revalidate_every``; module doc)."""
+        return self._watch is not None
 
     def adopt(self, plan: Plan, order: Sequence[str]) -> None:
         """A plan restored from a checkpoint (same schedule): used as is; only a missing prediction
@@ -251,6 +273,8 @@ class Scheduler:
             out["tuning"] = {"in_progress": self._tuner.to_dict(), "model_groups": self.plan.groups}
         if self._codecs:  # the specs of the groups in use (``groups``), where not the compressor's
             out["codecs"] = [self._codecs.get(tuple(self.order[i] for i in g)) for g in out["groups"]]
+        if self._watch is not None:  # the drift watch: its reference and this rank's window so far
+            out["watch"] = self._watch.to_dict()
         return out
 
     def restore(self, saved) -> Optional[List[List[str]]]:
@@ -267,12 +291,18 @@ class Scheduler:
                     codecs=saved.get("plan_codecs"))
         self.adopt(plan, order)
         self._tuner = _Tuner.from_dict(progress) if progress else None
+        watch = saved.get("watch")
+        self._watch = None
+        if self._tuner is None and self._watches(plan):  # goes on where it was; a fresh one if none was saved
+            self._watch = _Watch.from_dict(watch) if watch else _Watch()
         return self._use(saved["groups"], saved.get("codecs"))
 
     def end_of_step(self, clock: StepClock) -> Optional[List[List[str]]]:
         """Called on every rank after each step with its clock; returns the groups (names) to use
         from the next step on when they change, else None. Runs collectives when a decision is
         due, which is at the same step on every rank."""
+        if self._watch is not None:
+            return self._watch_step(clock)
         if self.done:
             return None
         if self._tuner is not None:
@@ -314,8 +344,7 @@ class Scheduler:
         """One step of the measured validation (module doc); the same decisions on every rank."""
         t = self._tuner
         if t.round > 0:  # round 0 settles every candidate, uncounted
-            end = clock.update[1] or clock.sync[1]
-            t.times[t.index].append(end - clock.prev_end if clock.prev_end is not None else float("nan"))
+            t.times[t.index].append(_step_seconds(clock))
         t.index += 1
         if t.index == len(t.candidates):
             t.index, t.round = 0, t.round + 1
@@ -326,7 +355,8 @@ class Scheduler:
                                             "hvc.plan.tune.kept")
         kept = t.candidates[chosen]
         record = {"candidates": [c.to_dict() for c in t.candidates], "medians_seconds": medians,
-                  "kept": chosen, "kept_label": kept.label, "tune_steps": t.tune_steps}
+                  "kept": chosen, "kept_label": kept.label, "tune_steps": t.tune_steps,
+                  "revalidations": t.drift["count"] if t.drift else 0, "drift": t.drift}
         timeline = None
         if self.workload is not None and self._calibrated is not None:
             timeline = predict_explicit(kept.groups, self.workload, self._calibrated, self.spec, self.world,
@@ -337,9 +367,62 @@ class Scheduler:
                             timeline=timeline if chosen else plan.timeline, gap=plan.gap if chosen == 0 else None,
                             notes=plan.notes + (tuning.summary(t.candidates, medians, chosen),), tuning=record)
         self._tuner = None
+        self._watch = _Watch() if self._watches(self.plan) else None  # its first window: the new reference
         if chosen == len(t.candidates) - 1:
             return None  # the last candidate measured is the one kept: nothing changes
         return self._use(kept.groups, kept.codecs)
+
+    def _watch_step(self, clock: StepClock) -> Optional[List[List[str]]]:
+        """One step of the drift watch: at the end of every window of ``revalidate_every`` steps,
+        the ranks' step times are gathered and rank 0 decides (``tuning.window_median``,
+        ``tuning.drifted``) and broadcasts: the first window gives the reference; a later one that
+        drifted from it starts the measured validation again (``_revalidate``). The same steps on
+        every rank: each counts its own steps since the last window."""
+        w = self._watch
+        w.times.append(_step_seconds(clock))
+        if len(w.times) < self.revalidate_every:
+            return None
+        comm = self._comm()
+        per_rank = comm.allgather_object(list(w.times), "hvc.plan.watch.times")
+        reference = w.reference
+
+        def decide():
+            median = tuning.window_median(per_rank)
+            return median, tuning.drifted(median, reference)
+
+        median, drift = _broadcast_result(comm, decide, "hvc.plan.watch.decision")
+        w.times = []
+        if w.reference is None:
+            w.reference = median if math.isfinite(median) and median > 0 else None
+            return None
+        if not drift:
+            return None
+        return self._revalidate({"reference_seconds": w.reference, "window_seconds": median})
+
+    def _revalidate(self, trigger: dict) -> List[List[str]]:
+        """The measured validation again, over the kept plan's candidates (the cost model has not
+        changed, so they are the ones it would propose), the choice first; ``trigger`` (reference
+        and window medians) and the count go into the record of its decision."""
+        record = self.plan.tuning
+        candidates = [tuning.Candidate.from_dict(c) for c in record["candidates"]]
+        first = candidates[0]
+        timeline = None
+        if self.workload is not None and self._calibrated is not None:
+            timeline = predict_explicit(first.groups, self.workload, self._calibrated, self.spec, self.world,
+                                        first.codecs).timeline
+        self.plan = replace(self.plan, groups=[list(g) for g in first.groups], predicted_seconds=first.predicted_seconds,
+                            codecs=None if first.codecs is None else list(first.codecs), timeline=timeline, gap=None,
+                            tuning=None)
+        drift = dict(trigger, count=int(record.get("revalidations", 0)) + 1)
+        self._watch = None
+        self._tuner = _Tuner(candidates, self.tune_steps, drift=drift)
+        return self._use(first.groups, first.codecs)
+
+    def _watches(self, plan: Optional[Plan]) -> bool:
+        """Whether the drift watch runs over ``plan``: a measured validation chose it, and neither
+        ``tune_steps`` nor ``revalidate_every`` is 0."""
+        return bool(self.revalidate_every and self.tune_steps and plan is not None
+                    and isinstance(plan.tuning, dict) and plan.tuning.get("candidates"))
 
     # -- internals -------------------------------------------------------------------------------
     def _comm(self):
@@ -374,19 +457,28 @@ class Scheduler:
         plan = self.workload.plan(self.schedule, model, self.spec, self.world, alternatives=alt)
         if not (self.needs_model and self.tune_steps):
             return plan, []
-        own = None
-        if alt:  # the model's partition with the compressor on every group, measured against the choice
-            own = self.workload.plan(self.schedule, model, self.spec, self.world)
-            own = replace(own, codecs=[str(self.spec)] * len(own.groups))
-        if not self.searches:  # a fixed partition: its choice of specs against the compressor everywhere
-            return plan, tuning.with_candidate([tuning.candidate(plan.schedule, plan)], 1,
-                                               f"{plan.schedule} (all {self.spec.name})", own)
-        candidates = tuning.propose(lambda s: plan if s == plan.schedule else
-                                    self.workload.plan(s, model, self.spec, self.world, alternatives=alt),
-                                    plan.schedule, self.workload.sizes_bytes)
+        if self.searches:
+            candidates = tuning.propose(lambda s: plan if s == plan.schedule else
+                                        self.workload.plan(s, model, self.spec, self.world, alternatives=alt),
+                                        plan.schedule, self.workload.sizes_bytes)
+        else:  # a fixed partition: only its choice of specs is measured
+            candidates = [tuning.candidate(plan.schedule, plan)]
         if alt:
-            candidates = tuning.with_candidate(candidates, 1, f"{plan.schedule} (all {self.spec.name})", own)
+            candidates = tuning.with_fixed_choices(candidates, self._fixed_choices(model))
         return plan, candidates
+
+    def _fixed_choices(self, model: CostModel) -> List[Tuple[str, Plan]]:
+        """(label, plan) per spec the codec choice picks from (the compressor, then each
+        alternative), that spec on every group of the plan the planner makes for it alone: for a
+        cost-model schedule its own search ("auto": mgs for the compressor, mgwfbp for fp16 and
+        dense), for a fixed one the same partition. Labels: "<schedule> (all <spec name>)", dense
+        for "none"."""
+        out = []
+        for option in codec_options(self.spec, self.alternatives):
+            alone = self.workload.plan(self.schedule, model, option, self.world)
+            name = "dense" if option.name == "none" else option.name
+            out.append((f"{alone.schedule} (all {name})", replace(alone, codecs=[str(option)] * len(alone.groups))))
+        return out
 
     def _workload(self) -> Workload:
         """Per profiled step, the slowest rank -- a group's exchange starts when its last gradient
@@ -457,14 +549,17 @@ def predict_explicit(plan_groups, workload: Workload, model: CostModel, spec, wo
 
 class _Tuner:
     """Progress of a measured validation: the candidates, the one running, the round (round 0
-    settles each candidate, uncounted; rounds 1..tune_steps are measured) and this rank's measured
-    step times per candidate."""
+    settles each candidate, uncounted; rounds 1..tune_steps are measured), this rank's measured
+    step times per candidate, and for a re-validation what triggered it (``drift``: reference and
+    window medians, the count; None for the first validation)."""
 
-    def __init__(self, candidates, tune_steps: int, index: int = 0, round: int = 0, times=None):
+    def __init__(self, candidates, tune_steps: int, index: int = 0, round: int = 0, times=None,
+                 drift: Optional[dict] = None):
         self.candidates = list(candidates)
         self.tune_steps = int(tune_steps)
         self.index, self.round = int(index), int(round)
         self.times: List[List[float]] = times if times is not None else [[] for _ in self.candidates]
+        self.drift = None if drift is None else dict(drift)
 
     @property
     def current(self) -> tuning.Candidate:
@@ -472,12 +567,36 @@ class _Tuner:
 
     def to_dict(self) -> dict:
         return {"candidates": [c.to_dict() for c in self.candidates], "tune_steps": self.tune_steps,
-                "index": self.index, "round": self.round, "times": [list(t) for t in self.times]}
+                "index": self.index, "round": self.round, "times": [list(t) for t in self.times],
+                "drift": None if self.drift is None else dict(self.drift)}
 
     @classmethod
     def from_dict(cls, d) -> "_Tuner":
         return cls([tuning.Candidate.from_dict(c) for c in d["candidates"]], d["tune_steps"], d["index"],
-                   d["round"], [[float(x) for x in t] for t in d["times"]])
+                   d["round"], [[float(x) for x in t] for t in d["times"]], d.get("drift"))
+
+
+class _Watch:
+    """The drift watch over a kept plan: the reference median step (None until the first window
+    after the decision is measured) and this rank's step times of the window so far."""
+
+    def __init__(self, reference: Optional[float] = None, times=None):
+        self.reference = None if reference is None else float(reference)
+        self.times: List[float] = [float(x) for x in times] if times is not None else []
+
+    def to_dict(self) -> dict:
+        return {"reference_seconds": self.reference, "times": list(self.times)}
+
+    @classmethod
+    def from_dict(cls, d) -> "_Watch":
+        return cls(d.get("reference_seconds"), d.get("times", []))
+
+
+def _step_seconds(clock: StepClock) -> float:
+    """A step's time: the end of the previous step to the end of this one's update (nan for the
+    first step, which has no previous end)."""
+    end = clock.update[1] or clock.sync[1]
+    return end - clock.prev_end if clock.prev_end is not None else float("nan")
 
 
 def _broadcast_result(comm, fn, name: str):

@@ -27,6 +27,21 @@ slowest rank's (every rank waits for it); a candidate's time is the median of it
 (``step_times``). ``select`` keeps the candidate with the smallest median; candidates within
 ``tolerance`` (2%) of it count as ties, and the earliest of them wins, so the model's own plan
 is kept unless another is measurably faster.
+
+With a per-group codec choice (``codec_choice="auto"``) the candidates are the choice's plan,
+then the fixed choices -- the compressor, fp16 and dense, each on every group and on the
+partition the planner makes for that spec alone -- then the choice's other partitions while there
+is room (``with_fixed_choices``): the cost model may err most on which spec pays, and measuring
+the fixed choices bounds what such an error can cost.
+
+After the decision the load can change (another job, the link), so the scheduler may watch the
+kept plan (``revalidate_every`` steps per window): at the end of every window each rank's step
+times are gathered and rank 0 takes the median of the slowest rank's step (``window_median``).
+The first window after a decision gives the reference -- not the validation's median, whose steps
+ran interleaved with the other candidates, each one new to its buffers and to Horovod, and would
+differ from steady steps on a stable machine too. A later window whose median differs from the
+reference by more than ``DRIFT_THRESHOLD`` (25%), slower or faster (``drifted``), re-runs the
+measured validation over the same candidates; its decision starts a new reference.
 """
 
 from __future__ import annotations
@@ -43,6 +58,11 @@ SIZE_FRACTIONS = (1 / 4, 1 / 16)
 MAX_CANDIDATES = 5
 LAYERWISE_WITHIN = 1.5
 TOLERANCE = 0.02
+# re-validation on drift (``drifted``): the median step of a window against the kept plan's reference
+DRIFT_THRESHOLD = 0.25  # relative change, either way, that re-runs the measured validation
+DEFAULT_REVALIDATE_EVERY = 100  # steps per window with codec_choice="auto" (0 otherwise: off)
+MIN_REVALIDATE_EVERY = 3  # a window's median needs a few steps
+MAX_REVALIDATE_EVERY = 1_000_000
 
 
 def check_tune_steps(n) -> int:
@@ -82,17 +102,35 @@ def candidate(label: str, plan) -> Candidate:
                      None if codecs is None else tuple(codecs))
 
 
-def with_candidate(candidates: Sequence[Candidate], index: int, label: str, plan,
-                   max_candidates: int = MAX_CANDIDATES) -> List[Candidate]:
-    """``candidates`` with ``plan`` inserted at ``index`` (unless one has its groups and specs),
-    the last ones dropped beyond ``max_candidates``: e.g. the model's partition with the
-    compressor on every group, measured against the per-group choice."""
-    new = candidate(label, plan)
-    if any((c.groups, c.codecs) == (new.groups, new.codecs) for c in candidates):
-        return list(candidates)
-    out = list(candidates)
-    out.insert(min(index, len(out)), new)
-    return out[:max(max_candidates, 1)]
+def with_fixed_choices(candidates: Sequence[Candidate], fixed: Sequence[Tuple[str, object]],
+                       max_candidates: int = MAX_CANDIDATES) -> List[Candidate]:
+    """The candidates of a per-group codec choice with the fixed choices measured beside it.
+
+    ``candidates[0]`` is the choice (first, so that it wins ties); then every ``(label, plan)`` of
+    ``fixed`` -- one spec on every group (the compressor, fp16, dense), each on the partition the
+    planner makes for that spec alone -- never dropped, so the plan kept is never measurably slower
+    than the best of them; then the rest of ``candidates`` (other partitions of the choice) while
+    the list is shorter than ``max_candidates``. Duplicates (same groups and specs) are dropped, so
+    there are at most ``max(max_candidates, 1 + len(fixed))`` candidates."""
+    if max_candidates < 1:
+        raise ValueError(f"max_candidates: must be >= 1; got {max_candidates!r}")
+    if not candidates:
+        raise ValueError("with_fixed_choices: no candidates (the choice comes first)")
+    out, seen = [], set()
+
+    def add(cand):
+        if (cand.groups, cand.codecs) not in seen:
+            seen.add((cand.groups, cand.codecs))
+            out.append(cand)
+
+    add(candidates[0])
+    for label, plan in fixed:
+        add(candidate(label, plan))
+    for cand in candidates[1:]:
+        if len(out) >= max_candidates:
+            break
+        add(cand)
+    return out
 
 
 def size_label(threshold_bytes: float) -> str:
@@ -164,6 +202,53 @@ def select(times: Sequence[Sequence[float]], tolerance: float = TOLERANCE) -> Tu
     return int(np.argmin(medians)), medians  # unreachable: the minimum is within any tolerance
 
 
+def check_revalidate_every(n, choosing: bool = False) -> int:
+    """``revalidate_every``: steps per window of the drift watch (``drifted``). None (the default)
+    is ``DEFAULT_REVALIDATE_EVERY`` when the plan chooses a spec per group (``choosing``:
+    codec_choice="auto") and 0 otherwise; else 0 (off) or an int in [``MIN_REVALIDATE_EVERY``,
+    ``MAX_REVALIDATE_EVERY``]."""
+    if n is None:
+        return DEFAULT_REVALIDATE_EVERY if choosing else 0
+    if isinstance(n, bool) or not isinstance(n, int) or not (
+            n == 0 or MIN_REVALIDATE_EVERY <= n <= MAX_REVALIDATE_EVERY):
+        raise ValueError(f"revalidate_every: must be None (default: {DEFAULT_REVALIDATE_EVERY} with "
+                         f"codec_choice='auto', else 0), 0 (no re-validation on drift) or an int in "
+                         f"[{MIN_REVALIDATE_EVERY}, {MAX_REVALIDATE_EVERY}] (steps per window); got {n!r}")
+    return n
+
+
+def window_median(per_rank: Sequence[Sequence[float]]) -> float:
+    """``per_rank[r][s]``: rank r's time of step s of a window -> the median over the steps of the
+    slowest rank's time (every rank waits for it); steps without a finite time on every rank are
+    left out; nan when none is left."""
+    if not per_rank:
+        raise ValueError("window_median: no ranks")
+    n = len(per_rank[0])
+    if any(len(r) != n for r in per_rank):
+        raise ValueError("window_median: every rank must report the same steps")
+    slowest = []
+    for s in range(n):
+        values = [r[s] for r in per_rank]
+        if all(x is not None and math.isfinite(float(x)) for x in values):
+            slowest.append(max(float(x) for x in values))
+    return float(np.median(slowest)) if slowest else math.nan
+
+
+def drifted(window_seconds: float, reference_seconds: Optional[float], threshold: float = DRIFT_THRESHOLD) -> bool:
+    """Whether a window's median step (``window_median``) differs from the reference -- the median
+    the kept plan ran at, over its first window -- by more than ``threshold`` of the reference,
+    slower or faster: the load, the link or the other jobs changed, and the plan measured fastest
+    before may not be now. False when either time is unknown (None, nan, <= 0)."""
+    if not (isinstance(threshold, (int, float)) and threshold > 0):
+        raise ValueError(f"threshold: must be > 0; got {threshold!r}")
+    if reference_seconds is None or window_seconds is None:
+        return False
+    ref, now = float(reference_seconds), float(window_seconds)
+    if not (math.isfinite(ref) and math.isfinite(now) and ref > 0 and now > 0):
+        return False
+    return abs(now - ref) > threshold * ref
+
+
 def summary(candidates: Sequence[Candidate], medians: Sequence[float], chosen: int) -> str:
     """One line for ``Plan.notes``: every candidate's measured median, and which was kept."""
     parts = [f"{c.label} ({len(c.groups)} groups) {m * 1e3:.1f} ms" for c, m in zip(candidates, medians)]
@@ -171,5 +256,6 @@ def summary(candidates: Sequence[Candidate], medians: Sequence[float], chosen: i
             f"{candidates[chosen].label}")
 
 
-__all__ = ["candidate", "with_candidate", "Candidate", "DEFAULT_TUNE_STEPS", "check_tune_steps", "propose", "select", "step_times", "summary",
+__all__ = ["candidate", "with_fixed_choices", "Candidate", "DEFAULT_TUNE_STEPS", "check_tune_steps", "propose", "select", "step_times", "summary",
+           "check_revalidate_every", "window_median", "drifted", "DRIFT_THRESHOLD", "DEFAULT_REVALIDATE_EVERY",
            "size_label"]

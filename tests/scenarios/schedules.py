@@ -283,6 +283,7 @@ def bad_arguments(world) -> dict:
         "profile_steps": dict(profile_steps=0),
         "profile_steps_type": dict(profile_steps=2.5),
         "cost_model": dict(cost_model={"world_size": world}),
+        "revalidate_every": dict(codec_choice="auto", revalidate_every=2),
     }
     errors = {}
     for label, kwargs in cases.items():
@@ -334,6 +335,14 @@ def _codec_steps(model, opt, start, stop, lr, saves=()):
     return log, given, saved
 
 
+def _dear_topk_model(world, spec):
+    """A hand-built cost model (1 Gbit/s, 5 ms per hop) in which top-k costs 50 ms per group to
+    compress and fp16 next to nothing: the choice sends every group dense or in fp16."""
+    from hvdcompress.schedule.costmodel import ComputeFit, CostModel
+    return CostModel.from_link(world, gbit_per_s=1.0, latency_s=5e-3,
+                               compress={spec: ComputeFit("linear", 1e-9, 5e-2), "fp16": ComputeFit("linear", 1e-12, 1e-7)})
+
+
 def codec_switch(world) -> dict:
     """codec_choice="auto" with a model that makes top-k dearer than dense everywhere: the plan
     sends every group dense or fp16; measured validation runs it in turn with top-k everywhere (and
@@ -343,14 +352,14 @@ def codec_switch(world) -> dict:
     measured, so may differ), one taken after it to the end."""
     import horovod.torch as hvd
     from hvdcompress.schedule.costmodel import ComputeFit, CostModel
-    spec, lr, steps, during, after = "topk:ratio=0.05", 0.1, 12, 4, 10
-    decided = 9  # profile at step 1; 4 candidates x (1 settling + 1 measured round): steps 2-9
-    cm = CostModel.from_link(world, gbit_per_s=1.0, latency_s=5e-3,
-                             compress={spec: ComputeFit("linear", 1e-9, 5e-2), "fp16": ComputeFit("linear", 1e-12, 1e-7)})
-    kw = dict(schedule="mgs", cost_model=cm, profile_steps=1, tune_steps=1, codec_choice="auto", momentum=0.0, lr=lr)
+    spec, lr, steps, during, after = "topk:ratio=0.05", 0.1, 14, 4, 12
+    kw = dict(schedule="mgs", cost_model=_dear_topk_model(world, spec), profile_steps=1, tune_steps=1,
+              codec_choice="auto", momentum=0.0, lr=lr)
     model, opt = make(spec, **kw)
     start = _flat(model).clone()
     log, given, saved = _codec_steps(model, opt, 0, steps, lr, saves=(during, after))
+    # profile at step 1; then every candidate (at most tuning.MAX_CANDIDATES) x (1 settling + 1 measured round)
+    decided = 1 + 2 * len(opt.plan.tuning["candidates"])
     state = opt.state_dict()["hvdcompress"]["state"]
     held = torch.cat([state[n]["residual"].reshape(-1) if "residual" in state[n] else torch.zeros(p.numel())
                       for n, p in model.named_parameters()])
@@ -380,7 +389,114 @@ def codec_switch(world) -> dict:
             "lost": float((moved + held - given).abs().max()), "scale": float(given.abs().max()),
             "resumed_during_tuning": resumed[during], "resumed_after_tuning": resumed[after],
             "plan_codecs": opt.plan.codecs, "decided_at": decided,
-            "tuning": opt.plan.tuning is not None and [c["label"] for c in opt.plan.tuning["candidates"]]}
+            "tuning": opt.plan.tuning is not None and [c["label"] for c in opt.plan.tuning["candidates"]],
+            "candidates": opt.plan.tuning and [dict(label=c["label"], codecs=c["codecs"])
+                                               for c in opt.plan.tuning["candidates"]]}
+
+
+DRIFT_SLEEP_S = 0.2  # the slowdown injected into every step: several times a step of the test model
+
+
+def _drift_steps(model, opt, start, stop_when, slow, lr, max_steps, saves=()):
+    """Steps from ``start`` until ``stop_when(opt)`` after a step (the same on every rank: it reads
+    what rank 0 decided) or ``max_steps`` steps; a step in ``slow`` sleeps ``DRIFT_SLEEP_S`` first.
+    Per step what ``_codec_steps`` logs, and the scheduler's state after it; (model, optimizer)
+    copies taken before each step in ``saves``."""
+    import copy
+    import time
+    import horovod.torch as hvd
+    log, given, saved, step = [], torch.zeros_like(_flat(model)), {}, start
+    while step < start + max_steps:
+        if step in saves:
+            saved[step] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        if step in slow:
+            time.sleep(DRIFT_SLEEP_S)
+        opt.zero_grad()
+        x, y = _batch(hvd.rank(), step)
+        grads = torch.autograd.grad(nn.CrossEntropyLoss()(model(x), y), list(model.parameters()))
+        given += hvd.allreduce(torch.cat([g.reshape(-1) for g in grads]), name=f"check.drift.given.{step}")
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        plan = opt.state_dict()["hvdcompress"]["plan"] or {}
+        watch = plan.get("watch")
+        record = opt.plan.tuning if opt.plan is not None and not opt.engine.scheduler.tuning else None
+        log.append({"step": step, "identical": _identical_across_ranks(model), "codecs": plan.get("codecs"),
+                    "params": _flat(model).clone(), "tuning": opt.engine.scheduler.tuning,
+                    "window": None if watch is None else len(watch["times"]),
+                    "reference": None if watch is None else watch["reference_seconds"],
+                    "revalidations": None if record is None else record.get("revalidations")})
+        step += 1
+        if stop_when(opt):
+            break
+    return log, given, saved
+
+
+def _watch_of(opt):
+    return (opt.state_dict()["hvdcompress"]["plan"] or {}).get("watch")
+
+
+def codec_drift(world) -> dict:
+    """codec_choice="auto" with the drift watch (``revalidate_every=3``). After the measured
+    validation the first window sets the reference; a slowdown injected into every step (a sleep
+    before the forward pass, on every rank) makes the next window drift, and the validation runs
+    again over the same candidates (compressed and dense groups switching again), every rank
+    deciding at the same step; lifting the slowdown drifts the other way and re-validates again.
+    Parameters stay identical across ranks every step and nothing is lost (error feedback: the
+    residual goes out with a group that turns dense). A checkpoint taken inside a window resumes
+    the watch at the same steps, bit for bit up to the decision of the re-validation it triggers
+    (measured, so it may differ)."""
+    import horovod.torch as hvd
+    spec, lr, every, cap = "topk:ratio=0.05", 0.1, 3, 40
+    kw = dict(schedule="mgs", cost_model=_dear_topk_model(world, spec), profile_steps=1, tune_steps=1,
+              codec_choice="auto", revalidate_every=every, momentum=0.0, lr=lr)
+    model, opt = make(spec, **kw)
+    start = _flat(model).clone()
+
+    def referenced(count):  # the re-validations so far, and the watch's new reference set
+        def stop(o):
+            w, t = _watch_of(o), o.plan.tuning if o.plan is not None else None
+            return bool(w and w["reference_seconds"] is not None and t and t.get("revalidations") == count)
+        return stop
+
+    # validation, then the first window: the reference
+    log, given, _ = _drift_steps(model, opt, 0, referenced(0), (), lr, cap)
+    referenced_at = log[-1]["step"]
+    # one more step at the same speed, a checkpoint, then every step slowed down
+    slow_from = referenced_at + 2
+    slow = set(range(slow_from, slow_from + 2 * cap))
+    more, g2, saved = _drift_steps(model, opt, referenced_at + 1, referenced(1), slow, lr, cap, saves=(slow_from,))
+    log += more
+    given += g2
+    slowed_reference = (_watch_of(opt) or {}).get("reference_seconds")
+    after_slow = dict(opt.plan.tuning)
+    lifted_from = log[-1]["step"] + 1  # the slowdown lifted: faster by far more than 25%
+    more, g3, _ = _drift_steps(model, opt, lifted_from, referenced(2), (), lr, cap)
+    log += more
+    given += g3
+    state = opt.state_dict()["hvdcompress"]["state"]
+    held = torch.cat([state[n]["residual"].reshape(-1) if "residual" in state[n] else torch.zeros(p.numel())
+                      for n, p in model.named_parameters()])
+    held = hvd.allreduce(held, name="check.drift.held")
+    moved = (start - _flat(model)) / lr
+    # the checkpoint taken inside the window, resumed by a fresh optimizer with the same slowdown
+    model2, opt2 = make(spec, **kw)
+    model2.load_state_dict(saved[slow_from][0])
+    opt2.load_state_dict(saved[slow_from][1])
+    first = next(i for i, r in enumerate(log) if r["step"] >= slow_from)
+    decided = next(i for i in range(first, len(log)) if log[i]["tuning"] and not log[i + 1]["tuning"]) + 1
+    again, _, _ = _drift_steps(model2, opt2, slow_from, lambda o: False, slow, lr, decided - first + 1)
+    ours = log[first:decided + 1]
+    resumed = {"equal": all(torch.equal(a["params"], b["params"]) for a, b in zip(again, ours)),
+               "steps": len(again),
+               "same_windows": [a["window"] for a in again][:-1] == [b["window"] for b in ours][:-1],
+               "same_tuning": [a["tuning"] for a in again][:-1] == [b["tuning"] for b in ours][:-1],
+               "same_codecs": [a["codecs"] for a in again][:-1] == [b["codecs"] for b in ours][:-1],
+               "identical": all(a["identical"] for a in again)}
+    strip = [{k: v for k, v in r.items() if k != "params"} for r in log]
+    return {"log": strip, "identical": all(r["identical"] for r in log), "referenced_at": referenced_at,
+            "slow_from": slow_from, "lifted_from": lifted_from, "after_slow": after_slow,
+            "slowed_reference": slowed_reference, "final": opt.plan.tuning, "resumed": resumed,
+            "lost": float((moved + held - given).abs().max()), "scale": float(given.abs().max())}
 
 
 def everything(world_expected: int, cache_dir: str) -> dict:
@@ -393,7 +509,8 @@ def everything(world_expected: int, cache_dir: str) -> dict:
                            ("no_gradient", no_gradient, (world_expected,)),
                            ("accumulation", accumulation, (world_expected,)),
                            ("bad", bad_arguments, (world_expected,)),
-                           ("codec_switch", codec_switch, (world_expected,))):
+                           ("codec_switch", codec_switch, (world_expected,)),
+                           ("codec_drift", codec_drift, (world_expected,))):
         try:
             out[name] = fn(*args)
         except Exception:  # report, do not hang the other parts on a worker traceback

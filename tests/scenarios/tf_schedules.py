@@ -119,6 +119,115 @@ def bad_schedules() -> dict:
     return {"errors": errors, "after": float(after.numpy()[0])}
 
 
+# --- per-group codec choice: a group switching between top-k and dense ---------------------------
+CODEC_SPEC = "topk:ratio=0.05"
+CODEC_LR = 0.1
+
+
+def _choice_models(world):
+    """Hand-built cost models in which ``codec_choice="auto"`` sends every group with top-k (a
+    1 Mbit/s link, top-k nearly free to compute) or dense (a 100 Gbit/s link, top-k and fp16 50 ms
+    per group)."""
+    from hvdcompress.schedule.costmodel import ComputeFit, CostModel
+    cheap, dear = ComputeFit("linear", 1e-12, 1e-7), ComputeFit("linear", 1e-9, 5e-2)
+    return {"compressed": CostModel.from_link(world, 0.001, 5e-3, {CODEC_SPEC: cheap, "fp16": dear}),
+            "dense": CostModel.from_link(world, 100.0, 5e-6, {CODEC_SPEC: dear, "fp16": dear})}
+
+
+def _residual(compression) -> float:
+    return float(sum(abs(s["residual"].numpy()).sum() for s in compression.slots if "residual" in s))
+
+
+def _codec_phase(model, opt, compression, steps, given=None):
+    """Plain SGD steps through ``DistributedGradientTape`` with ``compression``; per step: identical
+    across ranks, the parameters, the residual left; ``given`` (numpy, float64) gains the mean over
+    ranks of each step's local gradient."""
+    import horovod.tensorflow as hvd
+    import hvdcompress.tensorflow as hvc
+    import tensorflow as tf
+    loss_fn = _loss()
+
+    @tf.function
+    def step_fn(x, y):
+        with tf.GradientTape() as plain:
+            loss = loss_fn(y, model(x, training=True))
+        local = plain.gradient(loss, model.trainable_variables)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvc.DistributedGradientTape(tape, compression=compression)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return tf.concat([tf.reshape(g, [-1]) for g in local], 0)
+
+    log = []
+    for step in steps:
+        local = step_fn(*_batch(hvc.rank(), step))
+        if given is not None:
+            given += hvd.allreduce(local, name=f"check_codec_given_{step}").numpy().astype("float64")
+        log.append({"identical": _identical(model), "params": _flat(model).numpy().copy(),
+                    "residual": _residual(compression)})
+    return log
+
+
+def _switch(model, opt, compression, path, world, kind):
+    """A new ``GradientCompression`` planned with the ``kind`` cost model, restoring the state of
+    ``compression`` (saved under ``path``) with the model and the optimizer: the way a group's spec
+    changes in TF (the plan is made once per object)."""
+    import hvdcompress.tensorflow as hvc
+    import tensorflow as tf
+    saved = tf.train.Checkpoint(model=model, optimizer=opt, compression=compression).save(path)
+    nxt = hvc.GradientCompression(CODEC_SPEC, schedule="mgs", cost_model=_choice_models(world)[kind],
+                                  codec_choice="auto")
+    tf.train.Checkpoint(model=model, optimizer=opt, compression=nxt).restore(saved)
+    return nxt
+
+
+def codec_switch(world) -> dict:
+    """``GradientCompression(codec_choice="auto")`` on 2 workers, with the plan sending every group
+    with top-k (steps 0-2), then dense (3-5), then top-k again (6-8): a TF plan is made once per
+    object, so each switch is a new object restoring the last one's checkpoint. The residual top-k
+    left is sent with the first dense step and zeroed; parameters are identical across ranks every
+    step; error feedback loses nothing ((p_0 - p_T) / lr + the mean residual = the sum of the mean
+    gradients); a checkpoint taken between the dense steps resumes bit for bit, switch included."""
+    import tempfile
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+    import hvdcompress.tensorflow as hvc
+    where = tempfile.mkdtemp(prefix="hvdc-tf-codec-")
+    model, opt = _model(), tf.keras.optimizers.SGD(CODEC_LR)
+    start = _flat(model).numpy().astype("float64")
+    given = np.zeros_like(start)
+    first = hvc.GradientCompression(CODEC_SPEC, schedule="mgs", cost_model=_choice_models(world)["compressed"],
+                                    codec_choice="auto")
+    log = _codec_phase(model, opt, first, range(0, 3), given)
+    codecs = {"compressed": first.plan.codecs}
+    held_before_dense = log[-1]["residual"]
+    dense = _switch(model, opt, first, f"{where}/a", world, "dense")
+    log += _codec_phase(model, opt, dense, range(3, 4), given)
+    mid = tf.train.Checkpoint(model=model, optimizer=opt, compression=dense).save(f"{where}/mid")
+    log += _codec_phase(model, opt, dense, range(4, 6), given)
+    codecs["dense"] = dense.plan.codecs
+    again = _switch(model, opt, dense, f"{where}/b", world, "compressed")
+    log += _codec_phase(model, opt, again, range(6, 9), given)
+    codecs["again"] = again.plan.codecs
+    held = hvd.allreduce(tf.concat([tf.reshape(s["residual"], [-1]) for s in again.slots], 0),  # by position
+                         name="check_codec_held").numpy().astype("float64")
+    moved = (start - _flat(model).numpy().astype("float64")) / CODEC_LR
+    # resumed from the checkpoint taken between the dense steps, by new objects: the same steps
+    model2, opt2 = _model(seed=1), tf.keras.optimizers.SGD(CODEC_LR)
+    dense2 = hvc.GradientCompression(CODEC_SPEC, schedule="mgs", cost_model=_choice_models(world)["dense"],
+                                     codec_choice="auto")
+    tf.train.Checkpoint(model=model2, optimizer=opt2, compression=dense2).restore(mid)
+    log2 = _codec_phase(model2, opt2, dense2, range(4, 6))
+    again2 = _switch(model2, opt2, dense2, f"{where}/c", world, "compressed")
+    log2 += _codec_phase(model2, opt2, again2, range(6, 9))
+    return {"codecs": codecs, "identical": all(r["identical"] for r in log + log2),
+            "residuals": [r["residual"] for r in log], "held_before_dense": held_before_dense,
+            "lost": float(np.abs(moved + held - given).max()), "scale": float(np.abs(given).max()),
+            "resumed_equal": [bool(np.array_equal(a["params"], b["params"])) for a, b in zip(log2, log[4:])],
+            "resumed_residuals_equal": [a["residual"] == b["residual"] for a, b in zip(log2, log[4:])]}
+
+
 def everything(world_expected: int, cache_dir: str = None) -> dict:
     """Every scenario; with ``cache_dir``, an empty cost-model cache of their own (nothing cached)."""
     import horovod.tensorflow as hvd
@@ -131,7 +240,7 @@ def everything(world_expected: int, cache_dir: str = None) -> dict:
     assert hvd.size() == world_expected
     out = {}
     for name, fn in (("dense", dense_merged_equals_layerwise), ("sparse", sparse_merged_stays_identical),
-                     ("bad", bad_schedules)):
+                     ("bad", bad_schedules), ("codec", lambda: codec_switch(world_expected))):
         start = time.perf_counter()
         try:
             out[name] = fn()
