@@ -140,6 +140,50 @@ def test_bad_arguments_are_refused(capsys):
         assert msg in capsys.readouterr().err
 
 
+def test_tf_framework_defaults_and_refusals(capsys):
+    args = cli._parse_args(["--framework", "tf", "--loopback", "-n", "2"], None)
+    assert args.schedule_list == ["layerwise"] and args.profile is False and args.tf_graph_optimizer == "on"
+    meta = cli._new_report(args, [])["meta"]
+    assert meta["framework"] == "tf" and meta["cost_model_profiled_per_launch"] is False
+    assert cli._parse_args(["--loopback"], None).schedule_list == ["auto"]  # torch keeps its default
+    tf = ["--framework", "tf", "--loopback"]
+    for argv, msg in ((tf + ["--compute", "emulated:vgg16-v100"],
+                       "compute: 'emulated:vgg16-v100' needs --framework torch"),
+                      (tf + ["-s", "layerwise,mgs"], "schedules: 'mgs' needs a cost model"),
+                      (tf + ["-s", "auto"], "schedules: 'auto' needs a cost model"),
+                      (tf + ["-s", "single+choice"], "schedules: 'single+choice' needs a cost model"),
+                      (tf + ["--latency-ms", "5"], "latency-ms: latency injection needs --framework torch"),
+                      (tf + ["--trace-steps", "1"], "trace-steps: per-group tracing needs --framework torch"),
+                      (tf + ["--warmup", "0"], "warmup: --framework tf needs >= 1 warm-up step"),
+                      (["--loopback", "--tf-graph-optimizer", "off"], "tf-graph-optimizer: applies to --framework tf"),
+                      (["--framework", "jax"], "argument --framework: invalid choice: 'jax'")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_replicas_that_differ_fail_the_worker():
+    import numpy as np
+
+    from hvdcompress.bench.worker_common import ReplicasDiffer, check_identical, digest
+
+    class World:  # allgather_object over 2 ranks; rank 1's second digest is another one
+        def __init__(self, differ):
+            self.differ = differ
+
+        def allgather_object(self, obj):
+            other = list(obj)
+            if self.differ:
+                other[1] = digest([np.ones(3, np.float32)])
+            return [obj, other]
+
+    same = digest([np.zeros(3, np.float32)])
+    check_identical(["a", "b @ single"], [same, same], World(differ=False))
+    with pytest.raises(ReplicasDiffer, match=r"phase\(s\): b @ single;"):
+        check_identical(["a", "b @ single"], [same, same], World(differ=True))
+
+
 def test_latency_driver_delays_completion(monkeypatch):
     from torch_ops.collectives import HorovodDriver
     from hvdcompress.bench.injected_latency import LatencyDriver
@@ -159,13 +203,13 @@ def test_latency_driver_delays_completion(monkeypatch):
 
 
 # -- real runs ----------------------------------------------------------------------------------------
-def _bench(tmp_path, *argv, timeout=150):
+def _bench(tmp_path, *argv, timeout=150, model="deep"):
     """Run the harness as a subprocess with a marker in its environment (inherited by everything
     it starts), so the test can look for processes left behind."""
     marker = uuid.uuid4().hex
     env = dict(os.environ, HVC_BENCH_TEST_MARKER=marker, TMPDIR=str(tmp_path))
     out = str(tmp_path / "bench")
-    proc = subprocess.run([sys.executable, "-m", "hvdcompress.bench", *argv, "--out", out, "--model", "deep",
+    proc = subprocess.run([sys.executable, "-m", "hvdcompress.bench", *argv, "--out", out, "--model", model,
                            "--batch", "8", "--steps", "2", "--warmup", "3", "--profile-steps", "1",
                            "--profile-max-mib", "0.1", "--launch-timeout", "120"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -219,6 +263,38 @@ def test_loopback_run_has_every_field(tmp_path):
     by = _check_complete(report, 2, specs, ["unlimited"])
     assert by["topk:ratio=0.01"]["compression_ratio"] > 40
     assert by["none"]["wire_tx_bytes_per_step"] is None  # lo is shared: no per-worker counters
+    assert not _processes_with(marker)
+
+
+@pytest.mark.multiprocess
+def test_tf_loopback_run(tmp_path):
+    """--framework tf: the Keras mlp (the torch mlp's tensors, so the same bytes), one merged group,
+    three specs and compute-only; every rank ends with the same parameters (the worker checks)."""
+    specs = ["none", "topk:ratio=0.01", "fp16"]
+    report, marker, proc = _bench(tmp_path, "--framework", "tf", "--tf-graph-optimizer", "off", "--loopback",
+                                  "-n", "2", "-s", "single", "-c", *specs, model="mlp")
+    meta = report["meta"]
+    assert META_FIELDS <= set(meta), META_FIELDS - set(meta)
+    assert meta["framework"] == "tf" and meta["tf_graph_optimizer"] == "off" and meta["threads_per_worker"] == 1
+    assert meta["parameters"] == 12598282 and meta["parameter_tensors"] == 8
+    assert "tensorflow" in meta["versions"] and "bit-identical" in meta["parameter_check"]
+    assert [c["workers"] for c in report["compute_only"]] == [2]
+    assert COMPUTE_ONLY_FIELDS <= set(report["compute_only"][0])
+    not_predicted = {"after_forward_s", "predicted_after_forward_s", "after_forward_prediction_error"}
+    by = {r["compression"]: r for r in report["results"]}
+    assert set(by) == set(specs)
+    for r in by.values():
+        assert r["status"] == "ok" and RESULT_FIELDS - not_predicted <= set(r), RESULT_FIELDS - set(r)
+        assert r["workers"] == 2 and len(r["step_times_s"]) == 2 and r["step_time_s"] > 0
+        assert r["dense_bytes_per_step"] == 12598282 * 4  # as --framework torch's mlp
+        assert r["schedule"] == "single" and r["plan"]["groups"] == 1 and r["plan"]["predicted_seconds"] is None
+        assert r["compute_seconds_per_step"] is None and r["x_compute_only"] > 0
+    assert by["none"]["bytes_per_step"] == by["none"]["dense_bytes_per_step"]
+    assert by["fp16"]["compression_ratio"] == 2.0 and by["topk:ratio=0.01"]["compression_ratio"] > 40
+    assert by["none"]["speedup_vs_dense"] == 1.0
+    title = "TensorFlow/Keras: model `mlp` (13M parameters, 8 tensors)"
+    assert title in proc.stdout and title in (tmp_path / "bench.md").read_text()
+    assert "TensorFlow inter-op and intra-op threads per worker: 1 each" in proc.stdout
     assert not _processes_with(marker)
 
 

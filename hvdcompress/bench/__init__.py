@@ -2,9 +2,10 @@
 
 ``hvdcompress bench`` (or ``python -m hvdcompress.bench``) builds one network namespace per
 worker with a rate-limited link into a bridge (``netns``), launches Horovod Gloo workers there
-without horovodrun (``rendezvous``, ``launch``; the worker itself is ``hvdcompress.bench.torch_worker``),
+without horovodrun (``rendezvous``, ``launch``; the worker itself is ``hvdcompress.bench.torch_worker``, or
+``tf_worker`` with ``--framework tf``),
 turns their timings and byte counts into figures (``figures``) and writes JSON, a markdown table
-and a chart (``report``). ``cli`` holds the command line. Nothing here imports torch.
+and a chart (``report``). ``cli`` holds the command line. Nothing here imports torch or TensorFlow.
 """
 
 

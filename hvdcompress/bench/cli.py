@@ -3,7 +3,8 @@
 For every worker count and link bandwidth it builds the emulated network (or, with
 ``--loopback``, uses 127.0.0.1 with no rate limit), launches the Horovod workers once, and has them
 time the compute-only limit and every compression spec, interleaved step by step (so a load that
-drifts on a shared machine weighs on all of them alike; see ``hvdcompress.bench.torch_worker``). It
+drifts on a shared machine weighs on all of them alike; see ``hvdcompress.bench.torch_worker``, or
+with ``--framework tf`` ``hvdcompress.bench.tf_worker``: the same figures for a Keras model). It
 writes ``OUT.json`` (every figure), ``OUT.png`` (step time vs bandwidth) and ``OUT.md`` (the
 table, also printed). The JSON is rewritten after every launch, so an interrupted run keeps what
 it measured. Whatever happens -- a failed worker, a time limit, Ctrl-C, SIGTERM -- the workers are
@@ -31,6 +32,9 @@ from .report import (markdown_table, pipelining_summary, pipelining_table, tunin
 from .signals import raise_on_sigterm
 
 MODELS = ("vgg", "mlp", "deep")
+FRAMEWORKS = ("torch", "tf")
+WORKERS = {"torch": ("-m", "hvdcompress.bench.torch_worker"), "tf": ("-m", "hvdcompress.bench.tf_worker")}
+TF_SCHEDULES = ("layerwise", "single", "size")  # fixed schedules: no cost model (its fit is torch-only)
 # Horovod settings the workers inherit from this process that change what is measured
 HOROVOD_TUNING = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY",
                   "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_DISABLE_GROUP_FUSION")  # defined in hvdcompress/bench/torch_models.py (not imported: no torch here)
@@ -50,6 +54,7 @@ step time vs link rate; with emulated compute also OUT-timeline.png (traced step
 
 examples:
   hvdcompress bench --loopback -n 2 -c none topk:ratio=0.01 --steps 4        # no root needed
+  hvdcompress bench --framework tf --loopback -n 2 --model mlp -c none topk:ratio=0.01 -s layerwise,single
   hvdcompress bench -n 4 -b 10mbit,100mbit,1gbit -c none fp16 dgc:ratio=0.001 -s layerwise
   HOROVOD_FUSION_THRESHOLD=0 hvdcompress bench --compute emulated:vgg16-v100 --emulated-scale 32 \\
       -c topk:ratio=0.001 -s layerwise,single,mgs,mgs+tune -n 2 -b 1gbit --warmup 7 --profile-steps 4
@@ -70,16 +75,25 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         "link rate it launches the Horovod Gloo workers once; they time the compute-only step and every\n"
         "spec x schedule interleaved, one step each per round (median of the slowest rank per step).",
         epilog=BENCH_EPILOG, formatter_class=_HelpFormatter)
+    ap.add_argument("--framework", choices=FRAMEWORKS, default="torch",
+                    help="torch: torch_ops' DistributedOptimizer (hvdcompress.torch); tf: a tf.function step with "
+                         "hvdcompress.keras.DistributedOptimizer (fixed schedules only; no emulated compute, "
+                         "latency injection, cost-model fit or tracing)")
+    ap.add_argument("--tf-graph-optimizer", choices=("on", "off"), default=argparse.SUPPRESS,
+                    help="with --framework tf: Grappler's graph rewrites on (as in model.fit; default) or off "
+                         "(off: each phase's first, traced step costs less CPU; recorded in the JSON)")
     ap.add_argument("--compression", "-c", nargs="+", default=["none", "fp16", "topk:ratio=0.001"],
                     metavar="SPEC", help="compression specs to measure (space-separated)")
-    ap.add_argument("--schedules", "-s", default="auto",
+    ap.add_argument("--schedules", "-s", default=argparse.SUPPRESS,
                     help="comma-separated merge schedules (DistributedOptimizer(schedule=...)): layerwise, single, "
                          "size:<MB>, mgs, mgwfbp, auto; a cost-model schedule followed by '+tune' (e.g. mgs+tune) runs "
                          "with measured validation (--tune-steps), without it with the model's plan as made; every "
-                         "spec is timed with every schedule")
+                         "spec is timed with every schedule (default: auto; with --framework tf: layerwise, and only "
+                         "layerwise, single, size:<MB> are accepted)")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="do not fit the cost model on the link at the start of each launch (then only the "
-                         "cost-model schedules profile, through the cache, and the others get no prediction)")
+                         "cost-model schedules profile, through the cache, and the others get no prediction); "
+                         "--framework tf never fits one")
     ap.add_argument("--profile-max-mib", type=float, default=4.0,
                     help="largest collective (MiB per rank) timed for the cost model's fit")
     ap.add_argument("--profile-steps", type=int, default=3,
@@ -115,7 +129,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     ap.add_argument("--phase-budget-s", type=float, default=None,
                     help="time only as many rounds (at least 3, at most --steps) as give each phase about this "
                          "many seconds at the warm-up pace: bounds slow links (default: always --steps)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads per worker (torch.set_num_threads; TF: inter-op and intra-op threads each)")
     ap.add_argument("--latency-ms", type=float, default=0.0,
                     help="INJECT this delay into the completion of every exchange round in the workers "
                          "(not network-emulated: netem is unavailable)")
@@ -142,6 +157,8 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
     ap = build_parser(prog)
     args = ap.parse_args(argv)
     try:
+        if not hasattr(args, "schedules"):
+            args.schedules = "layerwise" if args.framework == "tf" else "auto"
         for spec in args.compression:
             parse_spec(spec)
         args.schedule_list = [s.strip() for s in args.schedules.split(",") if s.strip()]
@@ -163,6 +180,11 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
         for name in ("batch", "steps", "threads"):
             _positive(name, getattr(args, name))
         _positive("warmup", args.warmup, 0)
+        if args.framework == "tf":
+            _check_tf(args)
+        elif hasattr(args, "tf_graph_optimizer"):
+            raise ValueError("tf-graph-optimizer: applies to --framework tf only")
+        args.tf_graph_optimizer = getattr(args, "tf_graph_optimizer", "on" if args.framework == "tf" else None)
         _positive("profile-steps", args.profile_steps, 1)
         _positive("profile-max-mib", args.profile_max_mib, 0.01)
         kinds = {parse_schedule(schedules.split(x)[0]).kind for x in args.schedule_list}
@@ -192,6 +214,27 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
     except ValueError as e:
         ap.error(str(e))
     return args
+
+
+def _check_tf(args: argparse.Namespace) -> None:
+    """What ``--framework tf`` cannot run, refused (ValueError naming the option) before any launch.
+    It never fits the cost model: its schedules are fixed."""
+    if args.compute != "real":
+        raise ValueError(f"compute: {args.compute!r} needs --framework torch; --framework tf computes the "
+                         "--model on the CPU (--compute real)")
+    if args.latency_ms:
+        raise ValueError("latency-ms: latency injection needs --framework torch (the TF exchange completes "
+                         "inside the traced step)")
+    if args.trace_steps:
+        raise ValueError("trace-steps: per-group tracing needs --framework torch")
+    for entry in args.schedule_list:
+        base, tuned = schedules.split(entry)
+        if tuned or schedules.chooses(entry) or parse_schedule(base).kind not in TF_SCHEDULES:
+            raise ValueError(f"schedules: {entry!r} needs a cost model, which --framework tf does not fit; "
+                             "it takes the fixed schedules layerwise, single, size:<MB> (or use --framework torch)")
+    if args.warmup < 1:
+        raise ValueError("warmup: --framework tf needs >= 1 warm-up step (the first step traces the tf.function)")
+    args.profile = False
 
 
 def _emulated_profile(name: str) -> dict:
@@ -268,6 +311,8 @@ def _new_report(args: argparse.Namespace, argv: List[str]) -> dict:
     return {
         "meta": {
             "command": "hvdcompress bench " + shlex.join(argv),
+            "framework": args.framework,
+            "tf_graph_optimizer": args.tf_graph_optimizer,
             "mode": "loopback (127.0.0.1, no rate limit)" if args.loopback else "network namespaces",
             "network": ("loopback 127.0.0.1, no rate limit" if args.loopback else
                         "one network namespace per worker, veth into a bridge, tbf on both directions "
@@ -319,7 +364,9 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
 
     launches = [(n, b) for n in args.worker_counts for b in args.bandwidth_list]
     all_ok = True
-    print(f"torch threads per worker: {args.threads} (torch.set_num_threads); "
+    threads = ("torch.set_num_threads" if args.framework == "torch" else
+               "TensorFlow inter-op and intra-op threads each")
+    print(f"{args.framework} threads per worker: {args.threads} ({threads}); "
           f"{'loopback' if args.loopback else 'network namespaces'}; {len(launches)} launch(es)")
     from .launch import WorkerFailure  # imports Horovod's runner: not needed for --help
 
@@ -327,7 +374,8 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
         bar = tqdm(launches, unit="launch", file=sys.stdout)
         for k, (n, bw) in enumerate(bar):
             bar.set_description(f"{n} workers @ {bw}")
-            config = {"model": args.model, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+            config = {"framework": args.framework, "graph_optimizer": args.tf_graph_optimizer != "off",
+                      "model": args.model, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
                       "threads": args.threads, "seed": args.seed, "compute_only": True,
                       "specs": list(args.compression), "latency_ms": args.latency_ms, "epoch": args.epoch,
                       "phase_budget_s": args.phase_budget_s, "schedules": args.schedule_list,
@@ -356,11 +404,12 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
 def _launch(args, n: int, bw: str, k: int, config: dict, workdir: str, log) -> List[dict]:
     from .launch import Placement, run_workers
 
+    worker = WORKERS[args.framework]
     if args.loopback:
-        return run_workers(Placement.loopback(n), config, workdir, args.launch_timeout, log)
+        return run_workers(Placement.loopback(n), config, workdir, args.launch_timeout, log, worker)
     with netns.EmulatedNetwork(n, netns.parse_bandwidth(bw), tag=str(k)) as net:
         log(f"network: {net.describe()}")
-        return run_workers(Placement.in_network(net), config, workdir, args.launch_timeout, log)
+        return run_workers(Placement.in_network(net), config, workdir, args.launch_timeout, log, worker)
 
 
 def _record(report: dict, ranks: List[dict], n: int, bw: str, args: argparse.Namespace) -> None:
@@ -368,6 +417,8 @@ def _record(report: dict, ranks: List[dict], n: int, bw: str, args: argparse.Nam
     meta["parameters"], meta["parameter_tensors"] = ranks[0]["parameters"], ranks[0]["parameter_tensors"]
     meta["threads_per_worker"] = ranks[0]["threads"]
     meta["versions"] = ranks[0].get("versions", {})
+    if ranks[0].get("parameter_check"):
+        meta["parameter_check"] = ranks[0]["parameter_check"]
     summary = summarize(ranks, args.batch)
     if ranks[0].get("cost_model") is not None:
         report.setdefault("cost_models", []).append({"workers": n, "bandwidth": bw, "model": ranks[0]["cost_model"]})

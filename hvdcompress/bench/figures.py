@@ -32,14 +32,16 @@ DEFINITIONS = {
     "samples_per_s": "workers * batch per worker / step_time_s",
     "bytes_per_step": "payload bytes each rank handed to Horovod per step (opt.stats), mean over ranks",
     "dense_bytes_per_step": "fp32 gradient bytes per step (what dense allreduce hands to Horovod)",
-    "compute_seconds_per_step": "compression + decompression seconds per step (opt.stats), mean over ranks",
+    "compute_seconds_per_step": "compression + decompression seconds per step (opt.stats), mean over ranks; "
+                                "null with --framework tf (the exchange runs inside the traced step: not timed "
+                                "apart)",
     "wire_tx_bytes_per_step": "bytes sent on the worker's veth per step (interface counters, headers and "
                               "Horovod coordination included), mean over ranks; null on loopback",
     "wire_rx_bytes_per_step": "bytes received on the worker's veth per step, as above",
     "expected_wire_tx_bytes_per_step": "payload * 2(N-1)/N (allreduce) or * (N-1) (allgather): an ideal ring",
     "x_compute_only": "step_time_s / the compute-only step time of the same launch (workers, link)",
-    "memory_pass_s": "one pass over a gradient-sized fp32 buffer in a worker (r.add_(g): read g, read and "
-                     "write r), median of 7, slowest rank; measured at the start of each launch",
+    "memory_pass_s": "one pass over a gradient-sized fp32 buffer in a worker (r.add_(g), TF: r.assign_add(g): "
+                     "read g, read and write r), median of 7, slowest rank; measured at the start of each launch",
     "wire_time_s": "max(wire tx, wire rx) bytes per step * 8 / the link rate (0 on an unlimited link; null "
                    "on loopback, where no wire bytes are counted)",
     "limit_s": "compute-only step time + memory_pass_s + wire_time_s: what a step could take if compression "
@@ -83,6 +85,11 @@ def _mean(values: List[float]) -> float:
     return sum(values) / len(values)
 
 
+def _mean_or_none(values: List[Optional[float]]) -> Optional[float]:
+    """The mean, or None when a rank did not measure it (the TF worker: compression seconds)."""
+    return None if not values or None in values else _mean(values)
+
+
 def wire_factor(spec: str, workers: int) -> float:
     """Bytes an ideal ring moves per rank per payload byte, for the spec's exchange."""
     if workers < 2:
@@ -122,7 +129,7 @@ def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
             "bytes_per_step": payload,
             "dense_bytes_per_step": first["dense_bytes_per_step"],
             "compression_ratio": first["dense_bytes_per_step"] / payload if payload else None,
-            "compute_seconds_per_step": _mean([p["compute_seconds_per_step"] for p in phases]),
+            "compute_seconds_per_step": _mean_or_none([p.get("compute_seconds_per_step") for p in phases]),
             "expected_wire_tx_bytes_per_step": expected,
             "wire_over_expected": (fig["wire_tx_bytes_per_step"] / expected
                                    if has_wire and expected else None),

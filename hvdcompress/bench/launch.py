@@ -3,7 +3,8 @@
 A :class:`Placement` says where each rank runs: inside a network namespace of an
 :class:`~hvdcompress.bench.netns.EmulatedNetwork`, or (loopback mode) as a plain local process
 talking over 127.0.0.1. :func:`run_workers` starts the rendezvous server (in worker 0's
-namespace), then the N workers (``python -m hvdcompress.bench.torch_worker CONFIG``) with the Gloo
+namespace), then the N workers (``python -m hvdcompress.bench.torch_worker CONFIG``, or the
+``worker_argv`` given, e.g. ``hvdcompress.bench.tf_worker``) with the Gloo
 environment horovodrun would give them, and supervises them: when one fails, or the time limit
 passes, or the harness is interrupted, every process it started is stopped (by process group,
 SIGTERM then SIGKILL) before the error goes up. Every wait has a time limit.

@@ -38,6 +38,21 @@ def _model_text(meta: dict) -> str:
     return f"`{meta['model']}` ({meta['parameters'] / 1e6:.2g}M parameters, {meta['parameter_tensors']} tensors)"
 
 
+FRAMEWORK_NAMES = {"torch": "PyTorch", "tf": "TensorFlow/Keras"}
+
+
+def _framework_text(meta: dict) -> str:
+    """'PyTorch' or 'TensorFlow/Keras' (reports written before the option existed are torch's)."""
+    fw = meta.get("framework", "torch")
+    return FRAMEWORK_NAMES.get(fw, fw)
+
+
+def _threads_text(meta: dict) -> str:
+    if meta.get("framework", "torch") == "tf":
+        return f"TensorFlow inter-op and intra-op threads per worker: {meta['threads_per_worker']} each"
+    return f"torch threads per worker: {meta['threads_per_worker']}"
+
+
 def _load_text(meta: dict) -> str:
     start, end = meta.get("load_average_1_5_15_at_start"), meta.get("load_average_1_5_15_at_end")
     if not start or not end:
@@ -91,8 +106,8 @@ def markdown_table(report: dict) -> str:
     """The results table (OUT.md): one row per (workers, link, compression), compute-only rows included."""
     meta = report["meta"]
     lines = [
-        f"Model {_model_text(meta)}, batch {meta['batch']} per worker, synthetic data; "
-        f"torch threads per worker: {meta['threads_per_worker']}; median of {_steps_text(meta)} after "
+        f"{_framework_text(meta)}: model {_model_text(meta)}, batch {meta['batch']} per worker, synthetic data; "
+        f"{_threads_text(meta)}; median of {_steps_text(meta)} after "
         f"{meta['warmup']} warm-up; {meta['network']}."]
     load = _load_text(meta)
     if load:
@@ -178,10 +193,11 @@ def write_chart(report: dict, path: str) -> None:
         ax.set_title(f"{n} workers")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    title = (f"model {_model_text(meta).replace('`', '')}, batch {meta['batch']}/worker, "
-             f"{meta['threads_per_worker']} torch thread(s)/worker\n{meta['mode']}")
+    fw = "torch" if meta.get("framework", "torch") == "torch" else "TF"
+    title = (f"{_framework_text(meta)}: model {_model_text(meta).replace('`', '')}, batch {meta['batch']}/worker\n"
+             f"{meta['threads_per_worker']} {fw} thread(s)/worker; {meta['mode']}")
     if _load_text(meta):
-        title += f"; {_load_text(meta).lower()}"
+        title += f"\n{_load_text(meta).lower()}"
     if meta["latency_ms_injected"]:
         title += f"; {meta['latency_ms_injected']:g} ms latency INJECTED (not emulated)"
     fig.suptitle(title, fontsize=10)

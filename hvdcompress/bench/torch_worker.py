@@ -52,26 +52,12 @@ from torch_ops.optimizer import DistributedOptimizer
 from . import schedules
 from .injected_latency import LatencyDriver
 from .torch_models import build, count_parameters, synthetic_batch
+from .worker_common import COMPUTE_ONLY, load_config, read_counters, timed_rounds
 
-COMPUTE_ONLY = "compute-only"
-MIN_STEPS = 3  # timed rounds, whatever the time budget
-REQUIRED = ("model", "batch", "steps", "warmup", "threads", "seed", "compute_only", "specs",
-            "latency_ms", "epoch", "phase_budget_s", "iface", "out")
 OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3,
             "emulated_scale": 1.0, "trace_steps": 0, "tune_steps": 3}
 MAX_EXTRA_WARMUP = 500  # warm-up steps added for a measured validation to finish
 TIMING_KEYS = ("backward_seconds", "hook_seconds", "synchronize_seconds", "update_seconds")
-
-
-def read_counters(iface: Optional[str]) -> Dict[str, int]:
-    """tx/rx byte counters of ``iface`` in this process's network namespace ({} without one)."""
-    if not iface:
-        return {}
-    out = {}
-    for key in ("tx_bytes", "rx_bytes"):
-        with open(f"/sys/class/net/{iface}/statistics/{key}") as f:
-            out[key] = int(f.read())
-    return out
 
 
 class Phase:
@@ -257,16 +243,6 @@ def _validating(phase) -> bool:
                                            and scheduler.plan is None))
 
 
-def timed_rounds(cfg: dict, last_round_s: float, phases: int, hvd) -> int:
-    """``steps``, or fewer when ``phase_budget_s`` is set: as many rounds as fit in the budget at
-    rank 0's last warm-up round's pace (at least ``MIN_STEPS``). Rank 0 decides, every rank follows."""
-    budget = cfg["phase_budget_s"]
-    if not budget or cfg["warmup"] < 1:
-        return cfg["steps"]
-    fit = int(budget * phases / max(last_round_s, 1e-6))
-    return int(hvd.broadcast_object(min(cfg["steps"], max(MIN_STEPS, fit)), root_rank=0))
-
-
 def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
     """Warm up every phase, then time ``timed_rounds`` interleaved rounds; the phases' figures and
     the cost model fitted on the link (as a dict; None without ``profile``)."""
@@ -325,12 +301,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if len(argv) != 1:
         print("usage: python -m hvdcompress.bench.torch_worker CONFIG.json", file=sys.stderr)
         return 2
-    with open(argv[0]) as f:
-        cfg = json.load(f)
-    missing = [k for k in REQUIRED if k not in cfg]
-    if missing:
-        raise ValueError(f"bench worker config {argv[0]}: missing keys {', '.join(missing)}")
-    cfg = dict(OPTIONAL, **cfg)
+    cfg = load_config(argv[0], OPTIONAL)
 
     torch.set_num_threads(int(cfg["threads"]))
     import horovod
