@@ -23,11 +23,15 @@ betas 0.9/0.95) as the optimizer, or the inner optimizer of the DiLoCo family:
                  momentum, so DGC's momentum correction is off: its sampled top-k with error feedback)
     delayed4     DistributedOptimizer, delayed averaging D = 4 (uncompressed)
     diloco10/50/100  DiLoCo, H = 10 / 50 / 100, outer SGD lr 0.7, momentum 0.9, Nesterov
-    streaming    Streaming DiLoCo: H = 100, 4 fragments, overlap 5 steps, mix 0.5, 4-bit outer
+    streaming    Streaming DiLoCo: H = 50, 5 fragments, overlap 5 steps, mix 0.5, 4-bit outer
                  gradients (qsgd:levels=7: codes in [-7, 7], 4 bits, a norm per 512 entries)
     sparseloco   SparseLoCo-like: H = 50, sparseloco:ratio=0.02,bits=2,beta=0.95, outer SGD lr 1 without
                  momentum (as in the SparseLoCo paper: the decayed error-feedback accumulator takes the
                  outer momentum's place)
+
+With ``--pretrain-steps N`` every method (and the compute-only phase) starts from the same model
+trained N steps with dense synchronous AdamW first, as the DiLoCo paper starts from a pretrained
+model; ``--lr-schedule cosine`` decays the (inner) learning rate over the method's steps.
 
 Each worker runs the methods one after another (a *phase* each, never interleaved: an exchange in
 flight must not be hidden by another phase's steps), preceded by a compute-only phase (AdamW, no
@@ -65,7 +69,7 @@ METHODS = {
     "diloco10": {"kind": "diloco", "sync_every": 10},
     "diloco50": {"kind": "diloco", "sync_every": 50},
     "diloco100": {"kind": "diloco", "sync_every": 100},
-    "streaming": {"kind": "diloco", "sync_every": 100, "fragments": 4, "overlap_steps": 5, "mix": 0.5,
+    "streaming": {"kind": "diloco", "sync_every": 50, "fragments": 5, "overlap_steps": 5, "mix": 0.5,
                   "compression": "qsgd:levels=7,bucket=512"},
     "sparseloco": {"kind": "diloco", "sync_every": 50, "compression": "sparseloco:ratio=0.02,bits=2,beta=0.95",
                    "outer": {"lr": 1.0, "momentum": 0.0}},
@@ -108,6 +112,31 @@ def lr_schedule(name: str, steps: int):
 
 
 # -- worker (one per rank) -----------------------------------------------------------------------
+def pretrain(cfg, text):
+    """The common starting point with ``--pretrain-steps N``: N steps of dense synchronous AdamW
+    (constant lr, a data stream of its own per rank) from the seed-0 model, as the DiLoCo paper
+    starts its runs from a pretrained model; returns the parameters (identical on every rank)."""
+    import torch
+
+    import hvdcompress.torch as hvc
+    from hvdcompress.bench.example_models import CharTransformer, char_batches
+
+    dims = cfg["model"]
+    torch.manual_seed(0)
+    model = CharTransformer(width=dims["width"], layers=dims["layers"], heads=dims["heads"], context=dims["context"])
+    inner = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
+    opt = hvc.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression="none",
+                                   schedule="layerwise")
+    batches = char_batches(text.train, cfg["batch"], dims["context"], seed=1000 * (hvc.rank() + 1) + 500)
+    for _ in range(cfg["pretrain_steps"]):
+        x, y = next(batches)
+        opt.zero_grad()
+        model.loss(x, y).backward()
+        opt.step()
+    opt.flush()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def worker_main(config_path: str) -> int:
     import numpy as np
     import torch
@@ -126,9 +155,12 @@ def worker_main(config_path: str) -> int:
     text = load_stdlib_text(cfg["corpus_bytes"])
     dims = cfg["model"]
     figures = []
+    start_state = pretrain(cfg, text) if cfg["pretrain_steps"] else None
     for k, name in enumerate(["compute-only"] + cfg["methods"]):
         torch.manual_seed(0)
         model = CharTransformer(width=dims["width"], layers=dims["layers"], heads=dims["heads"], context=dims["context"])
+        if start_state is not None:
+            model.load_state_dict(start_state)
         inner = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
         lr_at = lr_schedule(cfg["lr_schedule"], cfg["steps"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_at)
@@ -212,7 +244,9 @@ def summarize(ranks, steps):
 def table(report) -> str:
     m = report["meta"]
     out = [f"{m['workers']} workers; {m['network']}; latency: {m['latency']}; compute: {m['compute']}; "
-           f"{m['steps']} steps; corpus: {m.get('corpus', '?')}.", "",
+           f"{m['steps']} steps from {m.get('pretrain_steps', 0)} dense pretraining steps; batch {m['batch_per_worker']} "
+           f"per worker; AdamW lr {m['lr']:g} ({m.get('lr_schedule', 'constant')}); "
+           f"corpus: {m.get('corpus', '?')}.", "",
            "| method | final loss (nats/char) | vs dense | bytes/worker/step | fewer bytes than dense | "
            "step time (ms, mean) | compute utilisation |", "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -251,7 +285,8 @@ def run(args, argv) -> int:
     if unknown:
         print(f"unknown methods {unknown}; known: {', '.join(METHODS)}", file=sys.stderr)
         return 2
-    config = {"methods": methods, "steps": args.steps, "batch": args.batch, "lr": args.lr, "lr_schedule": args.lr_schedule, "threads": 1,
+    config = {"methods": methods, "steps": args.steps, "batch": args.batch, "lr": args.lr, "lr_schedule": args.lr_schedule,
+              "pretrain_steps": args.pretrain_steps, "threads": 1,
               "latency_ms": args.latency_ms, "corpus_bytes": args.corpus_bytes,
               "model": dict(QUICK_MODEL if args.quick else MODEL), "eval_windows": 16 if args.quick else 256}
     for key in ("width", "layers", "context"):
@@ -259,7 +294,7 @@ def run(args, argv) -> int:
             config["model"][key] = getattr(args, key)
     meta = {"command": "python benchmarks/diloco_wan.py " + shlex.join(argv), "workers": args.workers,
             "steps": args.steps, "batch_per_worker": args.batch, "model": config["model"], "lr": args.lr,
-            "lr_schedule": args.lr_schedule,
+            "lr_schedule": args.lr_schedule, "pretrain_steps": args.pretrain_steps,
             "latency": (f"{args.latency_ms:g} ms INJECTED in the worker processes (LatencyDriver: every exchange "
                         "round completes no sooner than that after its launch; netem is unavailable)")
             if args.latency_ms > 0 else "none added",
@@ -323,6 +358,8 @@ def main(argv=None) -> int:
     r.add_argument("--lr", type=float, default=2e-3)
     r.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                    help="inner learning rate over the steps (cosine: 5%% warm-up, decay to 10%% of --lr)")
+    r.add_argument("--pretrain-steps", type=int, default=0,
+                   help="dense synchronous steps every method starts from (0: from the initial model)")
     r.add_argument("--corpus-bytes", type=int, default=2_000_000)
     r.add_argument("--methods", nargs="*", default=None, help=f"subset of: {', '.join(METHODS)}")
     r.add_argument("--width", type=int, default=None, help=f"model width (default {MODEL['width']})")
