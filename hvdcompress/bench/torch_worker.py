@@ -52,7 +52,7 @@ from torch_ops.optimizer import DistributedOptimizer
 from . import schedules
 from .injected_latency import LatencyDriver
 from .torch_models import build, count_parameters, synthetic_batch
-from .worker_common import COMPUTE_ONLY, load_config, read_counters, timed_rounds
+from .worker_common import COMPUTE_ONLY, check_identical, digest, load_config, read_counters, timed_rounds
 
 OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3,
             "emulated_scale": 1.0, "trace_steps": 0, "tune_steps": 3}
@@ -94,6 +94,15 @@ class Phase:
         self.wire = {"tx_bytes": 0, "rx_bytes": 0}
         self.traces: List[dict] = []
         self._stats_before: Optional[Dict[str, float]] = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec} ({self.schedule or 'auto'})" if self.spec is not None else COMPUTE_ONLY
+
+    def digest(self) -> str:
+        """The parameters' sha256 after the exchanges in flight are applied (``flush``)."""
+        self.opt.flush()
+        return digest(p.detach().numpy() for p in self.model.parameters())
 
     def step(self) -> float:
         start = time.perf_counter()
@@ -279,7 +288,8 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
         if p.spec is not None:
             for _ in range(cfg["trace_steps"]):
                 p.trace_step()
-    hvd.barrier()
+    exchanged = [p for p in phases if p.spec is not None]  # compute-only: each rank its own batch, no exchange
+    check_identical([p.label for p in exchanged], [p.digest() for p in exchanged], hvd)
     return [p.figures() for p in phases], (model.to_dict() if model is not None else None)
 
 
