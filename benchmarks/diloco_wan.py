@@ -28,6 +28,8 @@ betas 0.9/0.95) as the optimizer, or the inner optimizer of the DiLoCo family:
     sparseloco   SparseLoCo-like: H = 50, sparseloco:ratio=0.02,bits=2,beta=0.95, outer SGD lr 1 without
                  momentum (as in the SparseLoCo paper: the decayed error-feedback accumulator takes the
                  outer momentum's place)
+    sparseloco8  the same at 8% density (a short run has few outer steps: each entry must be sent
+                 several times over the run for error feedback to deliver it)
 
 With ``--pretrain-steps N`` every method (and the compute-only phase) starts from the same model
 trained N steps with dense synchronous AdamW first, as the DiLoCo paper starts from a pretrained
@@ -73,6 +75,8 @@ METHODS = {
                   "compression": "qsgd:levels=7,bucket=512"},
     "sparseloco": {"kind": "diloco", "sync_every": 50, "compression": "sparseloco:ratio=0.02,bits=2,beta=0.95",
                    "outer": {"lr": 1.0, "momentum": 0.0}},
+    "sparseloco8": {"kind": "diloco", "sync_every": 50, "compression": "sparseloco:ratio=0.08,bits=2,beta=0.95",
+                    "outer": {"lr": 1.0, "momentum": 0.0}},
 }
 MODEL = {"width": 128, "layers": 2, "heads": 4, "context": 64}
 QUICK_MODEL = {"width": 32, "layers": 1, "heads": 2, "context": 16}
