@@ -78,6 +78,10 @@ def check(spec_text, device, shape=(37, 1101), world=2, steps=2):
     spec = parse_spec(spec_text)
     rng = np.random.default_rng(7)
     tol = 1e-5 if spec.name == "powersgd" else 0.0
+    # the count sketch's table is summed with scatter_add_, which CUDA runs with atomic adds in no
+    # fixed order: the table (round 0) agrees to float32 rounding, not bit for bit; what follows
+    # from it (candidates, sent values, result, state) is still compared exactly
+    table_tol = 1e-6 if spec.name == "sketch" and device.type == "cuda" else 0.0
     comp = build_compressor(spec)
     o_states = [{} for _ in range(world)]
     t_states = [{} for _ in range(world)]
@@ -89,15 +93,16 @@ def check(spec_text, device, shape=(37, 1101), world=2, steps=2):
                 for r, (g, st) in enumerate(zip(grads, t_states))]
         results, sent = lockstep(gens)
 
-        def same(got, exp):
+        def same(got, exp, tol=tol):
             if tol and got.dtype != np.uint8:
-                return np.allclose(got, exp, rtol=tol, atol=tol * max(1.0, float(np.abs(exp).max(initial=0))))
+                return got.shape == exp.shape and np.allclose(
+                    got, exp, rtol=tol, atol=tol * max(1.0, float(np.abs(exp).max(initial=0))))
             return got.shape == exp.shape and np.array_equal(got, exp, equal_nan=True)
 
         for r in range(world):
-            for w_round, g_round in zip(want_sent[r], sent[r]):
+            for i, (w_round, g_round) in enumerate(zip(want_sent[r], sent[r])):
                 for w, g in zip(w_round, g_round):
-                    if not same(g, w):
+                    if not same(g, w, table_tol if i == 0 and table_tol else tol):
                         return f"step {step} rank {r}: payload differs"
             if not same(results[r].detach().cpu().numpy().reshape(want.shape), want):
                 return f"step {step} rank {r}: result differs"
@@ -119,7 +124,10 @@ def timed(fn, repeats):
 
 
 def run_exchange(comp, x, state, step):
-    ctx = ExchangeContext("bench.w", step, 1, 1.0, state, (x.numel(),), 0)
+    """One exchange of x viewed as a gradient of shape (numel / 1000, 1000) (a weight matrix: what
+    PowerSGD factors and 1-bit SGD's columns see), world of one."""
+    shape = (x.numel() // 1000, 1000) if x.numel() % 1000 == 0 else (x.numel(),)
+    ctx = ExchangeContext("bench.w", step, 1, 1.0, state, shape, 0)
     gen = comp.exchange(x, ctx)
     reqs = next(gen)
     while True:
