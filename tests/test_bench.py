@@ -24,7 +24,8 @@ RESULT_FIELDS = {"compression", "bandwidth", "workers", "status", "steps", "step
                  "x_compute_only", "speedup_vs_dense", "latency_ms_injected", "schedule", "plan", "timings",
                  "predicted_step_time_s", "prediction_error", "after_forward_s", "predicted_after_forward_s",
                  "after_forward_prediction_error", "back_to_back_step_time_s", "back_to_back_prediction_error",
-                 "memory_pass_s", "wire_time_s", "limit_s", "x_of_limit"}
+                 "memory_pass_s", "wire_time_s", "limit_s", "x_of_limit", "advise_predicted_s",
+                 "advise_prediction_error"}
 COMPUTE_ONLY_FIELDS = {"compression", "workers", "steps", "step_time_s", "step_times_s", "samples_per_s",
                        "wire_tx_bytes_per_step", "wire_tx_bytes_per_s_idle", "bandwidth"}
 META_FIELDS = {"command", "mode", "network", "model", "parameters", "parameter_tensors", "batch", "steps",
