@@ -84,13 +84,15 @@ def test_acceptance_table_from_bench_json(tmp_path):
     times = {"10mbit": (1.0, 5.0, 9.0, 0.8), "100mbit": (0.5, 0.6, 1.2, 0.45), "1gbit": (0.4, 0.3, 0.25, 0.25),
              "10gbit": (0.4, 0.25, 0.2, 0.2), "unlimited": (0.4, 0.22, 0.2, 0.2)}
     results, dense = [], []
+    off = {"10gbit": 1.3}  # advise's in-launch prediction: 10% above the measured step, 30% on one link
+
+    def row(c, sched, link, t):
+        return {"compression": c, "schedule": sched, "bandwidth": link, "status": "ok", "step_time_s": t,
+                "advise_predicted_s": t * off.get(link, 1.1)}
     for link, (dgc, fp16, none, choice) in times.items():
-        results += [{"compression": "dgc:ratio=0.001", "schedule": "auto+tune", "bandwidth": link, "status": "ok",
-                     "step_time_s": dgc},
-                    {"compression": "dgc:ratio=0.001", "schedule": "auto+tune+choice", "bandwidth": link,
-                     "status": "ok", "step_time_s": choice}]
-        dense += [{"compression": c, "schedule": "auto", "bandwidth": link, "status": "ok", "step_time_s": t}
-                  for c, t in (("fp16", fp16), ("none", none))]
+        results += [row("dgc:ratio=0.001", "auto+tune", link, dgc),
+                    row("dgc:ratio=0.001", "auto+tune+choice", link, choice)]
+        dense += [row(c, "auto", link, t) for c, t in (("fp16", fp16), ("none", none))]
     files = []
     for name, rows in (("a", results), ("b", dense)):
         f = tmp_path / f"{name}.json"
@@ -101,4 +103,19 @@ def test_acceptance_table_from_bench_json(tmp_path):
     assert out["crossovers_measured"] == [{"model": "mlp", "spec": "dgc:ratio=0.001", "between": ["100mbit", "1gbit"],
                                            "below": "dgc:ratio=0.001", "above": "none"}]
     assert not out["crossover_cells_beat_by_10pct"]  # at 1gbit the choice only ties dense
-    assert (tmp_path / "t.md").read_text().count("| mlp |") == 5
+    md = (tmp_path / "t.md").read_text()
+    assert md.count("| mlp |") == 5
+    # advise's in-launch predictions: per cell each fixed choice's and the choice's error, the verdict
+    cell = out["cells"][0]
+    for name in ("dgc:ratio=0.001", "fp16", "none", "choice"):
+        assert cell[f"{name}_prediction_error"] == pytest.approx(0.1)
+    assert out["advise_within_15pct"] is False and out["advise_worst_error"] == pytest.approx(0.3)
+    assert out["crossovers_predicted"] == [dict(out["crossovers_measured"][0])]  # the predictions keep the order
+    assert "all within 15%: NO" in md and "- predicted mlp dgc:ratio=0.001: between 100mbit and 1gbit" in md
+    for r in results + dense:  # files without --advise: no verdict, no predicted crossover
+        r.pop("advise_predicted_s")
+    for name, rows in (("a", results), ("b", dense)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"model": "mlp"}, "results": rows}))
+    out = mod.table(files, str(tmp_path / "t"))
+    assert out["advise_within_15pct"] is None and out["crossovers_predicted"] == []
+    assert "run the bench with --advise" in (tmp_path / "t.md").read_text()
