@@ -54,6 +54,7 @@ step time vs link rate; with emulated compute also OUT-timeline.png (traced step
 
 examples:
   hvdcompress bench --loopback -n 2 -c none topk:ratio=0.01 --steps 4        # no root needed
+  hvdcompress bench --loopback -n 2 -c none topk:ratio=0.01 --steps 4 --advise   # advise's predictions too
   hvdcompress bench --framework tf --loopback -n 2 --model mlp -c none topk:ratio=0.01 -s layerwise,single
   hvdcompress bench -n 4 -b 10mbit,100mbit,1gbit -c none fp16 dgc:ratio=0.001 -s layerwise
   HOROVOD_FUSION_THRESHOLD=0 hvdcompress bench --compute emulated:vgg16-v100 --emulated-scale 32 \\
