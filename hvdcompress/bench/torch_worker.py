@@ -281,8 +281,9 @@ def advise_for(cfg: dict, hvd, fitted=None) -> Optional[dict]:
                 print(f"[bench worker] advise: no prediction for {spec} @ {entry}: {e}", flush=True)
                 step = None
             out["predicted"][(spec, entry)] = step
-    print(f"[bench worker] advise measured in {out['seconds']:.1f} s: compute-only {m.workload.compute_seconds:.3f} s; "
-          + ", ".join(f"{s} @ {e} {v:.3f} s" for (s, e), v in out["predicted"].items() if v is not None), flush=True)
+    steps = ", ".join(f"{s} @ {e} {v:.3f} s" for (s, e), v in out["predicted"].items() if v is not None)
+    print(f"[bench worker] advise measured in {out['seconds']:.1f} s: compute-only "
+          f"{m.workload.compute_seconds:.3f} s; {steps}", flush=True)
     return out
 
 
