@@ -84,13 +84,15 @@ def test_acceptance_table_from_bench_json(tmp_path):
     times = {"10mbit": (1.0, 5.0, 9.0, 0.8), "100mbit": (0.5, 0.6, 1.2, 0.45), "1gbit": (0.4, 0.3, 0.25, 0.25),
              "10gbit": (0.4, 0.25, 0.2, 0.2), "unlimited": (0.4, 0.22, 0.2, 0.2)}
     results, dense = [], []
+    off = {"10gbit": 1.3}  # advise's in-launch prediction: 10% above the measured step, 30% on one link
+
+    def row(c, sched, link, t):
+        return {"compression": c, "schedule": sched, "bandwidth": link, "status": "ok", "step_time_s": t,
+                "advise_predicted_s": t * off.get(link, 1.1)}
     for link, (dgc, fp16, none, choice) in times.items():
-        results += [{"compression": "dgc:ratio=0.001", "schedule": "auto+tune", "bandwidth": link, "status": "ok",
-                     "step_time_s": dgc},
-                    {"compression": "dgc:ratio=0.001", "schedule": "auto+tune+choice", "bandwidth": link,
-                     "status": "ok", "step_time_s": choice}]
-        dense += [{"compression": c, "schedule": "auto", "bandwidth": link, "status": "ok", "step_time_s": t}
-                  for c, t in (("fp16", fp16), ("none", none))]
+        results += [row("dgc:ratio=0.001", "auto+tune", link, dgc),
+                    row("dgc:ratio=0.001", "auto+tune+choice", link, choice)]
+        dense += [row(c, "auto", link, t) for c, t in (("fp16", fp16), ("none", none))]
     files = []
     for name, rows in (("a", results), ("b", dense)):
         f = tmp_path / f"{name}.json"
@@ -101,4 +103,63 @@ def test_acceptance_table_from_bench_json(tmp_path):
     assert out["crossovers_measured"] == [{"model": "mlp", "spec": "dgc:ratio=0.001", "between": ["100mbit", "1gbit"],
                                            "below": "dgc:ratio=0.001", "above": "none"}]
     assert not out["crossover_cells_beat_by_10pct"]  # at 1gbit the choice only ties dense
-    assert (tmp_path / "t.md").read_text().count("| mlp |") == 5
+    md = (tmp_path / "t.md").read_text()
+    assert md.count("| mlp |") == 5
+    # advise's in-launch predictions: per cell each fixed choice's and the choice's error, the verdict
+    cell = out["cells"][0]
+    for name in ("dgc:ratio=0.001", "fp16", "none", "choice"):
+        assert cell[f"{name}_prediction_error"] == pytest.approx(0.1)
+    assert out["advise_within_15pct"] is False and out["advise_worst_error"] == pytest.approx(0.3)
+    assert out["crossovers_predicted"] == [dict(out["crossovers_measured"][0])]  # the predictions keep the order
+    assert "all within 15%: NO" in md and "- predicted mlp dgc:ratio=0.001: between 100mbit and 1gbit" in md
+    for r in results + dense:  # files without --advise: no verdict, no predicted crossover
+        r.pop("advise_predicted_s")
+    for name, rows in (("a", results), ("b", dense)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"model": "mlp"}, "results": rows}))
+    out = mod.table(files, str(tmp_path / "t"))
+    assert out["advise_within_15pct"] is None and out["crossovers_predicted"] == []
+    assert "run the bench with --advise" in (tmp_path / "t.md").read_text()
+
+
+def test_emulated_model_is_timed_like_any_model(profile_file):
+    """``emulated:<profile>`` is built and run as the bench runs it: the workload holds its real
+    tensors (scaled) and its measured times, at least the profile's nominal ones."""
+    nominal = advise.workload_from_profile(profile_file, scale=4)
+    w = advise.workload_from_model("emulated:" + profile_file, scale=4)
+    assert [n.split(".", 1)[1] for n in w.names] == list(nominal.names)  # "layers.<layer>.<param>"
+    assert w.sizes_bytes == nominal.sizes_bytes
+    assert w.compute_seconds >= 0.9 * nominal.compute_seconds and w.forward_seconds > 0
+    assert advise.default_input_shape("emulated:" + profile_file) == (8, 3, 32, 32)  # the profile's batch
+    assert advise.default_input_shape("mlp") == (32, 3, 32, 32)
+    with pytest.raises(ValueError, match="emulated scale"):
+        advise.workload_from_model("mlp", scale=2)
+
+
+def test_link_pieces_and_schedules(profile_file):
+    w = advise.workload_from_profile(profile_file)
+    ring = advise.link_model(4, 1.0, 50e-6, {"fp16": FITS["fp16"]})
+    model = advise.with_compression_fits(ring, FITS)
+    assert set(model.compress) == {str(advise.resolve(s)) for s in FITS}
+    assert model.compress[str(advise.resolve("topk:ratio=0.01"))] == FITS["topk:ratio=0.01"]
+    assert model.allreduce == ring.allreduce and model.world_size == 4
+    every = advise.every_spec(["topk:ratio=0.01", "none"], "dgc:ratio=0.001")  # each once, candidates first
+    assert [s.name for s in every] == ["topk", "none", "fp16", "dgc"]
+    # a spec that cannot merge runs layerwise under "auto"; another schedule is taken as asked
+    assert advise.schedule_for("powersgd:rank=4") == "layerwise" and advise.schedule_for("topk:ratio=0.01") == "auto"
+    assert advise.schedule_for("topk:ratio=0.01", "size:1") == "size:1"
+    with pytest.raises(ValueError, match="cannot be merged"):
+        advise.schedule_for("powersgd:rank=4", "mgs")
+    single = advise.predict(w, model, "topk:ratio=0.01", schedule="single")
+    assert single["groups"] == 1 and single["schedule"] == "single"
+    assert advise.predict(w, model, "topk:ratio=0.01", schedule="layerwise")["groups"] == len(w.names)
+    chosen = advise.predict(w, model, "topk:ratio=0.01", advise.ALTERNATIVES, schedule="layerwise")
+    assert len(chosen["codecs"]) == len(w.names)
+
+
+def test_model_arguments_are_checked(capsys):
+    for argv, msg in ((["--model", "mlp", "--emulated-scale", "4"], "--emulated-scale: applies to --profile"),
+                      (["--model", "emulated:nope"], "unknown profile 'nope'"),
+                      (["--model", "emulated:resnet50-v100", "--emulated-scale", "0.5"], "--emulated-scale >= 1")):
+        with pytest.raises(SystemExit) as e:
+            advise.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv

@@ -24,7 +24,8 @@ RESULT_FIELDS = {"compression", "bandwidth", "workers", "status", "steps", "step
                  "x_compute_only", "speedup_vs_dense", "latency_ms_injected", "schedule", "plan", "timings",
                  "predicted_step_time_s", "prediction_error", "after_forward_s", "predicted_after_forward_s",
                  "after_forward_prediction_error", "back_to_back_step_time_s", "back_to_back_prediction_error",
-                 "memory_pass_s", "wire_time_s", "limit_s", "x_of_limit"}
+                 "memory_pass_s", "wire_time_s", "limit_s", "x_of_limit", "advise_predicted_s",
+                 "advise_prediction_error"}
 COMPUTE_ONLY_FIELDS = {"compression", "workers", "steps", "step_time_s", "step_times_s", "samples_per_s",
                        "wire_tx_bytes_per_step", "wire_tx_bytes_per_s_idle", "bandwidth"}
 META_FIELDS = {"command", "mode", "network", "model", "parameters", "parameter_tensors", "batch", "steps",
@@ -100,6 +101,33 @@ def test_schedule_plan_and_prediction_error_are_reported():
     assert "auto→mgs (3)" in table and "2.2 (+10%)" in table
 
 
+def test_advise_predictions_are_reported():
+    """Rank 0's advise prediction per phase becomes the row's advise_predicted_s and its error;
+    the table gains the column only when some row has one."""
+    ranks = [_fake_rank(r, 0.5, 2.0, wire=False) for r in range(2)]
+    for p, advised in zip(ranks[0]["phases"], (0.45, 2.4, None)):
+        p["advise_predicted_s"] = advised
+    s = summarize(ranks, batch=8)
+    none, topk = s["phases"]
+    assert s["compute_only"]["advise_predicted_s"] == 0.45
+    assert s["compute_only"]["advise_prediction_error"] == pytest.approx(0.45 / 0.5 - 1)
+    assert none["advise_prediction_error"] == pytest.approx(2.4 / 2.0 - 1)
+    assert topk["advise_predicted_s"] is None and topk["advise_prediction_error"] is None
+    report = cli._new_report(cli._parse_args(["--loopback", "-n", "2", "--advise"], None), [])
+    report["meta"].update(parameters=1000, parameter_tensors=4)
+    report["compute_only"] = [dict(s["compute_only"], workers=2, bandwidth="unlimited")]
+    report["results"] = [dict(f, workers=2, bandwidth="unlimited", status="ok") for f in s["phases"]]
+    report["results"].append({"compression": "fp16", "bandwidth": "unlimited", "workers": 2, "status": "failed: x"})
+    add_relative(report["results"], report["compute_only"])
+    table = markdown_table(report)
+    assert "| advise predicted (s) (error) |" in table and "| 0.45 (-10%) |" in table and "| 2.4 (+20%) |" in table
+    assert len({line.count("|") for line in table.splitlines() if line.startswith("|")}) == 1  # one width
+    report["meta"]["advise"] = False
+    for r in report["results"] + report["compute_only"]:
+        r["advise_predicted_s"] = None
+    assert "advise predicted" not in markdown_table(report)
+
+
 def test_table_and_chart(tmp_path):
     ranks = [_fake_rank(r, 0.5, 2.0, wire=False) for r in range(2)]
     s = summarize(ranks, batch=8)
@@ -133,7 +161,9 @@ def test_bad_arguments_are_refused(capsys):
                       (["-n", "1"], "worker count must be >= 2"),
                       (["-b", "fast"], "bandwidth"),
                       (["-s", "fastest"], "schedule: unknown schedule 'fastest'"),
-                      (["--warmup", "3", "--profile-steps", "3"], "warmup: must exceed --profile-steps")):
+                      (["--warmup", "3", "--profile-steps", "3"], "warmup: must exceed --profile-steps"),
+                      (["--loopback", "--advise", "--latency-ms", "5"],
+                       "advise: its link measurement does not see")):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2
@@ -154,6 +184,7 @@ def test_tf_framework_defaults_and_refusals(capsys):
                       (tf + ["-s", "single+choice"], "schedules: 'single+choice' needs a cost model"),
                       (tf + ["--latency-ms", "5"], "latency-ms: latency injection needs --framework torch"),
                       (tf + ["--trace-steps", "1"], "trace-steps: per-group tracing needs --framework torch"),
+                      (tf + ["--advise"], "advise: advise's measurement (workload, link fit) needs --framework torch"),
                       (tf + ["--warmup", "0"], "warmup: --framework tf needs >= 1 warm-up step"),
                       (["--loopback", "--tf-graph-optimizer", "off"], "tf-graph-optimizer: applies to --framework tf"),
                       (["--framework", "jax"], "argument --framework: invalid choice: 'jax'")):
@@ -295,6 +326,26 @@ def test_tf_loopback_run(tmp_path):
     title = "TensorFlow/Keras: model `mlp` (13M parameters, 8 tensors)"
     assert title in proc.stdout and title in (tmp_path / "bench.md").read_text()
     assert "TensorFlow inter-op and intra-op threads per worker: 1 each" in proc.stdout
+    assert not _processes_with(marker)
+
+
+@pytest.mark.multiprocess
+def test_loopback_run_with_advise_predicts_every_phase(tmp_path):
+    """--advise: advise's measurement runs in the launch (the emulated model timed, the link fitted)
+    and every row, compute-only included, carries its prediction."""
+    report, marker, proc = _bench(tmp_path, "--loopback", "-n", "2", "--compute", "emulated:resnet50-v100",
+                                  "--emulated-scale", "64", "--trace-steps", "0", "-c", "topk:ratio=0.01",
+                                  "-s", "layerwise,auto+choice", "--advise")
+    rows = report["results"] + report["compute_only"]
+    assert len(rows) == 3 and report["meta"]["advise"] is True
+    for r in rows:
+        assert r["advise_predicted_s"] > 0 and abs(r["advise_prediction_error"]) < 10, r["compression"]
+    [advice] = report["advise"]
+    assert advice["bandwidth"] == "unlimited" and advice["link"]["world_size"] == 2
+    assert len(advice["workload"]["names"]) == report["meta"]["parameter_tensors"] == 161
+    assert {(p["compression"], p["schedule"]) for p in advice["predicted"]} == \
+        {("topk:ratio=0.01", "layerwise"), ("topk:ratio=0.01", "auto+choice")}
+    assert "advise predicted (s) (error)" in proc.stdout
     assert not _processes_with(marker)
 
 

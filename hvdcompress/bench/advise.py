@@ -1,12 +1,28 @@
 """``hvdcompress advise``: which compressor pays on this link, for this model, predicted.
 
-It takes a workload -- an emulated-GPU profile (``--profile vgg16-v100``: per-layer backward
-times and parameter shapes, nothing is run), a bench model (``--model vgg``) or the user's own
-(``--model pkg.module:function``, a function returning an ``nn.Module``, with ``--input-shape``),
-whose backward is timed here -- and a link: an emulated rate (``--gbps``, ``--latency-us``,
-``--workers``; a ring model of that link, ``CostModel.from_link``) or, under ``horovodrun``,
-the real transport (``--measure-link``: the cached or profiled fit of ``torch_ops.profiling``).
-Compression times are measured on this machine's CPU for every candidate spec
+It takes a workload and a link, and predicts with the cost model the optimizer plans with.
+
+The workload, measured or assumed:
+
+- ``--model``: measured. A bench model (``--model vgg``), the user's own
+  (``--model pkg.module:function``, a function returning an ``nn.Module``, with
+  ``--input-shape``) or an emulated-GPU model (``--model emulated:resnet50-v100``, tensors
+  ``--emulated-scale`` times smaller, as ``hvdcompress bench --compute emulated:...`` runs it):
+  its forward, backward per parameter and update are timed here
+  (``torch_ops.profiling.profile_workload``), so whatever the model really costs on this machine
+  -- an emulated layer's overhead beyond its nominal time included -- is in the workload.
+- ``--profile vgg16-v100``: assumed. The profile's nominal per-layer times and parameter shapes;
+  nothing is run. A quick "what if" for a model one has not built.
+
+The link, measured or assumed:
+
+- ``--measure-link`` (under ``horovodrun``): measured. The real transport's fitted model
+  (``torch_ops.profiling``: the cached fit of this world and host set, else timed now), its
+  per-collective costs included; every rank measures, rank 0 prints.
+- ``--gbps`` (``--latency-us``, ``--workers``): assumed. An ideal ring of that rate
+  (``CostModel.from_link``): no per-collective overhead of the transport, no sharing of cores.
+
+Compression times are always measured on this machine's CPU for every candidate spec
 (``torch_ops.profiling.time_compression``, fitted as the optimizer's planner fits them).
 
 For every candidate it prints the planner's predicted step time (its default schedule for that
@@ -15,9 +31,13 @@ recommends the fastest; then the per-group decisions ``codec_choice="auto"`` wou
 chosen compressing spec (each group: the spec, fp16 or dense). ``--json`` writes all of it;
 ``--plot`` draws predicted step time against link rate, the crossover rates (where the best of
 {the spec, fp16, dense} changes) marked. Every number is a PREDICTION of the cost model.
+``hvdcompress bench --advise`` checks the predictions against measured steps: in every launch
+the workers run this measurement on the live link and the table sets advise's predicted step
+beside the measured one.
 
     hvdcompress advise --profile vgg16-v100 --workers 4 --gbps 1 --plot advise.png --json advise.json
     hvdcompress advise --model vgg --gbps 0.1 --quick
+    hvdcompress advise --model emulated:resnet50-v100 --emulated-scale 32 --gbps 1
     horovodrun -np 4 hvdcompress advise --model mypkg.models:build --input-shape 32,3,224,224 --measure-link
 """
 
@@ -28,11 +48,12 @@ import importlib
 import json
 import math
 import sys
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvdcompress.schedule.costmodel import CostModel, fit_compute, payload
+from hvdcompress.schedule.costmodel import ComputeFit, CostModel, fit_compute, payload
 from hvdcompress.schedule.groups import check_mergeable
 from hvdcompress.schedule.planner import Workload
 from hvdcompress.spec import resolve
@@ -74,22 +95,46 @@ def _user_model(path: str):
         raise ValueError(f"model: cannot load {path!r}: {e}") from None
 
 
-def workload_from_model(name: str, input_shape: Sequence[int], iters: int = 3) -> Workload:
-    """A bench model (``hvdcompress.bench.torch_models``) or ``module:function``: its backward
-    timed here, per parameter (``torch_ops.profiling.profile_workload``), on random inputs."""
+EMULATED = "emulated:"
+
+
+def default_input_shape(name: str) -> Tuple[int, ...]:
+    """The batch a bench model or an emulated one is run with (an emulated model: its profile's
+    batch; its layers ignore the input's values, only their times count)."""
+    from .torch_models import INPUT_SHAPE
+    batch = 32
+    if name.startswith(EMULATED):
+        from .emulated import load_profile
+        batch = int(load_profile(name[len(EMULATED):])["batch"])
+    return (batch, *INPUT_SHAPE)
+
+
+def workload_from_model(name: str, input_shape: Optional[Sequence[int]] = None, iters: int = 3,
+                        scale: float = 1.0, average: bool = False) -> Workload:
+    """A bench model (``hvdcompress.bench.torch_models``), ``emulated:<profile>`` (the emulated-GPU
+    model the bench runs, tensors ``scale`` times smaller) or ``module:function``: its forward,
+    backward per parameter and update timed here (``torch_ops.profiling.profile_workload``), on
+    random inputs of ``input_shape`` (default: ``default_input_shape``). Measured rather than read
+    from a profile, so an emulated layer's real overhead is in it too. ``average``: under Horovod,
+    every rank measures at once and the times are averaged over ranks (as they would train)."""
     import torch
     from torch_ops.profiling import profile_workload
     from .torch_models import MODELS, build
-    model = build(name) if name in MODELS else _user_model(name)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tuple(int(d) for d in input_shape), generator=gen)
+    if scale != 1 and not name.startswith(EMULATED):
+        raise ValueError(f"emulated scale: applies to 'emulated:<profile>' models only; got model {name!r}")
+    if name.startswith(EMULATED) or name in MODELS:
+        model = build(name, scale=scale)
+    else:
+        model = _user_model(name)
+    shape = tuple(int(d) for d in (input_shape or default_input_shape(name)))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
     def closure():
         out = model(x)
         return out.float().pow(2).mean()
 
-    return profile_workload(model, closure, iters=iters, warmup=1, optimizer=opt, average=False)
+    return profile_workload(model, closure, iters=iters, warmup=1, optimizer=opt, average=average)
 
 
 # --- the costs ------------------------------------------------------------------------------------
@@ -109,12 +154,67 @@ def compression_fits(specs: Sequence, max_elements: int, quick: bool = False) ->
 
 
 def link_model(workers: int, gbps: float, latency_s: float, fits) -> CostModel:
+    """An ideal ring of ``gbps`` and ``latency_s`` per hop (assumed: no transport overhead)."""
     return CostModel.from_link(workers, gbps, latency_s, fits)
 
 
-def schedule_for(spec) -> str:
-    """The optimizer's default schedule for ``spec``: "auto", or "layerwise" where it cannot merge."""
-    return "auto" if check_mergeable("auto", resolve(spec)) else "layerwise"
+def with_compression_fits(model: CostModel, fits: Dict[str, ComputeFit]) -> CostModel:
+    """``model`` with its compression fits replaced by ``fits`` where both have one (advise's own
+    timings, at the workload's tensor sizes), everything else kept."""
+    return replace(model, compress={**model.compress, **fits})
+
+
+def measured_link(specs: Sequence, fits: Dict[str, ComputeFit], max_bytes: Optional[float] = None,
+                  fitted: Optional[CostModel] = None, cached: bool = True) -> CostModel:
+    """The live transport's model (under Horovod; call on every rank): ``fitted`` (a model already
+    fitted on this link) completed with fits for every spec of ``specs``; else the cached fit of
+    this world and host set (``cached``) or a fresh one, not saved (collectives timed up to
+    ``max_bytes`` per rank) -- ``torch_ops.profiling``. Its compression fits are then ``fits``."""
+    from torch_ops import profiling
+    if fitted is not None:
+        model = profiling.with_fits(fitted, specs)
+    elif cached:
+        model = profiling.load_or_profile(specs, max_bytes=max_bytes)
+    else:
+        model = profiling.profile_cost_model(specs, comm_bytes=profiling.comm_sizes_up_to(max_bytes), save=False)
+    return with_compression_fits(model, fits)
+
+
+def every_spec(specs: Sequence, auto_spec=None) -> list:
+    """The specs to fit: the candidates, the alternatives of the auto choice and its spec."""
+    return list(dict.fromkeys([*(resolve(s) for s in specs), *(resolve(a) for a in ALTERNATIVES),
+                               *([resolve(auto_spec)] if auto_spec is not None else [])]))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What advise measured in a running job: the workload, the compression fits, the link."""
+
+    workload: Workload
+    fits: Dict[str, ComputeFit]
+    model: CostModel
+
+
+def measure_job(model_name: str, specs: Sequence, input_shape: Optional[Sequence[int]] = None,
+                scale: float = 1.0, quick: bool = False, fitted: Optional[CostModel] = None,
+                cached: bool = True, max_comm_bytes: Optional[float] = None) -> Measured:
+    """advise's measurement under Horovod (call on every rank; ``hvd.init()`` done): the model's
+    workload timed with every rank running (times averaged over ranks), compression timed on this
+    CPU at its tensor sizes for every spec (and the auto choice's alternatives), and the live
+    transport's fitted model (``measured_link``; collectives up to ``max_comm_bytes``, default the
+    whole gradient). What ``advise --measure-link`` and ``hvdcompress bench --advise`` predict from."""
+    workload = workload_from_model(model_name, input_shape, scale=scale, average=True)
+    every = every_spec(specs)
+    fits = compression_fits(every, max(workload.sizes_bytes) / 4, quick)
+    model = measured_link(every, fits, max_bytes=max_comm_bytes or sum(workload.sizes_bytes), fitted=fitted,
+                          cached=cached)
+    return Measured(workload, fits, model)
+
+
+def schedule_for(spec, schedule: str = "auto") -> str:
+    """The schedule ``spec`` runs with when ``schedule`` is asked for (the optimizer's default:
+    "auto"): "layerwise" where the spec cannot merge and "auto" was asked, else ``schedule``."""
+    return schedule if check_mergeable(schedule, resolve(spec)) else "layerwise"
 
 
 def bytes_per_step(plan, workload: Workload, spec, codecs: Optional[Sequence[str]] = None) -> float:
@@ -136,9 +236,12 @@ def label(spec) -> str:
     return spec.name + (":" + ",".join(changed) if changed else "")
 
 
-def predict(workload: Workload, model: CostModel, spec, alternatives: Sequence = ()) -> dict:
+def predict(workload: Workload, model: CostModel, spec, alternatives: Sequence = (),
+            schedule: str = "auto") -> dict:
+    """The planner's plan and predicted step for ``spec`` under ``schedule`` (``schedule_for``);
+    with ``alternatives`` (``ALTERNATIVES``), the codec_choice="auto" plan."""
     spec = resolve(spec)
-    plan = workload.plan(schedule_for(spec), model, spec, alternatives=alternatives)
+    plan = workload.plan(schedule_for(spec, schedule), model, spec, alternatives=alternatives)
     step = float(plan.predicted_seconds)
     return {"spec": str(spec), "label": label(spec), "schedule": plan.schedule, "groups": len(plan.groups), "step_seconds": step,
             "bytes_per_step": bytes_per_step(plan, workload, spec, plan.codecs),
@@ -240,14 +343,22 @@ def _ints(text: str) -> List[int]:
 def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--profile", help="an emulated-GPU profile: a shipped name (vgg16-v100, resnet50-v100) or a JSON")
-    src.add_argument("--model", help="a bench model (vgg, mlp, deep) or package.module:function returning an nn.Module")
-    ap.add_argument("--input-shape", type=_ints, default=[32, 3, 32, 32], help="--model's input batch shape")
-    ap.add_argument("--scale", type=float, default=1.0, help="--profile: tensors this many times smaller (as the bench's --emulated-scale)")
+    src.add_argument("--profile", help="ASSUMED compute: an emulated-GPU profile's nominal per-layer times, nothing "
+                                       "run (a shipped name: vgg16-v100, resnet50-v100; or a JSON)")
+    src.add_argument("--model", help="MEASURED compute, timed here: a bench model (vgg, mlp, deep), "
+                                     "emulated:<profile> (the bench's emulated-GPU model) or package.module:function "
+                                     "returning an nn.Module")
+    ap.add_argument("--input-shape", type=_ints, default=None,
+                    help="--model's input batch shape (default: 32,3,32,32; emulated: the profile's batch)")
+    ap.add_argument("--emulated-scale", "--scale", dest="scale", type=float, default=1.0,
+                    help="--profile or --model emulated:<profile>: tensors this many times smaller (as the "
+                         "bench's --emulated-scale)")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--gbps", type=float, default=1.0, help="emulated link rate (Gbit/s)")
-    ap.add_argument("--latency-us", type=float, default=50.0, help="emulated per-hop latency (microseconds)")
-    ap.add_argument("--measure-link", action="store_true", help="under horovodrun: the real transport's fitted model")
+    ap.add_argument("--gbps", type=float, default=1.0, help="ASSUMED link: an ideal ring of this rate (Gbit/s)")
+    ap.add_argument("--latency-us", type=float, default=50.0, help="ASSUMED link's per-hop latency (microseconds)")
+    ap.add_argument("--measure-link", action="store_true",
+                    help="MEASURED link, under horovodrun: the real transport's fitted model (cached per world "
+                         "and host set)")
     ap.add_argument("--spec", action="append", help="a candidate spec (repeatable; default: a built-in list)")
     ap.add_argument("--auto-spec", help="the compressor codec_choice=auto decides for (default: the fastest compressing candidate)")
     ap.add_argument("--quick", action="store_true", help="fewer compression timings (seconds, less accurate)")
@@ -257,31 +368,40 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
     try:
         specs = [resolve(s) for s in (args.spec or CANDIDATES)]
         auto_spec = resolve(args.auto_spec) if args.auto_spec else None
+        if args.model and args.model.startswith(EMULATED):
+            from .emulated import profile_path
+            profile_path(args.model[len(EMULATED):])
+        elif args.model and args.scale != 1:
+            raise ValueError(f"--emulated-scale: applies to --profile and --model emulated:<profile>; "
+                             f"got --model {args.model}")
     except ValueError as e:
         ap.error(str(e))
     if args.workers < 2 or not (args.gbps > 0 and args.latency_us >= 0 and args.scale >= 1):
-        ap.error("--workers must be >= 2, --gbps > 0, --latency-us >= 0, --scale >= 1")
-    if args.profile:
-        workload = workload_from_profile(args.profile, args.scale)
-        what = f"profile {args.profile}" + (f" (tensors / {args.scale:g})" if args.scale != 1 else "")
-    else:
-        workload = workload_from_model(args.model, args.input_shape)
-        what = f"model {args.model} (backward timed on this CPU)"
-    every = list(dict.fromkeys([*specs, *(resolve(a) for a in ALTERNATIVES), *([auto_spec] if auto_spec else [])]))
-    fits = compression_fits(every, max(workload.sizes_bytes) / 4, args.quick)
+        ap.error("--workers must be >= 2, --gbps > 0, --latency-us >= 0, --emulated-scale >= 1")
+    rank = 0
     if args.measure_link:
         import horovod.torch as hvd
-        from torch_ops.profiling import load_or_profile
         hvd.init()
-        model = load_or_profile(every, max_bytes=sum(workload.sizes_bytes))
-        model = CostModel(model.world_size, model.allreduce, model.allgather, {**model.compress, **fits}, model.hosts,
-                          model.meta, model.decompress, model.launch_seconds)
-        link = f"measured transport, {model.world_size} workers"
+        rank = hvd.rank()
+    scaled = f" (tensors / {args.scale:g})" if args.scale != 1 else ""
+    if args.profile:
+        workload = workload_from_profile(args.profile, args.scale)
+        what = f"profile {args.profile}{scaled} (nominal times, ASSUMED)"
+    else:
+        workload = workload_from_model(args.model, args.input_shape, scale=args.scale, average=args.measure_link)
+        what = f"model {args.model}{scaled} (forward, backward, update MEASURED on this machine)"
+    every = every_spec(specs, auto_spec)
+    fits = compression_fits(every, max(workload.sizes_bytes) / 4, args.quick)
+    if args.measure_link:
+        model = measured_link(every, fits, max_bytes=sum(workload.sizes_bytes))
+        link = f"measured transport (MEASURED), {model.world_size} workers"
         workers, latency, gbps = model.world_size, None, None
     else:
         workers, latency, gbps = args.workers, args.latency_us * 1e-6, args.gbps
         model = link_model(workers, gbps, latency, fits)
-        link = f"{workers} workers, emulated link {gbps:g} Gbit/s + {args.latency_us:g} us per hop"
+        link = f"{workers} workers, ideal ring {gbps:g} Gbit/s + {args.latency_us:g} us per hop (ASSUMED)"
+    if rank != 0:  # every rank measured; rank 0 reports
+        return 0
     rows = [predict(workload, model, s) for s in specs]
     best = recommend(rows)
     compressing = [r for r in rows if resolve(r["spec"]).name not in ("none", "fp16", "bf16")]

@@ -54,6 +54,7 @@ step time vs link rate; with emulated compute also OUT-timeline.png (traced step
 
 examples:
   hvdcompress bench --loopback -n 2 -c none topk:ratio=0.01 --steps 4        # no root needed
+  hvdcompress bench --loopback -n 2 -c none topk:ratio=0.01 --steps 4 --advise   # advise's predictions too
   hvdcompress bench --framework tf --loopback -n 2 --model mlp -c none topk:ratio=0.01 -s layerwise,single
   hvdcompress bench -n 4 -b 10mbit,100mbit,1gbit -c none fp16 dgc:ratio=0.001 -s layerwise
   HOROVOD_FUSION_THRESHOLD=0 hvdcompress bench --compute emulated:vgg16-v100 --emulated-scale 32 \\
@@ -94,6 +95,12 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                     help="do not fit the cost model on the link at the start of each launch (then only the "
                          "cost-model schedules profile, through the cache, and the others get no prediction); "
                          "--framework tf never fits one")
+    ap.add_argument("--advise", action="store_true",
+                    help="check `hvdcompress advise` against the measured steps: in every launch, before the "
+                         "timed phases, the workers run advise's measurement on the live link (the model's "
+                         "workload timed, compression timed, the link's fitted cost model) and the JSON and "
+                         "table give advise's predicted step beside every measured one (advise_predicted_s); "
+                         "--framework torch only")
     ap.add_argument("--profile-max-mib", type=float, default=4.0,
                     help="largest collective (MiB per rank) timed for the cost model's fit")
     ap.add_argument("--profile-steps", type=int, default=3,
@@ -199,6 +206,9 @@ def _parse_args(argv: List[str], prog: Optional[str]) -> argparse.Namespace:
             if args.warmup < 1:
                 raise ValueError("phase-budget-s: needs --warmup >= 1 (the pace comes from a warm-up step)")
         _positive("latency-ms", args.latency_ms, 0)
+        if args.advise and args.latency_ms:
+            raise ValueError("advise: its link measurement does not see the latency --latency-ms injects in the "
+                             "workers, so its predictions could not be compared; drop one of them")
         _positive("emulated-scale", args.emulated_scale, 1)
         args.emulated = None
         if args.compute != "real":
@@ -227,6 +237,8 @@ def _check_tf(args: argparse.Namespace) -> None:
                          "inside the traced step)")
     if args.trace_steps:
         raise ValueError("trace-steps: per-group tracing needs --framework torch")
+    if args.advise:
+        raise ValueError("advise: advise's measurement (workload, link fit) needs --framework torch")
     for entry in args.schedule_list:
         base, tuned = schedules.split(entry)
         if tuned or schedules.chooses(entry) or parse_schedule(base).kind not in TF_SCHEDULES:
@@ -326,7 +338,8 @@ def _new_report(args: argparse.Namespace, argv: List[str]) -> dict:
             "latency_note": "injected into the completion of every exchange round in the worker process "
                             "(LatencyDriver), not network-emulated" if args.latency_ms else "none injected",
             "compression": list(args.compression), "schedules": args.schedule_list,
-            "cost_model_profiled_per_launch": args.profile, "profile_steps": args.profile_steps, "tune_steps": args.tune_steps,
+            "cost_model_profiled_per_launch": args.profile, "profile_steps": args.profile_steps,
+            "tune_steps": args.tune_steps, "advise": args.advise,
             "bandwidths": args.bandwidth_list,
             "workers": args.worker_counts, "cpu_count": os.cpu_count(),
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -381,7 +394,7 @@ def _sweep(args: argparse.Namespace, report: dict) -> bool:
                       "phase_budget_s": args.phase_budget_s, "schedules": args.schedule_list,
                       "profile": args.profile, "profile_max_mib": args.profile_max_mib,
                       "profile_steps": args.profile_steps, "emulated_scale": args.emulated_scale,
-                      "trace_steps": args.trace_steps, "tune_steps": args.tune_steps}
+                      "trace_steps": args.trace_steps, "tune_steps": args.tune_steps, "advise": args.advise}
             workdir = os.path.join(tmp, f"launch{k}")
             try:
                 ranks = _launch(args, n, bw, k, config, workdir, bar.write)
@@ -422,6 +435,8 @@ def _record(report: dict, ranks: List[dict], n: int, bw: str, args: argparse.Nam
     summary = summarize(ranks, args.batch)
     if ranks[0].get("cost_model") is not None:
         report.setdefault("cost_models", []).append({"workers": n, "bandwidth": bw, "model": ranks[0]["cost_model"]})
+    if ranks[0].get("advise") is not None:  # what advise measured on this link (its predictions: in the rows)
+        report.setdefault("advise", []).append({"workers": n, "bandwidth": bw, **ranks[0]["advise"]})
     if summary["compute_only"] is not None:
         report["compute_only"].append(dict(summary["compute_only"], workers=n, bandwidth=bw))
     for fig in summary["phases"]:

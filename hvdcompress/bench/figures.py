@@ -67,6 +67,12 @@ DEFINITIONS = {
     "timings": "medians over the timed steps of rank 0's opt.timings (seconds): backward (first to last "
                "gradient hook), hook (compression and launches inside backward), synchronize (waiting "
                "for the exchanges, decompression, scatter), update",
+    "advise_predicted_s": "with --advise: `hvdcompress advise`'s predicted step, from its own measurement on "
+                          "this launch's link before the timed phases (the model's workload timed with every rank "
+                          "running, compression timed on the CPU, the link's fitted cost model): the spec under "
+                          "the phase's schedule, the codec_choice='auto' prediction for a '+choice' entry, the "
+                          "workload's compute time for compute-only; null without --advise",
+    "advise_prediction_error": "advise_predicted_s / step_time_s - 1",
     "latency_ms_injected": "delay added to the completion of every exchange round in the worker process "
                            "(not network-emulated); 0 when not used",
 }
@@ -113,6 +119,9 @@ def summarize(rank_results: List[dict], batch: int) -> Dict[str, object]:
         if "schedule" in first:
             fig["schedule"] = first["schedule"]
         fig.update(step_time(phases))
+        advised = first.get("advise_predicted_s")  # rank 0's
+        fig["advise_predicted_s"] = advised
+        fig["advise_prediction_error"] = advised / fig["step_time_s"] - 1.0 if advised else None
         fig["samples_per_s"] = workers * batch / fig["step_time_s"]
         has_wire = "iface_tx_bytes" in first
         for key in ("tx", "rx"):

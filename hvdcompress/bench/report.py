@@ -93,6 +93,13 @@ def _predicted(r: dict) -> str:
     return text + ")"
 
 
+def _advised(r: dict) -> str:
+    """'0.031 (+5%)': advise's predicted step and its error against the measured one."""
+    if r.get("advise_predicted_s") is None:
+        return "–"
+    return f"{_num(r['advise_predicted_s'])} ({r['advise_predicted_s'] / r['step_time_s'] - 1:+.0%})"
+
+
 def write_json(report: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -119,13 +126,20 @@ def markdown_table(report: dict) -> str:
     if meta["latency_ms_injected"]:
         lines.append(f"Latency: {meta['latency_ms_injected']:g} ms INJECTED into the completion of every "
                      "exchange round in the worker processes (not network-emulated).")
+    co = {(c["workers"], c["bandwidth"]): c for c in report["compute_only"]}
+    advised = bool(meta.get("advise")) or any(r.get("advise_predicted_s") is not None
+                                              for r in [*report["results"], *report["compute_only"]])
+    adv = (lambda r: f" {_advised(r)} |") if advised else (lambda r: "")  # noqa: E731
+    if advised:
+        lines.append("advise predicted (error): `hvdcompress advise`'s prediction from its own measurement on "
+                     "the launch's link (--advise), against the measured step.")
     lines += ["",
               "| workers | link | compression | schedule (groups) | steps | step time (s) | predicted (s) "
-              "| samples/s | x compute-only | x of limit "
+              + ("| advise predicted (s) (error) " if advised else "")
+              + "| samples/s | x compute-only | x of limit "
               "| speed-up vs dense | payload/step/worker | wire tx/step/worker (measured) | wire / ideal ring "
               "| compress s/step |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    co = {(c["workers"], c["bandwidth"]): c for c in report["compute_only"]}
+              "|" + "---|" * (16 if advised else 15)]
     rows = sorted(report["results"], key=lambda r: (r["workers"], _bw_key(r["bandwidth"])))
     last_group = None
     for r in rows:
@@ -133,16 +147,17 @@ def markdown_table(report: dict) -> str:
         if group != last_group and group in co:
             c = co[group]
             lines.append(f"| {c['workers']} | {format_bandwidth(parse_bandwidth(c['bandwidth']))} | "
-                         f"compute-only | – | {c['steps']} | {_num(c['step_time_s'])} | – | "
+                         f"compute-only | – | {c['steps']} | {_num(c['step_time_s'])} | – |{adv(c)} "
                          f"{_num(c['samples_per_s'])} | 1 | – | – | 0 | {_bytes(c['wire_tx_bytes_per_step'])} | – | – |")
         last_group = group
         if r["status"] != "ok":
             lines.append(f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | "
-                         f"`{r['compression']}` | {_schedule(r)} | | {r['status']} | | | | | | | | | |")
+                         f"`{r['compression']}` | {_schedule(r)} | | {r['status']} | | | | | | | | | |"
+                         + (" |" if advised else ""))
             continue
         lines.append(
             f"| {r['workers']} | {format_bandwidth(parse_bandwidth(r['bandwidth']))} | `{r['compression']}` | "
-            f"{_schedule(r)} | {r['steps']} | {_num(r['step_time_s'])} | {_predicted(r)} | "
+            f"{_schedule(r)} | {r['steps']} | {_num(r['step_time_s'])} | {_predicted(r)} |{adv(r)} "
             f"{_num(r['samples_per_s'])} | {_num(r['x_compute_only'])} | {_num(r.get('x_of_limit'))} | "
             f"{_num(r['speedup_vs_dense'])} | {_bytes(r['bytes_per_step'])} | "
             f"{_bytes(r['wire_tx_bytes_per_step'])} | {_num(r['wire_over_expected'], 2)} | "

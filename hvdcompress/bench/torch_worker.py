@@ -16,6 +16,13 @@ With ``profile`` set, the cost model is fitted once per launch on this link
 nothing cached) and handed to every phase, so each plan -- whatever its schedule -- carries the
 model's predicted step time; the cost-model schedules plan with it.
 
+With ``advise`` set, the workers then run ``hvdcompress advise``'s measurement on this launch's
+link (``advise.measure_job``: the model's workload timed with every rank running, compression
+timed on the CPU, the link model above -- or one fitted now -- completed with fits for fp16 and
+dense) and rank 0 records advise's predicted step for every phase: the spec under the entry's
+schedule, the codec_choice="auto" prediction for a ``+choice`` entry, the workload's compute
+time for compute-only. All of it before the phases are built, so it costs the timing nothing.
+
 Each phase's ``warmup`` untimed steps run back to back (the optimizer's scheduler measures its
 profiling steps from one step's end to the next, so nothing else may run between them; warmup
 must exceed ``profile_steps`` for the plan to be made before timing). Then the phases are
@@ -55,7 +62,7 @@ from .torch_models import build, count_parameters, synthetic_batch
 from .worker_common import COMPUTE_ONLY, check_identical, digest, load_config, read_counters, timed_rounds
 
 OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3,
-            "emulated_scale": 1.0, "trace_steps": 0, "tune_steps": 3}
+            "emulated_scale": 1.0, "trace_steps": 0, "tune_steps": 3, "advise": False}
 MAX_EXTRA_WARMUP = 500  # warm-up steps added for a measured validation to finish
 TIMING_KEYS = ("backward_seconds", "hook_seconds", "synchronize_seconds", "update_seconds")
 
@@ -93,6 +100,7 @@ class Phase:
         self.timings: List[dict] = []
         self.wire = {"tx_bytes": 0, "rx_bytes": 0}
         self.traces: List[dict] = []
+        self.advise_predicted: Optional[float] = None  # set on rank 0 by advise_for's caller
         self._stats_before: Optional[Dict[str, float]] = None
 
     @property
@@ -181,7 +189,7 @@ class Phase:
 
     def figures(self) -> dict:
         out = {"compression": self.spec if self.spec is not None else COMPUTE_ONLY, "step_times_s": self.times,
-               "forward_times_s": self.forward_times}
+               "forward_times_s": self.forward_times, "advise_predicted_s": self.advise_predicted}
         if self.spec is not None:
             now, was = self._stats_after or self._stats(), self._stats_before
             n = now["steps"] - was["steps"]
@@ -245,6 +253,40 @@ def cost_model_for(cfg: dict, hvd):
     return model
 
 
+def advise_for(cfg: dict, hvd, fitted=None) -> Optional[dict]:
+    """``hvdcompress advise``'s measurement on this launch's link (every rank; None unless
+    ``advise``) and, on rank 0, its predictions: ``{"predicted": {(spec, entry): seconds or None},
+    "compute_seconds", "workload", "link", "seconds"}`` (other ranks: the same without predictions).
+    ``fitted``: the launch's cost model, reused as the link's fit (else one is fitted here, not
+    cached: a cached fit would be another link's)."""
+    if not cfg["advise"]:
+        return None
+    from . import advise
+    from .torch_models import INPUT_SHAPE
+    started = time.perf_counter()
+    m = advise.measure_job(cfg["model"], cfg["specs"], input_shape=(cfg["batch"], *INPUT_SHAPE),
+                           scale=cfg["emulated_scale"], fitted=fitted, cached=False,
+                           max_comm_bytes=cfg["profile_max_mib"] * (1 << 20))
+    out = {"compute_seconds": m.workload.compute_seconds, "workload": m.workload.to_dict(),
+           "link": m.model.to_dict(), "seconds": time.perf_counter() - started, "predicted": {}}
+    if hvd.rank() != 0:
+        return out
+    for spec in cfg["specs"]:
+        for entry in cfg["schedules"]:
+            base, _ = schedules.split(entry)
+            alternatives = advise.ALTERNATIVES if schedules.chooses(entry) else ()
+            try:
+                step = advise.predict(m.workload, m.model, spec, alternatives, schedule=base)["step_seconds"]
+            except ValueError as e:  # a plan advise cannot make: no prediction, said why
+                print(f"[bench worker] advise: no prediction for {spec} @ {entry}: {e}", flush=True)
+                step = None
+            out["predicted"][(spec, entry)] = step
+    steps = ", ".join(f"{s} @ {e} {v:.3f} s" for (s, e), v in out["predicted"].items() if v is not None)
+    print(f"[bench worker] advise measured in {out['seconds']:.1f} s: compute-only "
+          f"{m.workload.compute_seconds:.3f} s; {steps}", flush=True)
+    return out
+
+
 def _validating(phase) -> bool:
     """The phase's optimizer is still measuring candidate plans (``tune_steps``)."""
     scheduler = getattr(getattr(phase.opt, "engine", None), "scheduler", None)
@@ -252,12 +294,18 @@ def _validating(phase) -> bool:
                                            and scheduler.plan is None))
 
 
-def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
-    """Warm up every phase, then time ``timed_rounds`` interleaved rounds; the phases' figures and
-    the cost model fitted on the link (as a dict; None without ``profile``)."""
+def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict], Optional[dict]]:
+    """Warm up every phase, then time ``timed_rounds`` interleaved rounds; the phases' figures, the
+    cost model fitted on the link (as a dict; None without ``profile``) and what advise measured
+    and predicted (``advise_summary``; None without ``advise``)."""
     model = cost_model_for(cfg, hvd)
+    advice = advise_for(cfg, hvd, model)
     phases = [Phase(cfg, None, hvd.rank())] if cfg["compute_only"] else []
     phases += [Phase(cfg, spec, hvd.rank(), sched, model) for spec in cfg["specs"] for sched in cfg["schedules"]]
+    if advice is not None and hvd.rank() == 0:
+        for p in phases:
+            p.advise_predicted = (advice["compute_seconds"] if p.spec is None
+                                  else advice["predicted"].get((p.spec, p.schedule)))
     hvd.barrier()
     last_round_s = 0.0
     for p in phases:  # back to back: the schedulers measure their profiling steps here
@@ -290,7 +338,17 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict]]:
                 p.trace_step()
     exchanged = [p for p in phases if p.spec is not None]  # compute-only: each rank its own batch, no exchange
     check_identical([p.label for p in exchanged], [p.digest() for p in exchanged], hvd)
-    return [p.figures() for p in phases], (model.to_dict() if model is not None else None)
+    return ([p.figures() for p in phases], (model.to_dict() if model is not None else None),
+            advise_summary(advice))
+
+
+def advise_summary(advice: Optional[dict]) -> Optional[dict]:
+    """``advise_for``'s result as JSON: its predictions as a list of
+    ``{"compression", "schedule", "predicted_s"}``."""
+    if advice is None:
+        return None
+    rows = [{"compression": s, "schedule": e, "predicted_s": v} for (s, e), v in advice["predicted"].items()]
+    return dict(advice, predicted=rows)
 
 
 def memory_pass_seconds(numel: int, repeats: int = 7) -> float:
@@ -320,18 +378,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     hvd.init()
     params, tensors = count_parameters(build(cfg["model"], seed=cfg["seed"], scale=cfg["emulated_scale"]))
     pass_s = memory_pass_seconds(params)
-    figures, cost_model = run(cfg, hvd)
+    figures, cost_model, advice = run(cfg, hvd)
     if hvd.rank() == 0:
         for phase in figures:
             times = sorted(phase["step_times_s"])
             label = phase["compression"] + (f" @ {phase['schedule']}" if phase.get("schedule") else "")
             plan = phase.get("plan") or {}
             pred = plan.get("predicted_seconds")
+            advised = phase.get("advise_predicted_s")
             print(f"[bench worker] {label}: median step {times[len(times) // 2]:.3f} s"
-                  + (f", {plan['groups']} groups, predicted {pred:.3f} s" if pred else ""), flush=True)
+                  + (f", {plan['groups']} groups, predicted {pred:.3f} s" if pred else "")
+                  + (f", advise predicted {advised:.3f} s" if advised else ""), flush=True)
     result = {"rank": hvd.rank(), "size": hvd.size(), "threads": torch.get_num_threads(),
               "model": cfg["model"], "parameters": params, "parameter_tensors": tensors,
               "iface": cfg["iface"], "phases": figures, "cost_model": cost_model, "memory_pass_s": pass_s,
+              "advise": advice,
               "versions": {"torch": torch.__version__, "horovod": horovod.__version__,
                            "python": sys.version.split()[0]}}
     with open(cfg["out"].format(rank=hvd.rank()), "w") as f:
