@@ -346,6 +346,75 @@ def run(args, argv) -> int:
     return 0
 
 
+def combine(quality_path: str, wan_paths, out: str) -> int:
+    """One table from a loopback quality run (loss, bytes) and emulated-WAN runs (step time,
+    utilisation), joined by method; targets checked as the module doc states them; a
+    loss-against-bytes plot."""
+    with open(quality_path) as f:
+        quality = json.load(f)
+    wans = []
+    for path in wan_paths:
+        with open(path) as f:
+            wans.append(json.load(f))
+    by_method = [{r["method"]: r for r in w["rows"]} for w in wans]
+    links = [w["meta"]["network"].split("tbf ")[-1].split(" on")[0] + " + " + w["meta"]["latency"].split(" INJECTED")[0]
+             + " injected" for w in wans]
+    head = ["method", "final loss", "vs dense", "bytes/worker/step", "fewer bytes than dense"]
+    for link in links:
+        head += [f"step ms, {link}", f"utilisation, {link}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
+    for r in quality["rows"]:
+        m = r["method"]
+        row = {"method": m, "final_loss": r["final_loss"], "loss_vs_dense_pct": r.get("loss_vs_dense_pct"),
+               "bytes_per_worker_step": r["bytes_per_worker_step"],
+               "bytes_reduction_vs_dense": r.get("bytes_reduction_vs_dense"), "wan": {}}
+        cells = [m if m != "compute-only" else "no exchange (each worker alone)", f"{r['final_loss']:.4f}",
+                 f"{r['loss_vs_dense_pct']:+.2f}%" if r.get("loss_vs_dense_pct") is not None else "-",
+                 f"{r['bytes_per_worker_step']:.0f}",
+                 f"{r['bytes_reduction_vs_dense']:.0f}x" if r.get("bytes_reduction_vs_dense") else "-"]
+        for link, w in zip(links, by_method):
+            t = w.get(m)
+            row["wan"][link] = None if t is None else {"step_time_s": t["step_time_s"],
+                                                       "compute_utilisation": t["compute_utilisation"]}
+            cells += ([f"{t['step_time_s'] * 1e3:.1f}", f"{100 * t['compute_utilisation']:.1f}%"] if t else ["-", "-"])
+        rows.append(row)
+        lines.append("| " + " | ".join(cells) + " |")
+    first = links[0] if links else None
+
+    def meets(row, within, reduction):
+        return (row["loss_vs_dense_pct"] is not None and row["loss_vs_dense_pct"] <= within
+                and (row["bytes_reduction_vs_dense"] or 0) >= reduction
+                and (first is None or (row["wan"].get(first) or {}).get("compute_utilisation", 0) >= 0.9))
+    family = [r for r in rows if r["method"].startswith(("diloco", "streaming", "sparseloco"))]
+    verdict = {"family_within_2pct_100x_90pct_util": [r["method"] for r in family if meets(r, 2.0, 100.0)]}
+    loss = {r["method"]: r for r in rows}
+    compressed = []
+    for r in family:  # a compressed variant against the uncompressed DiLoCo with the same H
+        h = (METHODS.get(r["method"]) or {}).get("sync_every")
+        plain = loss.get(f"diloco{h}")
+        if r["method"].startswith("sparseloco") and plain:
+            compressed.append({"method": r["method"], "against": plain["method"],
+                               "fewer_bytes": plain["bytes_per_worker_step"] / r["bytes_per_worker_step"],
+                               "loss_vs_uncompressed_pct": 100 * (r["final_loss"] / plain["final_loss"] - 1)})
+    verdict["compressed_vs_uncompressed"] = compressed
+    report = {"quality": quality["meta"], "wan": [w["meta"] for w in wans], "rows": rows, "targets": verdict}
+    with open(out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    text = "\n".join(lines)
+    text += ("\n\nDiLoCo family within 2% of dense's loss at >= 100x fewer bytes"
+             + (f" and >= 90% utilisation on {first}" if first else "") + ": "
+             + (", ".join(verdict["family_within_2pct_100x_90pct_util"]) or "none") + ".")
+    for c in compressed:
+        text += (f"\n{c['method']} against {c['against']}: {c['fewer_bytes']:.1f}x fewer bytes, loss "
+                 f"{c['loss_vs_uncompressed_pct']:+.2f}%.")
+    with open(out + ".md", "w") as f:
+        f.write(text + "\n")
+    _plot({"rows": quality["rows"], "meta": quality["meta"]}, out + ".png")
+    print(text)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["worker"]:
@@ -372,7 +441,14 @@ def main(argv=None) -> int:
     r.add_argument("--quick", action="store_true", help="a tiny model (smoke test; figures mean nothing)")
     r.add_argument("--launch-timeout", type=float, default=7200.0)
     r.add_argument("--out", default="benchmarks/results/diloco-wan")
+    c = sub.add_parser("combine", help="one table from a loopback quality run and emulated-WAN runs")
+    c.add_argument("quality", help="the loopback run's JSON (loss, bytes)")
+    c.add_argument("wan", nargs="*", help="emulated-WAN runs' JSON (step time, utilisation; the first is the "
+                                          "link the utilisation target is checked on)")
+    c.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.what == "combine":
+        return combine(args.quality, args.wan, args.out)
     return run(args, argv)
 
 
