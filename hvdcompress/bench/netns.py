@@ -37,7 +37,7 @@ WORKER_IFACE = "hvc0"
 BRIDGE = "hvcbr"
 NETNS_ETC = "/etc/netns"
 COMMAND_TIMEOUT_S = 15
-_OURS = re.compile(rf"^{PREFIX}(\d+)-\d+-(?:w\d+|br)$")
+_OURS = re.compile(rf"^{PREFIX}(\d+)-[A-Za-z0-9]+-(?:w\d+|br)$")  # pid, tag, member
 
 
 class SetupError(RuntimeError):
