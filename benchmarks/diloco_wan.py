@@ -35,6 +35,10 @@ With ``--pretrain-steps N`` every method (and the compute-only phase) starts fro
 trained N steps with dense synchronous AdamW first, as the DiLoCo paper starts from a pretrained
 model; ``--lr-schedule cosine`` decays the (inner) learning rate over the method's steps.
 
+``--compute-ms C`` adds C ms of EMULATED compute (a sleep) to every step: with four workers
+sharing two cores, the real compute's step time depends on how the scheduler shares them, and an
+accelerator's step (hundreds of ms for a language model) is what the exchange competes with.
+
 Each worker runs the methods one after another (a *phase* each, never interleaved: an exchange in
 flight must not be hidden by another phase's steps), preceded by a compute-only phase (AdamW, no
 exchange) that gives the compute time per step. Every phase starts from the same initial model
@@ -200,6 +204,8 @@ def worker_main(config_path: str) -> int:
             loss.backward()
             opt.step()
             scheduler.step()  # drives the inner optimizer's lr (DiLoCo: the inner steps only)
+            if cfg["compute_ms"]:  # EMULATED accelerator time per step: the core is left free
+                time.sleep(cfg["compute_ms"] / 1000.0)
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
         wall = time.perf_counter() - phase_start  # this rank's steps, waits at syncs included; no flush
@@ -296,7 +302,8 @@ def run(args, argv) -> int:
         print(f"unknown methods {unknown}; known: {', '.join(METHODS)}", file=sys.stderr)
         return 2
     config = {"methods": methods, "steps": args.steps, "batch": args.batch, "lr": args.lr, "lr_schedule": args.lr_schedule,
-              "pretrain_steps": args.pretrain_steps, "threads": 1,
+              "pretrain_steps": args.pretrain_steps,
+              "compute_ms": args.compute_ms, "threads": 1,
               "latency_ms": args.latency_ms, "corpus_bytes": args.corpus_bytes,
               "model": dict(QUICK_MODEL if args.quick else MODEL), "eval_windows": 16 if args.quick else 256}
     for key in ("width", "layers", "context"):
@@ -308,7 +315,9 @@ def run(args, argv) -> int:
             "latency": (f"{args.latency_ms:g} ms INJECTED in the worker processes (LatencyDriver: every exchange "
                         "round completes no sooner than that after its launch; netem is unavailable)")
             if args.latency_ms > 0 else "none added",
-            "compute": "real CPU compute, one thread per worker",
+            "compute": "real CPU compute, one thread per worker" + (
+                f", plus {args.compute_ms:g} ms per step EMULATED (sleep: accelerator-like step time)"
+                if args.compute_ms else ""),
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average_1_5_15_at_start": list(os.getloadavg()),
             "machine": f"{os.cpu_count()} cores"}
@@ -370,12 +379,16 @@ def combine(quality_path: str, wan_paths, out: str) -> int:
         head += [f"step ms, {link}", f"utilisation, {link}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = []
-    for r in quality["rows"]:
+    known = {r["method"] for r in quality["rows"]}
+    extra = [dict(r, final_loss=None, loss_vs_dense_pct=None) for w in wans[:1] for r in w["rows"]
+             if r["method"] not in known]  # timed on the WAN, not in the quality run: loss "-"
+    for r in quality["rows"] + extra:
         m = r["method"]
         row = {"method": m, "final_loss": r["final_loss"], "loss_vs_dense_pct": r.get("loss_vs_dense_pct"),
                "bytes_per_worker_step": r["bytes_per_worker_step"],
                "bytes_reduction_vs_dense": r.get("bytes_reduction_vs_dense"), "wan": {}}
-        cells = [m if m != "compute-only" else "no exchange (each worker alone)", f"{r['final_loss']:.4f}",
+        cells = [m if m != "compute-only" else "no exchange (each worker alone)",
+                 f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
                  f"{r['loss_vs_dense_pct']:+.2f}%" if r.get("loss_vs_dense_pct") is not None else "-",
                  f"{r['bytes_per_worker_step']:.0f}",
                  f"{r['bytes_reduction_vs_dense']:.0f}x" if r.get("bytes_reduction_vs_dense") else "-"]
@@ -439,6 +452,8 @@ def main(argv=None) -> int:
                    help="inner learning rate over the steps (cosine: 5%% warm-up, decay to 10%% of --lr)")
     r.add_argument("--pretrain-steps", type=int, default=0,
                    help="dense synchronous steps every method starts from (0: from the initial model)")
+    r.add_argument("--compute-ms", type=float, default=0.0,
+                   help="EMULATED compute added to every step (sleep), as an accelerator's step time")
     r.add_argument("--corpus-bytes", type=int, default=2_000_000)
     r.add_argument("--methods", nargs="*", default=None, help=f"subset of: {', '.join(METHODS)}")
     r.add_argument("--width", type=int, default=None, help=f"model width (default {MODEL['width']})")
