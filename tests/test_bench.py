@@ -288,6 +288,7 @@ def _check_complete(report, workers, specs, bandwidths):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended  # every field is checked by the namespace run below; the advise and TF runs cover loopback
 def test_loopback_run_has_every_field(tmp_path):
     specs = ["none", "topk:ratio=0.01"]
     report, marker, _ = _bench(tmp_path, "--loopback", "-n", "2", "--phase-budget-s", "600", "-c", *specs)
@@ -300,8 +301,8 @@ def test_loopback_run_has_every_field(tmp_path):
 @pytest.mark.multiprocess
 def test_tf_loopback_run(tmp_path):
     """--framework tf: the Keras mlp (the torch mlp's tensors, so the same bytes), one merged group,
-    three specs and compute-only; every rank ends with the same parameters (the worker checks)."""
-    specs = ["none", "topk:ratio=0.01", "fp16"]
+    two specs and compute-only; every rank ends with the same parameters (the worker checks)."""
+    specs = ["none", "topk:ratio=0.01"]
     report, marker, proc = _bench(tmp_path, "--framework", "tf", "--tf-graph-optimizer", "off", "--loopback",
                                   "-n", "2", "-s", "single", "-c", *specs, model="mlp")
     meta = report["meta"]
@@ -321,7 +322,7 @@ def test_tf_loopback_run(tmp_path):
         assert r["schedule"] == "single" and r["plan"]["groups"] == 1 and r["plan"]["predicted_seconds"] is None
         assert r["compute_seconds_per_step"] is None and r["x_compute_only"] > 0
     assert by["none"]["bytes_per_step"] == by["none"]["dense_bytes_per_step"]
-    assert by["fp16"]["compression_ratio"] == 2.0 and by["topk:ratio=0.01"]["compression_ratio"] > 40
+    assert by["topk:ratio=0.01"]["compression_ratio"] > 40
     assert by["none"]["speedup_vs_dense"] == 1.0
     title = "TensorFlow/Keras: model `mlp` (13M parameters, 8 tensors)"
     assert title in proc.stdout and title in (tmp_path / "bench.md").read_text()
