@@ -105,7 +105,7 @@ class Phase:
 
     @property
     def label(self) -> str:
-        return f"{self.spec} ({self.schedule or 'auto'})" if self.spec is not None else COMPUTE_ONLY
+        return f"{self.spec} @ {self.schedule or 'auto'}" if self.spec is not None else COMPUTE_ONLY
 
     def digest(self) -> str:
         """The parameters' sha256 after the exchanges in flight are applied (``flush``)."""
@@ -389,6 +389,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"[bench worker] {label}: median step {times[len(times) // 2]:.3f} s"
                   + (f", {plan['groups']} groups, predicted {pred:.3f} s" if pred else "")
                   + (f", advise predicted {advised:.3f} s" if advised else ""), flush=True)
+        print("[bench worker] parameters identical on every rank in every phase", flush=True)
     result = {"rank": hvd.rank(), "size": hvd.size(), "threads": torch.get_num_threads(),
               "model": cfg["model"], "parameters": params, "parameter_tensors": tensors,
               "iface": cfg["iface"], "phases": figures, "cost_model": cost_model, "memory_pass_s": pass_s,
