@@ -146,3 +146,50 @@ def test_choice_needs_a_model_and_every_fit():
     plain = w.plan("mgs", _model(1.0), "none", alternatives=("none",))
     assert plain.codecs is None and plain.groups == w.plan("mgs", _model(1.0), "none").groups
     assert MIB == 1 << 20
+
+
+@pytest.mark.parametrize("overlap", OVERLAPS)
+def test_an_option_that_does_not_merge_gets_groups_of_one_only(overlap):
+    """A layerwise compressor (merges=False) beside mergeable fp16 / dense: the joint search equals
+    the brute force over the partitions that respect it, and never gives it a merged group."""
+    rng = np.random.default_rng(41)
+    for trial in range(24):
+        n = int(rng.integers(1, 6))
+        sizes, t_b = _instance(rng, n)
+        options = _options(rng)
+        options[0] = options[0]._replace(merges=False)
+        found = optimal_choice(sizes, t_b, options, overlap)
+        brute = brute_force_choice(sizes, t_b, options, overlap)
+        assert found.seconds == pytest.approx(brute.seconds, rel=1e-12, abs=1e-15), (trial, overlap)
+        assert all(len(g) == 1 for g, c in zip(found.groups, found.choices) if c == 0)
+        again = predict_choice(found.groups, found.choices, sizes, t_b, options, overlap).end
+        assert again == pytest.approx(found.seconds, rel=1e-12, abs=1e-15)
+    with pytest.raises(ValueError, match="merges=False"):
+        predict_choice([[0, 1]], [0], np.array([4.0, 8.0]), np.array([1e-3, 1e-3]), options)
+    with pytest.raises(ValueError, match="cuts: a group of several tensors needs an option that merges"):
+        optimal_choice(np.array([4.0, 8.0]), np.array([1e-3, 1e-3]), [options[0]], cuts=[2])
+
+
+def _lowrank_model(gbps):
+    fits = {"powersgd:rank=4": ComputeFit("linear", 2e-9, 2e-4), "fp16": ComputeFit("linear", 5e-11, 1e-5)}
+    return CostModel.from_link(4, gbps, 50e-6, fits)
+
+
+@pytest.mark.parametrize("gbps", [0.01, 1.0, 100.0])
+def test_a_layerwise_compressor_is_chosen_per_tensor_and_the_rest_merges(gbps):
+    """PowerSGD (merge=LAYERWISE) with the codec choice under "auto": its groups are single
+    tensors, fp16 / dense groups merge; never slower than any spec everywhere on its own plan
+    (PowerSGD's own: layerwise; fp16 and dense: merged by their search)."""
+    w, model = _workload(), _lowrank_model(gbps)
+    spec = "powersgd:rank=4"
+    plan = w.plan("auto", model, spec, alternatives=("fp16", "none"))
+    own = [c for c in plan.codecs if c.startswith("powersgd")]
+    assert all(len(g) == 1 for g, c in zip(plan.groups, plan.codecs) if c.startswith("powersgd"))
+    alone = w.plan("auto", model, spec)
+    assert alone.groups == [[i] for i in range(len(w.sizes_bytes))]  # layerwise on its own
+    uniform = [alone.predicted_seconds] + [w.plan("auto", model, s).predicted_seconds for s in ("fp16", "none")]
+    assert plan.predicted_seconds <= min(uniform) * (1 + 1e-9)
+    if gbps >= 100.0:  # nothing pays to compress: one or a few merged groups, not one per tensor
+        assert not own and len(plan.groups) < len(w.sizes_bytes)
+    if gbps <= 0.01:  # a slow link: the 400 MB tensor goes low-rank
+        assert plan.codecs[plan.groups.index([4])].startswith("powersgd")

@@ -257,6 +257,22 @@ def test_groups_switch_between_compressed_and_dense_losing_nothing(results):
                 all(x.startswith(prefix) for x in choice["codecs"]), (name, r["candidates"])
 
 
+def test_a_layerwise_compressor_is_chosen_per_tensor_beside_merged_dense_groups(results):
+    """PowerSGD (state shaped by the tensor) with codec_choice="auto": its groups hold one tensor,
+    the others merge into fp16 / dense groups; its q survives the merged groups."""
+    for r in _part(results, "lowrank_switch"):
+        groups, codecs = r["choice"]["groups"], r["choice"]["codecs"]
+        low = [g for g, c in zip(groups, codecs) if c.startswith("powersgd")]
+        assert low and all(len(g) == 1 for g in low), r["choice"]
+        assert any(len(g) > 1 for g, c in zip(groups, codecs) if not c.startswith("powersgd")), r["choice"]
+        assert any("(all powersgd)" in label for label in r["labels"]), r["labels"]
+        assert any("(all fp16)" in label or "(all dense)" in label for label in r["labels"]), r["labels"]
+        assert r["identical"] and r["steps"] > r["decided_at"]
+        assert r["q_kept"], "PowerSGD's warm start was dropped"
+        assert r["lost"] <= 3e-3 * max(1.0, r["scale"]), r
+        assert r["resumed"]["equal"] and r["resumed"]["identical"] and r["resumed"]["steps"] == 2, r["resumed"]
+
+
 def test_a_drifting_step_time_reruns_the_validation_on_every_rank_alike(results):
     ranks = _part(results, "codec_drift")
     for r in ranks:

@@ -34,6 +34,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from hvdcompress.contract import LAYERWISE
 from hvdcompress.spec import CompressionSpec
 from hvdcompress.stats import WireStats
 from hvdcompress.warmup import auto_epoch
@@ -189,6 +190,9 @@ class Engine:
                                   out=x)  # x: scattered into anyway
             self.pending.poll()  # earlier groups' next rounds go out as soon as they can
             codec = self.scheduler.codec_of(group.names)  # the plan may send this group dense / fp16
+            if codec is None and len(group.names) > 1 and self.compressor.merge == LAYERWISE:
+                raise AssertionError(f"hvdcompress: '{self.spec}' never merges, yet group {group.key} holds "
+                                     f"{len(group.names)} tensors")
             exchange = (self.compressor.exchange(x, ctx) if codec is None else
                         fallback_exchange(self.compressor, codec, x, ctx))
             exchange = guard(exchange, x, ctx.state)  # non-finite never hidden

@@ -119,15 +119,26 @@ def scatter(result: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         offset += n
 
 
+HELD = "held:"  # key prefix of a member's entry kept aside in a merged group: "held:<member>:<name>"
+
+
 def join_state(states: Sequence[Mapping[str, torch.Tensor]], numels: Sequence[int]) -> State:
-    """Member states -> the group's (each entry concatenated; absent entries as zeros)."""
+    """Member states -> the group's (each elementwise entry concatenated; absent entries as zeros).
+
+    An entry that is not elementwise (its size is not its member's, e.g. PowerSGD's ``q``) cannot
+    be concatenated; it belongs to a compressor that sends only groups of one tensor, so a merged
+    group holding it is sent with fp16 or dense (per-group codec choice) and never reads it. It is
+    kept aside under ``held:<member>:<name>`` and given back, unchanged, by ``split_state``."""
     if len(states) == 1:
         return dict(states[0])
     out: State = {}
-    keys = sorted({k for st in states for k in st})
+    for i, (st, n) in enumerate(zip(states, numels)):
+        out.update({f"{HELD}{i}:{k}": t for k, t in st.items() if t.numel() != n})
+    keys = sorted({k for st, n in zip(states, numels) for k, t in st.items() if t.numel() == n})
     for k in keys:
-        like = next(st[k] for st in states if k in st)
-        parts = [st[k].reshape(-1) if k in st else like.new_zeros(n) for st, n in zip(states, numels)]
+        like = next(st[k] for st, n in zip(states, numels) if k in st and st[k].numel() == n)
+        parts = [st[k].reshape(-1) if k in st and st[k].numel() == n else like.new_zeros(n)
+                 for st, n in zip(states, numels)]
         out[k] = torch.cat(parts)
     return out
 
@@ -137,7 +148,10 @@ def split_state(state: Mapping[str, torch.Tensor], numels: Sequence[int]) -> Lis
     if len(numels) == 1:
         return [{k: t.detach().clone() for k, t in state.items()}]
     out: List[State] = [{} for _ in numels]
+    held = [(k, t) for k, t in state.items() if k.startswith(HELD)]
     for k, t in state.items():
+        if k.startswith(HELD):
+            continue
         if t.numel() != sum(numels):
             raise ValueError(f"compression state '{k}' of a merged group has {t.numel()} elements; the "
                              f"group has {sum(numels)} (state must be elementwise to be merged)")
@@ -145,4 +159,7 @@ def split_state(state: Mapping[str, torch.Tensor], numels: Sequence[int]) -> Lis
         for st, n in zip(out, numels):
             st[k] = t.detach().reshape(-1)[offset:offset + n].clone()
             offset += n
+    for k, t in held:  # last: a member's own entry wins over the zeros the concatenation padded it with
+        member, _, name = k[len(HELD):].partition(":")
+        out[int(member)][name] = t.detach().clone()
     return out

@@ -76,6 +76,7 @@ from dataclasses import replace
 import numpy as np
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from hvdcompress.contract import LAYERWISE
 from hvdcompress.schedule import tuning
 from hvdcompress.schedule.costmodel import CostModel, skew_factor
 from hvdcompress.schedule.groups import check_mergeable
@@ -163,7 +164,7 @@ class Scheduler:
         self._tuner: Optional[_Tuner] = None  # candidates being measured (measured validation)
         self._watch: Optional[_Watch] = None  # the kept plan's step times, watched for drift
         self.schedule = check_schedule(schedule)
-        if not check_mergeable(self.text, spec):  # a compressor that cannot merge: auto -> layerwise
+        if not check_mergeable(self.text, spec, bool(self.alternatives)):  # cannot merge: auto -> layerwise
             self.schedule = parse_schedule("layerwise")
         self.spec = spec
         self.cost_model = check_cost_model(cost_model)
@@ -309,6 +310,9 @@ class Scheduler:
             return self._tune(clock)
         if self.order is None:  # the first step: learn the backward order
             self.order = self._comm().broadcast_object(self._order(clock), "hvc.plan.order")
+            if self.searches and self.spec.info.merge == LAYERWISE:  # never merged: profiled layerwise
+                self._profiled_groups = [[i] for i in range(len(self.order))]
+                return [[n] for n in self.order]
             if self.searches:  # measure with one group: no exchange competes with backward
                 self._profiled_groups = [list(range(len(self.order)))]
                 return [list(self.order)]

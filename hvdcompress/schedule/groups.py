@@ -71,17 +71,19 @@ class MergedGroup:
         return tuple(out)
 
 
-def check_mergeable(schedule_text: str, spec) -> bool:
+def check_mergeable(schedule_text: str, spec, choosing: bool = False) -> bool:
     """Whether ``spec`` 's tensors may be merged under a schedule (its text, "explicit" for explicit
     groups). A compressor declared ``merge=LAYERWISE`` is exchanged one tensor at a time: "auto"
     then means "layerwise" (returns False: use layerwise), any other merging schedule is a
-    ValueError naming ``schedule``. True: schedule as asked."""
+    ValueError naming ``schedule``. With a per-group codec choice (``choosing``) "auto" stays:
+    the planner gives that compressor groups of one tensor only and merges the groups it sends
+    with fp16 or dense. True: schedule as asked."""
     from ..contract import LAYERWISE
 
     if spec.info.merge != LAYERWISE or schedule_text == "layerwise":
         return True
     if schedule_text == "auto":
-        return False
+        return choosing
     raise ValueError(f"schedule: compression '{spec.name}' keeps per-tensor state that is not elementwise "
                      f"(merge policy {LAYERWISE!r}), so its tensors cannot be merged; use schedule='layerwise' "
                      f"or 'auto'; got {schedule_text!r}")

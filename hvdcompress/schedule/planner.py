@@ -37,6 +37,9 @@ the backends): every group is also given the spec, among ``spec`` and the altern
 the modelled step shortest, jointly with the partition (``search.optimal_choice``: the same DP,
 one transition per group and spec; for the fixed schedules over their own partition), with each
 spec's own compression time, wire rule and closing term; ``Plan.codecs`` lists them per group.
+A compressor that never merges (``merge=LAYERWISE``: state shaped by the tensor) is planned
+layerwise on its own; with alternatives it is chosen only for groups of one tensor, while the
+groups sent with fp16 or dense merge as the search finds best (``search.Option.merges``).
 
 The searches live in ``hvdcompress.schedule.search``: ``optimal`` (dynamic programming over the end of
 the last group; exact, O(L^2) for ``overlap="parallel"``, Pareto fronts with branch and bound for
@@ -53,6 +56,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .search import Option, Search, brute_force, by_size, greedy, layerwise, optimal, optimal_choice, predict_choice, single
+from ..contract import LAYERWISE
 from ..spec import GATHERED, resolve
 from .timeline import Timeline, check_inputs, check_overlap, predict
 
@@ -209,7 +213,8 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     sched = parse_schedule(schedule)
     spec = resolve(spec)
     check_overlap(overlap)
-    if sched.kind == "auto":
+    asked_auto = sched.kind == "auto"
+    if asked_auto:
         sched = Schedule("mgs" if spec.exchange == GATHERED else "mgwfbp")
     sizes = np.asarray(sizes_bytes, dtype=float)
     if t_b is not None:
@@ -220,6 +225,9 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     notes: List[str] = []
     specs = codec_options(spec, alternatives)
     choosing = len(specs) > 1
+    merges = spec.info.merge != LAYERWISE
+    if not merges and not choosing and asked_auto:
+        sched = Schedule("layerwise")  # its tensors are never merged: "auto" is layerwise
     t_s = t_c = gap = t_close = t_d = None
     if cost_model is not None:
         world = cost_model.world_size if world_size is None else int(world_size)
@@ -261,7 +269,7 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     codecs = None
     timeline = predicted = None
     if choosing:
-        options = [Option(c[0], c[1], c[2]) for c in costs]
+        options = [Option(c[0], c[1], c[2], merges or i > 0) for i, c in enumerate(costs)]
         cuts = None if groups is None else [g[-1] + 1 for g in groups]
         found = optimal_choice(sizes, t_b, options, overlap, cuts=cuts)
         groups, codecs = found.groups, [str(specs[c]) for c in found.choices]

@@ -35,8 +35,10 @@ cheapest-last-exchange bound; the other bounds stay valid without it (it is >= 0
 ``optimal_choice``: the same DP where each group is also sent by one of several ``Option`` s
 (compression and exchange cost functions; the planner's per-group codec choice): one transition
 per (boundary, option), each non-decreasing in (S, C), so the dominance and the bounds (taken as
-the least over the options) carry over unchanged; ``cuts`` fixes the partition. ``optimal`` is
-its one-option case. ``brute_force_choice`` tries every partition and option (tests).
+the least over the options) carry over unchanged; ``cuts`` fixes the partition. An option that
+does not merge (``Option.merges``) only makes the transitions of one-tensor groups, so a layerwise
+compressor can be chosen for some tensors while fp16 or dense groups merge the others; the bounds
+stay valid (they relax that restriction). ``optimal`` is its one-option case. ``brute_force_choice`` tries every partition and option (tests).
 
 ``greedy``: the rule of MGS (Shi et al., INFOCOM 2020) and MG-WFBP: walking in backward order,
 the next tensor joins the open group when the extra time the group's data would wait for it is
@@ -162,11 +164,14 @@ def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
 
 
 class Option(NamedTuple):
-    """One way to send a group: ``t_s(bytes)``, ``t_c(bytes)`` and the closing term (or None)."""
+    """One way to send a group: ``t_s(bytes)``, ``t_c(bytes)`` and the closing term (or None).
+    ``merges=False``: it sends groups of one tensor only (a compressor whose state is shaped by the
+    tensor, ``merge=LAYERWISE``); the search never gives it a larger group."""
 
     t_s: Callable
     t_c: Callable
     t_close: Optional[Callable] = None
+    merges: bool = True
 
 
 class ChoiceSearch(NamedTuple):
@@ -186,6 +191,10 @@ def predict_choice(groups, choices: Sequence[int], sizes, t_b, options: Sequence
     options = [Option(*o) for o in options]
     if len(choices) != len(groups) or any(not 0 <= int(c) < len(options) for c in choices):
         raise ValueError(f"choices: one option index in [0, {len(options)}) per group; got {list(choices)}")
+    for g, c in zip(groups, choices):
+        if len(g) > 1 and not options[int(c)].merges:
+            raise ValueError(f"choices: option {int(c)} sends groups of one tensor only (merges=False); "
+                             f"group {list(g)} has {len(g)}")
     nbytes = group_bytes(groups, sizes)
 
     def cost(fn, g):
@@ -219,6 +228,8 @@ def optimal_choice(sizes, t_b, options: Sequence, overlap: str = "shared", max_f
         if not allowed[n]:
             raise ValueError(f"cuts: must end with the number of tensors ({n}); got {list(cuts)}")
         allowed[0] = True
+    if not any(o.merges for o in options) and cuts is not None and np.any(np.diff([0, *map(int, cuts)]) > 1):
+        raise ValueError("cuts: a group of several tensors needs an option that merges; no option does")
     ts_fns = [as_cost_fn(o.t_s) for o in options]
     tc_fns = [as_cost_fn(o.t_c) for o in options]
     close_fns = [as_cost_fn(o.t_close) if o.t_close is not None else (lambda b: np.zeros_like(b))
@@ -233,8 +244,9 @@ def optimal_choice(sizes, t_b, options: Sequence, overlap: str = "shared", max_f
 
         if cuts is None:
             for c, o in enumerate(options):
-                for g in (greedy(sizes, t_b, o.t_s, o.t_c, overlap, o.t_close).groups, layerwise(n), single(n),
-                          optimal_choice(sizes, t_b, [o], "parallel").groups):
+                plans = ((greedy(sizes, t_b, o.t_s, o.t_c, overlap, o.t_close).groups, layerwise(n), single(n),
+                          optimal_choice(sizes, t_b, [o], "parallel").groups) if o.merges else (layerwise(n),))
+                for g in plans:
                     end = predict(g, sizes, t_b, ts_fns[c], tc_fns[c], overlap, t_close=o.t_close).end
                     if end < upper:
                         upper, upper_plan = end, (g, [c] * len(g))
@@ -260,19 +272,21 @@ def optimal_choice(sizes, t_b, options: Sequence, overlap: str = "shared", max_f
         group_bytes = cum[k] - cum[:k]  # the group [b, k) for every boundary b < k
         all_spent, all_comm, all_parent, all_choice = [], [], [], []
         for c in range(len(options)):
-            ts, tc = ts_fns[c](group_bytes)[boundary], tc_fns[c](group_bytes)[boundary]
+            sel = slice(None) if options[c].merges else np.flatnonzero(boundary == k - 1)  # groups of one only
+            b_c = boundary[sel]
+            ts, tc = ts_fns[c](group_bytes)[b_c], tc_fns[c](group_bytes)[b_c]
             if k == n:  # the closing exchange
-                tc = tc + close_fns[c](group_bytes)[boundary]
+                tc = tc + close_fns[c](group_bytes)[b_c]
             if shared:
-                new_spent = spent + ts
-                new_comm = np.maximum(comm, ready[k] + new_spent) + tc
+                new_spent = spent[sel] + ts
+                new_comm = np.maximum(comm[sel], ready[k] + new_spent) + tc
             else:
-                new_spent = np.zeros(m)
-                new_comm = np.maximum(comm, ready[k] + ts) + tc
+                new_spent = np.zeros(len(b_c))
+                new_comm = np.maximum(comm[sel], ready[k] + ts) + tc
             all_spent.append(new_spent)
             all_comm.append(new_comm)
-            all_parent.append(states)
-            all_choice.append(np.full(m, c))
+            all_parent.append(states[sel])
+            all_choice.append(np.full(len(b_c), c))
         new_spent, new_comm = np.concatenate(all_spent), np.concatenate(all_comm)
         parent, chosen = np.concatenate(all_parent), np.concatenate(all_choice)
         if shared:
@@ -284,7 +298,7 @@ def optimal_choice(sizes, t_b, options: Sequence, overlap: str = "shared", max_f
             if len(dropped):
                 dropped_bound = min(dropped_bound, float(lower[dropped].min()))
         else:
-            front = np.array([int(np.argmin(new_comm))])
+            front = np.array([int(np.argmin(new_comm))]) if len(new_comm) else np.array([], dtype=int)
         pool.append(new_spent[front], new_comm[front], k, parent[front])
         choice.extend(int(c) for c in chosen[front])
     last = np.flatnonzero(pool.boundary[:pool.size] == n)
@@ -355,6 +369,8 @@ def brute_force_choice(sizes, t_b, options: Sequence, overlap: str = "shared",
     for cuts in itertools.product((False, True), repeat=max(n - 1, 0)):
         groups = groups_from_ends([i + 1 for i, cut in enumerate(cuts) if cut] + [n])
         for picks in itertools.product(range(len(options)), repeat=len(groups)):
+            if any(len(g) > 1 and not options[c].merges for g, c in zip(groups, picks)):
+                continue
             end = predict_choice(groups, picks, sizes, t_b, options, overlap).end
             if end < best.seconds:
                 best = ChoiceSearch(groups, list(picks), end, 0.0)

@@ -394,6 +394,49 @@ def codec_switch(world) -> dict:
                                                for c in opt.plan.tuning["candidates"]]}
 
 
+def _lowrank_model(world, spec):
+    """A hand-built cost model (0.1 Mbit/s, 5 ms per hop, cheap compression): PowerSGD pays on the
+    weight matrices, while the small tensors are better merged and sent dense or in fp16."""
+    from hvdcompress.schedule.costmodel import ComputeFit, CostModel
+    fit = ComputeFit("linear", 1e-10, 1e-6)
+    return CostModel.from_link(world, gbit_per_s=1e-4, latency_s=5e-3,
+                               compress={spec: fit, "fp16": fit, "none": ComputeFit("linear", 1e-12, 1e-7)})
+
+
+def lowrank_switch(world) -> dict:
+    """codec_choice="auto" for PowerSGD, whose state (``q``) is shaped by the tensor so it never
+    merges: the plan sends some weights with PowerSGD (groups of one) and merges the other tensors
+    into fp16 / dense groups; the measured validation runs PowerSGD everywhere (layerwise), fp16
+    and dense beside it, so tensors move in and out of merged groups with ``q`` and the residual
+    carried. Checked: identical parameters every step, nothing lost (error feedback), a
+    checkpoint taken after the decision resumes bit for bit."""
+    import horovod.torch as hvd
+    spec, lr, steps, after = "powersgd:rank=2", 0.1, 12, 10
+    kw = dict(schedule="auto", cost_model=_lowrank_model(world, spec), profile_steps=1, tune_steps=1,
+              codec_choice="auto", momentum=0.0, lr=lr)
+    model, opt = make(spec, **kw)
+    start = _flat(model).clone()
+    log, given, saved = _codec_steps(model, opt, 0, steps, lr, saves=(after,))
+    decided = 1 + 2 * len(opt.plan.tuning["candidates"])
+    state = opt.state_dict()["hvdcompress"]["state"]
+    held = torch.cat([state[n]["residual"].reshape(-1) if "residual" in state[n] else torch.zeros(p.numel())
+                      for n, p in model.named_parameters()])
+    held = hvd.allreduce(held, name="check.lowrank.held")
+    moved = (start - _flat(model)) / lr
+    model2, opt2 = make(spec, **kw)
+    model2.load_state_dict(saved[after][0])
+    opt2.load_state_dict(saved[after][1])
+    again, _, _ = _codec_steps(model2, opt2, after, steps, lr)
+    choice = opt.plan.tuning["candidates"][0]
+    return {"identical": all(r["identical"] for r in log), "decided_at": decided, "steps": steps,
+            "lost": float((moved + held - given).abs().max()), "scale": float(given.abs().max()),
+            "choice": {"groups": choice["groups"], "codecs": choice["codecs"]},
+            "labels": [c["label"] for c in opt.plan.tuning["candidates"]],
+            "q_kept": sorted(n for n, st in state.items() if "q" in st),
+            "resumed": {"equal": all(torch.equal(a["params"], b["params"]) for a, b in zip(again, log[after:])),
+                        "identical": all(a["identical"] for a in again), "steps": len(again)}}
+
+
 DRIFT_SLEEP_S = 0.2  # the slowdown injected into every step: several times a step of the test model
 
 
@@ -510,6 +553,7 @@ def everything(world_expected: int, cache_dir: str) -> dict:
                            ("accumulation", accumulation, (world_expected,)),
                            ("bad", bad_arguments, (world_expected,)),
                            ("codec_switch", codec_switch, (world_expected,)),
+                           ("lowrank_switch", lowrank_switch, (world_expected,)),
                            ("codec_drift", codec_drift, (world_expected,))):
         try:
             out[name] = fn(*args)
