@@ -347,6 +347,28 @@ def test_loopback_run_with_advise_predicts_every_phase(tmp_path):
     assert {(p["compression"], p["schedule"]) for p in advice["predicted"]} == \
         {("topk:ratio=0.01", "layerwise"), ("topk:ratio=0.01", "auto+choice")}
     assert "advise predicted (s) (error)" in proc.stdout
+    ref = advice["reference"]  # the workload calibrated to real training steps (slowest rank, hooks)
+    assert ref["steps"] > 0 and ref["ranks"] == 2 and ref["compute_seconds"] > 0 and ref["hook_seconds"] >= 0
+    assert advice["compute_seconds"] == ref["compute_seconds"]  # compute-only: the slowest rank's, no hooks
+    calibrated = sum(advice["workload"]["t_b"]) + advice["workload"]["forward_seconds"]
+    assert calibrated + advice["workload"]["update_seconds"] >= ref["compute_seconds"] * (1 - 1e-9)  # + the hooks
+    assert len(advice["isolated_workload"]["t_b"]) == 161
+    assert not _processes_with(marker)
+
+
+@pytest.mark.multiprocess
+def test_loopback_run_with_advise_without_profile_fits_its_own_link(tmp_path):
+    """--advise --no-profile: the launch fits no cost model for its phases, so advise fits the link
+    itself (not cached) and still predicts every phase; the phases' plans carry no prediction."""
+    report, marker, _ = _bench(tmp_path, "--loopback", "-n", "2", "--no-profile", "-c", "none", "-s", "single",
+                               "--advise")
+    [row] = report["results"]
+    assert row["plan"]["predicted_seconds"] is None and not report.get("cost_models")
+    [advice] = report["advise"]
+    assert advice["link"]["world_size"] == 2 and advice["link"]["allreduce"]["samples"] >= 2
+    assert {"fp16:residual=false", "none"} <= set(advice["link"]["compress"])  # completed with fp16 and dense fits
+    for r in (row, *report["compute_only"]):
+        assert r["advise_predicted_s"] > 0 and abs(r["advise_prediction_error"]) < 10
     assert not _processes_with(marker)
 
 

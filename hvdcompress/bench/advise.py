@@ -11,6 +11,11 @@ The workload, measured or assumed:
   its forward, backward per parameter and update are timed here
   (``torch_ops.profiling.profile_workload``), so whatever the model really costs on this machine
   -- an emulated layer's overhead beyond its nominal time included -- is in the workload.
+  Under Horovod (``--measure-link``, ``hvdcompress bench --advise``) the workload is then
+  calibrated to a few real training steps (``reference_steps``: the real optimizer, the dense
+  gradient sent as one group): forward, backward and update scaled to the *slowest* rank's (a
+  synchronous step waits for it; the isolated timing averages the ranks), and the optimizer's
+  per-tensor hook time, which no cost-model fit holds, added to each tensor's backward time.
 - ``--profile vgg16-v100``: assumed. The profile's nominal per-layer times and parameter shapes;
   nothing is run. A quick "what if" for a model one has not built.
 
@@ -48,6 +53,7 @@ import importlib
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -186,29 +192,106 @@ def every_spec(specs: Sequence, auto_spec=None) -> list:
                                *([resolve(auto_spec)] if auto_spec is not None else [])]))
 
 
+# --- what a training step adds to the isolated measurements (under Horovod) ---------------------
+REFERENCE_STEPS = 4  # timed steps of the reference run (after one untimed)
+
+
+def reference_steps(model_name: str, input_shape: Optional[Sequence[int]] = None, scale: float = 1.0,
+                    steps: int = REFERENCE_STEPS, warmup: int = 1) -> dict:
+    """A few real training steps of the model under Horovod (call on every rank), with the real
+    ``DistributedOptimizer`` sending the dense gradient as one group (``schedule="single"``: its one
+    exchange starts when backward is done, so it slows no backward): what every step costs on the
+    compute stream, timed as the harness times a step -- per step, the *slowest* rank.
+
+    - ``compute_seconds``: forward, backward without the optimizer's hooks, and update; per step
+      the maximum over ranks, median over steps. A synchronous step waits for the slowest rank,
+      while ``profile_workload`` averages the ranks' times.
+    - ``hook_seconds``: the optimizer's gradient hooks (per step, maximum over ranks; median):
+      per tensor, Python and a copy into its group's buffer, which the cost model has no fit for.
+    """
+    import torch
+    import horovod.torch as hvd
+    from torch_ops.optimizer import DistributedOptimizer
+    from .torch_models import MODELS, build
+    model = build(model_name, scale=scale) if model_name.startswith(EMULATED) or model_name in MODELS \
+        else _user_model(model_name)
+    shape = tuple(int(d) for d in (input_shape or default_input_shape(model_name)))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                               named_parameters=[(f"hvc.advise.ref.{n}", p) for n, p in model.named_parameters()],
+                               schedule="single", tune_steps=0)
+    mine = []
+    hvd.barrier()
+    for it in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        timings = opt.timings
+        hooks = float(timings.get("hook_seconds") or 0.0)
+        if it >= warmup:
+            mine.append(((t1 - t0) + max(0.0, (t2 - t1) - hooks) + float(timings.get("update_seconds") or 0.0),
+                         hooks))
+    ranks = hvd.allgather_object(mine, name="hvc.advise.reference")
+    per_step = [[r[i] for r in ranks] for i in range(len(mine))]
+    return {"compute_seconds": float(np.median([max(v[0] for v in s) for s in per_step])),
+            "hook_seconds": float(np.median([max(v[1] for v in s) for s in per_step])),
+            "steps": len(mine), "ranks": len(ranks)}
+
+
+def calibrated_workload(workload: Workload, model: CostModel, reference: dict) -> Workload:
+    """``workload`` as a training step runs it (``reference_steps``): forward, backward and update
+    scaled to the slowest rank's compute, and each tensor's share of the optimizer's hooks beyond
+    what the cost model charges the dense exchange (``group_cpu_seconds``) added to its backward
+    time (the hooks run on the compute stream, before the gradient's group can be sent)."""
+    scale = reference["compute_seconds"] / workload.compute_seconds if workload.compute_seconds > 0 else 1.0
+    modelled = float(model.group_cpu_seconds("none", sum(workload.sizes_bytes)))
+    per_tensor = max(0.0, reference["hook_seconds"] - modelled) / max(1, len(workload.names))
+    return Workload(workload.names, workload.sizes_bytes, tuple(t * scale + per_tensor for t in workload.t_b),
+                    workload.forward_seconds * scale, workload.update_seconds * scale)
+
+
 @dataclass(frozen=True)
 class Measured:
-    """What advise measured in a running job: the workload, the compression fits, the link."""
+    """What advise measured in a running job: the workload (calibrated to real training steps
+    when ``reference`` is set), the compression fits, the link, the reference steps and the
+    workload as ``profile_workload`` timed it (``isolated``)."""
 
     workload: Workload
     fits: Dict[str, ComputeFit]
     model: CostModel
+    reference: Optional[dict] = None
+    isolated: Optional[Workload] = None
+
+    @property
+    def compute_only_seconds(self) -> float:
+        """The predicted step without any exchange: the reference steps' slowest-rank compute (no
+        optimizer hooks in such a step), else the workload's compute."""
+        return float(self.reference["compute_seconds"]) if self.reference else self.workload.compute_seconds
 
 
 def measure_job(model_name: str, specs: Sequence, input_shape: Optional[Sequence[int]] = None,
                 scale: float = 1.0, quick: bool = False, fitted: Optional[CostModel] = None,
-                cached: bool = True, max_comm_bytes: Optional[float] = None) -> Measured:
+                cached: bool = True, max_comm_bytes: Optional[float] = None, reference: bool = True) -> Measured:
     """advise's measurement under Horovod (call on every rank; ``hvd.init()`` done): the model's
     workload timed with every rank running (times averaged over ranks), compression timed on this
     CPU at its tensor sizes for every spec (and the auto choice's alternatives), and the live
     transport's fitted model (``measured_link``; collectives up to ``max_comm_bytes``, default the
-    whole gradient). What ``advise --measure-link`` and ``hvdcompress bench --advise`` predict from."""
+    whole gradient). With ``reference``, the workload is then calibrated to a few real training
+    steps (``reference_steps``, ``calibrated_workload``): the slowest rank's compute and the
+    optimizer's hooks. What ``advise --measure-link`` and ``hvdcompress bench --advise`` predict from."""
     workload = workload_from_model(model_name, input_shape, scale=scale, average=True)
     every = every_spec(specs)
     fits = compression_fits(every, max(workload.sizes_bytes) / 4, quick)
     model = measured_link(every, fits, max_bytes=max_comm_bytes or sum(workload.sizes_bytes), fitted=fitted,
                           cached=cached)
-    return Measured(workload, fits, model)
+    if not reference:
+        return Measured(workload, fits, model)
+    ref = reference_steps(model_name, input_shape, scale)
+    return Measured(calibrated_workload(workload, model, ref), fits, model, ref, workload)
 
 
 def schedule_for(spec, schedule: str = "auto") -> str:
@@ -378,7 +461,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
         ap.error(str(e))
     if args.workers < 2 or not (args.gbps > 0 and args.latency_us >= 0 and args.scale >= 1):
         ap.error("--workers must be >= 2, --gbps > 0, --latency-us >= 0, --emulated-scale >= 1")
-    rank = 0
+    rank, compute_only = 0, None
     if args.measure_link:
         import horovod.torch as hvd
         hvd.init()
@@ -395,6 +478,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
     if args.measure_link:
         model = measured_link(every, fits, max_bytes=sum(workload.sizes_bytes))
         link = f"measured transport (MEASURED), {model.world_size} workers"
+        if args.model:  # the workload as training steps run it: the slowest rank, the optimizer's hooks
+            ref = reference_steps(args.model, args.input_shape, args.scale)
+            workload, compute_only = calibrated_workload(workload, model, ref), ref["compute_seconds"]
+            what += "; calibrated to real training steps (slowest rank, optimizer hooks)"
         workers, latency, gbps = model.world_size, None, None
     else:
         workers, latency, gbps = args.workers, args.latency_us * 1e-6, args.gbps
@@ -409,7 +496,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
         auto_spec = resolve(min(compressing, key=lambda r: r["step_seconds"])["spec"])
     auto = predict(workload, model, auto_spec, ALTERNATIVES) if auto_spec is not None else None
 
-    compute = workload.compute_seconds
+    compute = workload.compute_seconds if compute_only is None else compute_only
+    for r in rows + ([auto] if auto else []):  # the distance to the step without any exchange
+        r.update(over_compute_seconds=r["step_seconds"] - compute, over_compute=r["step_seconds"] / compute - 1.0)
     print(f"advise: {what}, {len(workload.names)} tensors, {sum(workload.sizes_bytes) / 1e6:.1f} MB of gradients; "
           f"{link}; compute-only step {compute * 1e3:.1f} ms. PREDICTIONS of the cost model.")
     print(f"{'spec':<34} {'schedule':<10} {'step ms':>9} {'MB/step':>9} {'over compute':>13}")

@@ -17,7 +17,8 @@ nothing cached) and handed to every phase, so each plan -- whatever its schedule
 model's predicted step time; the cost-model schedules plan with it.
 
 With ``advise`` set, the workers then run ``hvdcompress advise``'s measurement on this launch's
-link (``advise.measure_job``: the model's workload timed with every rank running, compression
+link (``advise.measure_job``: the model's workload timed with every rank running and calibrated
+to a few real training steps -- the slowest rank's compute, the optimizer's hooks --, compression
 timed on the CPU, the link model above -- or one fitted now -- completed with fits for fp16 and
 dense) and rank 0 records advise's predicted step for every phase: the spec under the entry's
 schedule, the codec_choice="auto" prediction for a ``+choice`` entry, the workload's compute
@@ -267,8 +268,9 @@ def advise_for(cfg: dict, hvd, fitted=None) -> Optional[dict]:
     m = advise.measure_job(cfg["model"], cfg["specs"], input_shape=(cfg["batch"], *INPUT_SHAPE),
                            scale=cfg["emulated_scale"], fitted=fitted, cached=False,
                            max_comm_bytes=cfg["profile_max_mib"] * (1 << 20))
-    out = {"compute_seconds": m.workload.compute_seconds, "workload": m.workload.to_dict(),
-           "link": m.model.to_dict(), "seconds": time.perf_counter() - started, "predicted": {}}
+    out = {"compute_seconds": m.compute_only_seconds, "workload": m.workload.to_dict(),
+           "link": m.model.to_dict(), "seconds": time.perf_counter() - started, "predicted": {},
+           "reference": m.reference, "isolated_workload": m.isolated.to_dict() if m.isolated is not None else None}
     if hvd.rank() != 0:
         return out
     for spec in cfg["specs"]:
@@ -283,7 +285,7 @@ def advise_for(cfg: dict, hvd, fitted=None) -> Optional[dict]:
             out["predicted"][(spec, entry)] = step
     steps = ", ".join(f"{s} @ {e} {v:.3f} s" for (s, e), v in out["predicted"].items() if v is not None)
     print(f"[bench worker] advise measured in {out['seconds']:.1f} s: compute-only "
-          f"{m.workload.compute_seconds:.3f} s; {steps}", flush=True)
+          f"{m.compute_only_seconds:.3f} s; {steps}", flush=True)
     return out
 
 
