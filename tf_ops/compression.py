@@ -298,6 +298,9 @@ class GradientCompression(tf.Module):
             v.assign(0)
 
     # -- the exchange ----------------------------------------------------------------------------
+    # Not converted by autograph (its control flow is explicit): autograph would wrap every Python call
+    # below it, the planner's included, which multiplies the tracing time (docs/design.md 2.1).
+    @tf.autograph.experimental.do_not_convert
     def exchange(self, grads: Sequence[Optional[tf.Tensor]], *, world_size: int, scale: float,
                  prescale: float = 1.0, process_set=None) -> List[Optional[tf.Tensor]]:
         """Compress, exchange and aggregate every gradient of the list (None stays None).
@@ -318,7 +321,7 @@ class GradientCompression(tf.Module):
         if fn is None:
             def traced(gs):
                 return self._exchange(gs, world_size, scale, prescale, process_set)
-            fn = self._local.functions[key] = tf.function(traced)
+            fn = self._local.functions[key] = tf.function(traced, autograph=False)
         return fn(grads)
 
     def _driver_for(self, process_set):

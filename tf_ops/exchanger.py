@@ -86,6 +86,7 @@ class Exchanger:
             out.append(g)
         return out
 
+    @tf.autograph.experimental.do_not_convert
     def exchange(self, grads, variables=None) -> List[Optional[tf.Tensor]]:
         """The exchanged gradients, in order: dense ones compressed (``GradientCompression``),
         ``tf.IndexedSlices`` exchanged sparse and uncompressed (``tf_ops.sparse_grads``) unless
