@@ -203,14 +203,15 @@ class Native:
         self.kernels.update_sketch(g.data_ptr(), u.data_ptr(), v.data_ptr(), m, table.data_ptr())
         return table
 
-    def estimates_abs(self, table: torch.Tensor, d: int) -> torch.Tensor:
-        """|lower median over rows of s_j(i) * S[j, h_j(i)]| for every i < d (a reused buffer)."""
+    def candidates(self, table: torch.Tensor, d: int, count: int) -> torch.Tensor:
+        """Indices (int64, ascending) of the ``count`` largest |lower median over rows of
+        s_j(i) * S[j, h_j(i)]| (ties toward the lower index), from a threshold and the entries
+        that pass it (every estimate only where that does not pay; into a reused buffer)."""
         table = table.contiguous()
         if not _f32(table, self.rows * self.cols):
             table = table.to(torch.float32).contiguous()
-        out = _scratch.get(d, torch.float32, torch.device("cpu"), "sketch.est")
-        self.kernels.estimates_abs(table.data_ptr(), out.data_ptr())
-        return out
+        est = lambda: _scratch.get(d, torch.float32, torch.device("cpu"), "sketch.est").numpy()  # noqa: E731
+        return torch.from_numpy(self.kernels.candidates(table.data_ptr(), count, est))
 
 
 class SketchCompressor(TakesMomentum, Compressor):
@@ -241,7 +242,7 @@ class SketchCompressor(TakesMomentum, Compressor):
         if fast is not None:
             table = fast.update_sketch(x, u, v, self.m)
             (summed,) = yield (Allreduce(table.view(-1)),)
-            est = fast.estimates_abs(summed.view(geo.rows, geo.cols), geo.d)
+            cand = fast.candidates(summed.view(geo.rows, geo.cols), geo.d, geo.candidates)
         else:
             u.mul_(self.m).add_(x)
             v.add_(u)
@@ -250,8 +251,8 @@ class SketchCompressor(TakesMomentum, Compressor):
             (summed,) = yield (Allreduce(table.view(-1)),)
             est = estimates(summed.view(geo.rows, geo.cols), keys, geo.d, hashes=hashes)
             del hashes
-        cand = topk_indices(est, geo.candidates)
-        del est
+            cand = topk_indices(est, geo.candidates)
+            del est
         (w,) = yield (Allreduce(v[cand]),)
         pos = topk_indices(w, geo.k)
         sel = cand[pos]
