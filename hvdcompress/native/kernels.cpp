@@ -1359,21 +1359,6 @@ HVDC_INLINE void cells(const uint32_t* __restrict low, uint32_t high, int64_t t0
 
 // A buffer kept by the calling thread between calls (its pages are faulted in once, not at every
 // exchange); grown to the largest size asked for. Holds no data between calls.
-#ifdef HVDC_SK_HUGE
-#include <sys/mman.h>
-HVDC_INLINE float* scratch(size_t n) {
-  thread_local float* buf = nullptr;
-  thread_local size_t have = 0;
-  if (have < n) {
-    std::free(buf);
-    size_t bytes = (n * 4 + (2 << 20) - 1) & ~size_t((2 << 20) - 1);
-    buf = (float*)aligned_alloc(2 << 20, bytes);
-    madvise(buf, bytes, MADV_HUGEPAGE);
-    have = bytes / 4;
-  }
-  return buf;
-}
-#else
 HVDC_INLINE float* scratch(size_t n) {
   thread_local std::vector<float> buf;
   if (buf.size() < n) {
@@ -1382,17 +1367,13 @@ HVDC_INLINE float* scratch(size_t n) {
   }
   return buf.data();
 }
-#endif
 
 // Signed cells of the rows sketched together in one sweep over v: a row's 2c cells are the
 // sketch's only random-access data, and cells of all rows at once (20 MB at 25M entries) leave the
 // cache, so rows are swept in groups whose cells stay in it: the first group's sweep is fused with
 // the u/v update, each later one reads the new v again (a sequential read, cheaper than random
 // accesses that miss the cache).
-#ifndef HVDC_SK_GROUP_CELLS
-#define HVDC_SK_GROUP_CELLS (int64_t(1) << 18)
-#endif
-constexpr int64_t GROUP_CELLS = HVDC_SK_GROUP_CELLS;
+constexpr int64_t GROUP_CELLS = int64_t(1) << 18;  // 1 MB of cells
 
 // u <- u*m + g and v <- v + u, then v into the rows' signed cells, folded into table (rows x cols).
 // SEP: u and v read from uin / vin and written to u / v (other buffers), else in place.
@@ -1441,16 +1422,7 @@ HVDC_INLINE int64_t update_sketch(const float* g, float* u, float* v, int64_t n,
           const int64_t m = std::min(m_chunk - t0, SB);
           cells(low, high, t_chunk + t0, m, uint64_t(two_c), y);
           const float* __restrict x = vv + t0;
-#ifdef HVDC_SK_PF
-          int64_t t = 0;
-          for (; t + HVDC_SK_PF < m; ++t) {
-            __builtin_prefetch(cell + y[t + HVDC_SK_PF], 1, 3);
-            cell[y[t]] += x[t];
-          }
-          for (; t < m; ++t) cell[y[t]] += x[t];
-#else
           for (int64_t t = 0; t < m; ++t) cell[y[t]] += x[t];  // index order within every cell
-#endif
         }
       }
     }
@@ -1646,9 +1618,10 @@ __attribute__((target("avx2"))) void count_bits_avx2(const uint32_t* __restrict 
 #endif
 
 // Every entry with |estimate| >= t (t > 0), ascending, and its |estimate|: at most cap written, the
-// number that pass returned. The lower median is >= t only if (r-1)//2 + 1 of the entry's signed
-// values s_j(i) * S[j, h_j(i)] are >= t or NaN (the median and the rows sorted above it; NaN sorts
-// last), and <= -t only if as many are <= -t (the median and the rows below it); so a bitmask of
+// number that pass returned (-2, nothing written: so many cells pass that computing every estimate
+// is cheaper). The lower median is >= t only if r - (r-1)//2 of the entry's signed values
+// s_j(i) * S[j, h_j(i)] are >= t or NaN (the median and the values sorted above it; NaN sorts last),
+// and <= -t only if (r-1)//2 + 1 are <= -t (the median and the values below it); so a bitmask of
 // the signed cells >= t or NaN (2c bits a row: it stays in cache where the table does not) counts
 // both for every entry from the hashes alone (a NaN cell counted on both sides), and the estimate
 // is computed for the few entries that may pass.
@@ -1658,6 +1631,7 @@ HVDC_INLINE int64_t estimates_ge(const float* table, int64_t n, const uint32_t* 
   const Tables tb(low, high, n);
   const int64_t two_c = 2 * cols, words = (two_c + 31) / 32;
   std::vector<uint32_t> bits(size_t(rows * words), 0);
+  int64_t set = 0;
   for (int j = 0; j < rows; ++j) {  // bit y: the signed cell y (S[y >> 1], negated where y is odd) >= t
     const float* s = table + j * cols;
     uint32_t* bj = bits.data() + j * words;
@@ -1670,15 +1644,15 @@ HVDC_INLINE int64_t estimates_ge(const float* table, int64_t n, const uint32_t* 
         word |= (pos | (neg << 1)) << (2 * c);
       }
       bj[c0 >> 4] = word;
+      set += __builtin_popcount(word);
     }
   }
-  const uint32_t q = uint32_t((rows - 1) / 2 + 1);
+  if (4 * set > rows * two_c) return -2;  // a quarter of the cells pass: every estimate is cheaper
+  // the lower median (element (r-1)//2) is >= t with the r - (r-1)//2 values from it up, <= -t with
+  // the (r-1)//2 + 1 values up to it
+  const uint32_t q_pos = uint32_t(rows - (rows - 1) / 2), q_neg = uint32_t((rows - 1) / 2 + 1);
 #ifdef HVDC_SK_GATHER
-#ifdef HVDC_SK_NOGATHER
-  const bool avx2 = false;
-#else
   const bool avx2 = __builtin_cpu_supports("avx2");
-#endif
 #endif
   alignas(64) uint32_t cnt[CH];  // bits 0-7: rows whose signed value is >= t; bits 16-23: <= -t
   alignas(64) uint8_t may[CH + 8];
@@ -1699,7 +1673,7 @@ HVDC_INLINE int64_t estimates_ge(const float* table, int64_t n, const uint32_t* 
 #endif
         count_bits(lo, hi, t_chunk, m_chunk, uint64_t(two_c), bj, cnt);
     }
-    for (int64_t e = 0; e < m_chunk; ++e) may[e] = ((cnt[e] & 0xffff) >= q) | ((cnt[e] >> 16) >= q);
+    for (int64_t e = 0; e < m_chunk; ++e) may[e] = ((cnt[e] & 0xffff) >= q_pos) | ((cnt[e] >> 16) >= q_neg);
     std::memset(may + m_chunk, 0, 8);
     int64_t nl = 0;
     for (int64_t e0 = 0; e0 < m_chunk; e0 += 8) {  // almost every word of eight is zero

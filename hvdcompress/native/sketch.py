@@ -102,12 +102,15 @@ class Kernels:
         return out
 
     def estimates_ge(self, table: int, t: float, cap: int):
-        """(indices ascending, their |estimate|) of every entry with |estimate| >= t > 0."""
+        """(indices ascending, their |estimate|) of every entry with |estimate| >= t > 0, or None
+        where so many cells pass t that computing every estimate is cheaper."""
         cap = max(1, min(self.d, int(cap)))
         while True:
             idx, mag = np.empty(cap, np.int64), np.empty(cap, np.float32)
             c = self.lib.hvdc_sk_estimates_ge(table, self.d, self.low.ctypes.data, self.high.ctypes.data, self.rows,
                                               self.cols, float(t), idx.ctypes.data, mag.ctypes.data, cap)
+            if c == -2:
+                return None
             if c < 0:
                 raise RuntimeError("sketch: the compiled kernel refused its arguments")
             if c <= cap:
@@ -131,7 +134,10 @@ class Kernels:
                 t = select.kth_largest(sample, r)
                 if not t > 0:  # zeros (or NaN) in the sample: every estimate
                     break
-                idx, mag = self.estimates_ge(table, t, 2 * (r * n // m) + 1024)
+                found = self.estimates_ge(table, t, 2 * (r * n // m) + 1024)
+                if found is None:
+                    break
+                idx, mag = found
                 if idx.size >= count:  # the answer's |estimate| are all >= the count-th largest >= t
                     return idx if idx.size == count else idx[select.positions(mag, count)]
         buf = est() if est is not None else np.empty(n, np.float32)

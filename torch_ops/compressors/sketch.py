@@ -23,12 +23,14 @@ one ``scatter_add_`` of v into the row's 2c signed cells (no sign multiply) to s
 min/max selection network. Nothing of size r x d is ever held; the estimates (d floats) are the
 only dense temporary besides the state.
 
-On CPU (float32, contiguous, the compiled library loaded: ``Native``) two calls of
-``kernels.cpp`` (through ``hvdcompress.native.sketch``, shared with TensorFlow) replace these ops: one pass that updates u and v and adds v into each row's signed
-cells (the hashes computed inline from the same tables, a row at a time per chunk of 4096 entries
-so one row's cells are the only random-access data), and one that writes |estimate| of every
-entry into a buffer kept between steps (the candidates depend on |est| only). The result is built
-in ``ctx.out`` when it is offered. The torch ops stay the path of other devices and dtypes and of
+On CPU (float32, contiguous, the compiled library loaded: ``Native``) the kernels of
+``kernels.cpp`` (through ``hvdcompress.native.sketch``, shared with TensorFlow) replace these ops:
+one that updates u and v and adds v into each row's signed cells (the hashes computed inline from
+the same tables; one sweep over v per group of rows whose cells stay in cache, the first fused
+with the update), and ``candidates``: the P*k largest |estimate| from a threshold set on a sample
+and the few entries that can pass it (a bitmask of the cells rules the others out), so the d
+estimates are neither written nor scanned (every estimate, into a buffer kept between steps, is
+the fallback). The result is built in ``ctx.out`` when it is offered. The torch ops stay the path of other devices and dtypes and of
 ``HVDCOMPRESS_NATIVE=0`` / the torch-only switch; both give the oracle's bits (tests/test_paths.py).
 
 Bit-exactness: on CPU ``scatter_add_`` of a 1-D source adds serially, in index order, chunk after
@@ -178,12 +180,11 @@ def _f32(t: Optional[torch.Tensor], n: int) -> bool:
 
 
 class Native:
-    """The compiled path of one exchange (``hvdcompress.native.sketch``, shared with TensorFlow:
-    ``sk_update_sketch``, ``sk_estimates_abs``): the momentum and error update fused with the
-    sketch in one pass over g, u, v (the hashes computed inline), and |estimate| of every entry
-    into a reused buffer (the candidates need |est| only). Taken for float32 CPU contiguous
-    tensors with the library loaded and the torch-only switch off; the same operations as the
-    torch ops, so the same bits."""
+    """The compiled path of one exchange (``hvdcompress.native.sketch``, shared with TensorFlow):
+    the momentum and error update fused with the sketch (the hashes computed inline), and the
+    candidates (the P*k largest |estimate|, ``Kernels.candidates``). Taken for float32 CPU
+    contiguous tensors with the library loaded and the torch-only switch off; the same operations
+    as the torch ops, so the same bits."""
 
     def __init__(self, lib, keys, d: int, rows: int, cols: int):
         self.rows, self.cols = rows, cols
