@@ -17,6 +17,17 @@ For each size, on the same gradient-like tensor, alternating, ``--repeats`` time
 
 The torch table and estimates are checked bit for bit against the numpy oracle at the first size.
 
+``--phases`` times instead the phases of one exchange on the compiled kernels (what a CPU run
+takes; ``hvdcompress.native.sketch``), with the state carried from repeat to repeat, in units of
+one memory pass (``x * 1.0``, as ``codec_speed.py``), alternating in every repeat:
+
+    python benchmarks/sketch_speed.py --phases --sizes 1e7 2.5e7 --spec sketch:ratio=0.001
+
+    update+sketch  u = m*u + g; v = v + u; the r x c table (round 1's payload)
+    candidates     the P*k largest |estimate| from the summed table
+    second round   v at the candidates, the k largest of the summed values, u = v = 0 there
+    result         the dense result (zeros, the k values set)
+
 Single-threaded by default (``--threads``), so the figures do not depend on the other core.
 """
 
@@ -50,9 +61,13 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--chunk", type=int, default=sk.CHUNK, help="entries per chunk (whole 65536-entry blocks)")
-    p.add_argument("--out", default="benchmarks/results/kernels/sketch_speed.json")
+    p.add_argument("--phases", action="store_true", help="the compiled kernels' phases of one exchange, in passes")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/kernels/sketch_speed[_phases].json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.phases:
+        return phases(args)
+    args.out = args.out or "benchmarks/results/kernels/sketch_speed.json"
     spec = parse_spec(args.spec)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -109,6 +124,69 @@ def main(argv=None) -> int:
                    "load_average_before": load_before, "load_average_after": os.getloadavg(),
                    "note": "(Nx) = multiples of one max pass over the tensor", "rows": rows}, f, indent=2)
     print(f"\nwrote {args.out}")
+    return 0
+
+
+def phases(args) -> int:
+    """The compiled path's phases of one exchange (``--phases``), in memory passes."""
+    spec = parse_spec(args.spec)
+    gen = torch.Generator().manual_seed(0)
+    out, load_before = [], os.getloadavg()
+    for size in map(int, args.sizes):
+        x = torch.randn(size, generator=gen) * torch.rand(size, generator=gen)
+        u, v = torch.zeros_like(x), torch.zeros_like(x)
+        geo = geometry(spec.params, size)
+        if geo.dense:
+            raise SystemExit(f"{spec} exchanges {size} entries dense: no sketch to time")
+        keys = row_keys(spec["seed"], "bench.w", geo.rows)
+        fast = sk.Native.plan(x, u, v, keys, geo.rows, geo.cols)
+        if fast is None:
+            raise SystemExit("the compiled kernels are not loaded (no compiler, or HVDCOMPRESS_NATIVE=0)")
+        times = {n: [] for n in ("one pass", "update+sketch", "candidates", "second round", "result")}
+        for rep in range(args.repeats + 1):  # repeat 0 warms up
+            t = {}
+            t0 = time.perf_counter()
+            y = x * 1.0
+            t["one pass"] = time.perf_counter() - t0
+            del y
+            t0 = time.perf_counter()
+            table = fast.update_sketch(x, u, v, spec["momentum"])
+            t["update+sketch"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            cand = fast.candidates(table, size, geo.candidates)
+            t["candidates"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            w = v[cand]
+            pos = topk_indices(w, geo.k)
+            sel = cand[pos]
+            u[sel] = 0
+            v[sel] = 0
+            t["second round"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            total = torch.zeros_like(v)
+            total[sel] = w[pos]
+            t["result"] = time.perf_counter() - t0
+            del total
+            if rep:
+                for name, dt in t.items():
+                    times[name].append(dt)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        base = med["one pass"]
+        total = sum(s for name, s in med.items() if name != "one pass")
+        print(f"\n{size:,} float32 entries, {args.threads} thread(s), median of {args.repeats}; "
+              f"one memory pass (x * 1.0): {base * 1e3:.2f} ms")
+        for name, s in list(med.items())[1:] + [("total", total)]:
+            print(f"  {name:14s} {s * 1e3:9.2f} ms {s / base:6.2f} passes")
+        out.append({"numel": size, "k": geo.k, "rows": geo.rows, "cols": geo.cols, "candidates": geo.candidates,
+                    "seconds": med, "total_seconds": total, "passes": {n: s / base for n, s in med.items()},
+                    "total_passes": total / base})
+    path = args.out or "benchmarks/results/kernels/sketch_speed_phases.json"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"spec": str(spec), "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
+                   "machine": platform.processor() or platform.machine(), "load_average_before": load_before,
+                   "load_average_after": os.getloadavg(), "rows": out}, f, indent=2)
+    print(f"\nwrote {path}")
     return 0
 
 

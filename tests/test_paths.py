@@ -257,7 +257,7 @@ def test_sketch_takes_the_compiled_kernels_on_the_compiled_branch(monkeypatch):
         pytest.skip("no C++ compiler: the compiled kernels are not built")
     from torch_ops.compressors import sketch as torch_sketch
     calls = []
-    real = torch_sketch.Native.estimates_abs
-    monkeypatch.setattr(torch_sketch.Native, "estimates_abs", lambda self, *a: calls.append(1) or real(self, *a))
+    real = torch_sketch.Native.candidates
+    monkeypatch.setattr(torch_sketch.Native, "candidates", lambda self, *a: calls.append(1) or real(self, *a))
     check("sketch:ratio=0.01", (3001,))
     assert len(calls) == 4  # two ranks, two steps

@@ -368,3 +368,81 @@ def test_sorting_network_median_equals_the_oracle(rows):
     got_tf = tf_sketch.lower_median([tf.constant(r) for r in x])
     np.testing.assert_array_equal(np.abs(got_torch.numpy()), np.abs(want))
     np.testing.assert_array_equal(np.abs(got_tf.numpy()), np.abs(want))
+
+
+# --- the compiled kernels at the numpy level ------------------------------------------------------
+def _kernels(keys, d, cols):
+    from hvdcompress import native
+    from hvdcompress.native.sketch import Kernels
+
+    lib = native.lib()
+    if lib is None:
+        pytest.skip("no C++ compiler: the compiled kernels are not built")
+    return Kernels(lib, keys, d, cols)
+
+
+def _vector(rng, d, kind):
+    v = (rng.standard_normal(d) * rng.lognormal(0, 1.5, d)).astype(np.float32)
+    if kind == "ties":  # many equal values, so many equal estimates at the boundary
+        v = np.round(v).astype(np.float32)
+    elif kind == "sparse":  # mostly zeros
+        v[rng.random(d) < 0.97] = 0
+    elif kind == "nonfinite":
+        v[rng.choice(d, 40, replace=False)] = np.nan
+        v[rng.choice(d, 20, replace=False)] = np.inf
+        v[rng.choice(d, 20, replace=False)] = -np.inf
+    return v
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's NaN arithmetic in the oracle
+@pytest.mark.parametrize("rows, cols, kind", [
+    (5, 2000, "plain"), (5, 150_000, "plain"),  # a row's cells past the kernels' row group: a sweep per row
+    (3, 700, "ties"), (4, 1500, "plain"), (1, 900, "plain"), (2, 3000, "sparse"), (7, 1200, "nonfinite"),
+    (5, 2500, "nonfinite"), (6, 40_000, "ties")])
+def test_kernels_table_and_candidates_are_the_oracle(rows, cols, kind):
+    """``update_sketch`` (in place and into other buffers) gives the oracle's state and table, and
+    ``candidates`` (a threshold from a sample, a bitmask of the cells, the estimates of the few that
+    pass) the oracle's top P*k of the estimates, over several hash blocks and every fallback."""
+    rng = np.random.default_rng(rows * 1000 + cols)
+    d = 2 * hashing.BLOCK + 4099
+    keys = hashing.row_keys(3, KEY, rows)
+    kern = _kernels(keys, d, cols)
+    g, u0, v0 = _vector(rng, d, kind), _vector(rng, d, "plain"), _vector(rng, d, kind)
+    m = np.float32(0.9)
+    u_want = u0 * m + g
+    v_want = v0 + u_want
+    table_want = ref.sketch_table(v_want, keys, cols)
+    est = ref.estimates(table_want, keys, d)
+    a = lambda x: x.ctypes.data  # noqa: E731
+    u, v, table = u0.copy(), v0.copy(), np.empty(rows * cols, np.float32)
+    kern.update_sketch(a(g), a(u), a(v), float(m), a(table))
+    u2, v2, table2 = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(rows * cols, np.float32)
+    kern.update_sketch(a(g), a(u2), a(v2), float(m), a(table2), a(u0), a(v0))
+    for got in ((u, v, table), (u2, v2, table2)):
+        np.testing.assert_array_equal(got[0], u_want)
+        np.testing.assert_array_equal(got[1], v_want)
+        np.testing.assert_array_equal(got[2].reshape(rows, cols), table_want)
+    table_want = np.ascontiguousarray(table_want)
+    for count in (2, 17, 560, 4000, d // 8, d - 1):
+        got = kern.candidates(a(table_want), count)
+        np.testing.assert_array_equal(got, ref.topk_indices(est, count), err_msg=f"count={count}")
+
+
+@pytest.mark.parametrize("rows, t", [(5, 1.0), (5, 3.5), (5, 40.0), (4, 20.0), (3, 12.0)])
+def test_kernels_entries_above_a_threshold_are_every_such_entry(rows, t):
+    """``estimates_ge``: exactly the entries with |estimate| >= t, ascending, with their |estimate|
+    (also when the list outgrows the first buffer), or None when a quarter of the cells pass."""
+    rng = np.random.default_rng(int(t * 10))
+    d, cols = hashing.BLOCK + 777, 3000
+    keys = hashing.row_keys(9, KEY, rows)
+    kern = _kernels(keys, d, cols)
+    table = np.ascontiguousarray(ref.sketch_table(_vector(rng, d, "plain"), keys, cols))
+    est = np.abs(ref.estimates(table, keys, d))
+    want = np.flatnonzero(est >= np.float32(t))
+    found = kern.estimates_ge(table.ctypes.data, t, 8)
+    assert (found is None) == (np.count_nonzero(np.abs(table) >= np.float32(t)) * 4 > rows * 2 * cols)
+    if found is not None:
+        np.testing.assert_array_equal(found[0], want)
+        np.testing.assert_array_equal(found[1], est[want])
+    sample = kern.estimates_abs_at(table.ctypes.data, 5, 97, (d - 6) // 97 + 1)
+    np.testing.assert_array_equal(sample, est[5::97])

@@ -37,7 +37,7 @@ from typing import Optional
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 # -ffp-contract=off: no fused multiply-add, so every float operation rounds as numpy's does
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
-ABI = 6
+ABI = 7
 
 _lib = None
 _tried = False
@@ -121,6 +121,10 @@ def _bind(path: str):
     lib.hvdc_sk_update_sketch_to.restype = i64
     lib.hvdc_sk_estimates_abs.argtypes = [p, i64, p, p, i32, i64, p]
     lib.hvdc_sk_estimates_abs.restype = i64
+    lib.hvdc_sk_estimates_abs_at.argtypes = [p, i64, p, p, i32, i64, i64, i64, i64, p]
+    lib.hvdc_sk_estimates_abs_at.restype = i64
+    lib.hvdc_sk_estimates_ge.argtypes = [p, i64, p, p, i32, i64, ctypes.c_float, p, p, i64]
+    lib.hvdc_sk_estimates_ge.restype = i64
     lib.hvdc_abi_version.restype = ctypes.c_int
     if lib.hvdc_abi_version() != ABI:
         raise RuntimeError("stale kernel library")

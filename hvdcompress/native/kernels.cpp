@@ -18,6 +18,9 @@
 //   q1c_encode / q1c_decode_sum  1-bit SGD with a (pos, neg) pair per column
 //   sk_update_sketch  the sketch's momentum and error update and its count sketch (one pass)
 //   sk_estimates_abs  |estimate| of every entry from a summed sketch (lower median over rows)
+//   sk_estimates_abs_at  |estimate| of a strided sample of entries
+//   sk_estimates_ge  the entries with |estimate| >= t and their |estimate| (a row bitmask rules out
+//               the rest without reading the table)
 //
 // The scans write at most `cap` indices and return how many passed (more than cap: the caller
 // knows the list is incomplete).
@@ -1354,6 +1357,24 @@ HVDC_INLINE void cells(const uint32_t* __restrict low, uint32_t high, int64_t t0
   }
 }
 
+// A buffer kept by the calling thread between calls (its pages are faulted in once, not at every
+// exchange); grown to the largest size asked for. Holds no data between calls.
+HVDC_INLINE float* scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) {
+    buf = std::vector<float>();  // the old pages go back first
+    buf.resize(n);
+  }
+  return buf.data();
+}
+
+// Signed cells of the rows sketched together in one sweep over v: a row's 2c cells are the
+// sketch's only random-access data, and cells of all rows at once (20 MB at 25M entries) leave the
+// cache, so rows are swept in groups whose cells stay in it: the first group's sweep is fused with
+// the u/v update, each later one reads the new v again (a sequential read, cheaper than random
+// accesses that miss the cache).
+constexpr int64_t GROUP_CELLS = int64_t(1) << 18;  // 1 MB of cells
+
 // u <- u*m + g and v <- v + u, then v into the rows' signed cells, folded into table (rows x cols).
 // SEP: u and v read from uin / vin and written to u / v (other buffers), else in place.
 template <bool SEP>
@@ -1363,44 +1384,53 @@ HVDC_INLINE int64_t update_sketch(const float* g, float* u, float* v, int64_t n,
   if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30)) return -1;
   const Tables tb(low, high, n);
   const int64_t two_c = 2 * cols;
-  std::vector<float> signed_cells(size_t(rows * two_c), 0.0f);
+  const int group = int(std::max<int64_t>(1, std::min<int64_t>(rows, GROUP_CELLS / two_c)));
+  float* signed_cells = scratch(size_t(group * two_c));
   alignas(64) uint32_t y[SB];
-  for (int64_t i0 = 0; i0 < n; i0 += CH) {  // a chunk inside one block: its v stays in cache
-    const int64_t m_chunk = std::min(n - i0, CH), b = i0 / BLOCK, t_chunk = i0 - b * BLOCK;
-    float* __restrict uu = u + i0;
-    float* __restrict vv = v + i0;
-    const float* __restrict gg = g + i0;
-    if (SEP) {
-      const float* __restrict ui = uin + i0;
-      const float* __restrict vi = vin + i0;
-      for (int64_t t = 0; t < m_chunk; ++t) {
-        const float nu = ui[t] * mom + gg[t];
-        uu[t] = nu;
-        vv[t] = vi[t] + nu;
+  for (int j0 = 0; j0 < rows; j0 += group) {
+    const int j1 = std::min(rows, j0 + group);
+    std::memset(signed_cells, 0, size_t((j1 - j0) * two_c) * sizeof(float));
+    for (int64_t i0 = 0; i0 < n; i0 += CH) {  // a chunk inside one block: its v stays in cache
+      const int64_t m_chunk = std::min(n - i0, CH), b = i0 / BLOCK, t_chunk = i0 - b * BLOCK;
+      float* __restrict vv = v + i0;
+      if (j0 == 0) {
+        float* __restrict uu = u + i0;
+        const float* __restrict gg = g + i0;
+        if (SEP) {
+          const float* __restrict ui = uin + i0;
+          const float* __restrict vi = vin + i0;
+          for (int64_t t = 0; t < m_chunk; ++t) {
+            const float nu = ui[t] * mom + gg[t];
+            uu[t] = nu;
+            vv[t] = vi[t] + nu;
+          }
+        } else {
+          for (int64_t t = 0; t < m_chunk; ++t) {
+            const float nu = uu[t] * mom + gg[t];
+            uu[t] = nu;
+            vv[t] = vv[t] + nu;
+          }
+        }
       }
-    } else {
-      for (int64_t t = 0; t < m_chunk; ++t) {
-        const float nu = uu[t] * mom + gg[t];
-        uu[t] = nu;
-        vv[t] = vv[t] + nu;
+      if (j0 > 0)  // v read again: the next chunk fetched without keeping it in the outer caches
+        for (int64_t t = 0; t < m_chunk; t += 16) __builtin_prefetch(vv + CH + t, 0, 0);
+      for (int j = j0; j < j1; ++j) {  // a row at a time: one row's cells in cache
+        const uint32_t* low = tb.low + j * tb.n_low;
+        const uint32_t high = tb.high[size_t(j * tb.n_high + b)];
+        float* __restrict cell = signed_cells + (j - j0) * two_c;
+        for (int64_t t0 = 0; t0 < m_chunk; t0 += SB) {
+          const int64_t m = std::min(m_chunk - t0, SB);
+          cells(low, high, t_chunk + t0, m, uint64_t(two_c), y);
+          const float* __restrict x = vv + t0;
+          for (int64_t t = 0; t < m; ++t) cell[y[t]] += x[t];  // index order within every cell
+        }
       }
     }
-    for (int j = 0; j < rows; ++j) {  // a row at a time: one row's cells in cache
-      const uint32_t* low = tb.low + j * tb.n_low;
-      const uint32_t high = tb.high[size_t(j * tb.n_high + b)];
-      float* __restrict cell = signed_cells.data() + j * two_c;
-      for (int64_t t0 = 0; t0 < m_chunk; t0 += SB) {
-        const int64_t m = std::min(m_chunk - t0, SB);
-        cells(low, high, t_chunk + t0, m, uint64_t(two_c), y);
-        const float* __restrict x = vv + t0;
-        for (int64_t t = 0; t < m; ++t) cell[y[t]] += x[t];  // index order within every cell
-      }
+    for (int j = j0; j < j1; ++j) {
+      const float* s = signed_cells + (j - j0) * two_c;
+      float* out = table + j * cols;
+      for (int64_t c = 0; c < cols; ++c) out[c] = s[2 * c] - s[2 * c + 1];
     }
-  }
-  for (int j = 0; j < rows; ++j) {
-    const float* s = signed_cells.data() + j * two_c;
-    float* out = table + j * cols;
-    for (int64_t c = 0; c < cols; ++c) out[c] = s[2 * c] - s[2 * c + 1];
   }
   return 0;
 }
@@ -1495,6 +1525,180 @@ HVDC_INLINE int64_t estimates_abs(const float* table, int64_t n, const uint32_t*
   return 0;
 }
 
+// |lower median over rows of s_j(i) * table[j, h_j(i)]| of one entry, the hashes from the tables
+// (the same operations as cells() and lower_median(): sorted by compare-exchanges in np.sort's
+// order, NaN last).
+HVDC_INLINE float estimate_abs_at(const float* table, const Tables& tb, int rows, int64_t cols, int64_t i) {
+  float w[32];
+  const uint64_t c2 = uint64_t(uint32_t(2 * cols));
+  const int64_t b = i / BLOCK, t = i - b * BLOCK;
+  for (int j = 0; j < rows; ++j) {
+    const uint32_t z = (tb.high[size_t(j * tb.n_high + b)] ^ tb.low[size_t(j * tb.n_low + t)]) * C3;
+    const uint32_t y = uint32_t((uint64_t(z) * c2) >> 32);
+    const float x = table[j * cols + (y >> 1)];
+    w[j] = (y & 1) ? -x : x;
+  }
+  for (int a = 1; a < rows; ++a)
+    for (int c = a; c > 0; --c) cmpx(w[c - 1], w[c]);
+  return std::fabs(w[(rows - 1) / 2]);
+}
+
+// Requests the table cells of entry i (they do not stay in cache), so that the reads of several
+// entries overlap.
+HVDC_INLINE void prefetch_cells(const float* table, const Tables& tb, int rows, int64_t cols, int64_t i) {
+  const uint64_t c2 = uint64_t(uint32_t(2 * cols));
+  const int64_t b = i / BLOCK, t = i - b * BLOCK;
+  for (int j = 0; j < rows; ++j) {
+    const uint32_t z = (tb.high[size_t(j * tb.n_high + b)] ^ tb.low[size_t(j * tb.n_low + t)]) * C3;
+    __builtin_prefetch(table + j * cols + ((uint64_t(z) * c2) >> 33));
+  }
+}
+
+// |estimate| of the m entries start, start + stride, ... (a sample to set a threshold from).
+HVDC_INLINE int64_t estimates_abs_at(const float* table, int64_t n, const uint32_t* low, const uint32_t* high,
+                                     int rows, int64_t cols, int64_t start, int64_t stride, int64_t m,
+                                     float* out) {
+  if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30) || start < 0 || stride < 1 ||
+      m < 0 || (m > 0 && start + (m - 1) * stride >= n))
+    return -1;
+  const Tables tb(low, high, n);
+  constexpr int64_t AHEAD = 64;  // entries whose cells are requested before the first is read
+  for (int64_t s0 = 0; s0 < m; s0 += AHEAD) {
+    const int64_t s1 = std::min(m, s0 + AHEAD);
+    for (int64_t s = s0; s < s1; ++s) prefetch_cells(table, tb, rows, cols, start + s * stride);
+    for (int64_t s = s0; s < s1; ++s) out[s] = estimate_abs_at(table, tb, rows, cols, start + s * stride);
+  }
+  return 0;
+}
+
+// cnt[e] += (signed cell y_e >= t) + ((signed cell y_e <= -t) << 16) for the m entries from t0 of
+// a block, y_e the row's hash (cells()), from the row's bitmask bj (bit y: signed cell y >= t; the
+// bit of y ^ 1 says whether cell y is <= -t).
+HVDC_INLINE void count_bits(const uint32_t* __restrict low, uint32_t high, int64_t t0, int64_t m, uint64_t two_c,
+                            const uint32_t* __restrict bj, uint32_t* __restrict cnt) {
+  alignas(64) uint32_t y[SB];
+  for (int64_t s = 0; s < m; s += SB) {
+    const int64_t ms = std::min(m - s, SB);
+    cells(low, high, t0 + s, ms, two_c, y);
+    uint32_t* __restrict cc = cnt + s;
+    for (int64_t e = 0; e < ms; ++e) {
+      const uint32_t cell = y[e];
+      const uint32_t w = bj[cell >> 5];
+      cc[e] += ((w >> (cell & 31)) & 1) | (((w >> ((cell ^ 1) & 31)) & 1) << 16);
+    }
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#include <immintrin.h>
+#define HVDC_SK_GATHER 1
+// count_bits with AVX2: the hash and the bit test of eight entries at once (a gather of their
+// bitmask words).
+__attribute__((target("avx2"))) void count_bits_avx2(const uint32_t* __restrict low, uint32_t high, int64_t t0,
+                                                     int64_t m, uint64_t two_c, const uint32_t* __restrict bj,
+                                                     uint32_t* __restrict cnt) {
+  const __m256i hi = _mm256_set1_epi32(int(high)), c3 = _mm256_set1_epi32(int(C3));
+  const __m256i c2 = _mm256_set1_epi32(int(uint32_t(two_c))), one = _mm256_set1_epi32(1);
+  const __m256i m31 = _mm256_set1_epi32(31);
+  int64_t e = 0;
+  for (; e + 8 <= m; e += 8) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + t0 + e));
+    const __m256i z = _mm256_mullo_epi32(_mm256_xor_si256(hi, lo), c3);
+    const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(z, c2), 32);       // lanes 0, 2, ...
+    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(z, 32), c2);        // lanes 1, 3, ... (high half)
+    const __m256i cell = _mm256_blend_epi32(even, odd, 0xAA);
+    const __m256i w = _mm256_i32gather_epi32(reinterpret_cast<const int*>(bj), _mm256_srli_epi32(cell, 5), 4);
+    const __m256i pos = _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_and_si256(cell, m31)), one);
+    const __m256i neg = _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_and_si256(_mm256_xor_si256(cell, one), m31)), one);
+    __m256i* c = reinterpret_cast<__m256i*>(cnt + e);
+    _mm256_storeu_si256(c, _mm256_add_epi32(_mm256_loadu_si256(c), _mm256_or_si256(pos, _mm256_slli_epi32(neg, 16))));
+  }
+  if (e < m) count_bits(low, high, t0 + e, m - e, two_c, bj, cnt + e);
+}
+#endif
+
+// Every entry with |estimate| >= t (t > 0), ascending, and its |estimate|: at most cap written, the
+// number that pass returned (-2, nothing written: so many cells pass that computing every estimate
+// is cheaper). The lower median is >= t only if r - (r-1)//2 of the entry's signed values
+// s_j(i) * S[j, h_j(i)] are >= t or NaN (the median and the values sorted above it; NaN sorts last),
+// and <= -t only if (r-1)//2 + 1 are <= -t (the median and the values below it); so a bitmask of
+// the signed cells >= t or NaN (2c bits a row: it stays in cache where the table does not) counts
+// both for every entry from the hashes alone (a NaN cell counted on both sides), and the estimate
+// is computed for the few entries that may pass.
+HVDC_INLINE int64_t estimates_ge(const float* table, int64_t n, const uint32_t* low, const uint32_t* high, int rows,
+                                 int64_t cols, float t, int64_t* idx, float* mag, int64_t cap) {
+  if (n < 1 || rows < 1 || rows > 32 || cols < 1 || cols > (int64_t(1) << 30) || !(t > 0.0f) || cap < 0) return -1;
+  const Tables tb(low, high, n);
+  const int64_t two_c = 2 * cols, words = (two_c + 31) / 32;
+  std::vector<uint32_t> bits(size_t(rows * words), 0);
+  int64_t set = 0;
+  for (int j = 0; j < rows; ++j) {  // bit y: the signed cell y (S[y >> 1], negated where y is odd) >= t
+    const float* s = table + j * cols;
+    uint32_t* bj = bits.data() + j * words;
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const int64_t mc = std::min<int64_t>(16, cols - c0);
+      uint32_t word = 0;
+      for (int64_t c = 0; c < mc; ++c) {
+        const float x = s[c0 + c];
+        const uint32_t nan = x != x, pos = (x >= t) | nan, neg = (-x >= t) | nan;
+        word |= (pos | (neg << 1)) << (2 * c);
+      }
+      bj[c0 >> 4] = word;
+      set += __builtin_popcount(word);
+    }
+  }
+  if (4 * set > rows * two_c) return -2;  // a quarter of the cells pass: every estimate is cheaper
+  // the lower median (element (r-1)//2) is >= t with the r - (r-1)//2 values from it up, <= -t with
+  // the (r-1)//2 + 1 values up to it
+  const uint32_t q_pos = uint32_t(rows - (rows - 1) / 2), q_neg = uint32_t((rows - 1) / 2 + 1);
+#ifdef HVDC_SK_GATHER
+  const bool avx2 = __builtin_cpu_supports("avx2");
+#endif
+  alignas(64) uint32_t cnt[CH];  // bits 0-7: rows whose signed value is >= t; bits 16-23: <= -t
+  alignas(64) uint8_t may[CH + 8];
+  alignas(64) int32_t live[CH];
+  int64_t count = 0, spare_i = 0;
+  float spare_m = 0.0f;
+  for (int64_t i0 = 0; i0 < n; i0 += CH) {
+    const int64_t m_chunk = std::min(n - i0, CH), b = i0 / BLOCK, t_chunk = i0 - b * BLOCK;
+    std::memset(cnt, 0, sizeof(cnt));
+    for (int j = 0; j < rows; ++j) {
+      const uint32_t* lo = tb.low + j * tb.n_low;
+      const uint32_t hi = tb.high[size_t(j * tb.n_high + b)];
+      const uint32_t* bj = bits.data() + j * words;
+#ifdef HVDC_SK_GATHER
+      if (avx2)
+        count_bits_avx2(lo, hi, t_chunk, m_chunk, uint64_t(two_c), bj, cnt);
+      else
+#endif
+        count_bits(lo, hi, t_chunk, m_chunk, uint64_t(two_c), bj, cnt);
+    }
+    for (int64_t e = 0; e < m_chunk; ++e) may[e] = ((cnt[e] & 0xffff) >= q_pos) | ((cnt[e] >> 16) >= q_neg);
+    std::memset(may + m_chunk, 0, 8);
+    int64_t nl = 0;
+    for (int64_t e0 = 0; e0 < m_chunk; e0 += 8) {  // almost every word of eight is zero
+      uint64_t word;
+      std::memcpy(&word, may + e0, 8);
+      while (word) {
+        live[nl++] = int32_t(e0 + (__builtin_ctzll(word) >> 3));
+        word &= word - 1;
+      }
+    }
+    for (int64_t s = 0; s < nl; ++s) prefetch_cells(table, tb, rows, cols, i0 + live[s]);
+    for (int64_t s = 0; s < nl; ++s) {
+      const int64_t i = i0 + live[s];
+      const float a = estimate_abs_at(table, tb, rows, cols, i);
+      const bool room = count < cap;  // no branch on a (a miss's value): the next entries' reads go on
+      int64_t* pi = room ? idx + count : &spare_i;
+      float* pm = room ? mag + count : &spare_m;
+      *pi = i;
+      *pm = a;
+      count += a >= t;
+    }
+  }
+  return count;
+}
+
 }  // namespace sketch
 
 // The quantizer entry points are compiled twice, for AVX2 and for the baseline, and the loader
@@ -1538,6 +1742,15 @@ HVDC_CLONES int64_t hvdc_sk_update_sketch_to(const float* g, const float* uin, c
 HVDC_CLONES int64_t hvdc_sk_estimates_abs(const float* table, int64_t n, const uint32_t* low, const uint32_t* high,
                                           int rows, int64_t cols, float* est_abs) {
   return sketch::estimates_abs(table, n, low, high, rows, cols, est_abs);
+}
+HVDC_CLONES int64_t hvdc_sk_estimates_abs_at(const float* table, int64_t n, const uint32_t* low, const uint32_t* high,
+                                             int rows, int64_t cols, int64_t start, int64_t stride, int64_t m,
+                                             float* out) {
+  return sketch::estimates_abs_at(table, n, low, high, rows, cols, start, stride, m, out);
+}
+HVDC_CLONES int64_t hvdc_sk_estimates_ge(const float* table, int64_t n, const uint32_t* low, const uint32_t* high,
+                                         int rows, int64_t cols, float t, int64_t* idx, float* mag, int64_t cap) {
+  return sketch::estimates_ge(table, n, low, high, rows, cols, t, idx, mag, cap);
 }
 int64_t hvdc_ge_f32(const float* x, int64_t n, float t, int64_t* idx, int64_t cap) {
   return ge<float>(x, n, t, idx, cap);
@@ -1600,6 +1813,6 @@ int64_t hvdc_topk_small_f32(const float* x, int64_t n, int64_t k, int64_t* out, 
 int64_t hvdc_topk_small_f64(const double* x, int64_t n, int64_t k, int64_t* out, double* work) {
   return topk_small<double>(x, n, k, out, work);
 }
-int hvdc_abi_version() { return 6; }
+int hvdc_abi_version() { return 7; }
 
 }  // extern "C"

@@ -6,6 +6,18 @@ short tables (``hvdcompress.hashing``); ``sk_estimates_abs`` writes |lower media
 s_j(i) * S[j, h_j(i)]| of every entry. Both follow ``hvdcompress.reference.sketch`` (cells summed
 in index order), so the table and the estimates are the oracle's bit for bit.
 
+The sketch pass sweeps v once per row (the first sweep fused with the u/v update) when the rows'
+cells together would not stay in cache: random additions into cells that miss the cache cost far
+more than reading v again.
+
+``Kernels.candidates`` gives the P*k largest |estimate| (``topk_indices``' set: ties toward the
+lower index) without writing or scanning d estimates: a threshold t from the |estimates| of a
+strided sample (``sk_estimates_abs_at``, ``select.topk``'s sample and slack), then the entries with
+|estimate| >= t (``sk_estimates_ge``: an entry needs a majority of its rows' cells with |S| >= t,
+tested on a bitmask of c bits a row that stays in cache, before its estimate is computed); the
+exact rule among those. Too few or too many pass: the next slack, then every estimate and
+``select.topk_any``.
+
 ``Kernels(lib, keys, d, cols)`` holds the tables (cached across steps: a tensor is hashed with the
 same keys every step) and takes raw addresses of float32 buffers: PyTorch passes its tensors'
 ``data_ptr()`` and updates u and v in place, TensorFlow passes numpy arrays and has the new state
@@ -14,12 +26,15 @@ written to other buffers.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from .. import hashing
+from ..sampling import sample_k
+from . import select
 
 MAX_ROWS = 32  # the kernels' limit
 TABLE_CACHE_BYTES = 64 << 20
@@ -76,3 +91,59 @@ class Kernels:
                                             self.cols, out)
         if rc != 0:
             raise RuntimeError("sketch: the compiled kernel refused its arguments")
+
+    def estimates_abs_at(self, table: int, start: int, stride: int, m: int) -> np.ndarray:
+        """|estimate| of the m entries start, start + stride, ... (float32)."""
+        out = np.empty(m, np.float32)
+        rc = self.lib.hvdc_sk_estimates_abs_at(table, self.d, self.low.ctypes.data, self.high.ctypes.data,
+                                               self.rows, self.cols, start, stride, m, out.ctypes.data)
+        if rc != 0:
+            raise RuntimeError("sketch: the compiled kernel refused its arguments")
+        return out
+
+    def estimates_ge(self, table: int, t: float, cap: int):
+        """(indices ascending, their |estimate|) of every entry with |estimate| >= t > 0, or None
+        where so many cells pass t that computing every estimate is cheaper."""
+        cap = max(1, min(self.d, int(cap)))
+        while True:
+            idx, mag = np.empty(cap, np.int64), np.empty(cap, np.float32)
+            c = self.lib.hvdc_sk_estimates_ge(table, self.d, self.low.ctypes.data, self.high.ctypes.data, self.rows,
+                                              self.cols, float(t), idx.ctypes.data, mag.ctypes.data, cap)
+            if c == -2:
+                return None
+            if c < 0:
+                raise RuntimeError("sketch: the compiled kernel refused its arguments")
+            if c <= cap:
+                return idx[:c], mag[:c]
+            cap = c
+
+    def candidates(self, table: int, count: int, est: Optional[Callable[[], np.ndarray]] = None) -> np.ndarray:
+        """Indices (int64, ascending) of the ``count`` largest |estimate| from the float32 rows x
+        cols table at ``table``, ties toward the lower index (the oracle's ``topk_indices`` of the
+        estimates). ``est``: gives a float32 buffer of d entries for the fallback (every estimate)."""
+        n, count = self.d, int(count)
+        if 1 < count < n and n >= select.NATIVE_DIRECT_BELOW:
+            stride = select.sample_stride(n)
+            m = (n - stride // 2 - 1) // stride + 1
+            sample = self.estimates_abs_at(table, stride // 2, stride, m)
+            ks = sample_k(count, m, n)
+            for slack in (4, 16):  # the threshold: `slack` standard deviations below the estimate
+                r = ks + int(slack * math.sqrt(ks)) + slack
+                if 8 * r > m:  # a dense selection: no cheaper than every estimate
+                    break
+                t = select.kth_largest(sample, r)
+                if not t > 0:  # zeros (or NaN) in the sample: every estimate
+                    break
+                found = self.estimates_ge(table, t, 2 * (r * n // m) + 1024)
+                if found is None:
+                    break
+                idx, mag = found
+                if idx.size >= count:  # the answer's |estimate| are all >= the count-th largest >= t
+                    return idx if idx.size == count else idx[select.positions(mag, count)]
+        buf = est() if est is not None else np.empty(n, np.float32)
+        self.estimates_abs(table, buf.ctypes.data)
+        nan = np.isnan(buf)
+        if 1 < count < n and nan.any():  # NaN ranks last (the oracle's order), below every number
+            buf[nan] = -1
+            return select.positions(buf, count)
+        return select.topk_any(buf, count)

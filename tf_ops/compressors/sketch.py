@@ -30,7 +30,6 @@ import tensorflow as tf
 
 from hvdcompress import hashing
 from hvdcompress.hashing import C1, C2, M32, SHIFTS, row_keys
-from hvdcompress.native import select as shared
 from hvdcompress.native.sketch import Kernels
 from hvdcompress.reference.sketch import geometry
 from hvdcompress.spec import CompressionSpec
@@ -120,8 +119,9 @@ def lower_median(rows):
 class CompiledSketch:
     """The sketch's first two stages on the shared compiled kernels (``hvdcompress.native.sketch``),
     two host calls: ``update_sketch`` (u = m*u + g; v = v + u into new buffers, and the count
-    sketch of v, in one pass) and ``candidates`` (|estimate| of every entry into a reused buffer,
-    then its top P*k: ``hvdcompress.native.select.topk_any``). The TF ops' results bit for bit."""
+    sketch of v, in one pass per row group) and ``candidates`` (the top P*k |estimate|:
+    ``hvdcompress.native.sketch.Kernels.candidates``, from a threshold and the entries that pass it,
+    or every estimate in a reused buffer). The TF ops' results bit for bit."""
 
     def __init__(self, lib, keys, n: int, rows: int, cols: int, m: float):
         self.kernels = Kernels(lib, keys, n, cols)
@@ -142,9 +142,8 @@ class CompiledSketch:
         return host.call(self._update, [g, u, v], [(tf.float32, [size]), (tf.float32, [n]), (tf.float32, [n])])
 
     def _candidates(self, table, count):
-        est = self.buffers.get(self.n, np.float32)
-        self.kernels.estimates_abs(host.address(np.ascontiguousarray(table, np.float32)), host.address(est))
-        return (shared.topk_any(est, int(count)),)
+        table = np.ascontiguousarray(table, np.float32)
+        return (self.kernels.candidates(host.address(table), int(count), lambda: self.buffers.get(self.n, np.float32)),)
 
     def candidates(self, summed: tf.Tensor, count: int) -> tf.Tensor:
         """Indices (int64, ascending) of the ``count`` largest |estimate| from the summed table."""

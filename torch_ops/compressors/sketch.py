@@ -23,12 +23,14 @@ one ``scatter_add_`` of v into the row's 2c signed cells (no sign multiply) to s
 min/max selection network. Nothing of size r x d is ever held; the estimates (d floats) are the
 only dense temporary besides the state.
 
-On CPU (float32, contiguous, the compiled library loaded: ``Native``) two calls of
-``kernels.cpp`` (through ``hvdcompress.native.sketch``, shared with TensorFlow) replace these ops: one pass that updates u and v and adds v into each row's signed
-cells (the hashes computed inline from the same tables, a row at a time per chunk of 4096 entries
-so one row's cells are the only random-access data), and one that writes |estimate| of every
-entry into a buffer kept between steps (the candidates depend on |est| only). The result is built
-in ``ctx.out`` when it is offered. The torch ops stay the path of other devices and dtypes and of
+On CPU (float32, contiguous, the compiled library loaded: ``Native``) the kernels of
+``kernels.cpp`` (through ``hvdcompress.native.sketch``, shared with TensorFlow) replace these ops:
+one that updates u and v and adds v into each row's signed cells (the hashes computed inline from
+the same tables; one sweep over v per group of rows whose cells stay in cache, the first fused
+with the update), and ``candidates``: the P*k largest |estimate| from a threshold set on a sample
+and the few entries that can pass it (a bitmask of the cells rules the others out), so the d
+estimates are neither written nor scanned (every estimate, into a buffer kept between steps, is
+the fallback). The result is built in ``ctx.out`` when it is offered. The torch ops stay the path of other devices and dtypes and of
 ``HVDCOMPRESS_NATIVE=0`` / the torch-only switch; both give the oracle's bits (tests/test_paths.py).
 
 Bit-exactness: on CPU ``scatter_add_`` of a 1-D source adds serially, in index order, chunk after
@@ -178,12 +180,11 @@ def _f32(t: Optional[torch.Tensor], n: int) -> bool:
 
 
 class Native:
-    """The compiled path of one exchange (``hvdcompress.native.sketch``, shared with TensorFlow:
-    ``sk_update_sketch``, ``sk_estimates_abs``): the momentum and error update fused with the
-    sketch in one pass over g, u, v (the hashes computed inline), and |estimate| of every entry
-    into a reused buffer (the candidates need |est| only). Taken for float32 CPU contiguous
-    tensors with the library loaded and the torch-only switch off; the same operations as the
-    torch ops, so the same bits."""
+    """The compiled path of one exchange (``hvdcompress.native.sketch``, shared with TensorFlow):
+    the momentum and error update fused with the sketch (the hashes computed inline), and the
+    candidates (the P*k largest |estimate|, ``Kernels.candidates``). Taken for float32 CPU
+    contiguous tensors with the library loaded and the torch-only switch off; the same operations
+    as the torch ops, so the same bits."""
 
     def __init__(self, lib, keys, d: int, rows: int, cols: int):
         self.rows, self.cols = rows, cols
@@ -203,14 +204,15 @@ class Native:
         self.kernels.update_sketch(g.data_ptr(), u.data_ptr(), v.data_ptr(), m, table.data_ptr())
         return table
 
-    def estimates_abs(self, table: torch.Tensor, d: int) -> torch.Tensor:
-        """|lower median over rows of s_j(i) * S[j, h_j(i)]| for every i < d (a reused buffer)."""
+    def candidates(self, table: torch.Tensor, d: int, count: int) -> torch.Tensor:
+        """Indices (int64, ascending) of the ``count`` largest |lower median over rows of
+        s_j(i) * S[j, h_j(i)]| (ties toward the lower index), from a threshold and the entries
+        that pass it (every estimate only where that does not pay; into a reused buffer)."""
         table = table.contiguous()
         if not _f32(table, self.rows * self.cols):
             table = table.to(torch.float32).contiguous()
-        out = _scratch.get(d, torch.float32, torch.device("cpu"), "sketch.est")
-        self.kernels.estimates_abs(table.data_ptr(), out.data_ptr())
-        return out
+        est = lambda: _scratch.get(d, torch.float32, torch.device("cpu"), "sketch.est").numpy()  # noqa: E731
+        return torch.from_numpy(self.kernels.candidates(table.data_ptr(), count, est))
 
 
 class SketchCompressor(TakesMomentum, Compressor):
@@ -241,7 +243,7 @@ class SketchCompressor(TakesMomentum, Compressor):
         if fast is not None:
             table = fast.update_sketch(x, u, v, self.m)
             (summed,) = yield (Allreduce(table.view(-1)),)
-            est = fast.estimates_abs(summed.view(geo.rows, geo.cols), geo.d)
+            cand = fast.candidates(summed.view(geo.rows, geo.cols), geo.d, geo.candidates)
         else:
             u.mul_(self.m).add_(x)
             v.add_(u)
@@ -250,8 +252,8 @@ class SketchCompressor(TakesMomentum, Compressor):
             (summed,) = yield (Allreduce(table.view(-1)),)
             est = estimates(summed.view(geo.rows, geo.cols), keys, geo.d, hashes=hashes)
             del hashes
-        cand = topk_indices(est, geo.candidates)
-        del est
+            cand = topk_indices(est, geo.candidates)
+            del est
         (w,) = yield (Allreduce(v[cand]),)
         pos = topk_indices(w, geo.k)
         sel = cand[pos]
