@@ -345,7 +345,9 @@ class GradientCompression(tf.Module):
         if found is None:
             planned = needs_cost_model(self._schedule) or self._alternatives
             model = self.prepare(world_size, process_set) if planned else self._cost_model
-            found = self._local.plans[signature] = make_groups(self._schedule, grads, self._spec, world_size, model,
+            # plain Python and numpy: kept out of autograph, which would convert the planner's searches
+            plan_groups = tf.autograph.experimental.do_not_convert(make_groups)
+            found = self._local.plans[signature] = plan_groups(self._schedule, grads, self._spec, world_size, model,
                                                                self._alternatives)
         self._local.last = found
         return found[0]
