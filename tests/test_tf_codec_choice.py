@@ -99,3 +99,85 @@ def test_bad_codec_choice_raises_before_any_exchange():
     with pytest.raises(ValueError, match=r"no fit for fp16"):
         GradientCompression("topk:ratio=0.01", codec_choice="auto", schedule="mgs",
                                 cost_model=CostModel.from_link(2, 1.0, 5e-5, {"topk:ratio=0.01": ComputeFit("linear", 1e-9, 0)}))
+
+
+LOWRANK = "powersgd:rank=2"
+MLP = [(20, 32), (32,), (32, 32), (32,), (32, 4), (4,)]  # kernels and biases, as tests/scenarios/kit.keras_mlp
+
+
+def _lowrank_model():
+    """A 0.1 Mbit/s link with 5 ms per hop and cheap compression: PowerSGD pays on the two large
+    kernels, the rest is better merged into fp16 groups."""
+    fit = ComputeFit("linear", 1e-10, 1e-6)
+    return CostModel.from_link(WORLD, gbit_per_s=1e-4, latency_s=5e-3,
+                               compress={LOWRANK: fit, "fp16": fit, "none": ComputeFit("linear", 1e-12, 1e-7)})
+
+
+@pytest.mark.parametrize("schedule", ["auto", "mgwfbp", "mgs"])
+def test_a_layerwise_compressor_is_planned_on_single_gradients_beside_merged_fp16_groups(schedule):
+    """PowerSGD never merges (its q is shaped by the tensor): with the codec choice a searched
+    schedule gives it groups of one gradient only and merges the others into fp16 / dense groups."""
+    from tf_ops.grouping import check_schedule, make_groups
+    grads = [tf.zeros(s) for s in MLP]
+    groups, plan = make_groups(check_schedule(schedule), grads, parse_spec(LOWRANK), WORLD, _lowrank_model(),
+                               ("fp16", "none"))
+    assert [g.positions for g in groups] == [(5, 4, 3), (2,), (1,), (0,)]
+    assert [g.codec for g in groups] == ["fp16:residual=false", None, "fp16:residual=false", None]
+    assert plan.codecs[1] == plan.codecs[3] and plan.codecs[1].startswith("powersgd")
+    alone, _ = make_groups(check_schedule("auto"), grads, parse_spec(LOWRANK), WORLD, _lowrank_model())
+    assert [g.positions for g in alone] == [(i,) for i in range(5, -1, -1)]  # without the choice: layerwise
+    comp = GradientCompression(LOWRANK, schedule=schedule, cost_model=_lowrank_model(), codec_choice="auto")
+    assert comp.schedule == schedule
+    assert GradientCompression(LOWRANK, schedule="auto").schedule == "layerwise"
+    for other in ("size:1", "mgs:greedy"):  # a partition made without the choice
+        with pytest.raises(ValueError, match="cannot be merged"):
+            GradientCompression(LOWRANK, schedule=other, cost_model=_lowrank_model(), codec_choice="auto")
+    with pytest.raises(ValueError, match="cannot be merged"):
+        GradientCompression(LOWRANK, schedule="mgs", cost_model=_lowrank_model())
+
+
+def test_a_merged_fp16_group_sends_the_residuals_and_leaves_q_alone():
+    """Two simulated ranks, PowerSGD with the codec choice: the merged fp16 group (a kernel and two
+    biases) sends the kernel's residual with its gradient and keeps the cast's rounding in it, as
+    the numpy reference does; the biases, which have no residual, get no slot; the kernel's q is
+    not touched; the kernels sent alone run PowerSGD on their own q and residual."""
+    comps = [GradientCompression(LOWRANK, driver=_NoDriver(), schedule="auto", cost_model=_lowrank_model(),
+                                 codec_choice="auto") for _ in range(WORLD)]
+    rng = np.random.default_rng(3)
+
+    def draw():
+        return [[rng.standard_normal(s).astype(np.float32) for s in MLP] for _ in range(WORLD)]
+
+    _exchange(comps, [[tf.constant(g) for g in gs] for gs in draw()])  # creates the slots
+    assert [sorted(s) for s in comps[0].slots] == [["q", "residual"], [], ["q", "residual"], [], ["q", "residual"], []]
+    for c in comps:  # a residual and a warm q of their own (as left by PowerSGD before a switch)
+        for s in c.slots:
+            for v in s.values():
+                v.assign(rng.standard_normal(v.shape).astype(np.float32))
+    before = [[{k: v.numpy().copy() for k, v in s.items()} for s in c.slots] for c in comps]
+    grads = draw()
+    out = _exchange(comps, [[tf.constant(g) for g in gs] for gs in grads])
+    merged = (5, 4, 3)  # concatenated in that order
+    wires, after = [], []
+    for r in range(WORLD):
+        flat = np.concatenate([grads[r][p].reshape(-1) for p in merged])
+        state = {"residual": np.concatenate([before[r][p].get("residual", np.zeros(grads[r][p].size, np.float32))
+                                             for p in merged])}
+        wire, st = dense_send(flat, state, "fp16")
+        wires.append(wire)
+        after.append(st["residual"])
+    want = dense_result(wires, 1.0 / WORLD)
+    offsets = np.cumsum([0] + [grads[0][p].size for p in merged])
+    for r in range(WORLD):
+        got = np.concatenate([out[r][p].numpy().reshape(-1) for p in merged])
+        np.testing.assert_array_equal(got, want)
+        slots = comps[r].slots
+        np.testing.assert_array_equal(slots[4]["residual"].numpy(), after[r][offsets[1]:offsets[2]])
+        assert np.abs(slots[4]["residual"].numpy()).max() < 1e-2 * np.abs(before[r][4]["residual"]).max()
+        np.testing.assert_array_equal(slots[4]["q"].numpy(), before[r][4]["q"])  # q: untouched
+        assert not slots[3] and not slots[5]
+        for p in (0, 2):  # PowerSGD alone: its q and residual moved on
+            assert not np.array_equal(slots[p]["q"].numpy(), before[r][p]["q"])
+            assert not np.array_equal(slots[p]["residual"].numpy(), before[r][p]["residual"])
+        for p in range(len(MLP)):
+            np.testing.assert_array_equal(out[r][p].numpy(), out[0][p].numpy())

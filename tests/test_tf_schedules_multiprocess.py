@@ -65,3 +65,24 @@ def test_a_group_switching_between_topk_and_dense_loses_nothing_and_resumes_exac
         assert r["lost"] <= 1e-4 * max(1.0, r["scale"]), r  # error feedback: nothing lost across the switches
         assert all(r["resumed_equal"]) and all(r["resumed_residuals_equal"]) and len(r["resumed_equal"]) == 5
     assert ranks[0]["codecs"] == ranks[1]["codecs"]
+
+
+def test_powersgd_is_chosen_per_gradient_beside_merged_fp16_groups_losing_nothing(results):
+    """PowerSGD (state shaped by the tensor) with codec_choice="auto": its groups hold one
+    gradient, the others merge into fp16 groups; the merged kernel's residual goes out with its
+    group and its q survives for when it is sent with PowerSGD again."""
+    ranks = _part(results, "lowrank")
+    for r in ranks:
+        assert r["groups"] == [[5, 4, 3], [2], [1], [0]], r["groups"]
+        assert r["codecs"][0].startswith("fp16") and r["codecs"][2].startswith("fp16"), r["codecs"]
+        assert r["codecs"][1] == r["codecs"][3] and r["codecs"][1].startswith("powersgd"), r["codecs"]
+        assert r["slots"] == [["q", "residual"], [], ["q", "residual"], [], ["q", "residual"], []]  # as layerwise
+        assert r["identical"]
+        assert r["q_kept"] == {4: True, 0: False, 2: False}, r["q_kept"]  # only kernel 4 was merged
+        assert all(r["q_used_again"].values()), r["q_used_again"]
+        assert r["residual_sent"] < 1e-2, r  # what is left is the fp16 cast's rounding
+        assert r["lost"] <= 1e-3 * max(1.0, r["scale"]), r  # the biases' fp16 rounding only
+        assert r["resumed_equal"] == [True], r["resumed_equal"]
+        assert r["resumed_state_equal"] == {"q": {0: True, 2: True, 4: True},
+                                            "residual": {0: True, 2: True, 4: True}}, r["resumed_state_equal"]
+    assert ranks[0]["groups"] == ranks[1]["groups"] and ranks[0]["codecs"] == ranks[1]["codecs"]

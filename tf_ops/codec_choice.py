@@ -9,6 +9,12 @@ in the compressor's per-position slots; a group sent dense goes through the comp
 ``torch_ops.codec_choice``): error feedback sends ``g + r`` and zeroes ``r``, DGC and the sketch
 keep the momentum local and send their velocity along; with fp16 what the cast rounds away goes
 back into that slot. One allreduce; every rank gets the same sum.
+
+A compressor that never merges (``merge=LAYERWISE``: PowerSGD) is chosen for groups of one
+gradient only (``hvdcompress.schedule.search.Option.merges``); a merged group is then always sent
+with fp16 or dense and works on its members' elementwise slots (the residual; zeros for a member
+without one, a bias, whose share is dropped again after: see ``grouping.join_state``), while each
+member's ``q`` stays in its own slot, untouched, for when it is sent with PowerSGD again.
 """
 
 from __future__ import annotations

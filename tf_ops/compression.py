@@ -28,7 +28,12 @@ order); its state is joined from the members' slots into group-sized working var
 the exchange and assigned back slice by slice after it, so the checkpointed state stays per
 position and a checkpoint restores under any schedule. (A member keeps the slots it needs alone
 and those its group needs: a 1-D gradient merged into a DGC group that is sparsified also keeps a
-``v``, unused should it later be exchanged alone.)
+``v``, unused should it later be exchanged alone.) A compressor that never merges
+(``merge=LAYERWISE``: PowerSGD, whose ``q`` is shaped by the tensor) is exchanged one gradient at
+a time; with ``codec_choice="auto"`` under "auto", "mgs" or "mgwfbp" (the exact searches; the
+greedy rule's partition knows no such limit) the plan sends it on groups of one gradient only and
+merges the groups it sends with fp16 or dense, whose working state carries the members'
+residuals (``slots.group_slot_names``) while each ``q`` stays in its slot.
 
 ``exchange`` builds, for every group, the compressor's exchange generator and drives them all
 (``tf_ops.collectives.run_exchanges``). Called eagerly, it runs the exchange as a ``tf.function``
@@ -42,6 +47,7 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from hvdcompress.contract import LAYERWISE
 from hvdcompress.schedule.groups import check_mergeable
 from hvdcompress.schedule.planner import Schedule
 from hvdcompress.spec import CompressionSpec, resolve
@@ -109,8 +115,10 @@ class GradientCompression(tf.Module):
         codec_choice: "auto": the plan also picks, per group, the compressor, "fp16" or dense,
             whichever the cost model predicts fastest (``tf_ops.codec_choice``; residuals go out
             with a group that turns dense); needs a schedule string and a cost model with
-            compression-time fits for the spec and fp16. None or "off" (default): the compressor
-            everywhere.
+            compression-time fits for the spec and fp16. A compressor that never merges
+            (PowerSGD) is then chosen for single gradients only, beside merged fp16 / dense
+            groups (without the choice "auto" is "layerwise" for it). None or "off" (default):
+            the compressor everywhere.
 
     Delayed averaging (``tf_ops.delayed``; the arithmetic of PyTorch's, the link latency not
     overlapped: TF collectives complete within the step):
@@ -131,7 +139,9 @@ class GradientCompression(tf.Module):
         model = check_cost_model(cost_model)
         compressor = build_compressor(spec)
         alternatives = check_codec_choice(codec_choice, compressor, delay, sync_every)
-        if not check_mergeable(schedule_text(sched), spec):  # cannot merge: "auto" -> layerwise
+        if alternatives and needs_cost_model(sched) and sched.search == "dp":
+            pass  # searched jointly with the codec choice: a compressor that never merges gets groups of one
+        elif not check_mergeable(schedule_text(sched), spec, bool(alternatives)):  # cannot merge: auto -> layerwise
             sched = check_schedule("layerwise")
         if alternatives and not isinstance(sched, Schedule):
             raise ValueError("codec_choice: 'auto' plans the groups' specs, so it needs a schedule string "
@@ -338,7 +348,9 @@ class GradientCompression(tf.Module):
         if found is None:
             planned = needs_cost_model(self._schedule) or self._alternatives
             model = self.prepare(world_size, process_set) if planned else self._cost_model
-            found = self._local.plans[signature] = make_groups(self._schedule, grads, self._spec, world_size, model,
+            # plain Python and numpy: kept out of autograph, which would convert the planner's searches
+            plan_groups = tf.autograph.experimental.do_not_convert(make_groups)
+            found = self._local.plans[signature] = plan_groups(self._schedule, grads, self._spec, world_size, model,
                                                                self._alternatives)
         self._local.last = found
         return found[0]
@@ -375,6 +387,9 @@ class GradientCompression(tf.Module):
                                   density=density)
             where = f"gradient {group.positions[0]}" if len(group.positions) == 1 else \
                 f"gradients {', '.join(map(str, group.positions))}"
+            if group.codec is None and len(group.positions) > 1 and self._compressor.merge == LAYERWISE:
+                raise AssertionError(f"hvdcompress: '{self._spec}' never merges, yet group {group.key} holds "
+                                     f"{len(group.positions)} gradients")
             exchange = (self._compressor.exchange(x, ctx) if group.codec is None else
                         fallback_exchange(self._compressor, group.codec, x, ctx))  # the plan's choice
             gens.append(guard(exchange, x, state, restored, where))  # non-finite never hidden

@@ -245,15 +245,21 @@ def join_state(group: Group, slots: Sequence[Dict[str, tf.Variable]], names: Seq
                scratch: Dict[str, tf.Variable]) -> Dict[str, tf.Variable]:
     """A merged group's state: each ``scratch`` variable (group-sized, per state name) is assigned
     the concatenation of its members' slots, and is what the compressor reads and assigns.
-    The members' slots stay the checkpointed state, so checkpoints do not depend on the grouping."""
+    The members' slots stay the checkpointed state, so checkpoints do not depend on the grouping.
+    A member without that slot (a bias under PowerSGD has no residual, yet its group, sent with
+    fp16 or dense, carries the other members' residuals) is joined as zeros."""
     for name in names:
-        scratch[name].assign(tf.concat([s[name].read_value() for s in slots], 0))
+        var = scratch[name]
+        parts = [s[name].read_value() if name in s else tf.zeros([n], var.dtype) for s, n in zip(slots, group.numels)]
+        var.assign(tf.concat(parts, 0))
     return {name: scratch[name] for name in names}
 
 
 def split_state(group: Group, slots: Sequence[Dict[str, tf.Variable]], state: Dict[str, tf.Variable]) -> None:
-    """After the exchange: assign each member's slice of the group's state back to its slots."""
+    """After the exchange: assign each member's slice of the group's state back to its slots
+    (a member without that slot keeps none: its slice is dropped, see ``join_state``)."""
     for name, var in state.items():
         parts = tf.split(var.read_value(), list(group.numels))
         for s, part in zip(slots, parts):
-            s[name].assign(part)
+            if name in s:
+                s[name].assign(part)

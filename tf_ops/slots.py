@@ -46,8 +46,8 @@ def group_state(compressor, slots: List[Dict[str, tf.Variable]], scratch: Dict[t
     group, group-sized working variables (kept in ``scratch``) joined from the members' slots."""
     if len(group.positions) == 1:
         return slots[group.positions[0]]
-    names = compressor.state_slots(group.shape)
-    dtype = slots[group.positions[0]][names[0]].dtype if names else None
+    names = group_slot_names(compressor, slots, group)
+    dtype = next((slots[i][names[0]].dtype for i in group.positions if names[0] in slots[i]), None) if names else None
     work = {}
     for name in names:
         key = (group.key, name, group.numel, dtype)
@@ -55,6 +55,20 @@ def group_state(compressor, slots: List[Dict[str, tf.Variable]], scratch: Dict[t
             scratch[key] = compressor.make_slot(name, group.numel, dtype, f"{prefix}_group_{group.op_name}_{name}")
         work[name] = scratch[key]
     return join_state(group, [slots[i] for i in group.positions], names, work)
+
+
+def group_slot_names(compressor, slots: List[Dict[str, tf.Variable]], group: Group) -> Tuple[str, ...]:
+    """The state names a merged group works on: what the compressor keeps for the group's shape
+    and, when the plan sends the group with fp16 or dense (``group.codec``), every elementwise
+    entry (one per element of its member) a member keeps, so the fallback's ``dense_send`` sends
+    and zeroes it. A compressor that never merges (PowerSGD) keeps nothing for a merged shape: its
+    members' residuals go with the group, while their ``q`` (shaped by the tensor) stays in its
+    slot, untouched, for when the member is sent alone again."""
+    names = list(compressor.state_slots(group.shape))
+    if group.codec is not None:
+        for i, shape, numel in zip(group.positions, group.shapes, group.numels):
+            names += [k for k in slots[i] if k not in names and compressor.slot_numel(k, shape) == numel]
+    return tuple(names)
 
 
 def step_density(compressor, spec, density: tf.Variable, epoch_set: tf.Variable, step,

@@ -168,17 +168,22 @@ def _codec_phase(model, opt, compression, steps, given=None):
     return log
 
 
-def _switch(model, opt, compression, path, world, kind):
-    """A new ``GradientCompression`` planned with the ``kind`` cost model, restoring the state of
-    ``compression`` (saved under ``path``) with the model and the optimizer: the way a group's spec
-    changes in TF (the plan is made once per object)."""
-    import hvdcompress.tensorflow as hvc
+def _carry(model, opt, compression, path, nxt):
+    """``nxt`` (a new ``GradientCompression``) restoring the state of ``compression``, saved under
+    ``path`` with the model and the optimizer: the way a group's spec changes in TF (the plan is
+    made once per object)."""
     import tensorflow as tf
     saved = tf.train.Checkpoint(model=model, optimizer=opt, compression=compression).save(path)
-    nxt = hvc.GradientCompression(CODEC_SPEC, schedule="mgs", cost_model=_choice_models(world)[kind],
-                                  codec_choice="auto")
     tf.train.Checkpoint(model=model, optimizer=opt, compression=nxt).restore(saved)
     return nxt
+
+
+def _switch(model, opt, compression, path, world, kind):
+    """``_carry`` to a new object planned with the ``kind`` cost model."""
+    import hvdcompress.tensorflow as hvc
+    return _carry(model, opt, compression, path,
+                  hvc.GradientCompression(CODEC_SPEC, schedule="mgs", cost_model=_choice_models(world)[kind],
+                                          codec_choice="auto"))
 
 
 def codec_switch(world) -> dict:
@@ -228,6 +233,76 @@ def codec_switch(world) -> dict:
             "resumed_residuals_equal": [a["residual"] == b["residual"] for a, b in zip(log2, log[4:])]}
 
 
+# --- per-group codec choice for a compressor that never merges (PowerSGD) -------------------------
+LOWRANK = "powersgd:rank=2"
+
+
+def _lowrank_choice(world):
+    """PowerSGD with ``codec_choice="auto"`` under a hand-built cost model (0.1 Mbit/s, 5 ms per
+    hop, cheap compression): PowerSGD on the two large kernels, alone; the last kernel and the
+    biases merged into fp16 groups."""
+    import hvdcompress.tensorflow as hvc
+    from hvdcompress.schedule.costmodel import ComputeFit, CostModel
+    fit = ComputeFit("linear", 1e-10, 1e-6)
+    model = CostModel.from_link(world, gbit_per_s=1e-4, latency_s=5e-3,
+                                compress={LOWRANK: fit, "fp16": fit, "none": ComputeFit("linear", 1e-12, 1e-7)})
+    return hvc.GradientCompression(LOWRANK, schedule="auto", cost_model=model, codec_choice="auto")
+
+
+def _state(compression, slot):
+    return {i: s[slot].numpy().copy() for i, s in enumerate(compression.slots) if slot in s}
+
+
+def lowrank_switch(world) -> dict:
+    """PowerSGD layerwise (steps 0-1: every kernel's q warm, residuals held), then with the codec
+    choice (2-3: kernel 4 and the biases in a merged fp16 group, kernels 0 and 2 alone), then
+    layerwise again (4-5), each switch a new object restoring the last one's checkpoint. Kernel 4's
+    residual goes out with its merged group, its q stays as it was and serves it when it is alone
+    again; parameters are identical across ranks every step; error feedback loses nothing but the
+    biases' fp16 rounding; a checkpoint taken between the merged steps resumes bit for bit (the
+    parameters, every residual and q)."""
+    import tempfile
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+    import hvdcompress.tensorflow as hvc
+    where = tempfile.mkdtemp(prefix="hvdc-tf-lowrank-")
+    model, opt = _model(), tf.keras.optimizers.SGD(CODEC_LR)
+    start = _flat(model).numpy().astype("float64")
+    given = np.zeros_like(start)
+    plain = hvc.GradientCompression(LOWRANK)
+    log = _codec_phase(model, opt, plain, range(0, 2), given)
+    q0, r0 = _state(plain, "q"), _state(plain, "residual")
+    chosen = _carry(model, opt, plain, f"{where}/a", _lowrank_choice(world))
+    log += _codec_phase(model, opt, chosen, range(2, 3), given)
+    r1 = _state(chosen, "residual")
+    mid = tf.train.Checkpoint(model=model, optimizer=opt, compression=chosen).save(f"{where}/mid")
+    log += _codec_phase(model, opt, chosen, range(3, 4), given)
+    q1, r3 = _state(chosen, "q"), _state(chosen, "residual")
+    back = _carry(model, opt, chosen, f"{where}/b", hvc.GradientCompression(LOWRANK))
+    log += _codec_phase(model, opt, back, range(4, 6), given)
+    q2 = _state(back, "q")
+    held = hvd.allreduce(tf.concat([tf.reshape(s["residual"], [-1]) if "residual" in s else
+                                    tf.zeros([v.shape.num_elements()]) for s, v in
+                                    zip(back.slots, model.trainable_variables)], 0),  # by position
+                         name="check_lowrank_held").numpy().astype("float64")
+    moved = (start - _flat(model).numpy().astype("float64")) / CODEC_LR
+    # resumed from the checkpoint taken between the merged steps, by new objects: the same step
+    model2, opt2, chosen2 = _model(seed=1), tf.keras.optimizers.SGD(CODEC_LR), _lowrank_choice(world)
+    tf.train.Checkpoint(model=model2, optimizer=opt2, compression=chosen2).restore(mid)
+    log2 = _codec_phase(model2, opt2, chosen2, range(3, 4))
+    again = {"q": _state(chosen2, "q"), "residual": _state(chosen2, "residual")}
+    return {"groups": chosen.groups, "codecs": chosen.plan.codecs, "slots": [sorted(s) for s in chosen.slots],
+            "identical": all(r["identical"] for r in log + log2),
+            "q_kept": {i: bool(np.array_equal(q1[i], q0[i])) for i in q0},
+            "q_used_again": {i: not np.array_equal(q2[i], q1[i]) for i in q1},
+            "residual_sent": float(np.abs(r1[4]).max() / np.abs(r0[4]).max()),
+            "lost": float(np.abs(moved + held - given).max()), "scale": float(np.abs(given).max()),
+            "resumed_equal": [bool(np.array_equal(a["params"], b["params"])) for a, b in zip(log2, log[3:])],
+            "resumed_state_equal": {slot: {i: bool(np.array_equal(again[slot][i], want[i])) for i in want}
+                                    for slot, want in (("q", q1), ("residual", r3))}}
+
+
 def everything(world_expected: int, cache_dir: str = None) -> dict:
     """Every scenario; with ``cache_dir``, an empty cost-model cache of their own (nothing cached)."""
     import horovod.tensorflow as hvd
@@ -240,7 +315,8 @@ def everything(world_expected: int, cache_dir: str = None) -> dict:
     assert hvd.size() == world_expected
     out = {}
     for name, fn in (("dense", dense_merged_equals_layerwise), ("sparse", sparse_merged_stays_identical),
-                     ("bad", bad_schedules), ("codec", lambda: codec_switch(world_expected))):
+                     ("bad", bad_schedules), ("codec", lambda: codec_switch(world_expected)),
+                     ("lowrank", lambda: lowrank_switch(world_expected))):
         start = time.perf_counter()
         try:
             out[name] = fn()
