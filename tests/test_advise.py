@@ -147,6 +147,7 @@ def test_link_pieces_and_schedules(profile_file):
     # a spec that cannot merge runs layerwise under "auto"; another schedule is taken as asked
     assert advise.schedule_for("powersgd:rank=4") == "layerwise" and advise.schedule_for("topk:ratio=0.01") == "auto"
     assert advise.schedule_for("topk:ratio=0.01", "size:1") == "size:1"
+    assert advise.schedule_for("powersgd:rank=4", choosing=True) == "auto"  # fp16 / dense groups merge
     with pytest.raises(ValueError, match="cannot be merged"):
         advise.schedule_for("powersgd:rank=4", "mgs")
     single = advise.predict(w, model, "topk:ratio=0.01", schedule="single")

@@ -294,10 +294,11 @@ def measure_job(model_name: str, specs: Sequence, input_shape: Optional[Sequence
     return Measured(calibrated_workload(workload, model, ref), fits, model, ref, workload)
 
 
-def schedule_for(spec, schedule: str = "auto") -> str:
+def schedule_for(spec, schedule: str = "auto", choosing: bool = False) -> str:
     """The schedule ``spec`` runs with when ``schedule`` is asked for (the optimizer's default:
-    "auto"): "layerwise" where the spec cannot merge and "auto" was asked, else ``schedule``."""
-    return schedule if check_mergeable(schedule, resolve(spec)) else "layerwise"
+    "auto"): "layerwise" where the spec cannot merge and "auto" was asked without the codec
+    choice (``choosing``; with it the planner merges the fp16 / dense groups), else ``schedule``."""
+    return schedule if check_mergeable(schedule, resolve(spec), choosing) else "layerwise"
 
 
 def bytes_per_step(plan, workload: Workload, spec, codecs: Optional[Sequence[str]] = None) -> float:
@@ -324,7 +325,7 @@ def predict(workload: Workload, model: CostModel, spec, alternatives: Sequence =
     """The planner's plan and predicted step for ``spec`` under ``schedule`` (``schedule_for``);
     with ``alternatives`` (``ALTERNATIVES``), the codec_choice="auto" plan."""
     spec = resolve(spec)
-    plan = workload.plan(schedule_for(spec, schedule), model, spec, alternatives=alternatives)
+    plan = workload.plan(schedule_for(spec, schedule, bool(alternatives)), model, spec, alternatives=alternatives)
     step = float(plan.predicted_seconds)
     return {"spec": str(spec), "label": label(spec), "schedule": plan.schedule, "groups": len(plan.groups), "step_seconds": step,
             "bytes_per_step": bytes_per_step(plan, workload, spec, plan.codecs),
