@@ -335,6 +335,23 @@ def _codec_steps(model, opt, start, stop, lr, saves=()):
     return log, given, saved
 
 
+def _mean_residual(model, opt, name):
+    """The residuals of every parameter (zeros where none), averaged over the ranks."""
+    import horovod.torch as hvd
+    state = opt.state_dict()["hvdcompress"]["state"]
+    held = torch.cat([state[n]["residual"].reshape(-1) if "residual" in state[n] else torch.zeros(p.numel())
+                      for n, p in model.named_parameters()])
+    return hvd.allreduce(held, name=name)
+
+
+def _resumed(spec, kw, saved):
+    """A fresh model and optimizer loaded from a (model, optimizer) state copy."""
+    model, opt = make(spec, **kw)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    return model, opt
+
+
 def _dear_topk_model(world, spec):
     """A hand-built cost model (1 Gbit/s, 5 ms per hop) in which top-k costs 50 ms per group to
     compress and fp16 next to nothing: the choice sends every group dense or in fp16."""
@@ -350,7 +367,6 @@ def codec_switch(world) -> dict:
     loses nothing: (p_0 - p_T) / lr + the mean residual = the sum of the mean gradients. A
     checkpoint taken while the candidates run resumes bit for bit up to the decision (which is
     measured, so may differ), one taken after it to the end."""
-    import horovod.torch as hvd
     from hvdcompress.schedule.costmodel import ComputeFit, CostModel
     spec, lr, steps, during, after = "topk:ratio=0.05", 0.1, 14, 4, 12
     kw = dict(schedule="mgs", cost_model=_dear_topk_model(world, spec), profile_steps=1, tune_steps=1,
@@ -360,16 +376,11 @@ def codec_switch(world) -> dict:
     log, given, saved = _codec_steps(model, opt, 0, steps, lr, saves=(during, after))
     # profile at step 1; then every candidate (at most tuning.MAX_CANDIDATES) x (1 settling + 1 measured round)
     decided = 1 + 2 * len(opt.plan.tuning["candidates"])
-    state = opt.state_dict()["hvdcompress"]["state"]
-    held = torch.cat([state[n]["residual"].reshape(-1) if "residual" in state[n] else torch.zeros(p.numel())
-                      for n, p in model.named_parameters()])
-    held = hvd.allreduce(held, name="check.held")
+    held = _mean_residual(model, opt, "check.held")
     moved = (start - _flat(model)) / lr
     resumed = {}
     for at in (during, after):
-        model2, opt2 = make(spec, **kw)
-        model2.load_state_dict(saved[at][0])
-        opt2.load_state_dict(saved[at][1])
+        model2, opt2 = _resumed(spec, kw, saved[at])
         stop = decided + 1 if at == during else steps
         again, _, _ = _codec_steps(model2, opt2, at, stop, lr)
         resumed[at] = {"equal": all(torch.equal(a["params"], b["params"]) for a, b in zip(again, log[at:stop])),
@@ -410,7 +421,6 @@ def lowrank_switch(world) -> dict:
     and dense beside it, so tensors move in and out of merged groups with ``q`` and the residual
     carried. Checked: identical parameters every step, nothing lost (error feedback), a
     checkpoint taken after the decision resumes bit for bit."""
-    import horovod.torch as hvd
     spec, lr, steps, after = "powersgd:rank=2", 0.1, 12, 10
     kw = dict(schedule="auto", cost_model=_lowrank_model(world, spec), profile_steps=1, tune_steps=1,
               codec_choice="auto", momentum=0.0, lr=lr)
@@ -418,21 +428,16 @@ def lowrank_switch(world) -> dict:
     start = _flat(model).clone()
     log, given, saved = _codec_steps(model, opt, 0, steps, lr, saves=(after,))
     decided = 1 + 2 * len(opt.plan.tuning["candidates"])
-    state = opt.state_dict()["hvdcompress"]["state"]
-    held = torch.cat([state[n]["residual"].reshape(-1) if "residual" in state[n] else torch.zeros(p.numel())
-                      for n, p in model.named_parameters()])
-    held = hvd.allreduce(held, name="check.lowrank.held")
+    held = _mean_residual(model, opt, "check.lowrank.held")
     moved = (start - _flat(model)) / lr
-    model2, opt2 = make(spec, **kw)
-    model2.load_state_dict(saved[after][0])
-    opt2.load_state_dict(saved[after][1])
+    model2, opt2 = _resumed(spec, kw, saved[after])
     again, _, _ = _codec_steps(model2, opt2, after, steps, lr)
     choice = opt.plan.tuning["candidates"][0]
     return {"identical": all(r["identical"] for r in log), "decided_at": decided, "steps": steps,
             "lost": float((moved + held - given).abs().max()), "scale": float(given.abs().max()),
             "choice": {"groups": choice["groups"], "codecs": choice["codecs"]},
             "labels": [c["label"] for c in opt.plan.tuning["candidates"]],
-            "q_kept": sorted(n for n, st in state.items() if "q" in st),
+            "q_kept": sorted(n for n, st in opt.state_dict()["hvdcompress"]["state"].items() if "q" in st),
             "resumed": {"equal": all(torch.equal(a["params"], b["params"]) for a, b in zip(again, log[after:])),
                         "identical": all(a["identical"] for a in again), "steps": len(again)}}
 
@@ -488,7 +493,6 @@ def codec_drift(world) -> dict:
     residual goes out with a group that turns dense). A checkpoint taken inside a window resumes
     the watch at the same steps, bit for bit up to the decision of the re-validation it triggers
     (measured, so it may differ)."""
-    import horovod.torch as hvd
     spec, lr, every, cap = "topk:ratio=0.05", 0.1, 3, 40
     kw = dict(schedule="mgs", cost_model=_dear_topk_model(world, spec), profile_steps=1, tune_steps=1,
               codec_choice="auto", revalidate_every=every, momentum=0.0, lr=lr)
@@ -516,15 +520,10 @@ def codec_drift(world) -> dict:
     more, g3, _ = _drift_steps(model, opt, lifted_from, referenced(2), (), lr, cap)
     log += more
     given += g3
-    state = opt.state_dict()["hvdcompress"]["state"]
-    held = torch.cat([state[n]["residual"].reshape(-1) if "residual" in state[n] else torch.zeros(p.numel())
-                      for n, p in model.named_parameters()])
-    held = hvd.allreduce(held, name="check.drift.held")
+    held = _mean_residual(model, opt, "check.drift.held")
     moved = (start - _flat(model)) / lr
     # the checkpoint taken inside the window, resumed by a fresh optimizer with the same slowdown
-    model2, opt2 = make(spec, **kw)
-    model2.load_state_dict(saved[slow_from][0])
-    opt2.load_state_dict(saved[slow_from][1])
+    model2, opt2 = _resumed(spec, kw, saved[slow_from])
     first = next(i for i, r in enumerate(log) if r["step"] >= slow_from)
     decided = next(i for i in range(first, len(log)) if log[i]["tuning"] and not log[i + 1]["tuning"]) + 1
     again, _, _ = _drift_steps(model2, opt2, slow_from, lambda o: False, slow, lr, decided - first + 1)
