@@ -193,3 +193,17 @@ def test_a_layerwise_compressor_is_chosen_per_tensor_and_the_rest_merges(gbps):
         assert not own and len(plan.groups) < len(w.sizes_bytes)
     if gbps <= 0.01:  # a slow link: the 400 MB tensor goes low-rank
         assert plan.codecs[plan.groups.index([4])].startswith("powersgd")
+
+
+def test_a_layerwise_compressor_keeps_a_searched_schedule_only_with_the_choice():
+    from hvdcompress.schedule.groups import check_mergeable
+    from hvdcompress.spec import resolve
+    spec = resolve("powersgd:rank=4")
+    for text in ("auto", "mgs", "mgwfbp"):  # the joint search gives it groups of one
+        assert check_mergeable(text, spec, choosing=True)
+    assert not check_mergeable("auto", spec)  # without the choice "auto" is layerwise
+    for text, choosing in (("mgs", False), ("mgs:greedy", True), ("single", True)):
+        with pytest.raises(ValueError, match="cannot be merged"):
+            check_mergeable(text, spec, choosing=choosing)
+    w, model = _workload(), _lowrank_model(0.01)
+    assert w.plan("mgs", model, "powersgd:rank=4").groups == [[i] for i in range(len(w.sizes_bytes))]

@@ -139,9 +139,7 @@ class GradientCompression(tf.Module):
         model = check_cost_model(cost_model)
         compressor = build_compressor(spec)
         alternatives = check_codec_choice(codec_choice, compressor, delay, sync_every)
-        if alternatives and needs_cost_model(sched) and sched.search == "dp":
-            pass  # searched jointly with the codec choice: a compressor that never merges gets groups of one
-        elif not check_mergeable(schedule_text(sched), spec, bool(alternatives)):  # cannot merge: auto -> layerwise
+        if not check_mergeable(schedule_text(sched), spec, bool(alternatives)):  # cannot merge: auto -> layerwise
             sched = check_schedule("layerwise")
         if alternatives and not isinstance(sched, Schedule):
             raise ValueError("codec_choice: 'auto' plans the groups' specs, so it needs a schedule string "

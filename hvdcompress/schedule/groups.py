@@ -75,15 +75,18 @@ def check_mergeable(schedule_text: str, spec, choosing: bool = False) -> bool:
     """Whether ``spec`` 's tensors may be merged under a schedule (its text, "explicit" for explicit
     groups). A compressor declared ``merge=LAYERWISE`` is exchanged one tensor at a time: "auto"
     then means "layerwise" (returns False: use layerwise), any other merging schedule is a
-    ValueError naming ``schedule``. With a per-group codec choice (``choosing``) "auto" stays:
-    the planner gives that compressor groups of one tensor only and merges the groups it sends
-    with fp16 or dense. True: schedule as asked."""
+    ValueError naming ``schedule``. With a per-group codec choice (``choosing``) "auto" and the
+    exact searches "mgs" / "mgwfbp" stay: the joint search gives that compressor groups of one
+    tensor only and merges the groups it sends with fp16 or dense (the greedy rule's partition
+    knows no such limit). True: schedule as asked."""
     from ..contract import LAYERWISE
 
     if spec.info.merge != LAYERWISE or schedule_text == "layerwise":
         return True
+    if choosing and schedule_text in ("auto", "mgs", "mgwfbp"):
+        return True
     if schedule_text == "auto":
-        return choosing
+        return False
     raise ValueError(f"schedule: compression '{spec.name}' keeps per-tensor state that is not elementwise "
                      f"(merge policy {LAYERWISE!r}), so its tensors cannot be merged; use schedule='layerwise' "
                      f"or 'auto'; got {schedule_text!r}")

@@ -226,8 +226,8 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     specs = codec_options(spec, alternatives)
     choosing = len(specs) > 1
     merges = spec.info.merge != LAYERWISE
-    if not merges and not choosing and asked_auto:
-        sched = Schedule("layerwise")  # its tensors are never merged: "auto" is layerwise
+    if not merges and not choosing and (asked_auto or sched.kind in COST_MODEL_SCHEDULES):
+        sched = Schedule("layerwise")  # its tensors are never merged: a searched schedule is layerwise
     t_s = t_c = gap = t_close = t_d = None
     if cost_model is not None:
         world = cost_model.world_size if world_size is None else int(world_size)
