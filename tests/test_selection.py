@@ -78,7 +78,38 @@ def test_torch_topk_mostly_zero_tensors_with_a_nan_take_the_general_path():
     x[[5, 70_000, 123_456]] = [1.0, np.nan, -2.0]
     assert cs._np_mostly_zero(x, 2) is None  # a NaN among the nonzeros: not the zero shortcut
     got = ts.topk_indices(torch.from_numpy(x), 2).numpy()
-    np.testing.assert_array_equal(got, cs._np_positions(np.abs(x), 2))
+    np.testing.assert_array_equal(got, np_topk(x, 2))  # the two numbers; the NaN never wins a place
+
+
+def _with_nans(n: int, count: int, seed: int = 3) -> np.ndarray:
+    x = _vector("ties", n, seed=seed)
+    x[np.random.default_rng(seed).permutation(n)[:count]] = np.nan
+    return x
+
+
+@pytest.mark.parametrize("mode", ["pure", "compiled", "torch_only"])
+def test_nan_ranks_below_every_number_on_every_path(request, mode, monkeypatch):
+    """NaN ranks last, as in the oracle: with a few NaN (fewer than k), with more NaN than k and
+    with more NaN than numbers, on small tensors (direct path), mid-size and large ones (sampled
+    candidates, whose sample may hold NaN), and the dense fallback (k near n)."""
+    if mode == "torch_only":
+        monkeypatch.setattr(ts, "_numpy_view", lambda a: None)
+    else:
+        request.getfixturevalue(mode)
+    for n in (7, 100, 5003, 100_003):
+        for count in sorted({1, 3, n // 10, n // 2, n - 2}):
+            x = _with_nans(n, count)
+            for k in sorted({1, 2, 5, n // 100 + 1, n // 3, n - count, n - count + 1, n - 1} & set(range(1, n))):
+                np.testing.assert_array_equal(ts.topk_indices(torch.from_numpy(x), k).numpy(), np_topk(x, k),
+                                              err_msg=f"{mode} n={n} nan={count} k={k}")
+
+
+def test_shared_positions_rank_nan_last():
+    """``hvdcompress.native.select.positions`` (both frameworks' numpy level) on magnitudes with NaN."""
+    from hvdcompress.native import select
+    for y, k in ((np.array([3, 2, 1, np.nan], np.float32), 2), (np.array([np.nan] * 5 + [1, 2], np.float32), 2),
+                 (np.array([np.nan] * 5 + [1, 2], np.float32), 4), (np.array([2, 2, np.nan, 2], np.float32), 2)):
+        np.testing.assert_array_equal(select.positions(y, k), np_topk(y, k), err_msg=f"{y} {k}")
 
 
 @pytest.mark.parametrize("size", [None, 32, 64])  # the word-wise scan, or block filters of either size
@@ -204,6 +235,18 @@ def test_tf_topk_is_the_oracle_eager_and_traced(tf_sel, kind, n):
         got = traced(tf.constant(x), tf.constant(k, tf.int32))
         assert got.dtype == tf.int32
         np.testing.assert_array_equal(got.numpy(), want, err_msg=f"k={k} traced")
+
+
+def test_tf_topk_ranks_nan_last(tf_sel):
+    """TF's ops (the branch a GPU takes): NaN below every number, as in the oracle, on the direct
+    path and the candidate paths."""
+    tf, sel = tf_sel
+    for n in (7, 5003, 70_001):
+        for count in sorted({1, 3, n // 10, n - 2}):
+            x = _with_nans(n, count)
+            for k in sorted({1, 2, n // 100 + 1, n // 3, n - count, n - count + 1, n - 1} & set(range(1, n))):
+                np.testing.assert_array_equal(sel.topk_indices(tf.constant(x), k).numpy(), np_topk(x, k),
+                                              err_msg=f"n={n} nan={count} k={k}")
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "heavy", "periodic"])

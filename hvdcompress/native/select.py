@@ -124,12 +124,26 @@ def positions(y: np.ndarray, k: int, kth: Kth = kth_largest) -> np.ndarray:
     (0 < k < y.size): every position > the k-th largest value w, then the first ones == w."""
     w = kth(y, k)
     keep = y >= w
-    if np.count_nonzero(keep) == k:  # no tie at the boundary
+    c = np.count_nonzero(keep)
+    if c == k:  # no tie at the boundary
         return keep.nonzero()[0]
+    if c < k:  # only with NaN in y, which the partition ranks above every number
+        return positions_nan_last(y, k, kth)
     keep = y > w
     eq = (y == w).nonzero()[0]
     keep[eq[:k - np.count_nonzero(keep)]] = True  # the lowest positions equal to w
     return keep.nonzero()[0]
+
+
+def positions_nan_last(y: np.ndarray, k: int, kth: Kth = kth_largest) -> np.ndarray:
+    """``positions`` with NaN ranked below every number, as the oracle ranks it (NaN never
+    takes the place of a number; NaN positions fill up from the lowest when there are fewer
+    than k numbers)."""
+    nan = np.isnan(y)
+    num = (~nan).nonzero()[0]
+    if k < num.size:
+        return num[positions(y[num], k, kth)]
+    return np.sort(np.concatenate([num, nan.nonzero()[0][:k - num.size]]))
 
 
 def topk(x: np.ndarray, k: int, kth: Kth = kth_largest) -> np.ndarray:
@@ -234,6 +248,8 @@ def sampled_select(x: np.ndarray, k: int, sample: np.ndarray, adapt_iters: int, 
     if k <= 0:
         return np.empty(0, np.int64)
     thr = kth(sample, sample_k(k, sample.size, n))
+    if thr != thr:  # NaN ranks first in the oracle's sorted sample: its threshold selects nothing
+        return np.empty(0, np.int64)
     lower = x.dtype.type(LOWER_FACTOR)
     idx = None
     for it in range(adapt_iters + 1):

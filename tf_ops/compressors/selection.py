@@ -52,14 +52,21 @@ def _cond(pred, true_fn, false_fn):
     return tf.cond(pred, true_fn, false_fn)
 
 
+def _nan_last(mag: tf.Tensor) -> tf.Tensor:
+    """Magnitudes (>= 0) with NaN as -1: ``top_k`` ranks NaN above every number, the oracle
+    below."""
+    return tf.where(tf.math.is_nan(mag), tf.constant(-1, mag.dtype), mag)
+
+
 def _full_topk(mag: tf.Tensor, k: Count) -> tf.Tensor:
-    return tf.sort(tf.math.top_k(mag, k, sorted=True).indices)
+    return tf.sort(tf.math.top_k(_nan_last(mag), k, sorted=True).indices)
 
 
 def _exact_among(idx: tf.Tensor, mag: tf.Tensor, k: Count) -> tf.Tensor:
     """The k of ``idx`` (ascending) with the largest ``mag``, ties toward the lower index, still
     ascending: every entry above the k-th largest value w, then the first ones equal to w (no
     sorted top_k, no sort)."""
+    mag = _nan_last(mag)
     w = tf.reduce_min(tf.math.top_k(mag, k, sorted=False).values)
     above = mag > w
     need = tf.cast(k, tf.int32) - tf.reduce_sum(tf.cast(above, tf.int32))
@@ -78,9 +85,10 @@ def _at_least(a: tf.Tensor, n: int, t: tf.Tensor, bmax: tf.Tensor):
     """(indices int64 ascending, their |a|) of every |a_i| >= t, exactly: through the blocks
     whose maximum passes, or over the whole tensor when too many blocks pass."""
     nb = n // BLOCK
+    read = (bmax >= t) | tf.math.is_nan(bmax)  # a block whose maximum is NaN may hide numbers >= t
 
     def by_blocks():
-        sel = tf.where(bmax >= t)[:, 0]
+        sel = tf.where(read)[:, 0]
         sub = tf.abs(tf.gather(tf.reshape(a[:nb * BLOCK], [nb, BLOCK]), sel))
         rc = tf.where(sub >= t)  # row-major: ascending
         idx = tf.gather(sel, rc[:, 0]) * BLOCK + rc[:, 1]
@@ -97,7 +105,7 @@ def _at_least(a: tf.Tensor, n: int, t: tf.Tensor, bmax: tf.Tensor):
         idx = tf.where(mag >= t)[:, 0]
         return idx, tf.gather(mag, idx)
 
-    passing = tf.reduce_sum(tf.cast(bmax >= t, tf.int32))
+    passing = tf.reduce_sum(tf.cast(read, tf.int32))
     return tf.cond(passing <= int(BLOCKS_UNTIL * nb), by_blocks, whole)
 
 

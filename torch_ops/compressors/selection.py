@@ -91,6 +91,8 @@ def _topk_positions(mag: torch.Tensor, k: int) -> torch.Tensor:
     keep = mag > w
     need = k - int(keep.sum())
     eq = mag == w
+    if int(eq.sum()) < need:  # only with NaN, which topk ranks above every number
+        return _topk_positions_nan_last(mag, k)
     if int(eq.sum()) > need:
         firsts, found = [], 0
         step = max(CHUNK, 8 * need)
@@ -105,12 +107,29 @@ def _topk_positions(mag: torch.Tensor, k: int) -> torch.Tensor:
     return torch.nonzero(keep.logical_or_(eq)).view(-1)
 
 
+def _topk_positions_nan_last(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """``_topk_positions`` with NaN ranked below every number, as the oracle ranks it."""
+    nan = torch.isnan(mag)
+    num = torch.nonzero(~nan).view(-1)
+    if k < num.numel():
+        return num[_topk_positions(mag[num], k)]
+    return torch.cat([num, torch.nonzero(nan).view(-1)[:k - num.numel()]]).sort().values
+
+
 def _argmax_first(a: torch.Tensor) -> torch.Tensor:
     """[index of the largest |a|] (the first among equals), as a 1-element int64 tensor."""
     x = _numpy_view(a)
     if x is not None:  # numpy's argmax: the first occurrence
-        return torch.from_numpy(np.abs(x).argmax(keepdims=True).astype(np.int64, copy=False))
-    return torch.argmax(a.abs()).view(1)  # documented: the first maximal value
+        mag = np.abs(x)
+        i = int(mag.argmax())
+        if mag[i] != mag[i] and not np.isnan(mag).all():  # argmax stops at a NaN; NaN ranks last
+            i = int(np.nanargmax(mag))
+        return torch.tensor([i], dtype=torch.int64)
+    mag = a.abs()
+    i = torch.argmax(mag)  # documented: the first maximal value, NaN counted as maximal
+    if torch.isnan(mag[i]) and not bool(torch.isnan(mag).all()):  # NaN ranks last, as in the oracle
+        i = torch.argmax(torch.where(torch.isnan(mag), torch.full_like(mag, -1), mag))
+    return i.view(1)
 
 
 def _direct(a: torch.Tensor, k: int) -> torch.Tensor:
@@ -120,7 +139,7 @@ def _direct(a: torch.Tensor, k: int) -> torch.Tensor:
     if k <= 64:
         vals, idx = torch.topk(mag, k + 1)
         lo = vals[k - 1:].tolist()
-        if lo[0] > lo[1]:
+        if lo[0] > lo[1] and not math.isnan(vals[0].item()):  # topk ranks NaN first: the general path
             return idx[:k].sort().values
     return _topk_positions(mag, k)
 
