@@ -29,6 +29,8 @@ def test_fit_transfer_takes_the_slope_from_the_transfer_bound_sizes():
 def test_fit_transfer_is_the_relative_fit_with_one_large_size():
     x, t = np.array([1.0, 2.0, 1e6]), np.array([1e-3, 1.1e-3, 2e-3])
     assert fit_transfer(x, t, span=2.0) == fit_linear(x, t)
+    flat = np.array([5e-3, 5e-3, 5e-3, 6e-3, 5.5e-3, 5.2e-3])  # loopback noise: the large sizes fall
+    assert fit_transfer(SIZES, flat) == fit_linear(SIZES, flat)
     with pytest.raises(ValueError, match="at least 2"):
         fit_transfer([1.0], [1.0])
 

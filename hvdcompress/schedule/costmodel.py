@@ -137,13 +137,16 @@ def fit_transfer(x: Sequence[float], t: Sequence[float], span: float = TRANSFER_
     """A collective's ``t ~ alpha + beta * x``: beta is the least-squares slope of the samples whose
     size is within ``span`` of the largest (transfer-bound: what large messages pay per byte),
     alpha the relative fit of the start-up with that slope fixed (what small messages show),
-    both >= 0. With fewer than two such sizes, ``fit_linear``. ``rel_rmse`` is over all samples."""
+    both >= 0. With fewer than two such sizes, or no positive slope among them (noise: nothing is
+    transfer-bound), ``fit_linear``. ``rel_rmse`` is over all samples."""
     x, t = np.asarray(x, dtype=float), np.asarray(t, dtype=float)
     rel = fit_linear(x, t)  # checks the samples
     big = x >= x.max() / span
     if len(np.unique(x[big])) < 2:
         return rel
-    beta = max(0.0, float(np.polyfit(x[big], t[big], 1)[0]))
+    beta = float(np.polyfit(x[big], t[big], 1)[0])
+    if not beta > 0:
+        return rel
     w = 1.0 / t
     alpha = max(0.0, float(np.sum(w * (1.0 - beta * x * w)) / np.sum(w * w)))  # argmin sum((alpha + beta x - t) / t)^2
     err = float(np.sqrt(np.mean(((alpha + beta * x - t) / t) ** 2)))
