@@ -78,6 +78,9 @@ PATCHES = {
     "refit": "1: refit the collectives from the saved samples with the current fits (fit_cost_model)",
     "half_sum_ns": "an fp16 allreduce's per-byte time is at least this (ns per byte): the transport's CPU "
                    "sum of halves, timed elsewhere (start-up: the fp32 fit's)",
+    "start_ups": "1: the start-ups of a training step the launch timed (meta step_start_ups: alone, queued)",
+    "alone_alpha_ms": "a collective's start-up in a step when alone in its cycle (CostModel.alone_alpha)",
+    "queued_alpha_ms": "a collective's start-up in a step when queued with others (CostModel.queued_alpha)",
 }
 
 
@@ -108,6 +111,15 @@ def link_patch(settings: Iterable[str]) -> Optional[Callable[[CostModel], CostMo
         if "half_sum_ns" in values:
             ar = kw.get("allreduce", model.allreduce)
             kw["allreduce_half"] = LinearFit(ar.alpha, max(ar.beta, values["half_sum_ns"] * 1e-9))
+        if values.get("start_ups"):
+            timed = model.meta.get("step_start_ups")
+            if not timed:
+                raise ValueError("link patch start_ups: this launch's link has no step_start_ups (timed by "
+                                 "advise's measurement since it records them)")
+            kw.update(alone_alpha=float(timed["alone_s"]), queued_alpha=float(timed["queued_s"]))
+        for name in ("alone_alpha", "queued_alpha"):
+            if name + "_ms" in values:
+                kw[name] = values[name + "_ms"] * 1e-3
         return replace(model, **kw)
     return patch
 

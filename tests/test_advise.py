@@ -191,6 +191,10 @@ def test_replay_recomputes_advise_from_the_saved_launch(tmp_path):
     assert slow_sums[1]["predicted_s"] > plain[1]["predicted_s"]
     assert slow_sums[0]["predicted_s"] == pytest.approx(plain[0]["predicted_s"])
     assert mod.replay_rows(str(f), mod.link_patch(["refit=1"]))[0]["predicted_s"] > 0
+    with pytest.raises(ValueError, match="no step_start_ups"):
+        mod.replay_rows(str(f), mod.link_patch(["start_ups=1"]))
+    step = mod.replay_rows(str(f), mod.link_patch(["alone_alpha_ms=50", "queued_alpha_ms=50"]))
+    assert step[0]["predicted_s"] > plain[0]["predicted_s"]
     with pytest.raises(ValueError, match="unknown setting"):
         mod.link_patch(["nope=1"])
     f.write_text(json.dumps({"meta": {}, "results": rows}))

@@ -94,3 +94,44 @@ def test_the_codec_choice_plans_fp16_at_its_measured_cost():
     a = make_plan("auto", sizes, t_b, cheap, "topk:ratio=0.5", alternatives=("fp16", "none"))
     b = make_plan("auto", sizes, t_b, slow, "topk:ratio=0.5", alternatives=("fp16", "none"))
     assert "fp16:residual=false" in a.codecs and set(b.codecs) == {"none"}
+
+
+def test_start_ups_of_a_step_survive_serialisation_and_are_checked():
+    m = _model(alone_alpha=12e-3, queued_alpha=1e-3)
+    assert m.start_ups == (12e-3, 1e-3) and _model().start_ups is None
+    assert _model(alone_alpha=12e-3).start_ups is None  # both or neither
+    back = CostModel.from_dict(m.to_dict())
+    assert back.start_ups == m.start_ups and m.scaled(2.0).start_ups == m.start_ups
+    assert m.for_world_size(8).queued_alpha == pytest.approx(1e-3 * 7 / 3)
+    assert m.comm_seconds("none", np.array([1000.0]), start_up=2e-3)[0] == pytest.approx(2e-3 + 10e-9 * 1000)
+    with pytest.raises(ValueError, match="queued_alpha"):
+        _model(queued_alpha=-1.0)
+
+
+def test_a_group_ready_before_the_previous_exchange_started_pays_the_queued_time():
+    from hvdcompress.schedule.timeline import predict_costs
+    tc = [0.005] * 3
+    step = ([0.010] * 3, [0.002] * 3)  # alone in its cycle, queued with others
+    # all ready at once (t_b = 0): the second and third were queued behind the first
+    assert predict_costs([[0], [1], [2]], [0.0] * 3, [0.0] * 3, tc, step=step).end == pytest.approx(0.014)
+    # the third was ready (10 ms) when the second started (10 ms): queued
+    assert predict_costs([[0], [1], [2]], [0.0, 0.005, 0.005], [0.0] * 3, tc, step=step).end == pytest.approx(0.022)
+    # each ready after the previous one started: alone
+    assert predict_costs([[0], [1], [2]], [0.0, 0.012, 0.012], [0.0] * 3, tc, step=step).end == pytest.approx(0.034)
+    assert predict_costs([[0], [1], [2]], [0.0] * 3, [0.0] * 3, tc).end == pytest.approx(0.015)  # without: t_c
+    with pytest.raises(ValueError, match="step"):
+        predict_costs([[0], [1], [2]], [0.0] * 3, [0.0] * 3, tc, step=([0.0], [0.0]))
+
+
+def test_the_planner_predicts_with_the_start_ups_of_a_step_and_plans_as_before():
+    from hvdcompress.schedule.costmodel import ComputeFit
+    sizes, t_b = [1024.0] * 20, [0.0] * 20
+    plain, step = _model(), _model(alone_alpha=12e-3, queued_alpha=1e-3)
+    per = 10e-9 * 1024
+    assert make_plan("layerwise", sizes, t_b, plain, "none").predicted_seconds == pytest.approx(20 * (5e-3 + per))
+    assert make_plan("layerwise", sizes, t_b, step, "none").predicted_seconds == pytest.approx(12e-3 + 19e-3 + 20 * per)
+    assert make_plan("mgwfbp", sizes, t_b, step, "none").groups == make_plan("mgwfbp", sizes, t_b, plain, "none").groups
+    fits = {"fp16": ComputeFit("linear", 0.0, 0.0)}
+    chosen = make_plan("layerwise", sizes, t_b, _model(compress=fits, alone_alpha=12e-3, queued_alpha=1e-3), "none",
+                       alternatives=("fp16",))
+    assert chosen.predicted_seconds == pytest.approx(12e-3 + 19e-3 + 20 * per, rel=0.05)

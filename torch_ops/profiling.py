@@ -3,8 +3,9 @@
     time_collectives(kinds, sizes)   Horovod allreduce / allgather (and allreduce of fp16,
                                      "allreduce_half") on the live transport: (bytes per rank,
                                      seconds) samples for the alpha-beta fits
-    time_burst()                     what a further collective of a burst (queued together, one
-                                     negotiation) costs: recorded in the model's meta
+    time_sequence(), time_burst()    a collective's start-up in a training step: alone in its
+                                     negotiation cycle (one after another), or queued with others
+                                     (a burst)
     time_compression(spec, sizes)    a compressor's compress step (everything its exchange does
                                      before the first collective: error feedback, selection, packing)
     time_decompression(spec, sizes)  what its exchange does after the collectives (aggregation,
@@ -212,17 +213,36 @@ def time_launch(repeats: int = 20, warmup: int = 3, comm=None) -> float:
     return _rank_mean([statistics.median(times)], "hvc.profile.launch", comm)[0]
 
 
-BURST = 16  # collectives launched at once by time_burst
+BURST = 16  # collectives timed by time_burst and time_sequence
+
+
+def time_sequence(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None) -> float:
+    """Seconds per collective of ``count`` small allreduces run one after another, each launched
+    when the previous one completed (median over ``repeats`` after a barrier, mean over ranks):
+    each is alone in Horovod's negotiation cycle and the ranks are not lined up by a barrier, as a
+    group launched on its own during a step is (``CostModel.alone_alpha``). A single collective
+    right after a barrier, which the alpha-beta fits time, pays less: the barrier lines the ranks
+    up with each other and with the cycle."""
+    from .collectives import Allreduce
+
+    if count < 1:
+        raise ValueError(f"time_sequence: count must be >= 1; got {count}")
+    comm = _comm(comm)
+    xs = [torch.ones(256) for _ in range(count)]
+
+    def call():
+        for i in range(count):
+            comm.wait(comm.launch((Allreduce(xs[i]),), f"hvc.profile.seq.{i}"))
+
+    return _rank_mean([_median_seconds(call, repeats, warmup, before=comm.barrier) / count], "hvc.profile.seq", comm)[0]
 
 
 def time_burst(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None) -> float:
     """Seconds per further collective of a burst: ``count`` small allreduces launched at once (one
     negotiation cycle), timed to the last completion, against one alone; (burst - one) / (count -
     1), medians over ``repeats`` after a barrier, mean over ranks. What a collective costs beyond
-    its transfer when it is queued with others, as a layerwise exchange's backlog is. Recorded in
-    a fitted model's meta (``burst_seconds_per_collective``) to set beside what training steps
-    show per collective; the cost model does not use it: on an idle machine it need not be what a
-    backlog costs while the workers train."""
+    its transfer when it is queued with others, as a layerwise exchange's backlog is
+    (``CostModel.queued_alpha``)."""
     from .collectives import Allreduce
 
     if count < 2:
@@ -389,7 +409,10 @@ def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=No
     """``model`` with a compression and decompression fit for every spec of ``specs``: the missing
     ones are timed on this machine and added (``model`` itself when none is missing). With
     ``transport``, also the transport terms a model fitted before them lacks: the fp16 allreduce
-    fit if a spec sums halves (timed at ``comm_bytes``) and, in its meta, ``time_burst``.
+    fit if a spec sums halves (timed at ``comm_bytes``); and the start-ups of a training step
+    (``time_sequence``, ``time_burst``) are recorded in its meta (``step_start_ups``), not set:
+    whether these idle timings stand for what a step pays is to be checked against measured steps
+    (``benchmarks/advise_replay.py --link-patch start_ups=1``) before predictions use them.
     Call on every rank of the process set (``comm``): the timings are agreed across ranks."""
     comm = _comm(comm)
     specs = [resolve(s) for s in specs]
@@ -399,8 +422,9 @@ def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=No
         samples = time_collectives(("allreduce_half",), comm_bytes or DEFAULT_COMM_BYTES[:6], comm=comm)
         extra["allreduce_half"] = fit_half(samples["allreduce_half"])
         extra["meta"] = dict(model.meta, samples={**dict(model.meta.get("samples", {})), **samples})
-    if transport and "burst_seconds_per_collective" not in model.meta:
-        extra["meta"] = dict(extra.get("meta", model.meta), burst_seconds_per_collective=time_burst(comm=comm))
+    if transport and "step_start_ups" not in model.meta:
+        timed = {"alone_s": time_sequence(comm=comm), "queued_s": time_burst(comm=comm)}
+        extra["meta"] = dict(extra.get("meta", model.meta), step_start_ups=timed)
     if extra:
         model = replace(model, **extra)
     if not missing:

@@ -10,6 +10,23 @@ timed: the transport adds the halves on the CPU (Gloo converts every element to 
 which on a CPU host costs more per byte than the wire, so half the bytes is not half the time.
 Without that fit, such an allreduce is charged the fp32 fit for its bytes.
 
+The fitted start-up a_N is a collective timed alone right after a barrier, every rank lined up.
+In a training step a collective rarely runs so: Horovod's background thread negotiates whatever
+was queued since its last cycle, then runs those collectives one after another. Two more
+start-ups may be given for the step's *prediction* (``start_ups``; the searches keep a_N):
+
+    alone_alpha   a collective launched when the one before it is done or under way, alone in
+                  its cycle, the ranks not lined up (``torch_ops.profiling.time_sequence``:
+                  collectives one after another, each launched when the previous completed)
+    queued_alpha  a further collective negotiated in one cycle with others (``time_burst``: many
+                  launched at once)
+
+``hvdcompress.schedule.timeline`` charges a group ``queued_alpha`` per collective when it was
+ready before the previous group's exchange started, else ``alone_alpha``. None (the default):
+every collective pays a_N. advise's measurement records both timings in the model's meta
+(``step_start_ups``) without setting them: timed on a machine at rest they may not be what a step
+of busy workers pays, which measured steps decide.
+
 An exchange of a (merged) tensor of d elements issues one or more collectives; its time is the
 sum over them (``comm_seconds``). Top-k sends an int32-index allgather and a float32-value
 allgather of k = ceil(ratio * d) entries each, so t_c = 2 * (a_N + b_N * 4 * N * k), as in
@@ -221,6 +238,8 @@ class CostModel:
     launch_seconds: float = 0.0  # CPU time to hand one collective to Horovod (on the compute stream)
     exchange_skew: float = 0.0  # the closing exchange ends this x (compression + transfer) late: closing_seconds
     allreduce_half: Optional[LinearFit] = None  # an allreduce of 16-bit floats (module doc); None: the fp32 fit
+    alone_alpha: Optional[float] = None  # start-up of a collective alone in its cycle (module doc)
+    queued_alpha: Optional[float] = None  # start-up of a collective negotiated with others (module doc)
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -232,6 +251,10 @@ class CostModel:
             raise ValueError(f"cost model: launch_seconds must be finite and >= 0; got {self.launch_seconds!r}")
         if not (math.isfinite(self.exchange_skew) and self.exchange_skew >= 0):
             raise ValueError(f"cost model: exchange_skew must be finite and >= 0; got {self.exchange_skew!r}")
+        for name in ("alone_alpha", "queued_alpha"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"cost model: {name} must be finite and >= 0 (or None); got {v!r}")
         object.__setattr__(self, "hosts", tuple(sorted(set(self.hosts))))
 
     @property
@@ -254,16 +277,26 @@ class CostModel:
         return self.allreduce_half if half and self.allreduce_half is not None else self.allreduce
 
     def comm_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
-                     density: Optional[float] = None):
-        """t_c: seconds to exchange tensors of ``dense_bytes`` (array ok) compressed by ``spec``."""
+                     density: Optional[float] = None, start_up: Optional[float] = None):
+        """t_c: seconds to exchange tensors of ``dense_bytes`` (array ok) compressed by ``spec``;
+        ``start_up``: every collective's start-up in place of the fits' (``start_ups``)."""
         d = np.asarray(dense_bytes, dtype=float) / itemsize
         model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
         total = np.zeros_like(d)
         for r in rounds(spec, d, itemsize, density, model.world_size):  # rounds run one after another
             fit = model.allgather if r.kind == GATHERED else model.summed_fit(getattr(r, "half", False))
             scale = model.world_size if r.kind == GATHERED else 1
-            total = total + r.collectives * fit.alpha + fit.beta * scale * r.nbytes
+            alpha = fit.alpha if start_up is None else start_up
+            total = total + r.collectives * alpha + fit.beta * scale * r.nbytes
         return total
+
+    @property
+    def start_ups(self) -> Optional[Tuple[float, float]]:
+        """(alone, queued) start-ups of a collective in a training step, where both were timed
+        (module doc); None otherwise."""
+        if self.alone_alpha is None or self.queued_alpha is None:
+            return None
+        return float(self.alone_alpha), float(self.queued_alpha)
 
     def exchange_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
                          density: Optional[float] = None):
@@ -363,7 +396,15 @@ class CostModel:
             half = LinearFit(fits[0].alpha + extra_a, fits[0].beta + extra_b)
         meta = dict(self.meta, scaled_from=self.world_size)
         return replace(self, world_size=int(world_size), allreduce=fits[0], allgather=fits[1], meta=meta,
-                       allreduce_half=half)
+                       allreduce_half=half, alone_alpha=self._per_hops(self.alone_alpha, n0_lat, lat, latency_s),
+                       queued_alpha=self._per_hops(self.queued_alpha, n0_lat, lat, latency_s))
+
+    @staticmethod
+    def _per_hops(start_up: Optional[float], n0_lat: float, lat: float, latency_s: Optional[float]):
+        """A start-up carried to another ring: per hop, as the fits' without a given latency."""
+        if start_up is None or latency_s is not None:
+            return start_up
+        return start_up / n0_lat * lat
 
     @classmethod
     def from_link(cls, world_size: int, gbit_per_s: float, latency_s: float,
@@ -384,7 +425,8 @@ class CostModel:
                 "compress": {k: v.to_dict() for k, v in self.compress.items()}, "meta": dict(self.meta),
                 "decompress": {k: v.to_dict() for k, v in self.decompress.items()},
                 "launch_seconds": self.launch_seconds, "exchange_skew": self.exchange_skew,
-                "allreduce_half": self.allreduce_half.to_dict() if self.allreduce_half is not None else None}
+                "allreduce_half": self.allreduce_half.to_dict() if self.allreduce_half is not None else None,
+                "alone_alpha": self.alone_alpha, "queued_alpha": self.queued_alpha}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "CostModel":
@@ -395,7 +437,8 @@ class CostModel:
                    tuple(d.get("hosts", ())), dict(d.get("meta", {})),
                    {k: ComputeFit.from_dict(v) for k, v in d.get("decompress", {}).items()},
                    float(d.get("launch_seconds", 0.0)), float(d.get("exchange_skew", 0.0)),
-                   LinearFit.from_dict(d["allreduce_half"]) if d.get("allreduce_half") else None)
+                   LinearFit.from_dict(d["allreduce_half"]) if d.get("allreduce_half") else None,
+                   _opt_float(d.get("alone_alpha")), _opt_float(d.get("queued_alpha")))
 
     def save(self, path: Optional[str] = None) -> str:
         """Write JSON to ``path`` (default: ``cache_path`` of this world and host set); returns it."""
@@ -471,6 +514,10 @@ def skew_factor(measured_seconds: float, transfer_seconds: float, cpu_seconds: f
     return float(min(limit, max(0.0, (measured_seconds - transfer_seconds) / work)))
 
 
+def _opt_float(v) -> Optional[float]:
+    return None if v is None else float(v)
+
+
 def describe(model: CostModel) -> str:
     """A few lines a person can read: the fits and their errors."""
     lines = [f"cost model {model.key} (world size {model.world_size})"]
@@ -487,6 +534,9 @@ def describe(model: CostModel) -> str:
             alt = ", ".join(f"{f} {e:.1%}" for f, e in fit.errors.items())
             lines.append(f"  {what} {spec}: {fit.a:.3g}*{'d*log2(d)' if fit.form == 'dlogd' else 'd'} + "
                          f"{fit.b * 1e6:.1f} us (rel. RMS error: {alt})")
+    if model.start_ups is not None:
+        lines.append(f"  start-up in a step: {model.alone_alpha * 1e6:.1f} us alone in its cycle, "
+                     f"{model.queued_alpha * 1e6:.1f} us queued with others (predictions)")
     if model.launch_seconds:
         lines.append(f"  launch: {model.launch_seconds * 1e6:.1f} us per collective handed to Horovod")
     if model.exchange_skew:
