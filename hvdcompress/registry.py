@@ -101,11 +101,15 @@ def _coerce(where: str, kind: type, value: Any, accepted: str) -> Any:
 @dataclass(frozen=True)
 class Round:
     """One round of an exchange as the cost model sees it: the collective kind, how many
-    collectives of that kind, and the bytes this rank contributes (an array over tensor sizes)."""
+    collectives of that kind, and the bytes this rank contributes (an array over tensor sizes).
+    ``half``: the summed values are 16-bit floats, which the transport adds on the CPU at a rate
+    of its own (Gloo converts every element to float and back), so the cost model times such an
+    allreduce separately (``CostModel.allreduce_half``)."""
 
     kind: str  # SUMMED or GATHERED
     collectives: int
     nbytes: Any
+    half: bool = False
 
 
 # wire(params, d, itemsize, world, density) -> rounds; d is an array of element counts, density

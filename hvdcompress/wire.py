@@ -23,10 +23,11 @@ def index_bytes(d) -> np.ndarray:
     return np.where(np.asarray(d) <= np.iinfo(np.int32).max, 4, 8)
 
 
-def dense(kind: str, bytes_per_entry: float):
-    """A one-round rule: every entry, ``bytes_per_entry`` bytes, by ``kind``."""
+def dense(kind: str, bytes_per_entry: float, half: bool = False):
+    """A one-round rule: every entry, ``bytes_per_entry`` bytes, by ``kind`` (``half``: summed as
+    16-bit floats, ``Round.half``)."""
     def rule(params, d, itemsize, world, density):
-        return (Round(kind, 1, d * (itemsize if bytes_per_entry is None else bytes_per_entry)),)
+        return (Round(kind, 1, d * (itemsize if bytes_per_entry is None else bytes_per_entry), half),)
     return rule
 
 

@@ -164,3 +164,40 @@ def test_model_arguments_are_checked(capsys):
         with pytest.raises(SystemExit) as e:
             advise.main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err, argv
+
+
+def test_replay_recomputes_advise_from_the_saved_launch(tmp_path):
+    import importlib.util
+    import os
+    from hvdcompress.schedule.costmodel import CostModel, LinearFit
+    from hvdcompress.schedule.planner import Workload
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "advise_replay.py")
+    spec = importlib.util.spec_from_file_location("advise_replay_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    workload = Workload(("a", "b", "c"), (4e5, 4e5, 4e5), (0.01, 0.01, 0.01), 0.02, 0.001)
+    samples = [[4096, 0.005], [65536, 0.006], [1048576, 0.015], [4194304, 0.045]]
+    link = CostModel(2, LinearFit(5e-3, 1e-8), LinearFit(3e-3, 1e-8),
+                     meta={"samples": {"allreduce": samples, "allgather": samples}})
+    launch = {"bandwidth": "1gbit", "workload": workload.to_dict(), "link": link.to_dict()}
+    rows = [{"compression": "none", "schedule": "auto", "bandwidth": "1gbit", "status": "ok", "step_time_s": 0.1},
+            {"compression": "fp16", "schedule": "auto", "bandwidth": "1gbit", "status": "ok", "step_time_s": 0.1}]
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps({"meta": {"model": "m"}, "results": rows, "advise": [launch]}))
+    plain = mod.replay_rows(str(f))
+    want = advise.predict(workload, link, "none")["step_seconds"]
+    assert plain[0]["predicted_s"] == pytest.approx(want) and plain[0]["error"] == pytest.approx(want / 0.1 - 1)
+    slow_sums = mod.replay_rows(str(f), mod.link_patch(["half_sum_ns=1000"]))  # fp16 slower, dense unchanged
+    assert slow_sums[1]["predicted_s"] > plain[1]["predicted_s"]
+    assert slow_sums[0]["predicted_s"] == pytest.approx(plain[0]["predicted_s"])
+    assert mod.replay_rows(str(f), mod.link_patch(["refit=1"]))[0]["predicted_s"] > 0
+    with pytest.raises(ValueError, match="no step_start_ups"):
+        mod.replay_rows(str(f), mod.link_patch(["start_ups=1"]))
+    step = mod.replay_rows(str(f), mod.link_patch(["alone_alpha_ms=50", "queued_alpha_ms=50"]))
+    assert step[0]["predicted_s"] > plain[0]["predicted_s"]
+    with pytest.raises(ValueError, match="unknown setting"):
+        mod.link_patch(["nope=1"])
+    f.write_text(json.dumps({"meta": {}, "results": rows}))
+    with pytest.raises(ValueError, match="no advise measurements"):
+        mod.replay_rows(str(f))
+    assert mod.main([str(tmp_path / "missing.json")]) == 2

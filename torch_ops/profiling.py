@@ -1,7 +1,11 @@
 """Measurements the layer-merging planner needs, taken inside a running Horovod job (PyTorch).
 
-    time_collectives(kinds, sizes)   Horovod allreduce / allgather on the live transport:
-                                     (bytes per rank, seconds) samples for the alpha-beta fits
+    time_collectives(kinds, sizes)   Horovod allreduce / allgather (and allreduce of fp16,
+                                     "allreduce_half") on the live transport: (bytes per rank,
+                                     seconds) samples for the alpha-beta fits
+    time_sequence(), time_burst()    a collective's start-up in a training step: alone in its
+                                     negotiation cycle (one after another), or queued with others
+                                     (a burst)
     time_compression(spec, sizes)    a compressor's compress step (everything its exchange does
                                      before the first collective: error feedback, selection, packing)
     time_decompression(spec, sizes)  what its exchange does after the collectives (aggregation,
@@ -31,7 +35,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from hvdcompress.schedule.costmodel import CostModel, fit_compute, fit_cost_model
+from hvdcompress.schedule.costmodel import CostModel, fit_compute, fit_cost_model, fit_half, sums_half
 from hvdcompress.schedule.planner import Workload
 from hvdcompress.spec import resolve
 
@@ -84,18 +88,25 @@ def time_collectives(kinds: Iterable[str] = ("allreduce", "allgather"),
                      sizes_bytes: Sequence[int] = DEFAULT_COMM_BYTES, repeats: int = 5,
                      warmup: int = 2, comm=None) -> Dict[str, List[Tuple[int, float]]]:
     """{kind: [(bytes each rank sends, median seconds over repeats, mean over ranks)]} for float32
-    tensors; a barrier before each timed call lines the ranks up."""
+    tensors ("allreduce_half": float16, summed by the transport at its own rate); a barrier before
+    each timed call lines the ranks up."""
     comm = _comm(comm)
     out: Dict[str, List[Tuple[int, float]]] = {}
     for kind in kinds:
-        if kind not in ("allreduce", "allgather"):
-            raise ValueError(f"profiling: kind must be 'allreduce' or 'allgather'; got {kind!r}")
+        if kind not in ("allreduce", "allgather", "allreduce_half"):
+            raise ValueError(f"profiling: kind must be 'allreduce', 'allgather' or 'allreduce_half'; got {kind!r}")
         medians = []
         for nbytes in sizes_bytes:
-            x = torch.ones(max(1, int(nbytes) // 4))
+            if kind == "allreduce_half":
+                x = torch.ones(max(1, int(nbytes) // 2), dtype=torch.float16)
+            else:
+                x = torch.ones(max(1, int(nbytes) // 4))
             # one name per size, reused: Horovod's response cache then serves the repeats, as it
             # serves a training loop's exchanges (same names every step)
-            if kind == "allreduce":
+            if kind == "allreduce_half":
+                def call():
+                    comm.allreduce_(x, f"hvc.profile.arh.{nbytes}")
+            elif kind == "allreduce":
                 def call():
                     comm.allreduce_(x, f"hvc.profile.ar.{nbytes}")
             else:
@@ -202,6 +213,55 @@ def time_launch(repeats: int = 20, warmup: int = 3, comm=None) -> float:
     return _rank_mean([statistics.median(times)], "hvc.profile.launch", comm)[0]
 
 
+BURST = 16  # collectives timed by time_burst and time_sequence
+
+
+def time_sequence(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None) -> float:
+    """Seconds per collective of ``count`` small allreduces run one after another, each launched
+    when the previous one completed (median over ``repeats`` after a barrier, mean over ranks):
+    each is alone in Horovod's negotiation cycle and the ranks are not lined up by a barrier, as a
+    group launched on its own during a step is (``CostModel.alone_alpha``). A single collective
+    right after a barrier, which the alpha-beta fits time, pays less: the barrier lines the ranks
+    up with each other and with the cycle."""
+    from .collectives import Allreduce
+
+    if count < 1:
+        raise ValueError(f"time_sequence: count must be >= 1; got {count}")
+    comm = _comm(comm)
+    xs = [torch.ones(256) for _ in range(count)]
+
+    def call():
+        for i in range(count):
+            comm.wait(comm.launch((Allreduce(xs[i]),), f"hvc.profile.seq.{i}"))
+
+    return _rank_mean([_median_seconds(call, repeats, warmup, before=comm.barrier) / count], "hvc.profile.seq", comm)[0]
+
+
+def time_burst(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None) -> float:
+    """Seconds per further collective of a burst: ``count`` small allreduces launched at once (one
+    negotiation cycle), timed to the last completion, against one alone; (burst - one) / (count -
+    1), medians over ``repeats`` after a barrier, mean over ranks. What a collective costs beyond
+    its transfer when it is queued with others, as a layerwise exchange's backlog is
+    (``CostModel.queued_alpha``)."""
+    from .collectives import Allreduce
+
+    if count < 2:
+        raise ValueError(f"time_burst: count must be >= 2; got {count}")
+    comm = _comm(comm)
+    xs = [torch.ones(256) for _ in range(count)]
+
+    def burst(k):
+        def call():
+            handles = [comm.launch((Allreduce(xs[i]),), f"hvc.profile.burst.{i}") for i in range(k)]
+            for h in handles:
+                comm.wait(h)
+        return call
+
+    one = _median_seconds(burst(1), repeats, warmup, before=comm.barrier)
+    many = _median_seconds(burst(count), repeats, warmup, before=comm.barrier)
+    return max(0.0, _rank_mean([(many - one) / (count - 1)], "hvc.profile.burst", comm)[0])
+
+
 def time_compression(spec, sizes: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
                      warmup: int = 1, average: bool = True, comm=None) -> List[Tuple[int, float]]:
     """[(elements, median seconds)] of ``spec``'s compress step; averaged over ranks if ``average``
@@ -282,8 +342,10 @@ def profile_cost_model(specs: Iterable = ("none",), comm_bytes: Sequence[int] = 
     ranks) and, with ``save``, write it to the cache (the first rank of each host) and to ``path``
     (rank 0 of the process set)."""
     com = _comm(comm)
+    specs = [resolve(s) for s in specs]
     started = time.perf_counter()
-    comm = time_collectives(sizes_bytes=comm_bytes, repeats=repeats, comm=com)
+    kinds = ("allreduce", "allgather") + (("allreduce_half",) if any(sums_half(s) for s in specs) else ())
+    comm = time_collectives(kinds, sizes_bytes=comm_bytes, repeats=repeats, comm=com)
     launch = time_launch(comm=com)
     compress = {str(resolve(s)): time_compression(s, compress_elements, repeats, comm=com) for s in specs}
     decompress = {str(resolve(s)): time_decompression(s, compress_elements, repeats, comm=com) for s in specs}
@@ -291,11 +353,13 @@ def profile_cost_model(specs: Iterable = ("none",), comm_bytes: Sequence[int] = 
     meta = {"source": "torch_ops.profiling", "torch": torch.__version__,
             **com.versions(), "profile_seconds": round(elapsed, 3),
             "samples": {"allreduce": comm["allreduce"], "allgather": comm["allgather"], "compress": compress,
-                        "decompress": decompress}}
+                        "decompress": decompress, **({"allreduce_half": comm["allreduce_half"]}
+                                                     if "allreduce_half" in comm else {})}}
     names = hosts(com)
     model = fit_cost_model(com.size(), comm["allreduce"], comm["allgather"], compress, names,
                            meta=json.loads(json.dumps(meta)),  # as it reads back from the cache
-                           decompress_samples=decompress, launch_seconds=launch)
+                           decompress_samples=decompress, launch_seconds=launch,
+                           allreduce_half_samples=comm.get("allreduce_half"))
     if save and _host_leader(names, com):
         model.save()
     if save and path and com.rank() == 0:
@@ -318,8 +382,10 @@ def load_or_profile(specs: Iterable = ("none",), max_bytes: Optional[float] = No
     """The cached model of this world size and host set, with a compression fit for every spec
     (fits missing from the cache are timed and added); else profile (a few seconds), timing
     collectives up to ``max_bytes`` per rank. Rank 0 decides and its model is broadcast, so
-    all ranks agree. Call on every rank of the process set (``comm``; default all ranks)."""
+    all ranks agree. Call on every rank of the process set (``comm``; default all ranks).
+    ``transport=True``: a cached model also gets the transport terms it lacks (``with_fits``)."""
     comm = _comm(kwargs.pop("comm", None))
+    transport = bool(kwargs.pop("transport", False))
     specs = [resolve(s) for s in specs]
     names = hosts(comm)
     cached = None
@@ -331,19 +397,36 @@ def load_or_profile(specs: Iterable = ("none",), max_bytes: Optional[float] = No
         kwargs.setdefault("comm_bytes", comm_sizes_up_to(max_bytes))
         return profile_cost_model(specs, comm=comm, **kwargs)
     model = CostModel.from_dict(cached)
-    completed = with_fits(model, specs, comm=comm, compress_elements=kwargs.get("compress_elements"))
+    completed = with_fits(model, specs, comm=comm, compress_elements=kwargs.get("compress_elements"),
+                          comm_bytes=comm_sizes_up_to(max_bytes), transport=transport)
     if completed is not model and kwargs.get("save", True) and _host_leader(names, comm):
         completed.save()
     return completed
 
 
-def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=None) -> CostModel:
+def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=None,
+              comm_bytes: Optional[Sequence[int]] = None, transport: bool = False) -> CostModel:
     """``model`` with a compression and decompression fit for every spec of ``specs``: the missing
-    ones are timed on this machine and added (``model`` itself when none is missing). Call on every
-    rank of the process set (``comm``): the timings are agreed across ranks."""
+    ones are timed on this machine and added (``model`` itself when none is missing). With
+    ``transport``, also the transport terms a model fitted before them lacks: the fp16 allreduce
+    fit if a spec sums halves (timed at ``comm_bytes``); and the start-ups of a training step
+    (``time_sequence``, ``time_burst``) are recorded in its meta (``step_start_ups``), not set:
+    whether these idle timings stand for what a step pays is to be checked against measured steps
+    (``benchmarks/advise_replay.py --link-patch start_ups=1``) before predictions use them.
+    Call on every rank of the process set (``comm``): the timings are agreed across ranks."""
     comm = _comm(comm)
     specs = [resolve(s) for s in specs]
     missing = [s for s in specs if not (model.has_compress_fit(s) and model.has_decompress_fit(s))]
+    extra = {}
+    if transport and model.allreduce_half is None and any(sums_half(s) for s in specs):
+        samples = time_collectives(("allreduce_half",), comm_bytes or DEFAULT_COMM_BYTES[:6], comm=comm)
+        extra["allreduce_half"] = fit_half(samples["allreduce_half"])
+        extra["meta"] = dict(model.meta, samples={**dict(model.meta.get("samples", {})), **samples})
+    if transport and "step_start_ups" not in model.meta:
+        timed = {"alone_s": time_sequence(comm=comm), "queued_s": time_burst(comm=comm)}
+        extra["meta"] = dict(extra.get("meta", model.meta), step_start_ups=timed)
+    if extra:
+        model = replace(model, **extra)
     if not missing:
         return model
     compress, decompress = dict(model.compress), dict(model.decompress)

@@ -80,7 +80,7 @@ from hvdcompress.contract import LAYERWISE
 from hvdcompress.schedule import tuning
 from hvdcompress.schedule.costmodel import CostModel, skew_factor
 from hvdcompress.schedule.groups import check_mergeable
-from hvdcompress.schedule.planner import Plan, Schedule, Workload, codec_options, make_plan, parse_schedule
+from hvdcompress.schedule.planner import Plan, Schedule, Workload, codec_options, make_plan, parse_schedule, step_costs
 from hvdcompress.spec import CompressionSpec
 from hvdcompress.schedule.search import Option, predict_choice
 from hvdcompress.schedule.timeline import check_partition
@@ -543,7 +543,8 @@ def predict_explicit(plan_groups, workload: Workload, model: CostModel, spec, wo
     specs = list(codecs) if codecs is not None else [str(spec)] * len(plan_groups)
     kinds = sorted(set(specs))
     options = [Option(lambda b, s=s: model.group_cpu_seconds(s, b), lambda b, s=s: model.exchange_seconds(s, b, world),
-                      lambda b, s=s: model.closing_seconds(s, b, world)) for s in kinds]
+                      lambda b, s=s: model.closing_seconds(s, b, world), True, step_costs(model, s, world))
+               for s in kinds]
     t_d = [(lambda b, s=s: model.decompress_seconds(s, b)) if model.has_decompress_fit(s) else None for s in kinds]
     tl = predict_choice(plan_groups, [kinds.index(s) for s in specs], workload.sizes_bytes, workload.t_b, options,
                         "shared", t_d)

@@ -173,14 +173,15 @@ def with_compression_fits(model: CostModel, fits: Dict[str, ComputeFit]) -> Cost
 def measured_link(specs: Sequence, fits: Dict[str, ComputeFit], max_bytes: Optional[float] = None,
                   fitted: Optional[CostModel] = None, cached: bool = True) -> CostModel:
     """The live transport's model (under Horovod; call on every rank): ``fitted`` (a model already
-    fitted on this link) completed with fits for every spec of ``specs``; else the cached fit of
+    fitted on this link) completed with fits for every spec of ``specs`` (and, where missing, the
+    fp16 allreduce and the burst start-up: ``profiling.with_fits``); else the cached fit of
     this world and host set (``cached``) or a fresh one, not saved (collectives timed up to
     ``max_bytes`` per rank) -- ``torch_ops.profiling``. Its compression fits are then ``fits``."""
     from torch_ops import profiling
     if fitted is not None:
-        model = profiling.with_fits(fitted, specs)
+        model = profiling.with_fits(fitted, specs, comm_bytes=profiling.comm_sizes_up_to(max_bytes), transport=True)
     elif cached:
-        model = profiling.load_or_profile(specs, max_bytes=max_bytes)
+        model = profiling.load_or_profile(specs, max_bytes=max_bytes, transport=True)
     else:
         model = profiling.profile_cost_model(specs, comm_bytes=profiling.comm_sizes_up_to(max_bytes), save=False)
     return with_compression_fits(model, fits)

@@ -17,7 +17,7 @@ from .oneround import OneRoundOracle
 register("none", SUMMED, "dense allreduce, no compression (what Horovod does by default)",
          wire=dense_wire(SUMMED, None), horovod_codec=True)
 register("fp16", SUMMED, "cast to IEEE half precision, allreduce in fp16, cast back",
-         residual_param(False), wire=dense_wire(SUMMED, 2), horovod_codec=True)
+         residual_param(False), wire=dense_wire(SUMMED, 2, half=True), horovod_codec=True)
 register("bf16", GATHERED, "round to bfloat16 (nearest even), allgather the 16-bit codes, sum in fp32",
          residual_param(False), wire=dense_wire(GATHERED, 2), horovod_codec=True)
 

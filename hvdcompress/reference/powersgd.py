@@ -55,14 +55,14 @@ def is_compressed(shape: Tuple[int, ...], rank: int) -> bool:
 
 def _wire(params, d, itemsize, world, density):
     """Square matrices assumed (only sizes are known here): n = m = sqrt(d); 2 allreduces of
-    sqrt(d)*r values; dense (one allreduce of d) when 2*sqrt(d)*r >= d. The measured bytes
+    sqrt(d)*r values; dense (one allreduce of d, no second round) when 2*sqrt(d)*r >= d. The measured bytes
     (``opt.stats``) use the real shapes: (n + m) * r * itemsize per matrix (P and Q travel in the
     gradient's dtype)."""
     r = params["rank"]
     side = np.sqrt(d)
     dense = 2 * side * r >= d
     return (Round(SUMMED, 1, np.where(dense, d * itemsize, side * r * itemsize)),
-            Round(SUMMED, 1, np.where(dense, 0, side * r * itemsize)))
+            Round(SUMMED, np.where(dense, 0, 1), np.where(dense, 0, side * r * itemsize)))
 
 
 register("powersgd", SUMMED, "PowerSGD: rank-r factors P, Q of each matrix by one power iteration "

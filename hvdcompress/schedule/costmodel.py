@@ -5,6 +5,28 @@ Communication (alpha-beta, per worker count N, fitted on the real transport)::
     allreduce  t = a_N + b_N * m          m: bytes each rank contributes
     allgather  t = a_N + b_N * N * m      N * m: bytes every rank ends up holding
 
+An allreduce of 16-bit floats (fp16) has a fit of its own (``allreduce_half``) when it was
+timed: the transport adds the halves on the CPU (Gloo converts every element to float and back),
+which on a CPU host costs more per byte than the wire, so half the bytes is not half the time.
+Without that fit, such an allreduce is charged the fp32 fit for its bytes.
+
+The fitted start-up a_N is a collective timed alone right after a barrier, every rank lined up.
+In a training step a collective rarely runs so: Horovod's background thread negotiates whatever
+was queued since its last cycle, then runs those collectives one after another. Two more
+start-ups may be given for the step's *prediction* (``start_ups``; the searches keep a_N):
+
+    alone_alpha   a collective launched when the one before it is done or under way, alone in
+                  its cycle, the ranks not lined up (``torch_ops.profiling.time_sequence``:
+                  collectives one after another, each launched when the previous completed)
+    queued_alpha  a further collective negotiated in one cycle with others (``time_burst``: many
+                  launched at once)
+
+``hvdcompress.schedule.timeline`` charges a group ``queued_alpha`` per collective when it was
+ready before the previous group's exchange started, else ``alone_alpha``. None (the default):
+every collective pays a_N. advise's measurement records both timings in the model's meta
+(``step_start_ups``) without setting them: timed on a machine at rest they may not be what a step
+of busy workers pays, which measured steps decide.
+
 An exchange of a (merged) tensor of d elements issues one or more collectives; its time is the
 sum over them (``comm_seconds``). Top-k sends an int32-index allgather and a float32-value
 allgather of k = ceil(ratio * d) entries each, so t_c = 2 * (a_N + b_N * 4 * N * k), as in
@@ -17,7 +39,10 @@ the smaller relative RMS error is kept, with both errors recorded.
 
 Every fit is weighted least squares on the *relative* residual ``(a + b*x - t) / t``, because
 sizes span many decades and the start-up term would otherwise be fitted to noise; a coefficient
-that comes out negative is fixed at 0 and the other refitted (``fit_linear``).
+that comes out negative is fixed at 0 and the other refitted (``fit_linear``). A collective's fit
+takes its per-byte term from the transfer-bound samples only (``fit_transfer``): a rate limiter
+such as tbf passes a burst at line rate, so small messages do not show the link's rate, and a
+relative fit over all sizes then bends the slope toward them and under-predicts large messages.
 
 To another world size the model is carried by ring-algorithm scaling (``for_world_size``):
 ring allreduce costs 2(N-1) alpha + 2(N-1)/N * m * beta, ring allgather (N-1) alpha +
@@ -36,7 +61,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -122,6 +147,29 @@ def fit_linear(x: Sequence[float], t: Sequence[float]) -> LinearFit:
     return LinearFit(float(alpha), float(beta), err, len(x))
 
 
+TRANSFER_SPAN = 16.0  # fit_transfer: the slope comes from the samples within this factor of the largest size
+
+
+def fit_transfer(x: Sequence[float], t: Sequence[float], span: float = TRANSFER_SPAN) -> LinearFit:
+    """A collective's ``t ~ alpha + beta * x``: beta is the least-squares slope of the samples whose
+    size is within ``span`` of the largest (transfer-bound: what large messages pay per byte),
+    alpha the relative fit of the start-up with that slope fixed (what small messages show),
+    both >= 0. With fewer than two such sizes, or no positive slope among them (noise: nothing is
+    transfer-bound), ``fit_linear``. ``rel_rmse`` is over all samples."""
+    x, t = np.asarray(x, dtype=float), np.asarray(t, dtype=float)
+    rel = fit_linear(x, t)  # checks the samples
+    big = x >= x.max() / span
+    if len(np.unique(x[big])) < 2:
+        return rel
+    beta = float(np.polyfit(x[big], t[big], 1)[0])
+    if not beta > 0:
+        return rel
+    w = 1.0 / t
+    alpha = max(0.0, float(np.sum(w * (1.0 - beta * x * w)) / np.sum(w * w)))  # argmin sum((alpha + beta x - t) / t)^2
+    err = float(np.sqrt(np.mean(((alpha + beta * x - t) / t) ** 2)))
+    return LinearFit(alpha, beta, err, len(x))
+
+
 def fit_compute(d: Sequence[float], t: Sequence[float], forms: Iterable[str] = FORMS) -> ComputeFit:
     """Fit ``t_s(d)`` in every form of ``forms`` (see the module doc); keep the smallest error."""
     fits = {}
@@ -189,6 +237,9 @@ class CostModel:
     decompress: Mapping[str, ComputeFit] = field(default_factory=dict)
     launch_seconds: float = 0.0  # CPU time to hand one collective to Horovod (on the compute stream)
     exchange_skew: float = 0.0  # the closing exchange ends this x (compression + transfer) late: closing_seconds
+    allreduce_half: Optional[LinearFit] = None  # an allreduce of 16-bit floats (module doc); None: the fp32 fit
+    alone_alpha: Optional[float] = None  # start-up of a collective alone in its cycle (module doc)
+    queued_alpha: Optional[float] = None  # start-up of a collective negotiated with others (module doc)
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -200,6 +251,10 @@ class CostModel:
             raise ValueError(f"cost model: launch_seconds must be finite and >= 0; got {self.launch_seconds!r}")
         if not (math.isfinite(self.exchange_skew) and self.exchange_skew >= 0):
             raise ValueError(f"cost model: exchange_skew must be finite and >= 0; got {self.exchange_skew!r}")
+        for name in ("alone_alpha", "queued_alpha"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"cost model: {name} must be finite and >= 0 (or None); got {v!r}")
         object.__setattr__(self, "hosts", tuple(sorted(set(self.hosts))))
 
     @property
@@ -207,25 +262,41 @@ class CostModel:
         return host_key(self.world_size, self.hosts)
 
     # -- predictions ---------------------------------------------------------------------------
-    def collective_seconds(self, kind: str, nbytes, world_size: Optional[int] = None):
-        """One collective: ``kind`` is "allreduce" or "allgather", nbytes what each rank sends."""
+    def collective_seconds(self, kind: str, nbytes, world_size: Optional[int] = None, half: bool = False):
+        """One collective: ``kind`` is "allreduce" or "allgather", nbytes what each rank sends
+        (``half``: an allreduce of 16-bit floats, ``summed_fit``)."""
         model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
         nbytes = np.asarray(nbytes, dtype=float)
         if kind == GATHERED:
             return model.allgather(model.world_size * nbytes)
-        return model.allreduce(nbytes)
+        return model.summed_fit(half)(nbytes)
+
+    def summed_fit(self, half: bool = False) -> LinearFit:
+        """The allreduce fit of fp32 values, or of 16-bit floats (``allreduce_half`` where timed,
+        else the fp32 one)."""
+        return self.allreduce_half if half and self.allreduce_half is not None else self.allreduce
 
     def comm_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
-                     density: Optional[float] = None):
-        """t_c: seconds to exchange tensors of ``dense_bytes`` (array ok) compressed by ``spec``."""
+                     density: Optional[float] = None, start_up: Optional[float] = None):
+        """t_c: seconds to exchange tensors of ``dense_bytes`` (array ok) compressed by ``spec``;
+        ``start_up``: every collective's start-up in place of the fits' (``start_ups``)."""
         d = np.asarray(dense_bytes, dtype=float) / itemsize
         model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
         total = np.zeros_like(d)
         for r in rounds(spec, d, itemsize, density, model.world_size):  # rounds run one after another
-            fit = model.allgather if r.kind == GATHERED else model.allreduce
+            fit = model.allgather if r.kind == GATHERED else model.summed_fit(getattr(r, "half", False))
             scale = model.world_size if r.kind == GATHERED else 1
-            total = total + r.collectives * fit.alpha + fit.beta * scale * r.nbytes
+            alpha = fit.alpha if start_up is None else start_up
+            total = total + r.collectives * alpha + fit.beta * scale * r.nbytes
         return total
+
+    @property
+    def start_ups(self) -> Optional[Tuple[float, float]]:
+        """(alone, queued) start-ups of a collective in a training step, where both were timed
+        (module doc); None otherwise."""
+        if self.alone_alpha is None or self.queued_alpha is None:
+            return None
+        return float(self.alone_alpha), float(self.queued_alpha)
 
     def exchange_seconds(self, spec, dense_bytes, world_size: Optional[int] = None, itemsize: int = 4,
                          density: Optional[float] = None):
@@ -289,15 +360,13 @@ class CostModel:
         def times(fits, k):
             return {name: ComputeFit(f.form, f.a * k, f.b * k, f.errors) for name, f in fits.items()}
         meta = dict(self.meta, calibration={"compress": compress, "decompress": decompress})
-        return CostModel(self.world_size, self.allreduce, self.allgather, times(self.compress, compress), self.hosts,
-                         meta, times(self.decompress, decompress), self.launch_seconds * compress,
-                         self.exchange_skew)
+        return replace(self, compress=times(self.compress, compress), meta=meta,
+                       decompress=times(self.decompress, decompress), launch_seconds=self.launch_seconds * compress)
 
     def with_skew(self, exchange_skew: float) -> "CostModel":
         """This model with ``exchange_skew`` set (see ``exchange_seconds``)."""
         meta = dict(self.meta, exchange_skew=float(exchange_skew))
-        return CostModel(self.world_size, self.allreduce, self.allgather, self.compress, self.hosts, meta,
-                         self.decompress, self.launch_seconds, float(exchange_skew))
+        return replace(self, meta=meta, exchange_skew=float(exchange_skew))
 
     # -- other worlds --------------------------------------------------------------------------
     def for_world_size(self, world_size: int, gbit_per_s: Optional[float] = None,
@@ -320,9 +389,22 @@ class CostModel:
                 alpha = max(0.0, fit.alpha - hops * n0_lat * latency_s) + hops * lat * latency_s
             beta = fit.beta / n0_bw * bw if gbit_per_s is None else hops * bw * 8.0 / (gbit_per_s * 1e9)
             fits.append(LinearFit(alpha, beta))
+        half = None
+        if self.allreduce_half is not None:  # the fp32 carry plus what the halves' sums add, per byte and rank
+            extra_a = max(0.0, self.allreduce_half.alpha - self.allreduce.alpha) / n0_lat * lat
+            extra_b = max(0.0, self.allreduce_half.beta - self.allreduce.beta) / n0_bw * bw
+            half = LinearFit(fits[0].alpha + extra_a, fits[0].beta + extra_b)
         meta = dict(self.meta, scaled_from=self.world_size)
-        return CostModel(int(world_size), fits[0], fits[1], self.compress, self.hosts, meta, self.decompress,
-                         self.launch_seconds, self.exchange_skew)
+        return replace(self, world_size=int(world_size), allreduce=fits[0], allgather=fits[1], meta=meta,
+                       allreduce_half=half, alone_alpha=self._per_hops(self.alone_alpha, n0_lat, lat, latency_s),
+                       queued_alpha=self._per_hops(self.queued_alpha, n0_lat, lat, latency_s))
+
+    @staticmethod
+    def _per_hops(start_up: Optional[float], n0_lat: float, lat: float, latency_s: Optional[float]):
+        """A start-up carried to another ring: per hop, as the fits' without a given latency."""
+        if start_up is None or latency_s is not None:
+            return start_up
+        return start_up / n0_lat * lat
 
     @classmethod
     def from_link(cls, world_size: int, gbit_per_s: float, latency_s: float,
@@ -342,7 +424,9 @@ class CostModel:
                 "allreduce": self.allreduce.to_dict(), "allgather": self.allgather.to_dict(),
                 "compress": {k: v.to_dict() for k, v in self.compress.items()}, "meta": dict(self.meta),
                 "decompress": {k: v.to_dict() for k, v in self.decompress.items()},
-                "launch_seconds": self.launch_seconds, "exchange_skew": self.exchange_skew}
+                "launch_seconds": self.launch_seconds, "exchange_skew": self.exchange_skew,
+                "allreduce_half": self.allreduce_half.to_dict() if self.allreduce_half is not None else None,
+                "alone_alpha": self.alone_alpha, "queued_alpha": self.queued_alpha}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "CostModel":
@@ -352,7 +436,9 @@ class CostModel:
                    {k: ComputeFit.from_dict(v) for k, v in d.get("compress", {}).items()},
                    tuple(d.get("hosts", ())), dict(d.get("meta", {})),
                    {k: ComputeFit.from_dict(v) for k, v in d.get("decompress", {}).items()},
-                   float(d.get("launch_seconds", 0.0)), float(d.get("exchange_skew", 0.0)))
+                   float(d.get("launch_seconds", 0.0)), float(d.get("exchange_skew", 0.0)),
+                   LinearFit.from_dict(d["allreduce_half"]) if d.get("allreduce_half") else None,
+                   _opt_float(d.get("alone_alpha")), _opt_float(d.get("queued_alpha")))
 
     def save(self, path: Optional[str] = None) -> str:
         """Write JSON to ``path`` (default: ``cache_path`` of this world and host set); returns it."""
@@ -378,10 +464,11 @@ class CostModel:
 
 def fit_cost_model(world_size: int, allreduce_samples, allgather_samples, compress_samples=None,
                    hosts: Iterable[str] = (), meta: Optional[Mapping] = None, decompress_samples=None,
-                   launch_seconds: float = 0.0) -> CostModel:
+                   launch_seconds: float = 0.0, allreduce_half_samples=None) -> CostModel:
     """Fit a model from timings: ``allreduce_samples`` (bytes per rank, seconds) pairs,
     ``allgather_samples`` likewise (bytes per rank; fitted on N * bytes), ``compress_samples`` and
-    ``decompress_samples`` {spec: [(elements, seconds), ...]}; ``launch_seconds`` as measured."""
+    ``decompress_samples`` {spec: [(elements, seconds), ...]}; ``launch_seconds`` as measured;
+    ``allreduce_half_samples``: (bytes per rank, seconds) of allreduces of 16-bit floats, if timed."""
     ar = np.asarray(list(allreduce_samples), dtype=float).reshape(-1, 2)
     ag = np.asarray(list(allgather_samples), dtype=float).reshape(-1, 2)
 
@@ -392,9 +479,24 @@ def fit_cost_model(world_size: int, allreduce_samples, allgather_samples, compre
             out[str(resolve(spec))] = fit_compute(s[:, 0], s[:, 1])
         return out
 
-    return CostModel(int(world_size), fit_linear(ar[:, 0], ar[:, 1]),
-                     fit_linear(world_size * ag[:, 0], ag[:, 1]), fits(compress_samples), tuple(hosts),
-                     dict(meta or {}), fits(decompress_samples), float(launch_seconds))
+    return CostModel(int(world_size), fit_transfer(ar[:, 0], ar[:, 1]),
+                     fit_transfer(world_size * ag[:, 0], ag[:, 1]), fits(compress_samples), tuple(hosts),
+                     dict(meta or {}), fits(decompress_samples), float(launch_seconds),
+                     allreduce_half=fit_half(allreduce_half_samples))
+
+
+def fit_half(samples) -> Optional[LinearFit]:
+    """The fit of allreduces of 16-bit floats from (bytes per rank, seconds) samples; None without any."""
+    if samples is None or len(list(samples)) == 0:
+        return None
+    s = np.asarray(list(samples), dtype=float).reshape(-1, 2)
+    return fit_transfer(s[:, 0], s[:, 1])
+
+
+def sums_half(spec) -> bool:
+    """Whether an exchange of ``spec`` allreduces 16-bit floats (a ``Round`` with ``half``): then
+    the cost model wants ``allreduce_half`` timed."""
+    return any(getattr(r, "half", False) for r in rounds(spec, np.array([1024.0])))
 
 
 def skew_factor(measured_seconds: float, transfer_seconds: float, cpu_seconds: float,
@@ -412,11 +514,18 @@ def skew_factor(measured_seconds: float, transfer_seconds: float, cpu_seconds: f
     return float(min(limit, max(0.0, (measured_seconds - transfer_seconds) / work)))
 
 
+def _opt_float(v) -> Optional[float]:
+    return None if v is None else float(v)
+
+
 def describe(model: CostModel) -> str:
     """A few lines a person can read: the fits and their errors."""
     lines = [f"cost model {model.key} (world size {model.world_size})"]
-    for name, fit in (("allreduce", model.allreduce), ("allgather", model.allgather)):
-        per = "byte per rank" if name == "allreduce" else "byte gathered"
+    named = [("allreduce", model.allreduce), ("allgather", model.allgather)]
+    if model.allreduce_half is not None:
+        named.append(("allreduce fp16", model.allreduce_half))
+    for name, fit in named:
+        per = "byte gathered" if name == "allgather" else "byte per rank"
         bw = 8 / fit.beta / 1e9 if fit.beta > 0 else math.inf
         lines.append(f"  {name}: {fit.alpha * 1e6:.1f} us + {fit.beta * 1e9:.4f} ns/{per} "
                      f"(effective {bw:.2f} Gbit/s), rel. RMS error {fit.rel_rmse:.1%} over {fit.samples} samples")
@@ -425,6 +534,9 @@ def describe(model: CostModel) -> str:
             alt = ", ".join(f"{f} {e:.1%}" for f, e in fit.errors.items())
             lines.append(f"  {what} {spec}: {fit.a:.3g}*{'d*log2(d)' if fit.form == 'dlogd' else 'd'} + "
                          f"{fit.b * 1e6:.1f} us (rel. RMS error: {alt})")
+    if model.start_ups is not None:
+        lines.append(f"  start-up in a step: {model.alone_alpha * 1e6:.1f} us alone in its cycle, "
+                     f"{model.queued_alpha * 1e6:.1f} us queued with others (predictions)")
     if model.launch_seconds:
         lines.append(f"  launch: {model.launch_seconds * 1e6:.1f} us per collective handed to Horovod")
     if model.exchange_skew:

@@ -170,7 +170,8 @@ class Plan:
 
 
 def _costs(cost_model, spec, world: int, itemsize: int, density: Optional[float]):
-    """(t_s, t_c, t_close or None, t_d or None) of sending a group with ``spec`` (module doc)."""
+    """(t_s, t_c, t_close or None, t_d or None, t_step or None) of sending a group with ``spec``
+    (module doc)."""
     def t_c(b):
         return cost_model.exchange_seconds(spec, b, world, itemsize, density)
 
@@ -184,7 +185,24 @@ def _costs(cost_model, spec, world: int, itemsize: int, density: Optional[float]
     if cost_model.has_decompress_fit(spec):
         def t_d(b):
             return cost_model.decompress_seconds(spec, b, itemsize)
-    return t_s, t_c, t_close, t_d
+    return t_s, t_c, t_close, t_d, step_costs(cost_model, spec, world, itemsize, density)
+
+
+def step_costs(cost_model, spec, world: Optional[int] = None, itemsize: int = 4,
+               density: Optional[float] = None) -> Optional[Tuple]:
+    """(t_alone, t_queued): a group's exchange time at the start-ups a collective pays in a
+    training step (``CostModel.start_ups``), for the prediction; None where they were not timed."""
+    start_ups = getattr(cost_model, "start_ups", None)
+    if start_ups is None:
+        return None
+    alone, queued = start_ups
+
+    def t_alone(b):
+        return cost_model.comm_seconds(spec, b, world, itemsize, density, start_up=alone)
+
+    def t_queued(b):
+        return cost_model.comm_seconds(spec, b, world, itemsize, density, start_up=queued)
+    return t_alone, t_queued
 
 
 def codec_options(spec, alternatives: Sequence = ()) -> List:
@@ -228,11 +246,11 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     merges = spec.info.merge != LAYERWISE
     if not merges and not choosing and (asked_auto or sched.kind in COST_MODEL_SCHEDULES):
         sched = Schedule("layerwise")  # its tensors are never merged: a searched schedule is layerwise
-    t_s = t_c = gap = t_close = t_d = None
+    t_s = t_c = gap = t_close = t_d = t_step = None
     if cost_model is not None:
         world = cost_model.world_size if world_size is None else int(world_size)
         costs = [_costs(cost_model, o, world, itemsize, density if i == 0 else None) for i, o in enumerate(specs)]
-        t_s, t_c, t_close, t_d = costs[0]
+        t_s, t_c, t_close, t_d, t_step = costs[0]
         if not cost_model.has_compress_fit(spec):
             notes.append(f"no compression-time fit for '{spec}': compression counted as 0 s")
     if choosing:
@@ -269,7 +287,7 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     codecs = None
     timeline = predicted = None
     if choosing:
-        options = [Option(c[0], c[1], c[2], merges or i > 0) for i, c in enumerate(costs)]
+        options = [Option(c[0], c[1], c[2], merges or i > 0, c[4]) for i, c in enumerate(costs)]
         cuts = None if groups is None else [g[-1] + 1 for g in groups]
         found = optimal_choice(sizes, t_b, options, overlap, cuts=cuts)
         groups, codecs = found.groups, [str(specs[c]) for c in found.choices]
@@ -277,7 +295,7 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
         timeline = predict_choice(groups, found.choices, sizes, t_b, options, overlap, [c[3] for c in costs])
         predicted = float(forward_seconds) + timeline.end + float(update_seconds)
     elif cost_model is not None and t_b is not None:
-        timeline = predict(groups, sizes, t_b, t_s, t_c, overlap, t_d, t_close)
+        timeline = predict(groups, sizes, t_b, t_s, t_c, overlap, t_d, t_close, t_step)
         predicted = float(forward_seconds) + timeline.end + float(update_seconds)
     return Plan(str(sched), [list(g) for g in groups], predicted, timeline, overlap, gap, tuple(notes),
                 codecs=codecs)

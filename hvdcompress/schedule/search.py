@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -166,12 +166,14 @@ def optimal(sizes, t_b, t_s: Callable, t_c: Callable, overlap: str = "shared",
 class Option(NamedTuple):
     """One way to send a group: ``t_s(bytes)``, ``t_c(bytes)`` and the closing term (or None).
     ``merges=False``: it sends groups of one tensor only (a compressor whose state is shaped by the
-    tensor, ``merge=LAYERWISE``); the search never gives it a larger group."""
+    tensor, ``merge=LAYERWISE``); the search never gives it a larger group. ``t_step``: the
+    exchange times (alone, queued) of a training step, for predictions only (``timeline``), or None."""
 
     t_s: Callable
     t_c: Callable
     t_close: Optional[Callable] = None
     merges: bool = True
+    t_step: Optional[Tuple[Callable, Callable]] = None
 
 
 class ChoiceSearch(NamedTuple):
@@ -204,7 +206,11 @@ def predict_choice(groups, choices: Sequence[int], sizes, t_b, options: Sequence
     tc = [cost(options[c].t_c, g) for g, c in enumerate(choices)]
     td = None if t_d is None or all(f is None for f in t_d) else [cost(t_d[c], g) for g, c in enumerate(choices)]
     close = cost(options[choices[-1]].t_close, len(groups) - 1) if len(groups) else None
-    return predict_costs(groups, t_b, ts, tc, overlap, td, close)
+    step = None
+    if any(o.t_step is not None for o in options):
+        both = [options[c].t_step or (options[c].t_c, options[c].t_c) for c in choices]
+        step = ([cost(f[0], g) for g, f in enumerate(both)], [cost(f[1], g) for g, f in enumerate(both)])
+    return predict_costs(groups, t_b, ts, tc, overlap, td, close, step)
 
 
 def optimal_choice(sizes, t_b, options: Sequence, overlap: str = "shared", max_front: Optional[int] = None,

@@ -41,6 +41,16 @@ step waits for the latest rank; exchanges launched during backward wait mostly f
 that follows them anyway. ``CostModel.closing_seconds`` measures it (``exchange_skew``)::
 
     comm_end[G] = max(comm_end[G-1], compress_end[G]) + t_c(G) + t_close(G)
+
+Optionally, in place of t_c, the exchange time at the start-ups a collective pays in a training
+step (``CostModel.start_ups``): ``t_alone(bytes)`` for a group alone in Horovod's negotiation
+cycle, ``t_queued(bytes)`` for one ready before the previous group's exchange started
+(``compress_end[g] <= comm_start[g-1]``), which is negotiated together with what else waits::
+
+    comm_end[g] = max(comm_end[g-1], compress_end[g]) + (t_queued(g) if queued else t_alone(g))
+
+Like t_d, the searches leave them out (whether a group queues depends on the timeline the
+partition makes, which their recurrences do not track); predictions include them.
 """
 
 from __future__ import annotations
@@ -150,8 +160,9 @@ def groups_from_ends(ends: Sequence[int]) -> List[List[int]]:
 
 def predict(groups: Sequence[Sequence[int]], sizes: Sequence[float], t_b: Sequence[float],
             t_s: Callable, t_c: Callable, overlap: str = "shared", t_d: Optional[Callable] = None,
-            t_close: Optional[Callable] = None) -> Timeline:
-    """The timeline of the module doc for this partition (``t_d``, ``t_close``: see the module doc)."""
+            t_close: Optional[Callable] = None, t_step: Optional[Tuple[Callable, Callable]] = None) -> Timeline:
+    """The timeline of the module doc for this partition (``t_d``, ``t_close``, ``t_step``:
+    (t_alone, t_queued), see the module doc)."""
     check_overlap(overlap)
     sizes, t_b = check_inputs(sizes, t_b)
     groups = check_partition(groups, len(sizes))
@@ -159,8 +170,9 @@ def predict(groups: Sequence[Sequence[int]], sizes: Sequence[float], t_b: Sequen
     close = None
     if t_close is not None and len(groups):
         close = float(as_cost_fn(t_close)(nbytes[-1:])[0])
+    step = None if t_step is None else tuple(as_cost_fn(f)(nbytes) for f in t_step)
     return predict_costs(groups, t_b, as_cost_fn(t_s)(nbytes), as_cost_fn(t_c)(nbytes), overlap,
-                         None if t_d is None else as_cost_fn(t_d)(nbytes), close)
+                         None if t_d is None else as_cost_fn(t_d)(nbytes), close, step)
 
 
 def group_bytes(groups: Sequence[Sequence[int]], sizes: Sequence[float]) -> np.ndarray:
@@ -173,18 +185,28 @@ def group_bytes(groups: Sequence[Sequence[int]], sizes: Sequence[float]) -> np.n
 
 def predict_costs(groups: Sequence[Sequence[int]], t_b: Sequence[float], ts: Sequence[float],
                   tc: Sequence[float], overlap: str = "shared", td: Optional[Sequence[float]] = None,
-                  close: Optional[float] = None) -> Timeline:
+                  close: Optional[float] = None, step: Optional[Tuple[Sequence[float], Sequence[float]]] = None
+                  ) -> Timeline:
     """The timeline of a checked partition from per-group costs already evaluated: compression
-    ``ts``, exchange ``tc``, optionally decompression ``td`` and the closing exchange's extra
-    ``close`` (``predict`` evaluates them from cost functions of the group's bytes)."""
+    ``ts``, exchange ``tc``, optionally decompression ``td``, the closing exchange's extra
+    ``close`` and ``step``: the exchange times (alone, queued) that replace ``tc`` (``predict``
+    evaluates them from cost functions of the group's bytes)."""
     groups = tuple(tuple(int(i) for i in g) for g in groups)
     ends = group_ends(groups)
     R = np.concatenate([[0.0], np.cumsum(np.asarray(t_b, dtype=float))])
     ts = np.asarray(ts, dtype=float)
     tc = np.array(tc, dtype=float)  # a copy: the closing term is added in place
     n = len(groups)
+    alone = queued = None
+    if step is not None:
+        alone, queued = (np.array(x, dtype=float) for x in step)
+        if alone.shape != tc.shape or queued.shape != tc.shape:
+            raise ValueError(f"step: one alone and one queued exchange time per group ({n})")
     if close is not None and n:
         tc[-1] += float(close)
+        if step is not None:
+            alone[-1] += float(close)
+            queued[-1] += float(close)
     ready, cs, ce, ms, me = (np.zeros(n) for _ in range(5))
     stream = 0.0  # shared: compression done so far, pushing the compute stream back
     comm_free = 0.0
@@ -195,7 +217,11 @@ def predict_costs(groups: Sequence[Sequence[int]], t_b: Sequence[float], ts: Seq
         if overlap == "shared":
             stream += ts[g]
         ms[g] = max(comm_free, ce[g])
-        me[g] = comm_free = ms[g] + tc[g]
+        if step is None:
+            cost = tc[g]
+        else:  # queued: ready before the previous exchange started, negotiated with what else waits
+            cost = queued[g] if g > 0 and ce[g] <= ms[g - 1] else alone[g]
+        me[g] = comm_free = ms[g] + cost
     backward_end = float(R[-1] + stream) if overlap == "shared" else float(max(R[-1], ce.max(initial=0.0)))
     finish = None
     if td is not None:
