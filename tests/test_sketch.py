@@ -446,3 +446,70 @@ def test_kernels_entries_above_a_threshold_are_every_such_entry(rows, t):
         np.testing.assert_array_equal(found[1], est[want])
     sample = kern.estimates_abs_at(table.ctypes.data, 5, 97, (d - 6) // 97 + 1)
     np.testing.assert_array_equal(sample, est[5::97])
+
+
+# --- parameter dtypes narrower than float32 ------------------------------------------------------
+_NP_DTYPES = {"float16": np.float16, "bfloat16": tf.bfloat16.as_numpy_dtype, "float64": np.float64}
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@pytest.mark.parametrize("dtype", sorted(_NP_DTYPES))
+def test_torch_table_rounds_every_addition_in_the_tensor_dtype(dtype):
+    """A cell's partial sums are rounded to the dtype after every addition, as the oracle's
+    ``np.add.at`` (and TF's segment sum) round them; a cell accumulated in float32 and rounded once
+    is a different table where many equal values share a cell."""
+    v = np.full(154, 1.1, np.float32)
+    v[[3, 40, 77, 120]] = [-7.5, 1000.0, 0.3, -2.25]
+    x = v.astype(_NP_DTYPES[dtype])
+    keys = hashing.row_keys(0, KEY, 5)
+    want = ref.sketch_table(x, keys, 8)
+    got = torch_sketch.sketch_table(torch.from_numpy(x.astype(np.float32)).to(_TORCH_DTYPES[dtype]), keys, 8)
+    np.testing.assert_array_equal(got.to(torch.float64).numpy(), want.astype(np.float64))
+
+
+def _filled(fill, at):
+    """154 entries equal to ``fill`` but at the positions of ``at`` (a dict position -> value)."""
+    g = np.full(154, fill, np.float32)
+    g[list(at)] = list(at.values())
+    return g
+
+
+def test_bfloat16_ties_select_the_oracles_entries_in_torch_and_tensorflow():
+    """A bfloat16 gradient that is mostly one huge repeated value: sketch cells collect many
+    equal entries and the estimates tie, so a table that rounds differently from the oracle's
+    selects other entries. Torch and TF must select the oracle's (run in bfloat16)."""
+    spec, shape, bf16 = parse_spec("sketch:ratio=0.05,min_sketch_numel=1"), (11, 14), _NP_DTYPES["bfloat16"]
+    key = "layer.w"  # the hashes that put these entries in the same cells
+    big = 1.0002555517425873e30
+    steps = [[_filled(8.715097876569077e29, {42: -big, 89: 0.0, 100: 0.0, 117: 0.0, 140: 0.0, 116: 9.968061931431293e-10,
+                                             47: 0.5, 108: 998244352.0, 141: 1.9421773393035264e16,
+                                             49: 4.67248461339689e16}),
+              _filled(-1.0, {1: -6.93246421999813e29, 26: 0.0, 136: 1.0, 140: 9.061721087568984e29})],
+             [_filled(-6.473924464345088e16, {127: -1.9064276604994856e29, 101: -1680053767241728.0, 79: 0.0,
+                                              100: 0.0, 103: 0.0, 109: 1.0, 26: 1.829587348619264e16,
+                                              84: 3.0680772461461504e16, 31: 5.910974510923776e16, 9: big}),
+              _filled(1.0, {9: -big, 106: -big, 130: -1.2750782404639417e29, 120: -4.797017652230849e28,
+                            140: -1.0030417090079569e20, 49: -4.756927106410086e16, 75: -1.0625680370827264e16,
+                            135: -7916483719987200.0, 100: -1.0, 38: -0.5, 88: -0.5, 113: -0.333984375, 11: 0.0,
+                            33: 0.0, 90: 0.0, 144: 0.0, 50: 0.5, 79: 0.5, 127: 0.5, 47: 1.9984723346456576e16,
+                            107: 4.362862139015168e16, 128: 4.644337115725824e16, 67: 8.36847466556917e29,
+                            1: big, 55: big})]]
+    steps = [[g.astype(bf16).astype(np.float32) for g in s] for s in steps]  # values bfloat16 holds
+    th, tf_ = tc.build_compressor(spec), tfc.build_compressor(spec)
+    states = [{}, {}]
+    th_states = [{}, {}]
+    tf_states = [tf_.new_state(shape, tf.bfloat16) for _ in range(2)]
+    for step, grads in enumerate(steps):
+        want, states, _ = simulate(spec, [g.astype(bf16) for g in grads], states, key=key, step=step,
+                                   scale=bf16(0.5), shape=shape)
+        want = np.asarray(want, np.float64)
+        got_th, _ = run_lockstep([th.exchange(torch.from_numpy(g).to(torch.bfloat16),
+                                              tc.ExchangeContext(key, step, 2, 0.5, st, shape))
+                                  for g, st in zip(grads, th_states)])
+        got_tf, _ = run_lockstep([tf_.exchange(tf.cast(tf.constant(g), tf.bfloat16),
+                                               tfc.ExchangeContext(key, step, 2, 0.5, st, shape))
+                                  for g, st in zip(grads, tf_states)])
+        assert np.count_nonzero(want) == 8
+        for r in range(2):
+            np.testing.assert_array_equal(got_th[r].to(torch.float64).numpy(), want, err_msg=f"torch step {step}")
+            np.testing.assert_array_equal(tf.cast(got_tf[r], tf.float64).numpy(), want, err_msg=f"tf step {step}")

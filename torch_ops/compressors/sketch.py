@@ -18,7 +18,7 @@ computed per chunk of ``CHUNK`` entries (whole 65536-entry blocks) from two shor
 tensor is hashed with the same keys every step, and used by both rounds. Per row and
 chunk that is five passes over an int64 buffer (one broadcast xor, two multiplies, a mask, a
 shift), then
-one ``scatter_add_`` of v into the row's 2c signed cells (no sign multiply) to sketch, or one
+one ``index_add_`` of v into the row's 2c signed cells (no sign multiply) to sketch, or one
 ``index_select`` from [S, -S] interleaved to estimate; the median of 5 (or 3) rows is a 10 (4)
 min/max selection network. Nothing of size r x d is ever held; the estimates (d floats) are the
 only dense temporary besides the state.
@@ -33,11 +33,13 @@ estimates are neither written nor scanned (every estimate, into a buffer kept be
 the fallback). The result is built in ``ctx.out`` when it is offered. The torch ops stay the path of other devices and dtypes and of
 ``HVDCOMPRESS_NATIVE=0`` / the torch-only switch; both give the oracle's bits (tests/test_paths.py).
 
-Bit-exactness: on CPU ``scatter_add_`` of a 1-D source adds serially, in index order, chunk after
-chunk into the same cells -- the oracle's order (``np.add.at``); tests check the table,
-candidates, selected indices, results and state bit for bit. On a GPU it adds with atomics in no
-fixed order: the table (and therefore, in near ties, the candidates) may differ from the oracle's
-in the last bits there.
+Bit-exactness: on CPU ``index_add_`` into a 1-D tensor adds serially, in index order, chunk after
+chunk into the same cells, rounding every addition to the tensor's dtype -- the oracle's order and
+rounding (``np.add.at``); tests check the table, candidates, selected indices, results and state
+bit for bit. (``scatter_add_`` is not used: for float16 and bfloat16 it accumulates every cell in
+float32 and rounds once at the end, a different table wherever a cell's partial sums round, and
+in ties a different candidate set.) On a GPU it adds with atomics in no fixed order: the table
+(and therefore, in near ties, the candidates) may differ from the oracle's in the last bits there.
 """
 
 from __future__ import annotations
@@ -109,14 +111,15 @@ class Hashes:
 
 
 def sketch_table(v: torch.Tensor, keys, cols: int, chunk: int = CHUNK, hashes: Hashes = None) -> torch.Tensor:
-    """The r x c count sketch of flat v: the 2c signed cells of each row summed in index order
-    (``scatter_add_``), folded as cell[2b] - cell[2b+1] (the oracle's ``sketch_table``)."""
+    """The r x c count sketch of flat v: the 2c signed cells of each row summed in index order,
+    each addition rounded to v's dtype (``index_add_``, the module doc), folded as
+    cell[2b] - cell[2b+1] (the oracle's ``sketch_table``)."""
     h = hashes if hashes is not None else Hashes(keys, v.numel(), cols, v.device, chunk)
     signed = torch.zeros(len(keys), 2 * cols, dtype=v.dtype, device=v.device)
     for start, stop, b0, b1 in h.chunks():
         vc = v[start:stop]
         for j in range(len(keys)):
-            signed[j].scatter_add_(0, h.cells(j, b0, b1, stop - start), vc)
+            signed[j].index_add_(0, h.cells(j, b0, b1, stop - start), vc)
     return signed[:, 0::2] - signed[:, 1::2]
 
 
