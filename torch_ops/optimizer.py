@@ -45,7 +45,7 @@ from hvdcompress.spec import CompressionSpec, resolve
 
 from . import checkpoint
 from .arguments import check_arguments, parameter_names
-from .codec_choice import check_codec_choice
+from .codec_choice import resolve_codec_choice
 from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
@@ -105,6 +105,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The plan in use (``hvdcompress.schedule.planner.Plan``: groups as indices in backward order,
         ``predicted_seconds``, ``notes``), or None until the scheduler has decided."""
         return self.engine.scheduler.plan
+
+    @property
+    def codec_choice(self) -> str:
+        """The per-group codec choice in use: "auto" (the plan picks the compressor, fp16 or dense
+        per group) or "off" (the compressor everywhere); what ``codec_choice=None`` resolved to."""
+        return "auto" if self.engine.scheduler.alternatives else "off"
 
     @property
     def groups(self) -> List[List[str]]:
@@ -302,7 +308,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
-    alternatives = check_codec_choice(codec_choice, build_compressor(spec), delay, sync_every)
+    alternatives = resolve_codec_choice(codec_choice, spec, build_compressor(spec), schedule, tune_steps, delay,
+                                        sync_every, elastic=elastic_mode())
     check_revalidate_every(revalidate_every, bool(alternatives))
     driver = make_communicator(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
     # e.g. DGC takes the momentum over (checked on every rank, before any collective); a rank outside
