@@ -35,6 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--compression", default="none", help="spec, e.g. none, fp16, topk:ratio=0.01")
     p.add_argument("--schedule", default="auto", help="merge schedule: auto (cost model), mgs, mgwfbp, "
                    "layerwise, single, size:<MB>")
+    p.add_argument("--codec-choice", choices=("auto", "off"), default=None,
+                   help="per-group choice of the spec, fp16 or dense (default: the optimizer's, on for a "
+                   "compressing spec under a cost-model schedule)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
@@ -69,7 +72,8 @@ def main(argv=None) -> int:
     model = DigitsCNN()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     opt = hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
-                                   schedule=args.schedule, delay=args.delay, sync_every=args.sync_every)
+                                   schedule=args.schedule, delay=args.delay, sync_every=args.sync_every,
+                                   codec_choice=args.codec_choice)
     hvc.broadcast_parameters(model.state_dict(), root_rank=0)
     hvc.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
         "test_accuracy": evaluate(model, x_te, y_te), "bytes_per_step": stats["bytes_per_step"],
         "dense_bytes_per_step": stats["dense_bytes_per_step"], "compression_ratio": stats["ratio"],
         "steps": stats["steps"], "parameters_identical_across_ranks": identical, "seconds": elapsed,
-        "schedule": args.schedule, "groups": opt.groups, "delay": args.delay, "sync_every": args.sync_every,
+        "schedule": args.schedule, "groups": opt.groups, "codec_choice": opt.codec_choice,
+        "delay": args.delay, "sync_every": args.sync_every,
         "predicted_step_seconds": opt.plan.predicted_seconds if opt.plan else None,
         "last_step_timings": opt.timings,
     }
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
         predicted = f", predicted step {plan.predicted_seconds * 1e3:.1f} ms" if plan and plan.predicted_seconds else ""
         print(f"schedule              {args.schedule} -> {plan.schedule if plan else 'layerwise'}: "
               f"{len(opt.groups)} group(s) of {[len(g) for g in opt.groups]} tensors{predicted}; "
-              f"last step {opt.timings['iteration_seconds'] * 1e3:.1f} ms")
+              f"last step {opt.timings['iteration_seconds'] * 1e3:.1f} ms; codec choice {opt.codec_choice}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)

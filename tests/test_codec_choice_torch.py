@@ -92,3 +92,55 @@ def test_codec_choice_argument_is_checked():
         check_codec_choice("auto", plain)
     with pytest.raises(ValueError, match="codec: must be one of"):
         next(fallback_exchange(topk, "bf16", torch.zeros(3), ExchangeContext("w", 0, 1, 1.0)))
+
+
+# --- codec_choice=None: on where measured validation makes it safe, else off ----------------------
+def _default(text="topk:ratio=0.01", schedule="auto", tune_steps=3, delay=0, sync_every=1, elastic=False,
+             value=None):
+    from torch_ops.codec_choice import resolve_codec_choice
+    spec = parse_spec(text)
+    return resolve_codec_choice(value, spec, build_compressor(spec), schedule, tune_steps, delay, sync_every,
+                                elastic=elastic)
+
+
+def test_default_codec_choice_is_on_with_a_compressing_spec_a_searched_schedule_and_validation():
+    for schedule in ("auto", None, "mgs", "mgwfbp", "mgs:greedy", "mgwfbp:greedy", "mgs:dp"):
+        assert _default(schedule=schedule) == ("fp16", "none"), schedule
+    for text in ("dgc:ratio=0.01", "efsignsgd", "qsgd:levels=3", "sketch:ratio=0.05", "onebit"):
+        assert _default(text) == ("fp16", "none"), text
+    # a compressor that never merges: under "auto" and the exact searches (the choice keeps it alone)
+    for schedule in ("auto", "mgs", "mgwfbp"):
+        assert _default("powersgd:rank=2", schedule) == ("fp16", "none"), schedule
+    assert _default(tune_steps=1) == ("fp16", "none")
+
+
+@pytest.mark.parametrize("case", [
+    dict(text="none"), dict(text="fp16"), dict(text="bf16"),            # nothing to choose
+    dict(schedule="layerwise"), dict(schedule="single"), dict(schedule="size:4"),
+    dict(schedule=[["a"], ["b"]]),                                        # fixed partitions: not searched
+    dict(tune_steps=0),                                                  # no measured validation
+    dict(delay=1), dict(sync_every=4),                                   # delayed averaging
+    dict(text="dgc:ratio=0.01,momentum_correction=false"),               # no dense form
+    dict(text="powersgd:rank=2", schedule="mgs:greedy"),                 # greedy cannot keep it alone
+    dict(elastic=True),                                                  # a reset re-plans unvalidated
+])
+def test_default_codec_choice_is_off_otherwise_silently(case):
+    assert _default(**case) == ()
+
+
+def test_explicit_codec_choice_keeps_its_meaning_and_its_errors():
+    # "off" turns it off where the default is on; "auto" turns it on where the default is off
+    assert _default(value="off") == ()
+    assert _default(tune_steps=0, value="auto") == ("fp16", "none")
+    assert _default(schedule="layerwise", value="auto") == ("fp16", "none")
+    assert _default(text="fp16", value="auto") == ("fp16", "none")
+    with pytest.raises(ValueError, match=r"^codec_choice: 'auto' needs synchronous training"):
+        _default(delay=2, value="auto")
+    with pytest.raises(ValueError, match=r"^codec_choice: 'auto' needs synchronous training"):
+        _default(sync_every=2, value="auto")
+    with pytest.raises(ValueError, match=r"^codec_choice: 'auto' needs a compressor with a dense form"):
+        _default(text="dgc:ratio=0.01,momentum_correction=false", value="auto")
+    with pytest.raises(ValueError, match=r"^codec_choice: must be one of 'auto', 'off' or None; got 'on'"):
+        _default(value="on")
+    # the defaults that resolve to off raise nothing
+    assert _default(delay=2) == () == _default(text="dgc:ratio=0.01,momentum_correction=false")

@@ -301,3 +301,37 @@ def test_a_drifting_step_time_reruns_the_validation_on_every_rank_alike(results)
                  for r in ranks]
     assert decisions[0] == decisions[1]  # every rank decided at the same step, the same way
     assert ranks[0]["final"] == ranks[1]["final"]
+
+
+def test_the_codec_choice_runs_by_default_and_off_sends_the_spec_everywhere(results):
+    """A default-constructed optimizer with a compressing spec under "auto" runs the codec choice
+    (measured against the spec, fp16 and dense on every group); codec_choice="off" keeps the spec
+    on every group. Parameters are identical on every rank after every step either way."""
+    ranks = _part(results, "default_choice")
+    for r in ranks:
+        on, off = r["default"], r["off"]
+        for run in (on, off):
+            assert all(x["identical"] for x in run["log"]), [i for i, x in enumerate(run["log"]) if not x["identical"]]
+            assert not run["tuning_now"]  # the measured validation has decided
+        spec = on["spec"]
+        # on: the choice first (top-k is dear in the given model: its groups go fp16 / dense), the
+        # spec, fp16 and dense each on every group beside it; the drift watch on by default
+        assert on["codec_choice"] == "auto" and on["revalidate_every"] == 100
+        assert on["plan_codecs"] is not None
+        choice = on["candidates"][0]
+        assert any(not c.startswith("topk") for c in choice["codecs"]), choice
+        for name, prefix in (("topk", "topk"), ("fp16", "fp16"), ("dense", "none")):
+            assert any(f"(all {name})" in c["label"] and all(x.startswith(prefix) for x in c["codecs"])
+                       for c in on["candidates"]) or all(x.startswith(prefix) for x in choice["codecs"]), name
+        sent_otherwise = [x["codecs"] for x in on["log"] if x["codecs"] and any(c is not None for c in x["codecs"])]
+        assert sent_otherwise, "no step sent a group with fp16 or dense"
+        assert max(x["bytes"] / x["dense_bytes"] for x in on["log"]) >= 0.5  # fp16 or dense went out
+        # off: the spec on every group at every step, and its own partitions measured
+        assert off["codec_choice"] == "off" and off["revalidate_every"] == 0 and off["plan_codecs"] is None
+        assert all(c["codecs"] is None for c in off["candidates"]) and len(off["candidates"]) >= 2
+        assert all(x["codecs"] is None for x in off["log"])
+        assert all(x["bytes"] < 0.5 * x["dense_bytes"] for x in off["log"]), [x["bytes"] for x in off["log"]]
+    for key in ("default", "off"):  # every rank decided the same way
+        assert ranks[0][key]["candidates"] == ranks[1][key]["candidates"]
+        assert ranks[0][key]["kept"] == ranks[1][key]["kept"]
+        assert [x["codecs"] for x in ranks[0][key]["log"]] == [x["codecs"] for x in ranks[1][key]["log"]]

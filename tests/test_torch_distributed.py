@@ -22,7 +22,8 @@ from hvdcompress.reference import simulate
 
 pytestmark = pytest.mark.multiprocess  # real gloo process groups
 
-TWO = ["communicator", "every_compressor", "fused", "bad_specs", "nonfinite", "auto_schedule", "delayed", "example"]
+TWO = ["communicator", "every_compressor", "fused", "bad_specs", "nonfinite", "auto_schedule", "default_choice",
+       "delayed", "example"]
 THREE = ["communicator", "every_compressor", "fused", "bad_specs"]
 
 
@@ -197,6 +198,17 @@ def test_cost_model_schedule_on_torch_distributed(two):
         assert got["identical"] == [True] * 5
         assert got["plan"] is not None and got["world"] == 2
         assert got["meta"] == {"torch.distributed": "gloo"}
+
+
+def test_codec_choice_is_the_default_on_torch_distributed(two):
+    got = part(two, "default_choice")
+    for r in got:
+        assert r["codec_choice"] == "auto" and not r["tuning_now"]
+        assert r["identical"] == [True] * 24
+        # the choice first (fp16 / dense groups: top-k is dear in the given model), then the fixed choices
+        assert any(not c.startswith("topk") for c in r["candidates"][0]), r["candidates"]
+        assert any(all(c.startswith("topk") for c in codecs) for codecs in r["candidates"]), r["candidates"]
+    assert got[0]["candidates"] == got[1]["candidates"] and got[0]["kept"] == got[1]["kept"]
 
 
 def test_delayed_averaging_on_torch_distributed(two):

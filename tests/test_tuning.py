@@ -464,6 +464,9 @@ def test_bench_tuned_schedule_entries_parse():
     assert schedules.split("auto+tune") == ("auto", True)
     assert schedules.split("auto+tune+choice") == ("auto", True) and schedules.chooses("auto+tune+choice")
     assert schedules.split("size:4+choice") == ("size:4", False) and not schedules.chooses("auto+tune")
+    # without '+choice' the spec is timed on every group, whatever the optimizer's default
+    assert schedules.codec_choice("auto+tune+choice") == "auto" == schedules.codec_choice("size:4+choice")
+    assert [schedules.codec_choice(e) for e in ("auto+tune", "auto", "mgs+tune", "layerwise")] == ["off"] * 4
     for bad in ("single+tune", "size:2+tune", "mgs+tune+tune"):
         with pytest.raises(ValueError):
             schedules.split(bad)

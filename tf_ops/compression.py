@@ -118,7 +118,8 @@ class GradientCompression(tf.Module):
             compression-time fits for the spec and fp16. A compressor that never merges
             (PowerSGD) is then chosen for single gradients only, beside merged fp16 / dense
             groups (without the choice "auto" is "layerwise" for it). None or "off" (default):
-            the compressor everywhere.
+            the compressor everywhere. Unlike PyTorch's optimizer, None never turns it on: a TF
+            plan is made from the cost model alone, with no measured validation to check it.
 
     Delayed averaging (``tf_ops.delayed``; the arithmetic of PyTorch's, the link latency not
     overlapped: TF collectives complete within the step):

@@ -12,6 +12,11 @@ residual to the gradient and zeroes it (nothing held back is lost when a group t
 and the count sketch keep their momentum local and send their velocity with it. With ``fp16``
 what the cast rounds away goes back into that carried entry, so nothing is lost there either.
 The exchange is one allreduce; every rank gets the same sum, so parameters stay identical.
+
+``codec_choice=None`` (the default) turns the choice on where measuring makes it safe
+(``resolve_codec_choice``): with a cost-model schedule and measured validation on, the user's
+spec on every group is always one of the measured candidates, so the plan kept is never
+measurably slower than the spec's own plan; everywhere else None means "off".
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from .collectives import Allreduce
 
 ALTERNATIVES = ("fp16", "none")
 CHOICES = ("auto", "off")
+# specs that send the dense gradient (cast or not): the alternatives hold nothing better to choose
+NOTHING_TO_CHOOSE = ("none", "fp16", "bf16")
+# schedules whose plan is searched, and so measured against the fixed choices (tune_steps > 0)
+SEARCHED = ("auto", "mgs", "mgwfbp")
 
 
 def check_codec_choice(value, compressor, delay: int = 0, sync_every: int = 1) -> tuple:
@@ -42,6 +51,49 @@ def check_codec_choice(value, compressor, delay: int = 0, sync_every: int = 1) -
         raise ValueError(f"codec_choice: 'auto' needs a compressor with a dense form; '{compressor.spec}' "
                          "applies its momentum after the exchange (momentum_correction=false)")
     return ALTERNATIVES
+
+
+def chooses_by_default(spec, compressor, schedule, tune_steps: int, delay: int = 0, sync_every: int = 1,
+                       elastic: bool = False) -> bool:
+    """Whether ``codec_choice=None`` means "auto" (else "off"). All of these must hold:
+
+    - ``spec`` compresses (not none / fp16 / bf16: there is nothing to choose);
+    - ``schedule`` is a cost-model schedule ("auto", "mgs", "mgwfbp", ":greedy" too; a parsed
+      ``Schedule``, its string or None) that the choice can plan for ``spec``: a compressor that never
+      merges (``merge=LAYERWISE``) only under "auto" and the exact searches;
+    - ``tune_steps`` > 0: the measured validation runs the spec on every group beside the choice,
+      so the plan kept is never measurably slower than the spec's own plan;
+    - synchronous training (``delay`` 0, ``sync_every`` 1) and a compressor with a dense form
+      (``compressor.can_send_dense``): what "auto" itself needs;
+    - not under Horovod Elastic (``elastic``): after a reset the plan is made again without
+      measured validation.
+
+    Pure: arguments already checked (``check_arguments``, ``check_tune_steps``)."""
+    from hvdcompress.contract import LAYERWISE
+    from hvdcompress.schedule.planner import parse_schedule
+
+    if spec.name in NOTHING_TO_CHOOSE:
+        return False
+    if isinstance(schedule, (list, tuple)):  # explicit groups: nothing is searched
+        return False
+    parsed = parse_schedule(schedule)
+    if parsed.kind not in SEARCHED:
+        return False
+    if spec.info.merge == LAYERWISE and parsed.search != "dp":  # the greedy rule cannot keep it alone
+        return False
+    return (tune_steps > 0 and delay == 0 and sync_every == 1 and bool(compressor.can_send_dense)
+            and not elastic)
+
+
+def resolve_codec_choice(value, spec, compressor, schedule, tune_steps: int, delay: int = 0,
+                         sync_every: int = 1, elastic: bool = False) -> tuple:
+    """The alternatives the planner may choose from for ``codec_choice=value``: "auto" and "off"
+    as ``check_codec_choice`` says (its ValueErrors included); None is "auto" where
+    ``chooses_by_default`` holds, else "off", silently."""
+    if value is None:
+        value = "auto" if chooses_by_default(spec, compressor, schedule, tune_steps, delay, sync_every,
+                                             elastic) else "off"
+    return check_codec_choice(value, compressor, delay, sync_every)
 
 
 def fallback_exchange(compressor, codec: str, x: torch.Tensor, ctx):

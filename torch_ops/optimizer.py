@@ -45,7 +45,7 @@ from hvdcompress.spec import CompressionSpec, resolve
 
 from . import checkpoint
 from .arguments import check_arguments, parameter_names
-from .codec_choice import check_codec_choice
+from .codec_choice import resolve_codec_choice
 from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
@@ -105,6 +105,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The plan in use (``hvdcompress.schedule.planner.Plan``: groups as indices in backward order,
         ``predicted_seconds``, ``notes``), or None until the scheduler has decided."""
         return self.engine.scheduler.plan
+
+    @property
+    def codec_choice(self) -> str:
+        """The per-group codec choice in use: "auto" (the plan picks the compressor, fp16 or dense
+        per group) or "off" (the compressor everywhere); what ``codec_choice=None`` resolved to."""
+        return "auto" if self.engine.scheduler.alternatives else "off"
 
     @property
     def groups(self) -> List[List[str]]:
@@ -269,19 +275,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         tune_steps: measured validation of a cost-model plan (int in [0, 100], default 3; 0: off):
             a few candidate plans (the model's first, "single", size plans, ...) each run one
             settling step and this many measured steps, and the fastest (median, slowest rank)
-            is kept, on every rank from the same step. Ignored by the fixed schedules. With
-            codec_choice="auto" the candidates also hold the compressor, fp16 and dense, each
-            on every group, so the plan kept is never measurably slower than the best of them.
+            is kept, on every rank from the same step. Ignored by the fixed schedules. With the
+            codec choice on the candidates also hold the compressor, fp16 and dense, each on
+            every group, so the plan kept is never measurably slower than the best of them.
         revalidate_every: after measured validation, watch the step time in windows of this
-            many steps (int: 0 is off, else in [3, 1000000]; None, the default: 100 with
-            codec_choice="auto", else 0): the first window after a decision sets a reference,
+            many steps (int: 0 is off, else in [3, 1000000]; None, the default: 100 when the
+            codec choice is on, else 0): the first window after a decision sets a reference,
             and a window whose median (slowest rank) differs from it by more than 25% runs the
             measured validation again, deciding at the same step on every rank. Needs
             tune_steps > 0.
         codec_choice: "auto": the plan also picks, per group, the compressor, "fp16" or dense,
             whichever the calibrated cost model predicts fastest (``torch_ops.codec_choice``;
-            residuals go out with a group that turns dense). None or "off" (default): the
-            compressor everywhere. Needs delay=0 and sync_every=1.
+            residuals go out with a group that turns dense); needs delay=0, sync_every=1 and a
+            compressor with a dense form (ValueError otherwise). "off": the compressor
+            everywhere. None (default): "auto" where it is measured to be safe, else "off",
+            silently: a compressing spec (not none / fp16 / bf16), a cost-model schedule ("auto",
+            "mgs", "mgwfbp"; ":greedy" too, but not for a compressor that never merges),
+            tune_steps > 0, delay=0, sync_every=1, a compressor with a dense form, and not under
+            Horovod Elastic. There the measured validation always runs the compressor on every
+            group beside the choice, so the plan kept is never measurably slower than the
+            compressor's own plan. ``opt.codec_choice`` says what was resolved.
 
     Training across high-latency links (``torch_ops.delayed`` states the math):
         delay: steps between launching an exchange and applying its result (int >= 0; 0, the
@@ -293,7 +306,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
     Returns a ``torch.optim.Optimizer`` of the wrapped one's class with Horovod's extra methods
     (``synchronize``, ``skip_synchronize``) and ours (``flush``, ``set_epoch``, ``stats``,
-    ``plan``, ``groups``, ``timings``); its ``state_dict()`` carries the compression state.
+    ``plan``, ``groups``, ``timings``, ``codec_choice``); its ``state_dict()`` carries the compression state.
     Raises ``ValueError`` naming the argument and its accepted range, here, before any
     collective, identically on every rank (a model that differs across ranks too). Guide:
     docs/pytorch.md.
@@ -302,7 +315,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
-    alternatives = check_codec_choice(codec_choice, build_compressor(spec), delay, sync_every)
+    alternatives = resolve_codec_choice(codec_choice, spec, build_compressor(spec), schedule, tune_steps, delay,
+                                        sync_every, elastic=elastic_mode())
     check_revalidate_every(revalidate_every, bool(alternatives))
     driver = make_communicator(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
     # e.g. DGC takes the momentum over (checked on every rank, before any collective); a rank outside

@@ -90,7 +90,7 @@ class Phase:
                                        compression=spec, driver=driver, schedule=base,
                                        cost_model=cost_model, profile_steps=cfg["profile_steps"],
                                        tune_steps=cfg["tune_steps"] if tuned else 0,
-                                       codec_choice="auto" if schedules.chooses(schedule or "") else None)
+                                       codec_choice=schedules.codec_choice(schedule or ""))
             opt.set_epoch(cfg["epoch"])  # schedules (DGC's density warm-up) at the epoch asked for
         self.opt = opt
         self.iface = cfg["iface"]

@@ -39,7 +39,8 @@ def _torch_train(spec, steps, schedule="auto", process_set=None, model=None, opt
 
 def toy_training() -> dict:
     """The toy algorithm (tests/toy_algorithm: oracle + one module per backend, nothing else)
-    through the real DistributedOptimizer with its default schedule."""
+    through the real DistributedOptimizer with its default schedule, the toy on every tensor
+    (``codec_choice="off"``: the choice would send the other tensors merged, in fp16 or dense)."""
     import horovod.torch as hvd
     import torch
     import hvdcompress.torch as hvc
@@ -47,13 +48,14 @@ def toy_training() -> dict:
     import toy_algorithm.torch_toy  # noqa: F401  (registers the PyTorch implementation)
     hvd.init()
     try:
-        model, opt, identical = _torch_train(hvc.Compression.toysign(gain=0.5), 4)
+        model, opt, identical = _torch_train(hvc.Compression.toysign(gain=0.5), 4, codec_choice="off")
         saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         _, _, _ = _torch_train(None, 2, model=model, opt=opt, first=4)
         straight = kit.torch_flat(model)
         model2 = _torch_model()
         opt2 = hvc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9),
-                                        named_parameters=model2.named_parameters(), compression="toysign:gain=0.5")
+                                        named_parameters=model2.named_parameters(), compression="toysign:gain=0.5",
+                                        codec_choice="off")
         model2.load_state_dict(saved[0])
         opt2.load_state_dict(saved[1])
         _torch_train(None, 2, model=model2, opt=opt2, first=4)

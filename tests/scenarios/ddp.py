@@ -283,6 +283,23 @@ def auto_schedule() -> dict:
             "meta": {k: v for k, v in (opt.cost_model.meta or {}).items() if k in ("torch.distributed", "horovod")}}
 
 
+def default_choice() -> dict:
+    """The per-group codec choice as the default on torch.distributed: top-k under "auto" with
+    measured validation (a hand-built cost model in which top-k is dear, so the choice sends its
+    groups with fp16 or dense, and one profiled step, for speed): the plan's object collectives,
+    the candidates' fp16 / dense allreduces and identical parameters every step."""
+    from hvdcompress.schedule.costmodel import ComputeFit, CostModel
+    import torch.distributed as dist
+    spec = "topk:ratio=0.1"
+    model = CostModel.from_link(dist.get_world_size(), gbit_per_s=1.0, latency_s=5e-3,
+                                compress={spec: ComputeFit("linear", 1e-9, 5e-2),
+                                          "fp16": ComputeFit("linear", 1e-12, 1e-7)})
+    _, opt, identical, _ = _opt_run(spec, 24, schedule="auto", cost_model=model, profile_steps=1)
+    tuning = opt.plan.tuning
+    return {"identical": identical, "codec_choice": opt.codec_choice, "tuning_now": opt.engine.scheduler.tuning,
+            "candidates": [c["codecs"] for c in tuning["candidates"]], "kept": tuning["kept"]}
+
+
 def delayed() -> dict:
     """Delayed averaging on torch.distributed: exchanges in flight across steps, then a flush makes
     the replicas identical."""

@@ -541,6 +541,40 @@ def codec_drift(world) -> dict:
             "lost": float((moved + held - given).abs().max()), "scale": float(given.abs().max())}
 
 
+def default_choice(world) -> dict:
+    """The codec choice as a default: an optimizer made with a compressing spec, schedule="auto"
+    and every other argument at its default (but the cost model, given, and one profiled step, for
+    speed) plans each group's spec and measures the choice against the spec, fp16 and dense each
+    on every group; ``codec_choice="off"`` sends the spec on every group at every step. Per step:
+    identical parameters, the specs in use (the checkpoint's plan) and the bytes sent."""
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    spec, steps = "topk:ratio=0.05", 24  # profiled at step 1, then at most 5 candidates x (1 + 3) steps
+    out = {}
+    for label, extra in (("default", {}), ("off", {"codec_choice": "off"})):
+        model = _model()
+        opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression=spec,
+                                       schedule="auto", cost_model=_dear_topk_model(world, spec), profile_steps=1,
+                                       **extra)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        log = []
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = _batch(hvd.rank(), step)
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            opt.step()
+            plan = opt.state_dict()["hvdcompress"]["plan"] or {}
+            log.append({"identical": _identical_across_ranks(model), "codecs": plan.get("codecs"),
+                        "bytes": opt.stats.last_bytes, "dense_bytes": opt.stats.last_dense_bytes})
+        tuning = opt.plan.tuning
+        out[label] = {"codec_choice": opt.codec_choice, "revalidate_every": opt.engine.scheduler.revalidate_every,
+                      "tuning_now": opt.engine.scheduler.tuning, "plan_codecs": opt.plan.codecs,
+                      "candidates": [dict(label=c["label"], codecs=c["codecs"]) for c in tuning["candidates"]],
+                      "kept": tuning["kept"], "log": log, "spec": str(opt.compression)}
+    return out
+
+
 def everything(world_expected: int, cache_dir: str) -> dict:
     import horovod.torch as hvd
     hvd.init()
@@ -553,7 +587,8 @@ def everything(world_expected: int, cache_dir: str) -> dict:
                            ("bad", bad_arguments, (world_expected,)),
                            ("codec_switch", codec_switch, (world_expected,)),
                            ("lowrank_switch", lowrank_switch, (world_expected,)),
-                           ("codec_drift", codec_drift, (world_expected,))):
+                           ("codec_drift", codec_drift, (world_expected,)),
+                           ("default_choice", default_choice, (world_expected,))):
         try:
             out[name] = fn(*args)
         except Exception:  # report, do not hang the other parts on a worker traceback
