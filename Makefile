@@ -12,8 +12,8 @@ install:
 digits: install
 	horovodrun -np $(NP) -H localhost:$(NP) --gloo $(PYTHON) examples/pytorch_digits.py --compression $(COMPRESSION)
 
-# Two pytest-xdist workers: the tests that launch Horovod workers run in order in one of them
-# (tests/conftest.py groups them), the single-process tests share both.
+# Two pytest-xdist workers: the tests that launch Horovod workers form two groups, each run in order
+# in one of them (tests/conftest.py), the single-process tests share both.
 test: install
 	$(PYTHON) -m pytest tests -q -n 2 --dist loadgroup --durations=25
 

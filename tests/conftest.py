@@ -63,14 +63,27 @@ def pytest_collection_finish(session):
     shared_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in session.items)
 
 
+def _multiprocess_group(module: str) -> str:
+    """The xdist group of a test that launches workers: "multiprocess-shared" for the modules in a
+    shared launch's table (the launches live in one process, so these modules run in one xdist
+    worker), "multiprocess-own" for the modules whose tests each launch workers of their own."""
+    from scenarios import shared_launch, shared_tf_launch
+    shared = set(shared_launch.TORCH_2.table) | set(shared_launch.TORCH_3.table) | set(shared_tf_launch.SCENARIOS)
+    return "multiprocess-shared" if module in shared else "multiprocess-own"
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every test that launches workers runs
-    # in one xdist worker, in order: one Horovod job at a time, and the shared launches
-    # (scenarios/shared_launch.py) stay in one process; the single-process tests fill the other core.
+    # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) the tests that launch workers form two
+    # groups, each run in order in one xdist worker (_multiprocess_group): the shared launches and
+    # the modules reading them in one, the modules with launches of their own in the other. xdist
+    # hands out the two groups first (its largest units), then the single-process tests to whichever
+    # worker is done with its group. A Horovod job of 2 ranks leaves part of the 2 cores idle while
+    # its ranks wait on each other, so the two groups overlap instead of running one after the other
+    # with the second xdist worker idle once the single-process tests are done.
     for item in items:
         if "multiprocess" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("multiprocess"))
+            item.add_marker(pytest.mark.xdist_group(_multiprocess_group(getattr(item.module, "__name__", ""))))
     if EXTENDED:
         return
     skip = pytest.mark.skip(reason="extended tier: set HVDC_EXTENDED_TESTS=1 (make test-full)")

@@ -1,5 +1,5 @@
 """DiLoCo / Streaming DiLoCo / SparseLoCo: the numpy reference's rules (single process), then the
-PyTorch ``DiLoCo`` against it on real Horovod workers (one launch, tests/scenarios/diloco.py).
+PyTorch ``DiLoCo`` against it on real Horovod workers (tests/scenarios/diloco.py, in the session's shared 2-worker PyTorch launch).
 
 Reference rules checked here by hand-computed cases: the pseudo-gradient's sign (global MINUS
 local: with outer SGD lr 1 and no momentum, one sync is exactly model averaging), the fragment
@@ -15,6 +15,7 @@ import pytest
 
 from hvdcompress.diloco import check_arguments, split_fragments
 from hvdcompress.reference.diloco import DiLoCoReference
+from scenarios.diloco import CKPT, TORCH_CONFIGS, TORCH_STEPS
 
 F32 = np.float32
 
@@ -182,29 +183,11 @@ def test_bad_arguments_name_the_parameter_and_range(kwargs, match):
 
 
 # -- PyTorch on real Horovod workers -------------------------------------------------------------------
-TORCH_CONFIGS = {
-    "diloco": dict(sync_every=3),
-    "diloco_topk": dict(sync_every=2, compression="topk:ratio=0.2"),
-    "streaming_sparseloco": dict(sync_every=4, fragments=2, overlap_steps=1, mix=0.5,
-                                 compression="sparseloco:ratio=0.2,bits=2,beta=0.9"),
-    "streaming_qsgd": dict(sync_every=6, fragments=3, overlap_steps=1, compression="qsgd:levels=3,bucket=8"),
-}
-TORCH_STEPS = 12
-CKPT = dict(sync_every=4, fragments=2, overlap_steps=1, mix=0.25, compression="sparseloco:ratio=0.3")
-
-
 @pytest.fixture(scope="module")
 def torch_runs():
-    from scenarios import diloco as sc
-    from scenarios.launch import run_scenarios
-    return run_scenarios("torch", 2, [
-        ("reference", sc.compare_with_reference, (TORCH_CONFIGS, TORCH_STEPS)),
-        ("checkpoint", sc.checkpoint_resume, (CKPT, 9, 5)),
-        ("checkpoint_dense", sc.checkpoint_resume, (dict(CKPT, compression="none"), 9, 5)),
-        ("nan", sc.non_finite, (dict(sync_every=2, compression="sparseloco:ratio=0.5"), 4, 2)),
-        ("flush", sc.flush_and_bad_arguments, ()),
-        ("elastic", sc.elastic_state, (CKPT, 9, 5)),
-    ])
+    """``scenarios/diloco.py``'s runs in the session's shared 2-worker PyTorch launch (shared_launch.TORCH_2)."""
+    from scenarios.shared_launch import TORCH_2
+    return TORCH_2.results("test_diloco")
 
 
 @pytest.mark.multiprocess

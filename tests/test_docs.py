@@ -3,7 +3,7 @@
 * the reference tables of docs/algorithms.md equal what ``python -m hvdcompress.docs_tables``
   writes from the compressor registry;
 * every relative link and image path resolves (files, and heading anchors of .md files);
-* every ```python block runs (PyTorch snippets on 2 real Horovod Gloo workers in one launch,
+* every ```python block runs (PyTorch snippets in the session's shared 2-worker PyTorch launch,
   TensorFlow/Keras snippets in the session's shared 2-worker TF launch, the rest in one Python
   subprocess); every ```python fragment block compiles. tests/scenarios/docs_snippets.py says how blocks
   are told apart.
@@ -91,9 +91,9 @@ def test_local_snippets_run():
 
 @pytest.mark.multiprocess
 def test_torch_snippets_run_on_two_workers():
-    from scenarios.launch import part, run_scenarios
-    results = run_scenarios("torch", 2, [("docs", ds.torch_all, ())])
-    for rank_results in part(results, "docs"):
+    from scenarios.launch import part
+    from scenarios.shared_launch import TORCH_2
+    for rank_results in part(TORCH_2.results("test_docs"), "torch"):  # in the session's shared PyTorch launch
         failed = _failures(rank_results, "torch")
         assert not failed, failed
 

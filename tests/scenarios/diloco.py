@@ -10,6 +10,18 @@ from __future__ import annotations
 
 import numpy as np
 
+# The 2-worker runs (shared_launch.TORCH_2 runs them; tests/test_diloco.py checks them against the
+# numpy reference): one config per outer-loop variant, and the checkpoint config.
+TORCH_CONFIGS = {
+    "diloco": dict(sync_every=3),
+    "diloco_topk": dict(sync_every=2, compression="topk:ratio=0.2"),
+    "streaming_sparseloco": dict(sync_every=4, fragments=2, overlap_steps=1, mix=0.5,
+                                 compression="sparseloco:ratio=0.2,bits=2,beta=0.9"),
+    "streaming_qsgd": dict(sync_every=6, fragments=3, overlap_steps=1, compression="qsgd:levels=3,bucket=8"),
+}
+TORCH_STEPS = 12
+CKPT = dict(sync_every=4, fragments=2, overlap_steps=1, mix=0.25, compression="sparseloco:ratio=0.3")
+
 
 def _model(seed=0):
     import torch

@@ -5,8 +5,8 @@ Fences (also indented ones, inside list items):
 * ```` ```python ````: a complete, runnable snippet. Where it runs follows from what it imports:
   ``hvdcompress.keras`` / ``hvdcompress.tensorflow`` / ``horovod.tensorflow`` -> the 2 TensorFlow
   workers of the session's shared launch (``shared_tf_launch``); ``hvdcompress.torch`` /
-  ``horovod.torch`` -> 2 PyTorch Gloo workers (one launch for all of them); anything else -> one
-  plain Python subprocess. Each snippet runs in a fresh namespace and a fresh temporary directory.
+  ``horovod.torch`` -> the 2 PyTorch workers of the session's shared launch
+  (``shared_launch.TORCH_2``); anything else -> one plain Python subprocess. Each snippet runs in a fresh namespace and a fresh temporary directory.
 * ```` ```python fragment ````: part of a program; only compiled (syntax-checked).
 * any other info string (``bash``, ``text``, none): not Python, left alone.
 

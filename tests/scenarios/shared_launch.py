@@ -85,6 +85,11 @@ def _no_args():
     return ()
 
 
+def _diloco():
+    import scenarios.diloco
+    return scenarios.diloco
+
+
 # PyTorch, 2 workers: every 2-worker torch scenario of these modules in one launch.
 TORCH_2 = SharedLaunch("torch", 2, {
     "test_multiprocess": {"training": ("scenarios.torch_core", "training", lambda: (2,)),
@@ -110,6 +115,16 @@ TORCH_2 = SharedLaunch("torch", 2, {
     "test_profiling": {"profile": ("scenarios.profiling", "profile_on_every_rank", lambda: (scratch_dir(),))},
     "test_contract": {"toy": ("scenarios.contract", "toy_training", _no_args),
                       "warmup": ("scenarios.contract", "dgc_default_warmup", _no_args)},
+    "test_diloco": {"reference": ("scenarios.diloco", "compare_with_reference",
+                                  lambda: (_diloco().TORCH_CONFIGS, _diloco().TORCH_STEPS)),
+                    "checkpoint": ("scenarios.diloco", "checkpoint_resume", lambda: (_diloco().CKPT, 9, 5)),
+                    "checkpoint_dense": ("scenarios.diloco", "checkpoint_resume",
+                                         lambda: (dict(_diloco().CKPT, compression="none"), 9, 5)),
+                    "nan": ("scenarios.diloco", "non_finite",
+                            lambda: (dict(sync_every=2, compression="sparseloco:ratio=0.5"), 4, 2)),
+                    "flush": ("scenarios.diloco", "flush_and_bad_arguments", _no_args),
+                    "elastic": ("scenarios.diloco", "elastic_state", lambda: (_diloco().CKPT, 9, 5))},
+    "test_docs": {"torch": ("scenarios.docs_snippets", "torch_all", _no_args)},
 })
 
 # PyTorch, 3 workers: an odd world (sums and votes in rank order, a rank that is neither first nor
