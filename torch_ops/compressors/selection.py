@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from hvdcompress.sampling import sample_k
+from hvdcompress.native.select import topk_any as shared_topk_any
 
 from . import cpu_selection
 from .cpu_selection import (NATIVE_DIRECT_BELOW, _ge_numpy, _native_topk_small, _np_positions, _np_topk,
@@ -117,19 +118,14 @@ def _topk_positions_nan_last(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _argmax_first(a: torch.Tensor) -> torch.Tensor:
-    """[index of the largest |a|] (the first among equals), as a 1-element int64 tensor."""
+    """[index of the largest |a|] (the first among equals; NaN ranks last, as in the oracle), as a
+    1-element int64 tensor."""
     x = _numpy_view(a)
-    if x is not None:  # numpy's argmax: the first occurrence
-        mag = np.abs(x)
-        i = int(mag.argmax())
-        if mag[i] != mag[i] and not np.isnan(mag).all():  # argmax stops at a NaN; NaN ranks last
-            i = int(np.nanargmax(mag))
-        return torch.tensor([i], dtype=torch.int64)
+    if x is not None:
+        return torch.from_numpy(shared_topk_any(x, 1))
     mag = a.abs()
-    i = torch.argmax(mag)  # documented: the first maximal value, NaN counted as maximal
-    if torch.isnan(mag[i]) and not bool(torch.isnan(mag).all()):  # NaN ranks last, as in the oracle
-        i = torch.argmax(torch.where(torch.isnan(mag), torch.full_like(mag, -1), mag))
-    return i.view(1)
+    # argmax counts NaN as maximal: NaN as -1 puts it below every |a|; all NaN gives index 0
+    return torch.argmax(torch.where(torch.isnan(mag), torch.full_like(mag, -1), mag)).view(1)
 
 
 def _direct(a: torch.Tensor, k: int) -> torch.Tensor:
