@@ -8,7 +8,9 @@ of requests -- and is sent back the tuple of their results; it returns the dense
 
     Allreduce(t)         the sum of every rank's t (torch: in place into t)
     Allgather(t)         every rank's t concatenated along dim 0, in rank order (sizes may
-                         differ between ranks, even be 0)
+                         differ between ranks, even be 0); ``same_shape=True`` promises that
+                         every rank gathers the same shape and dtype (a payload whose size
+                         depends only on the tensor's), which lets a transport send it as a sum
     Alltoall(t, splits)  rank r receives, in rank order, the splits[r]-th piece of every rank
     Flag(t)              an Allreduce of a control value (the non-finite count): not payload,
                          so the byte counts leave it out
@@ -50,6 +52,7 @@ class Allreduce:
 @dataclass(frozen=True)
 class Allgather:
     tensor: Any
+    same_shape: bool = False  # every rank gathers this shape and dtype (see the module doc)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,10 @@ class CompressorInfo:
               one summed payload, no state); each backend's class gives the codec
               (``horovod_codec``), see ``hvdcompress.horovod_interop``
     horovod_refusal  why it cannot run there, when more than its exchange kind says
+    same_shape  its gathered payloads' shapes depend only on the tensor's size, never on its
+              values, so every rank gathers the same shapes (``Allgather(same_shape=True)``,
+              which two ranks send as a sum; the cost model prices such a round as an allreduce
+              of its bytes at two ranks)
     """
 
     name: str
@@ -144,6 +148,7 @@ class CompressorInfo:
     merge: str = ELEMENTWISE
     horovod_codec: bool = False
     horovod_refusal: str = ""
+    same_shape: bool = False
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -168,7 +173,8 @@ REGISTRY: Dict[str, CompressorInfo] = {}
 
 def register(name: str, exchange: str, doc: str, *params: Param,
              check: Optional[Callable[[Dict[str, Any]], None]] = None, wire: Optional[WireRule] = None,
-             merge: str = ELEMENTWISE, horovod_codec: bool = False, horovod_refusal: str = "") -> CompressorInfo:
+             merge: str = ELEMENTWISE, horovod_codec: bool = False, horovod_refusal: str = "",
+             same_shape: bool = False) -> CompressorInfo:
     """Declare an algorithm: spec name, parameters, wire cost, merge policy, whether it runs inside
     Horovod's own optimizers. Called once, when its oracle module (a module of
     ``hvdcompress/reference``) is imported; a backend implements it by subclassing its
@@ -178,7 +184,7 @@ def register(name: str, exchange: str, doc: str, *params: Param,
     if merge not in MERGE_POLICIES:
         raise ValueError(f"register {name!r}: merge must be one of {MERGE_POLICIES}; got {merge!r}")
     info = REGISTRY[name] = CompressorInfo(name, exchange, tuple(params), doc, check, wire, merge,
-                                           horovod_codec, horovod_refusal)
+                                           horovod_codec, horovod_refusal, same_shape)
     return info
 
 

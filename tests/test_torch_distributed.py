@@ -76,6 +76,20 @@ def test_communicator(world):
         assert got["versions"]["torch.distributed"] == "gloo"
 
 
+def test_same_shape_gathers_are_summed_at_two_ranks_and_skip_the_sizes_at_more(world):
+    n = len(world)
+    for got in part(world, "communicator"):
+        same = got["same"]
+        assert same["values"] == [[[float(k)] * 3 for k in range(n) for _ in range(2)],
+                                  [k + 250 for k in range(n) for _ in range(5)],
+                                  [i - 300 * k for k in range(n) for i in range(3)], []]
+        assert same["dtypes"] == ["torch.float32", "torch.uint8", "torch.int16", "torch.float32"]
+        if n == 2:  # the three non-empty gathers' words in one fused allreduce, no gather
+            assert same["counts"] == {"all_reduce": 1, "all_gather": 0, "all_to_all": 0, "barrier": 0}
+        else:  # one data collective per non-empty gather, no row-count collective
+            assert same["counts"] == {"all_reduce": 0, "all_gather": 3, "all_to_all": 0, "barrier": 0}
+
+
 def test_communicator_batch_fuses_allreduces(world):
     """Inside ``batch()``: the small allreduces of one dtype share one collective, a large one goes
     alone, the gathers share their row-count collective; nothing is issued before the batch ends

@@ -6,7 +6,8 @@ tuple of requests and is *sent* their results.
     Allreduce(t)  -- sum ``t`` over all ranks; the result is a new tensor (TF tensors are
                      immutable, so "in place" does not apply).
     Allgather(t)  -- concatenate every rank's ``t`` along dim 0, in rank order; sizes may differ
-                     per rank (an empty ``t`` on some rank is fine).
+                     per rank (an empty ``t`` on some rank is fine). With ``same_shape`` at two
+                     ranks it travels as a sum (``summed_gather``).
     Alltoall(t, splits) -- send ``splits[r]`` rows of ``t`` to rank r; receive, in rank order,
                      what every rank sent to this one (Horovod's alltoall).
 
@@ -37,6 +38,34 @@ def request_bytes(requests: Sequence[Request]) -> tf.Tensor:
     return total
 
 
+def summed_gather(t, rank: int, allreduce) -> tf.Tensor:
+    """A same-shape gather between two ranks, sent as a sum (``torch_ops.collectives.SummedGather``
+    has the reasoning): ``t``'s bytes as int32 words (zero-padded), summed by ``allreduce``; the
+    sum minus this rank's words is the other rank's bytes. Returns both ranks' ``t`` concatenated
+    along dim 0 in rank order, as an allgather does."""
+    t = tf.convert_to_tensor(t)
+    dtype = t.dtype
+    if t.shape.rank == 0:
+        t = tf.reshape(t, [1])
+    shape = tf.shape(t)
+    flat = tf.reshape(t, [-1])
+    if dtype == tf.bool:
+        raw = tf.cast(flat, tf.uint8)
+    else:
+        raw = tf.reshape(tf.bitcast(flat, tf.uint8), [-1])
+    nbytes = tf.size(raw)
+    words = tf.bitcast(tf.reshape(tf.pad(raw, [[0, tf.math.floormod(-nbytes, 4)]]), [-1, 4]), tf.int32)
+    other = tf.reshape(tf.bitcast(allreduce(words) - words, tf.uint8), [-1])[:nbytes]
+    both = tf.concat([raw, other] if rank == 0 else [other, raw], 0)
+    if dtype == tf.bool:
+        values = tf.cast(both, tf.bool)
+    elif dtype.size == 1:
+        values = tf.bitcast(both, dtype)
+    else:
+        values = tf.bitcast(tf.reshape(both, [-1, dtype.size]), dtype)
+    return tf.reshape(values, tf.concat([[2 * shape[0]], shape[1:]], 0))
+
+
 class Communicator:
     """Turns requests into ``horovod.tensorflow`` collectives on one process set: the one object
     every collective of a ``GradientCompression`` goes through (as ``torch_ops.collectives``'s
@@ -53,12 +82,21 @@ class Communicator:
         self._hvd = hvd
         self.process_set = process_set if process_set is not None else hvd.global_process_set
 
+    def size(self) -> int:
+        from hvdcompress.schedule.groups import process_set_size
+        return process_set_size(self.process_set)
+
     def run(self, requests: Sequence[Request], name: str) -> Tuple[tf.Tensor, ...]:
         hvd = self._hvd
         out = []
+        pair = any(isinstance(r, Allgather) and r.same_shape for r in requests) and self.size() == 2
         for i, req in enumerate(requests):
             op_name = f"{name}.{i}"
-            if isinstance(req, Allreduce):
+            if pair and isinstance(req, Allgather) and req.same_shape:
+                out.append(summed_gather(req.tensor, self.process_set.rank(),
+                                         lambda w: hvd.allreduce(w, op=hvd.Sum, name=op_name,
+                                                                 process_set=self.process_set)))
+            elif isinstance(req, Allreduce):
                 out.append(hvd.allreduce(req.tensor, op=hvd.Sum, name=op_name, process_set=self.process_set))
             elif isinstance(req, Allgather):
                 out.append(hvd.allgather(req.tensor, name=op_name, process_set=self.process_set))

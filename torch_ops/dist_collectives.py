@@ -19,7 +19,9 @@ Three things differ from Horovod, and this class absorbs them:
   their background thread. Here the gathers of a batch first allgather every gathered tensor's
   row count (one int64 collective for all of them), then each tensor travels padded
   to the largest count (``all_gather_single``) and the padding is cut off; a gather with no rows
-  anywhere issues no data collective. ``Alltoall`` first exchanges its split sizes
+  anywhere issues no data collective. A same-shape gather (``Allgather(same_shape=True)``) skips
+  the sizes stage, and between two ranks travels as an allreduce of its bytes (``SummedGather``),
+  batched with the other allreduces. ``Alltoall`` first exchanges its split sizes
   (``all_to_all_single`` of one count per rank), then the rows (``all_to_all_single`` with the
   splits).
 * **Matching.** Horovod matches collectives across ranks by name; torch.distributed by the order
@@ -48,7 +50,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .collectives import Allgather, Allreduce, Alltoall, Communicator, Request
+from .collectives import Allgather, Allreduce, Alltoall, Communicator, Request, SummedGather, sums_gathers
 
 
 # dtypes torch.distributed's Gloo and NCCL collectives take (Gloo refuses int16, for one). Other
@@ -77,7 +79,7 @@ class _Op:
     """One request in flight: its data collective (``work``) and how to read its result."""
 
     __slots__ = ("kind", "tensor", "work", "out", "rows", "rest", "sizes", "column", "splits", "recv_splits", "trimmed",
-                 "cast", "summed", "wire", "pending", "fused")
+                 "cast", "summed", "wire", "pending", "fused", "gather")
 
     def __init__(self, kind: str, tensor: torch.Tensor):
         self.kind, self.tensor = kind, tensor
@@ -95,6 +97,7 @@ class _Op:
         self.wire: Optional[torch.Tensor] = None  # allreduce: the tensor summed (the request's, or ``summed``)
         self.pending = False  # launched in a batch not issued yet
         self.fused: Optional[Tuple[torch.Tensor, int]] = None  # allreduce: (flat buffer, offset) when fused
+        self.gather: Optional[SummedGather] = None  # allreduce that carries a same-shape gather of two ranks
 
 
 # Allreduces launched in one batch (``TorchDistCommunicator.batch``) are fused when each is at most
@@ -195,11 +198,22 @@ class TorchDistCommunicator(Communicator):
                         wire = op.summed = wire.to(torch.int64)
                     op.wire, op.out, op.pending = wire, req.tensor, True
                     self._batched.append(op)
+                elif sums_gathers(req, self.size()):  # an allreduce of its bytes (``SummedGather``)
+                    g = SummedGather(req.tensor, self.rank())
+                    op = _Op("allreduce", req.tensor)
+                    op.gather = g
+                    if g.words is None:  # nothing to send on either rank
+                        op.out = g.result()
+                    else:
+                        op.wire, op.out, op.pending = g.words, g.words, True
+                        self._batched.append(op)
                 elif isinstance(req, Allgather):
                     t = req.tensor.contiguous()
                     wire, cast = _as_bytes(t.reshape(1) if t.dim() == 0 else t)
                     op = _Op("allgather", wire)
                     op.cast, op.pending = cast, True
+                    if req.same_shape:  # every rank's row count is this one: no sizes stage
+                        op.rows = [wire.shape[0]] * self.size()
                     self._batched.append(op)
                 elif isinstance(req, Alltoall):
                     t, cast = _as_bytes(req.tensor.contiguous())
@@ -240,7 +254,10 @@ class TorchDistCommunicator(Communicator):
         """Issue the batched requests (``batch``): the gathers' row counts, then the allreduces."""
         dist, group = self._dist, self.group
         ops, self._batched = self._batched, []
-        gathers = [op for op in ops if op.kind == "allgather"]
+        for op in ops:
+            if op.kind == "allgather" and op.rows:  # same shape everywhere: straight to the data stage
+                self._deferred.append(op)
+        gathers = [op for op in ops if op.kind == "allgather" and not op.rows]
         if gathers:  # one collective carries the row counts of all the batch's gathers
             counts = torch.tensor([op.tensor.shape[0] for op in gathers], dtype=torch.int64,
                                   device=gathers[0].tensor.device)
@@ -275,11 +292,12 @@ class TorchDistCommunicator(Communicator):
     def _start_data(self, op: _Op) -> None:
         dist, group, world = self._dist, self.group, self.size()
         if op.kind == "allgather":
-            work, table = op.sizes
-            work.wait()
-            n = table.numel() // world
-            op.rows = [int(r) for r in table.view(world, n)[:, op.column].tolist()]
-            op.sizes = None
+            if op.sizes is not None:
+                work, table = op.sizes
+                work.wait()
+                n = table.numel() // world
+                op.rows = [int(r) for r in table.view(world, n)[:, op.column].tolist()]
+                op.sizes = None
             top = max(op.rows)
             if top == 0:  # nothing anywhere: no data collective
                 op.out = op.tensor.new_empty((0,) + op.rest)
@@ -322,6 +340,8 @@ class TorchDistCommunicator(Communicator):
             if op.summed is not None:
                 op.out.copy_(op.summed)
                 op.summed = None
+            if op.gather is not None and op.wire is not None:
+                op.out, op.gather = op.gather.result(), None
             if op.kind == "allgather" and not op.trimmed:
                 op.trimmed = True
                 top = max(op.rows)

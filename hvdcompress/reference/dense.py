@@ -19,7 +19,7 @@ register("none", SUMMED, "dense allreduce, no compression (what Horovod does by 
 register("fp16", SUMMED, "cast to IEEE half precision, allreduce in fp16, cast back",
          residual_param(False), wire=dense_wire(SUMMED, 2, half=True), horovod_codec=True)
 register("bf16", GATHERED, "round to bfloat16 (nearest even), allgather the 16-bit codes, sum in fp32",
-         residual_param(False), wire=dense_wire(GATHERED, 2), horovod_codec=True)
+         residual_param(False), wire=dense_wire(GATHERED, 2), horovod_codec=True, same_shape=True)
 
 
 class NoneOracle(OneRoundOracle):

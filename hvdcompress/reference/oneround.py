@@ -43,7 +43,7 @@ class OneRoundOracle(Oracle):
         p = self.payload(a, ctx)
         if use_residual:
             ctx.state["residual"] = a - self.decompress(p, a.size, a.dtype, ctx)
-        request = Allreduce if self.summed else Allgather
-        results = yield tuple(request(t) for t in p.values())
+        same = self.spec.info.same_shape
+        results = yield tuple(Allreduce(t) if self.summed else Allgather(t, same) for t in p.values())
         total = self.aggregate(results, a.size, a.dtype, ctx)
         return (total * np.float32(ctx.scale)).astype(np.float32)

@@ -66,6 +66,9 @@ def answer_round(requests_per_rank: List[Tuple[object, ...]]) -> List[Tuple[np.n
             for r in range(world):
                 answers[r].append(total.copy())
         elif isinstance(req, Allgather):
+            if req.same_shape and any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
+                raise ValueError("Allgather(same_shape=True): the ranks gathered "
+                                 f"{[(p.shape, str(p.dtype)) for p in parts]}")
             cat = np.concatenate(parts, axis=0)
             for r in range(world):
                 answers[r].append(cat.copy())

@@ -122,30 +122,30 @@ def _check_momentum(name: str):
 
 
 register("signsgd", GATHERED, "signSGD with majority vote: 1 bit per entry (packed 8 per byte), the "
-         "result is the sign of the vote (0 on a tie)", wire=_wire_for("signsgd"), merge=PER_MEMBER)
+         "result is the sign of the vote (0 on a tie)", wire=_wire_for("signsgd"), merge=PER_MEMBER, same_shape=True)
 register("efsignsgd", GATHERED, "error-feedback signSGD: sign bits (packed 8 per byte) times mean|a| "
          "per tensor; the optimizer's momentum is applied before compression (taken over)",
          residual_param(True), *momentum_params(), check=_check_momentum("efsignsgd"),
-         wire=_wire_for("efsignsgd"), merge=PER_MEMBER)
+         wire=_wire_for("efsignsgd"), merge=PER_MEMBER, same_shape=True)
 register("onebit", GATHERED, "1-bit SGD: sign bits (packed 8 per byte) and two reconstruction values "
          "(the means of the two parts) per tensor or per column, with error feedback; the optimizer's "
          "momentum is applied before compression (taken over)", residual_param(True),
          Param("scope", str, "column", "where the two reconstruction values apply: 'column' (Seide et al.: "
                "one pair per column of the tensor viewed as (shape[0], -1), 2 * columns float32 on the wire; "
                "a 1-D tensor is one column), 'tensor' (one pair per tensor)", choices=("column", "tensor")),
-         *momentum_params(), check=_check_momentum("onebit"), wire=_wire_for("onebit"), merge=PER_MEMBER)
+         *momentum_params(), check=_check_momentum("onebit"), wire=_wire_for("onebit"), merge=PER_MEMBER, same_shape=True)
 register("terngrad", GATHERED, "TernGrad: stochastic ternary {-s, 0, s}, s = max|a| per tensor or per "
          "bucket, 2-bit codes packed 4 per byte",
          Param("bucket", int, 0, "entries per scale (0: one scale per tensor)", **BUCKET), SEED,
          residual_param(False),
          Param("share_scale", bool, False, "scaler sharing (Wen et al.): the scales are gathered first "
                "and every rank uses their max over ranks, so the codes share one scale"),
-         wire=_wire_for("terngrad"), merge=PER_MEMBER)
+         wire=_wire_for("terngrad"), merge=PER_MEMBER, same_shape=True)
 register("qsgd", GATHERED, "QSGD: s levels, stochastic rounding, scaled by the bucket's L2 norm; codes "
          "of ceil(log2(2s+1)) bits packed (fixed width)",
          Param("levels", int, 7, "s, the quantization levels per sign (codes in [-s, s])", low=1, high=127),
          Param("bucket", int, 512, "entries per norm (0: one norm per tensor)", **BUCKET), SEED,
-         residual_param(False), wire=_wire_for("qsgd"), merge=PER_MEMBER)
+         residual_param(False), wire=_wire_for("qsgd"), merge=PER_MEMBER, same_shape=True)
 
 
 # -- layout shared by the backends -----------------------------------------------------------------
@@ -449,12 +449,12 @@ class TernGradOracle(_PackedOracle):
         a32 = a.astype(F32)
         lay = self.layout(a.size, ctx)
         local = bucket_reduce(np.abs(a32), lay, "max").astype(F32)
-        (gathered,) = yield (Allgather(local),)
+        (gathered,) = yield (Allgather(local, same_shape=True),)
         s = gathered.reshape(ctx.world_size, -1).max(axis=0)  # exact in any order
         codes = self.ternarize(a32, s, lay, ctx)
         if use_residual:
             ctx.state["residual"] = a - self.decode(s, codes, lay, a.size, ctx).astype(a.dtype)
-        (packed,) = yield (Allgather(pack(codes, self.bits)),)
+        (packed,) = yield (Allgather(pack(codes, self.bits), same_shape=True),)
         votes = np.zeros(a.size, dtype=np.int32)
         for part in packed.reshape(ctx.world_size, -1):  # integer sum: any order
             got = unpack(part, self.bits, a.size).astype(np.int32)

@@ -27,7 +27,7 @@ from .selection import threshold_indices, topk_indices
 register("topk", GATHERED, "send the k = ceil(ratio * numel) largest-magnitude entries "
          "(ties to the lower index) as (indices, values)",
          Param("ratio", float, 0.01, "fraction of entries sent", **RATIO_RANGE), residual_param(True),
-         wire=sparse_gathered)
+         wire=sparse_gathered, same_shape=True)
 def _check_randomk(p) -> None:
     if p["unbiased"] and p["residual"]:
         raise ValueError("randomk: parameter 'unbiased' must be false with residual=true (error feedback on the "

@@ -48,7 +48,7 @@ register("sparseloco", GATHERED, "top-k of the error-feedback accumulator e = be
          Param("ratio", float, 0.02, "fraction of entries sent", **RATIO_RANGE),
          Param("bits", int, 2, "bits per sent value (a sign bit and bits - 1 magnitude bits)", low=1, high=8),
          Param("beta", float, 0.95, "decay of the residual before the new tensor is added", low=0.0, high=1.0),
-         residual_param(True), wire=_wire, merge=LAYERWISE)
+         residual_param(True), wire=_wire, merge=LAYERWISE, same_shape=True)
 
 
 def payload_bytes(params, numel: int) -> int:
@@ -104,7 +104,7 @@ class SparseLoCoOracle(Oracle):
             rest[idx] = e[idx] - dequantize(scales, codes)
             ctx.state["residual"] = rest
         packed = np.concatenate([scales.view(np.uint8), pack(codes, p["bits"])])
-        indices, buffers = yield (Allgather(idx.astype(np.int32)), Allgather(packed))
+        indices, buffers = yield (Allgather(idx.astype(np.int32), True), Allgather(packed, True))
         k = idx.size
         out = np.zeros(n, F32)
         for rank, buf in enumerate(buffers.reshape(ctx.world_size, -1)):

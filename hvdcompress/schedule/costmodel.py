@@ -31,7 +31,10 @@ An exchange of a (merged) tensor of d elements issues one or more collectives; i
 sum over them (``comm_seconds``). Top-k sends an int32-index allgather and a float32-value
 allgather of k = ceil(ratio * d) entries each, so t_c = 2 * (a_N + b_N * 4 * N * k), as in
 docs/design.md. Which collectives a compressor issues, in how many rounds, is what its
-registration declares (``spec.register(..., wire=)``; ``rounds`` below).
+registration declares (``spec.register(..., wire=)``; ``rounds`` below). Between two ranks a
+gathered round of a same-shape algorithm (``register(..., same_shape=True)``: quantizers, top-k,
+bf16) is charged the allreduce fit for its bytes, as the communicators send it as a sum
+(``SummedGather``); the allgather fit stays for the others (DGC, threshold).
 
 Compression (per compressor spec) ``t_s(d) = a * f(d) + b`` with ``f(d) = d * log2(d)``
 ("dlogd", sort-like selection) or ``f(d) = d`` ("linear"); both forms are fitted and the one with
@@ -282,10 +285,13 @@ class CostModel:
         ``start_up``: every collective's start-up in place of the fits' (``start_ups``)."""
         d = np.asarray(dense_bytes, dtype=float) / itemsize
         model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
+        # a same-shape gather between two ranks travels as an allreduce of its bytes (SummedGather)
+        summed_gather = model.world_size == 2 and resolve(spec).info.same_shape
         total = np.zeros_like(d)
         for r in rounds(spec, d, itemsize, density, model.world_size):  # rounds run one after another
-            fit = model.allgather if r.kind == GATHERED else model.summed_fit(getattr(r, "half", False))
-            scale = model.world_size if r.kind == GATHERED else 1
+            gathered = r.kind == GATHERED and not summed_gather
+            fit = model.allgather if gathered else model.summed_fit(getattr(r, "half", False))
+            scale = model.world_size if gathered else 1
             alpha = fit.alpha if start_up is None else start_up
             total = total + r.collectives * alpha + fit.beta * scale * r.nbytes
         return total

@@ -354,13 +354,20 @@ def communicator() -> dict:
              "counts": batch_counts, "inside": batch_inside}
     objs = c.allgather_object({"rank": r, "pad": "x" * (7 * r)}, "o")
     root = c.broadcast_object(("from", r), "bc", root=n - 1)
+    # same-shape gathers: as an allreduce of their bytes at two ranks, without a sizes stage at more
+    before = dict(c.collectives)
+    same = c.wait(c.launch((Allgather(torch.ones(2, 3) * r, True), Allgather(torch.full((5,), r + 250, dtype=torch.uint8), True),
+                            Allgather(torch.arange(3, dtype=torch.int16) - 300 * r, True), Allgather(torch.zeros(0), True)),
+                           "same"))
+    same = {"values": [t.tolist() for t in same], "dtypes": [str(t.dtype) for t in same],
+            "counts": {k: c.collectives[k] - before[k] for k in before}}
     mean = c.allreduce_(torch.tensor([float(r)]), "m", average=True)
     c.barrier()
     return {"gather_int": ra[0].tolist(), "sum": ra[1].tolist(), "empty": list(ra[2].shape), "flag": ra[3].tolist(),
             "gather_2d": ra[4].tolist(), "alltoall": rb[0].tolist(), "splits": splits, "objs": objs, "root": root,
             "mean": mean.tolist(), "int16": [ro[0].tolist(), str(ro[0].dtype), ro[1].tolist(), str(ro[1].dtype)],
             "poll": c.poll(a), "rank": r, "size": n, "versions": c.versions(), "fused": fused,
-            "backend": dist.get_backend()}
+            "backend": dist.get_backend(), "same": same}
 
 
 def example() -> dict:

@@ -289,6 +289,6 @@ class OneRoundCompressor(Compressor):
         sel = self.select(a, ctx)
         payload = self.compress(a, sel, ctx)
         self.memory.update(lambda: self.unsent(payload, a, sel, ctx), ctx.state)
-        request = Allreduce if self.summed else Allgather
-        results = yield tuple(request(t) for t in payload)
+        same = self.spec.info.same_shape
+        results = yield tuple(Allreduce(t) if self.summed else Allgather(t, same) for t in payload)
         return scaled(self.aggregate(results, a, sel, ctx), ctx.scale)

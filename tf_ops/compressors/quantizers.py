@@ -185,7 +185,7 @@ class _Packed(OneRoundCompressor):
         job = compiled(self, x, ctx)
         if job is None:
             return (yield from super().exchange(x, ctx))
-        (gathered,) = yield (Allgather(job.encode(x)),)
+        (gathered,) = yield (Allgather(job.encode(x), same_shape=True),)
         return job.decode_sum(gathered)
 
     def layout(self, numel: int, ctx) -> Layout:
@@ -419,11 +419,11 @@ class TernGradCompressor(_Packed):
         a32 = tf.cast(a, tf.float32)
         numel = int(a.shape[0])
         lay = self.layout(numel, ctx)
-        (gathered,) = yield (Allgather(bucket_reduce(tf.abs(a32), lay, "max")),)
+        (gathered,) = yield (Allgather(bucket_reduce(tf.abs(a32), lay, "max"), same_shape=True),)
         s = tf.reduce_max(tf.reshape(gathered, [ctx.world_size, lay.segments]), axis=0)
         codes = self.ternarize(a32, s, lay, ctx)
         self.memory.update(lambda: a - tf.cast(self.decode(s, codes, lay, numel, ctx), a.dtype), ctx.state)
-        (packed,) = yield (Allgather(pack(codes, self.bits)),)
+        (packed,) = yield (Allgather(pack(codes, self.bits), same_shape=True),)
         got = unpack(tf.reshape(packed, [ctx.world_size, -1]), self.bits, numel)
         votes = tf.reduce_sum(tf.cast(got == 1, tf.int32) - tf.cast(got == 2, tf.int32), axis=0)  # integers: any order
         total = tf.cast(tf.cast(tf.reshape(votes, [numel]), tf.float32) * expand(s, lay, numel), a.dtype)

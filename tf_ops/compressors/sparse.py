@@ -105,7 +105,8 @@ class TopKCompressor(_GatheredSparse):
             return (yield from super().exchange(x, ctx))
         n = int(x.shape[0])
         idx, values = job(x, selected_count(self.density(ctx), n))
-        indices, gathered = yield (Allgather(tf.cast(idx, wire_index_dtype(n))), Allgather(values))
+        same = self.spec.info.same_shape
+        indices, gathered = yield (Allgather(tf.cast(idx, wire_index_dtype(n)), same), Allgather(values, same))
         return scaled_sum(indices, gathered, n, ctx.scale)
 
     def _compiled(self, x, ctx):

@@ -73,7 +73,7 @@ class SparseLoCoCompressor(Compressor):
             ctx.state["residual"].assign(tf.tensor_scatter_nd_update(e, tf.cast(idx, tf.int64)[:, None], rest))
         head = tf.reshape(tf.bitcast(scales, tf.uint8), [-1])
         packed = tf.concat([head, pack(codes, p["bits"])], 0)
-        indices, buffers = yield (Allgather(tf.cast(idx, wire_index_dtype(n))), Allgather(packed))
+        indices, buffers = yield (Allgather(tf.cast(idx, wire_index_dtype(n)), True), Allgather(packed, True))
         parts = tf.reshape(buffers, [ctx.world_size, -1])
         width = 4 * SCALES
         out = tf.zeros([n], tf.float32)

@@ -286,8 +286,8 @@ class OneRoundCompressor(Compressor):
         a = self.memory.compensate(x, ctx.state)
         payload = self.compress(a, ctx)
         self.memory.update(lambda: self.unsent(payload, a, ctx), ctx.state)
-        request = Allreduce if self.summed else Allgather
-        results = yield tuple(request(t) for t in payload)
+        same = self.spec.info.same_shape
+        results = yield tuple(Allreduce(t) if self.summed else Allgather(t, same) for t in payload)
         total = self.aggregate(results, a, ctx)
         if ctx.scale != 1.0:
             total.mul_(ctx.scale)

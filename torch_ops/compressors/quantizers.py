@@ -109,7 +109,7 @@ class _Packed(OneRoundCompressor):
         job = quant_native.plan(self, x, ctx)
         if job is None:
             return (yield from super().exchange(x, ctx))
-        (gathered,) = yield (Allgather(job.encode()),)
+        (gathered,) = yield (Allgather(job.encode(), same_shape=True),)
         return job.decode_sum(gathered)
 
     def aggregate(self, results, like, ctx):
@@ -281,11 +281,11 @@ class TernGradCompressor(_Packed):
         a32 = a.to(torch.float32)
         numel = a.numel()
         lay = self.layout(numel, ctx)
-        (gathered,) = yield (Allgather(bucket_reduce(a32.abs(), lay, "max")),)
+        (gathered,) = yield (Allgather(bucket_reduce(a32.abs(), lay, "max"), same_shape=True),)
         s = gathered.view(ctx.world_size, -1).amax(dim=0) if lay.segments else gathered
         codes = self.ternarize(a32, s, lay, ctx)
         self.memory.update(lambda: a - self.decode(s, codes, lay, numel, ctx).to(a.dtype), ctx.state)
-        (packed,) = yield (Allgather(pack(codes, self.bits)),)
+        (packed,) = yield (Allgather(pack(codes, self.bits), same_shape=True),)
         votes = torch.zeros(numel, dtype=torch.int32, device=a.device)
         for part in (packed.view(ctx.world_size, -1) if numel else ()):  # an integer sum: any order
             got = unpack(part, self.bits, numel)

@@ -91,7 +91,7 @@ class TopKCompressor(_GatheredSparse):
         idx = add_and_topk(r, x, num_selected(self.spec["ratio"], r.numel()))
         payload = (idx.to(_torch_index_dtype(r.numel())), r[idx])
         self.memory.update(lambda: self.unsent(payload, r, ctx), ctx.state)
-        results = yield (Allgather(payload[0]), Allgather(payload[1]))
+        results = yield (Allgather(payload[0], True), Allgather(payload[1], True))
         return scaled_sum(results[0], results[1], r, ctx.scale, ctx.out)
 
 

@@ -67,7 +67,7 @@ class SparseLoCoCompressor(Compressor):
             e[idx] = e[idx] - dequantize(scales, codes).to(e.dtype)  # subtract what was sent
             ctx.state["residual"] = e
         packed = torch.cat([scales.view(torch.uint8), pack(codes, p["bits"])])
-        indices, buffers = yield (Allgather(idx.to(torch.int32)), Allgather(packed))
+        indices, buffers = yield (Allgather(idx.to(torch.int32), True), Allgather(packed, True))
         k = idx.numel()
         out = torch.zeros(n, dtype=torch.float32)
         head = 4 * SCALES
