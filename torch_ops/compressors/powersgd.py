@@ -58,20 +58,21 @@ class PowerSGDCompressor(Compressor):
         if q is None or not bool(q.any()):
             q = uniform(m * r, p["seed"], ctx.step, ctx.key, 0, device=x.device).sub_(0.5)
         q = q.view(m, r).to(mat.dtype)
-        (psum,) = yield (Allreduce(mat @ q),)
+        # The skinny products are taken as (Q^T M^T)^T and (P^T M)^T: on one CPU thread BLAS runs
+        # them 3-9x faster than M Q and M^T P (the same sums; the order within each may differ).
+        (psum,) = yield (Allreduce(torch.mm(q.t(), mat.t()).t().contiguous()),)
         phat = orthogonalize(psum)
-        qloc = mat.t() @ phat
-        if p["residual"]:
-            approx = phat @ qloc.t()
-            st["residual"] = (mat.sub_(approx) if own else torch.sub(mat, approx, out=approx)).reshape(-1)
+        qloc = torch.mm(phat.t(), mat).t().contiguous()
+        if p["residual"]:  # M - P Q^T in one pass over M (in place in the residual's buffer)
+            st["residual"] = (mat.addmm_(phat, qloc.t(), alpha=-1) if own
+                              else torch.addmm(mat, phat, qloc.t(), alpha=-1)).reshape(-1)
         (qsum,) = yield (Allreduce(qloc),)
         st["q"] = qsum.reshape(-1).clone()
+        left = phat * ctx.scale if ctx.scale != 1.0 else phat  # the scale on the n x r factor, not on n x m
         out = ctx.out  # x is no longer read: the result is built in the buffer offered for it
         if out is not None and out.dtype == x.dtype and out.numel() == x.numel() and out.is_contiguous():
-            out = torch.mm(phat, qsum.t(), out=out.view(n, m)).view(-1)
-        else:
-            out = (phat @ qsum.t()).reshape(-1)
-        return out.mul_(ctx.scale) if ctx.scale != 1.0 else out
+            return torch.mm(left, qsum.t(), out=out.view(n, m)).view(-1)
+        return (left @ qsum.t()).reshape(-1)
 
     def check_state(self, key, state, numel):
         """``residual`` has one entry per element; ``q`` is m*r for the tensor's n x m view, which
