@@ -32,7 +32,8 @@ With a per-group codec choice (``codec_choice="auto"``) the candidates are the c
 then the fixed choices -- the compressor, fp16 and dense, each on every group and on the
 partition the planner makes for that spec alone -- then the compressor on every group of each
 other partition ``propose`` lists for it alone (what the validation without the choice
-measures), then the choice's other partitions while there is room (``with_fixed_choices``). The
+measures), then the choice's other partitions while there are fewer than ``MAX_CANDIDATES``
+(``with_fixed_choices``). The
 cost model may err most on which spec pays: measuring the fixed choices bounds what such an error
 can cost, and measuring the compressor's own candidates keeps the plan kept from being measurably
 slower than the one the validation without the choice would keep. At most
