@@ -150,7 +150,7 @@ def test_codec_choice_measures_the_compressor_fp16_and_dense_each_on_its_own_pla
     sched = _choosing_scheduler("auto", gbps)
     cands = sched._tuner.candidates
     assert cands[0].label == "mgs" and list(cands[0].codecs) == sched.plan.codecs  # the choice, first
-    assert len(cands) <= tuning.MAX_CANDIDATES
+    assert len(cands) <= tuning.MAX_CHOICE_CANDIDATES
     model = sched._calibrated  # what the plans were made with
     for spec, schedule, name in (("topk:ratio=0.01", "mgs", "topk"), ("fp16", "mgwfbp", "fp16"),
                                  ("none", "mgwfbp", "dense")):
@@ -162,6 +162,65 @@ def test_codec_choice_measures_the_compressor_fp16_and_dense_each_on_its_own_pla
         # labelled as that fixed choice, unless it is the choice itself (measured once, first)
         assert found[0].label == f"{schedule} (all {name})" or found[0] is cands[0]
     assert len({(c.groups, c.codecs) for c in cands}) == len(cands)
+
+
+def test_with_fixed_choices_measures_every_candidate_of_the_spec_alone_then_fills_up():
+    choice = tuning.Candidate("mgs", ((0, 1), (2,)), 0.1, ("topk", "none"))
+    others = [tuning.Candidate("single", ((0, 1, 2),), 0.3, ("none",)),
+              tuning.Candidate("size:1", ((0,), (1,), (2,)), 0.4, ("topk", "none", "none"))]
+    fixed = [_fixed("mgs (all topk)", [[0, 1], [2]], "topk"), _fixed("mgwfbp (all fp16)", [[0, 1, 2]], "fp16"),
+             _fixed("mgwfbp (all dense)", [[0, 1, 2]], "none")]
+    alone = [tuning.everywhere(tuning.Candidate(label, groups, 0.2), "topk", "topk")
+             for label, groups in (("mgs", ((0, 1), (2,))), ("single", ((0, 1, 2),)),
+                                   ("size:1", ((0,), (1,), (2,))), ("layerwise", ((0,), (1,), (2,))))]
+    assert alone[1] == tuning.Candidate("single (all topk)", ((0, 1, 2),), 0.2, ("topk",))
+    out = tuning.with_fixed_choices([choice] + others, fixed, spec_alone=alone)
+    # the spec alone on its model plan is its fixed choice (measured once); "layerwise" has the
+    # groups of "size:1": dropped; the choice's other partitions have no room left (5 already)
+    assert [c.label for c in out] == ["mgs", "mgs (all topk)", "mgwfbp (all fp16)", "mgwfbp (all dense)",
+                                      "single (all topk)", "size:1 (all topk)"]
+    keys = [(c.groups, c.codecs) for c in out]
+    assert len(set(keys)) == len(keys) and all((c.groups, c.codecs) in keys for c in alone)
+    # never dropped, whatever the cap; with room, the choice's other partitions follow ("single"
+    # sends everything dense: the same plan as "mgwfbp (all dense)")
+    assert [c.label for c in tuning.with_fixed_choices([choice] + others, fixed, 1, alone)] == \
+        [c.label for c in out]
+    assert [c.label for c in tuning.with_fixed_choices([choice] + others, fixed, 8, alone)][6:] == ["size:1"]
+
+
+def _choice_off_and_on(schedule, gbps, sizes_bytes):
+    """The candidates of the measured validation for the same workload and cost model, without
+    and with the codec choice."""
+    sizes = {f"p{i}": float(s) for i, s in enumerate(sizes_bytes)}
+    out = []
+    for alt in ((), ("fp16", "none")):
+        sched = Scheduler(schedule, _spec(), _choice_model(gbps), 1, sizes, 2, _OneRank(), tune_steps=1,
+                          alternatives=alt)
+        sched.end_of_step(_first_clock(list(sizes)))
+        sched.end_of_step(_clock(0.0, list(sizes), 0.2))
+        out.append(sched)
+    return out
+
+
+VGG_LIKE = [4.1e6, 1.6e4, 6.7e7, 1.6e4, 4.1e8, 1.6e4] + [9.4e6, 2e3] * 6 + [1.5e5, 2.6e2]  # the FC layers first
+
+
+@pytest.mark.parametrize("sizes_bytes", [SIZES, VGG_LIKE])
+@pytest.mark.parametrize("schedule", ["auto", "mgs:greedy", "mgwfbp"])
+@pytest.mark.parametrize("gbps", [0.01, 0.1, 1.0, 100.0])
+def test_codec_choice_measures_every_candidate_the_spec_alone_would(schedule, gbps, sizes_bytes):
+    off, on = _choice_off_and_on(schedule, gbps, sizes_bytes)
+    spec = str(_spec())
+    keys = [(c.groups, c.codecs) for c in on._tuner.candidates]
+    assert len(set(keys)) == len(keys) <= tuning.MAX_CHOICE_CANDIDATES  # deduplicated, bounded
+    assert on._tuner.candidates[0].codecs == tuple(on.plan.codecs)  # the choice, first
+    wanted = off._tuner.candidates if off._tuner else [tuning.candidate(off.plan.schedule, off.plan)]
+    for c in wanted:  # the spec alone on each of its own partitions, with its spec on every group
+        assert c.codecs is None and (c.groups, (spec,) * len(c.groups)) in keys, (c.label, keys)
+    # a checkpoint taken while they run restores the same candidates
+    again = Scheduler(schedule, _spec(), _choice_model(gbps), 1, {f"p{i}": float(s) for i, s in
+                      enumerate(sizes_bytes)}, 2, _OneRank(), tune_steps=1, alternatives=("fp16", "none"))
+    assert again.restore(on.plan_dict()) is not None and again._tuner.candidates == on._tuner.candidates
 
 
 def test_codec_choice_on_a_fixed_partition_measures_the_same_groups_with_each_spec():

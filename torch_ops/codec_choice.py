@@ -15,8 +15,9 @@ The exchange is one allreduce; every rank gets the same sum, so parameters stay 
 
 ``codec_choice=None`` (the default) turns the choice on where measuring makes it safe
 (``resolve_codec_choice``): with a cost-model schedule and measured validation on, the user's
-spec on every group is always one of the measured candidates, so the plan kept is never
-measurably slower than the spec's own plan; everywhere else None means "off".
+spec on every group of each partition its own validation tries is always among the measured
+candidates, so the plan kept is never measurably slower than the plan the spec alone would keep;
+everywhere else None means "off".
 """
 
 from __future__ import annotations

@@ -53,8 +53,10 @@ launch, ``torch_ops.codec_choice`` runs the others). The cost model then needs c
 for the alternatives too (profiled with the spec); a fixed schedule is profiled with its own
 groups and its partition kept; measured validation runs the fixed choices beside the choice
 (``tuning.with_fixed_choices``: the compressor, fp16 and dense, each on every group of the plan
-the planner makes for that spec alone), so the plan kept is never measurably slower than the
-best of them. The codecs in use are saved with the plan and restored with it.
+the planner makes for that spec alone) and, for a cost-model schedule, the compressor on every
+group of each candidate the validation without the choice would measure (``_spec_alone``), so
+the plan kept is never measurably slower than the best of them, nor than what the compressor
+alone would keep. The codecs in use are saved with the plan and restored with it.
 
 Rank 0 makes the plan and broadcasts it, so every rank exchanges the same groups, and a failure
 there is raised on every rank. A fixed schedule given a ``cost_model`` also gets a predicted step
@@ -468,8 +470,23 @@ class Scheduler:
         else:  # a fixed partition: only its choice of specs is measured
             candidates = [tuning.candidate(plan.schedule, plan)]
         if alt:
-            candidates = tuning.with_fixed_choices(candidates, self._fixed_choices(model))
+            alone = self._spec_alone(model) if self.searches else []
+            candidates = tuning.with_fixed_choices(candidates, self._fixed_choices(model), spec_alone=alone)
         return plan, candidates
+
+    def _spec_alone(self, model: CostModel) -> List[tuning.Candidate]:
+        """The candidates the measured validation runs for the compressor alone (without the codec
+        choice: ``tuning.propose`` over the plans the planner makes for it), each with the
+        compressor on every group, so that the choice's validation measures them too. None for a
+        compressor that never merges: alone, its schedule is layerwise, its fixed choice."""
+        if self.spec.info.merge == LAYERWISE:
+            return []
+        alone = self.workload.plan(self.schedule, model, self.spec, self.world)
+        found = tuning.propose(lambda s: alone if s == alone.schedule else
+                               self.workload.plan(s, model, self.spec, self.world),
+                               alone.schedule, self.workload.sizes_bytes)
+        name = "dense" if self.spec.name == "none" else self.spec.name
+        return [tuning.everywhere(c, str(self.spec), name) for c in found]
 
     def _fixed_choices(self, model: CostModel) -> List[Tuple[str, Plan]]:
         """(label, plan) per spec the codec choice picks from (the compressor, then each

@@ -30,9 +30,15 @@ is kept unless another is measurably faster.
 
 With a per-group codec choice (``codec_choice="auto"``) the candidates are the choice's plan,
 then the fixed choices -- the compressor, fp16 and dense, each on every group and on the
-partition the planner makes for that spec alone -- then the choice's other partitions while there
-is room (``with_fixed_choices``): the cost model may err most on which spec pays, and measuring
-the fixed choices bounds what such an error can cost.
+partition the planner makes for that spec alone -- then the compressor on every group of each
+other partition ``propose`` lists for it alone (what the validation without the choice
+measures), then the choice's other partitions while there are fewer than ``MAX_CANDIDATES``
+(``with_fixed_choices``). The
+cost model may err most on which spec pays: measuring the fixed choices bounds what such an error
+can cost, and measuring the compressor's own candidates keeps the plan kept from being measurably
+slower than the one the validation without the choice would keep. At most
+``MAX_CHOICE_CANDIDATES`` (8): the choice, the compressor's own list (at most ``MAX_CANDIDATES``,
+its model plan being its fixed choice) and fp16 and dense.
 
 After the decision the load can change (another job, the link), so the scheduler may watch the
 kept plan (``revalidate_every`` steps per window): at the end of every window each rank's step
@@ -56,6 +62,8 @@ MAX_TUNE_STEPS = 100
 DEFAULT_TUNE_STEPS = 3
 SIZE_FRACTIONS = (1 / 4, 1 / 16)
 MAX_CANDIDATES = 5
+# with the codec choice: the choice, the compressor's own candidates (``propose``) and two fixed choices
+MAX_CHOICE_CANDIDATES = 1 + MAX_CANDIDATES + 2
 LAYERWISE_WITHIN = 1.5
 TOLERANCE = 0.02
 # re-validation on drift (``drifted``): the median step of a window against the kept plan's reference
@@ -102,16 +110,23 @@ def candidate(label: str, plan) -> Candidate:
                      None if codecs is None else tuple(codecs))
 
 
+def everywhere(cand: Candidate, spec: str, name: str) -> Candidate:
+    """``cand`` 's groups each sent with ``spec`` (its string), labelled "<label> (all <name>)"."""
+    return Candidate(f"{cand.label} (all {name})", cand.groups, cand.predicted_seconds, (str(spec),) * len(cand.groups))
+
+
 def with_fixed_choices(candidates: Sequence[Candidate], fixed: Sequence[Tuple[str, object]],
-                       max_candidates: int = MAX_CANDIDATES) -> List[Candidate]:
+                       max_candidates: int = MAX_CANDIDATES, spec_alone: Sequence[Candidate] = ()) -> List[Candidate]:
     """The candidates of a per-group codec choice with the fixed choices measured beside it.
 
     ``candidates[0]`` is the choice (first, so that it wins ties); then every ``(label, plan)`` of
     ``fixed`` -- one spec on every group (the compressor, fp16, dense), each on the partition the
-    planner makes for that spec alone -- never dropped, so the plan kept is never measurably slower
-    than the best of them; then the rest of ``candidates`` (other partitions of the choice) while
-    the list is shorter than ``max_candidates``. Duplicates (same groups and specs) are dropped, so
-    there are at most ``max(max_candidates, 1 + len(fixed))`` candidates."""
+    planner makes for that spec alone; then ``spec_alone``, the compressor's own candidates (those
+    the validation without the choice measures, with their specs given: ``everywhere``). None of
+    these is dropped, so the plan kept is never measurably slower than the best of them. Then the
+    rest of ``candidates`` (other partitions of the choice) while the list is shorter than
+    ``max_candidates``. Duplicates (same groups and specs) are dropped, so there are at most
+    ``max(max_candidates, 1 + len(fixed) + len(spec_alone))`` candidates."""
     if max_candidates < 1:
         raise ValueError(f"max_candidates: must be >= 1; got {max_candidates!r}")
     if not candidates:
@@ -126,6 +141,8 @@ def with_fixed_choices(candidates: Sequence[Candidate], fixed: Sequence[Tuple[st
     add(candidates[0])
     for label, plan in fixed:
         add(candidate(label, plan))
+    for cand in spec_alone:
+        add(cand)
     for cand in candidates[1:]:
         if len(out) >= max_candidates:
             break
@@ -256,6 +273,6 @@ def summary(candidates: Sequence[Candidate], medians: Sequence[float], chosen: i
             f"{candidates[chosen].label}")
 
 
-__all__ = ["candidate", "with_fixed_choices", "Candidate", "DEFAULT_TUNE_STEPS", "check_tune_steps", "propose", "select", "step_times", "summary",
+__all__ = ["candidate", "everywhere", "with_fixed_choices", "MAX_CANDIDATES", "MAX_CHOICE_CANDIDATES", "Candidate", "DEFAULT_TUNE_STEPS", "check_tune_steps", "propose", "select", "step_times", "summary",
            "check_revalidate_every", "window_median", "drifted", "DRIFT_THRESHOLD", "DEFAULT_REVALIDATE_EVERY",
            "size_label"]

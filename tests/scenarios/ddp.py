@@ -294,9 +294,12 @@ def default_choice() -> dict:
     model = CostModel.from_link(dist.get_world_size(), gbit_per_s=1.0, latency_s=5e-3,
                                 compress={spec: ComputeFit("linear", 1e-9, 5e-2),
                                           "fp16": ComputeFit("linear", 1e-12, 1e-7)})
-    _, opt, identical, _ = _opt_run(spec, 24, schedule="auto", cost_model=model, profile_steps=1)
+    from hvdcompress.schedule.tuning import MAX_CHOICE_CANDIDATES
+    # profiled at step 1, then at most MAX_CHOICE_CANDIDATES candidates x (1 + 3) steps
+    steps = 4 + 4 * MAX_CHOICE_CANDIDATES
+    _, opt, identical, _ = _opt_run(spec, steps, schedule="auto", cost_model=model, profile_steps=1)
     tuning = opt.plan.tuning
-    return {"identical": identical, "codec_choice": opt.codec_choice, "tuning_now": opt.engine.scheduler.tuning,
+    return {"steps": steps, "identical": identical, "codec_choice": opt.codec_choice, "tuning_now": opt.engine.scheduler.tuning,
             "candidates": [c["codecs"] for c in tuning["candidates"]], "kept": tuning["kept"]}
 
 

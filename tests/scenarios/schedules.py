@@ -368,13 +368,17 @@ def codec_switch(world) -> dict:
     checkpoint taken while the candidates run resumes bit for bit up to the decision (which is
     measured, so may differ), one taken after it to the end."""
     from hvdcompress.schedule.costmodel import ComputeFit, CostModel
-    spec, lr, steps, during, after = "topk:ratio=0.05", 0.1, 14, 4, 12
+    from hvdcompress.schedule.tuning import MAX_CHOICE_CANDIDATES
+    # profiled at step 1, decided after at most MAX_CHOICE_CANDIDATES x (1 settling + 1 measured) steps
+    spec, lr, during = "topk:ratio=0.05", 0.1, 4
+    after = 2 + 2 * MAX_CHOICE_CANDIDATES
+    steps = after + 2
     kw = dict(schedule="mgs", cost_model=_dear_topk_model(world, spec), profile_steps=1, tune_steps=1,
               codec_choice="auto", momentum=0.0, lr=lr)
     model, opt = make(spec, **kw)
     start = _flat(model).clone()
     log, given, saved = _codec_steps(model, opt, 0, steps, lr, saves=(during, after))
-    # profile at step 1; then every candidate (at most tuning.MAX_CANDIDATES) x (1 settling + 1 measured round)
+    # profile at step 1; then every candidate x (1 settling + 1 measured round)
     decided = 1 + 2 * len(opt.plan.tuning["candidates"])
     held = _mean_residual(model, opt, "check.held")
     moved = (start - _flat(model)) / lr
@@ -549,7 +553,9 @@ def default_choice(world) -> dict:
     identical parameters, the specs in use (the checkpoint's plan) and the bytes sent."""
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
-    spec, steps = "topk:ratio=0.05", 24  # profiled at step 1, then at most 5 candidates x (1 + 3) steps
+    from hvdcompress.schedule.tuning import MAX_CHOICE_CANDIDATES
+    spec = "topk:ratio=0.05"
+    steps = 4 + 4 * MAX_CHOICE_CANDIDATES  # profiled at step 1, then at most that many candidates x (1 + 3) steps
     out = {}
     for label, extra in (("default", {}), ("off", {"codec_choice": "off"})):
         model = _model()
