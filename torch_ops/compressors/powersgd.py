@@ -63,9 +63,9 @@ class PowerSGDCompressor(Compressor):
         (psum,) = yield (Allreduce(torch.mm(q.t(), mat.t()).t().contiguous()),)
         phat = orthogonalize(psum)
         qloc = torch.mm(phat.t(), mat).t().contiguous()
-        if p["residual"]:  # M - P Q^T in one pass over M (in place in the residual's buffer)
-            st["residual"] = (mat.addmm_(phat, qloc.t(), alpha=-1) if own
-                              else torch.addmm(mat, phat, qloc.t(), alpha=-1)).reshape(-1)
+        if p["residual"]:  # M - D(C(M)), with D(C(M)) rounded as the result is, so nothing is lost
+            approx = phat @ qloc.t()
+            st["residual"] = (mat.sub_(approx) if own else torch.sub(mat, approx, out=approx)).reshape(-1)
         (qsum,) = yield (Allreduce(qloc),)
         st["q"] = qsum.reshape(-1).clone()
         left = phat * ctx.scale if ctx.scale != 1.0 else phat  # the scale on the n x r factor, not on n x m
