@@ -115,6 +115,9 @@ class Round:
 # wire(params, d, itemsize, world, density) -> rounds; d is an array of element counts, density
 # the measured fraction sent (None: the spec's own value). Vectorised over d.
 WireRule = Callable[[Mapping[str, Any], Any, int, int, Optional[float]], Tuple[Round, ...]]
+# shaped_wire(params, shape, itemsize) -> rounds of one tensor of that shape (scalars), for
+# algorithms whose wire cost depends on the shape, not only on the element count.
+ShapedWireRule = Callable[[Mapping[str, Any], Tuple[int, ...], int], Tuple[Round, ...]]
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,8 @@ class CompressorInfo:
               one summed payload, no state); each backend's class gives the codec
               (``horovod_codec``), see ``hvdcompress.horovod_interop``
     horovod_refusal  why it cannot run there, when more than its exchange kind says
+    shaped_wire      the wire cost of one tensor of a known shape (``ShapedWireRule``); None:
+              ``wire`` of its element count
     """
 
     name: str
@@ -144,6 +149,7 @@ class CompressorInfo:
     merge: str = ELEMENTWISE
     horovod_codec: bool = False
     horovod_refusal: str = ""
+    shaped_wire: Optional[ShapedWireRule] = None
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -162,13 +168,25 @@ class CompressorInfo:
             return (Round(self.exchange, 1, d * itemsize),)
         return tuple(self.wire(params, d, itemsize, world, density))
 
+    def shape_rounds(self, params: Mapping[str, Any], shape: Tuple[int, ...], itemsize: int = 4, world: int = 1,
+                     density: Optional[float] = None) -> Tuple[Round, ...]:
+        """The wire cost per round of one tensor of ``shape`` (``shaped_wire``, else ``rounds`` of
+        its element count)."""
+        if self.shaped_wire is not None:
+            return tuple(self.shaped_wire(params, tuple(int(x) for x in shape), itemsize))
+        numel = 1
+        for x in shape:
+            numel *= int(x)
+        return self.rounds(params, numel, itemsize, world, density)
+
 
 REGISTRY: Dict[str, CompressorInfo] = {}
 
 
 def register(name: str, exchange: str, doc: str, *params: Param,
              check: Optional[Callable[[Dict[str, Any]], None]] = None, wire: Optional[WireRule] = None,
-             merge: str = ELEMENTWISE, horovod_codec: bool = False, horovod_refusal: str = "") -> CompressorInfo:
+             merge: str = ELEMENTWISE, horovod_codec: bool = False, horovod_refusal: str = "",
+             shaped_wire: Optional[ShapedWireRule] = None) -> CompressorInfo:
     """Declare an algorithm: spec name, parameters, wire cost, merge policy, whether it runs inside
     Horovod's own optimizers. Called once, when its oracle module (a module of
     ``hvdcompress/reference``) is imported; a backend implements it by subclassing its
@@ -178,7 +196,7 @@ def register(name: str, exchange: str, doc: str, *params: Param,
     if merge not in MERGE_POLICIES:
         raise ValueError(f"register {name!r}: merge must be one of {MERGE_POLICIES}; got {merge!r}")
     info = REGISTRY[name] = CompressorInfo(name, exchange, tuple(params), doc, check, wire, merge,
-                                           horovod_codec, horovod_refusal)
+                                           horovod_codec, horovod_refusal, shaped_wire)
     return info
 
 
