@@ -8,7 +8,9 @@ checked against every measured cell without a new launch. Optional ``--link-patc
 change the saved link model before predicting, for terms the saved run did not measure (for
 example ``half_sum_ns=27``: an fp16 allreduce costs at least 27 ns per byte, the CPU sum of
 halves timed elsewhere; ``refit=1``: the collectives refitted from the saved samples with the
-current fits).
+current fits). Runs of an emulated model that saved no tensor shapes get them from the run's
+profile (``saved_shapes``; ``--no-shapes`` leaves them out), so wire costs that depend on the
+shape (PowerSGD's P and Q) are charged by it.
 
     python benchmarks/advise_replay.py benchmarks/results/scheduler/codec-choice/codec-choice-{resnet50,vgg16}{,-dense}.json
     python benchmarks/advise_replay.py FILES --recorded     # also the prediction the launch recorded
@@ -46,9 +48,20 @@ def launches(data: dict) -> Dict[str, dict]:
     return out
 
 
-def replay_rows(path: str, patch: Optional[Callable[[CostModel], CostModel]] = None) -> List[dict]:
+def saved_shapes(workload: Workload, meta: dict) -> Optional[Workload]:
+    """``workload`` with its tensors' shapes, for a run of an emulated model that did not save them:
+    from the run's profile at its scale (``meta["compute"]``); None for other runs."""
+    compute = meta.get("compute") or {}
+    if compute.get("mode") != "emulated" or not compute.get("profile"):
+        return None
+    return advise.profile_shapes(workload, compute["profile"], float(compute.get("scale", 1.0)))
+
+
+def replay_rows(path: str, patch: Optional[Callable[[CostModel], CostModel]] = None,
+                shapes: bool = True) -> List[dict]:
     """Per measured phase of ``path`` (a bench JSON written with ``--advise``): model, link, spec,
-    schedule entry, measured step, the launch's recorded prediction and the replayed one."""
+    schedule entry, measured step, the launch's recorded prediction and the replayed one.
+    ``shapes``: the tensors' shapes where the run saved none (``saved_shapes``)."""
     with open(path) as f:
         data = json.load(f)
     by_link = launches(data)
@@ -61,6 +74,8 @@ def replay_rows(path: str, patch: Optional[Callable[[CostModel], CostModel]] = N
         if a is None or r.get("status", "ok") != "ok" or r.get("step_time_s") is None:
             continue
         workload = Workload.from_dict(a["workload"])
+        if shapes and workload.shapes is None:
+            workload = saved_shapes(workload, data["meta"]) or workload
         link = CostModel.from_dict(a["link"])
         if patch is not None:
             link = patch(link)
@@ -135,11 +150,13 @@ def main(argv=None) -> int:
     ap.add_argument("--recorded", action="store_true", help="also print the prediction recorded in the launch")
     ap.add_argument("--link-patch", action="append", default=[], metavar="NAME=VALUE",
                     help="change every saved link model first: " + "; ".join(f"{k}: {v}" for k, v in PATCHES.items()))
+    ap.add_argument("--no-shapes", action="store_true",
+                    help="leave out the tensors' shapes where a run saved none (wire costs by element count)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     try:
         patch = link_patch(args.link_patch)
-        rows = [row for p in args.files for row in replay_rows(p, patch)]
+        rows = [row for p in args.files for row in replay_rows(p, patch, not args.no_shapes)]
     except (OSError, ValueError, KeyError) as e:
         print(f"advise_replay: {e}", file=sys.stderr)
         return 2

@@ -115,6 +115,9 @@ class Round:
 # wire(params, d, itemsize, world, density) -> rounds; d is an array of element counts, density
 # the measured fraction sent (None: the spec's own value). Vectorised over d.
 WireRule = Callable[[Mapping[str, Any], Any, int, int, Optional[float]], Tuple[Round, ...]]
+# shaped_wire(params, shape, itemsize) -> rounds of one tensor of that shape (scalars), for
+# algorithms whose wire cost depends on the shape, not only on the element count.
+ShapedWireRule = Callable[[Mapping[str, Any], Tuple[int, ...], int], Tuple[Round, ...]]
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,8 @@ class CompressorInfo:
               values, so every rank gathers the same shapes (``Allgather(same_shape=True)``,
               which two ranks send as a sum; the cost model prices such a round as an allreduce
               of its bytes at two ranks)
+    shaped_wire      the wire cost of one tensor of a known shape (``ShapedWireRule``); None:
+              ``wire`` of its element count
     """
 
     name: str
@@ -149,6 +154,7 @@ class CompressorInfo:
     horovod_codec: bool = False
     horovod_refusal: str = ""
     same_shape: bool = False
+    shaped_wire: Optional[ShapedWireRule] = None
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -167,6 +173,17 @@ class CompressorInfo:
             return (Round(self.exchange, 1, d * itemsize),)
         return tuple(self.wire(params, d, itemsize, world, density))
 
+    def shape_rounds(self, params: Mapping[str, Any], shape: Tuple[int, ...], itemsize: int = 4, world: int = 1,
+                     density: Optional[float] = None) -> Tuple[Round, ...]:
+        """The wire cost per round of one tensor of ``shape`` (``shaped_wire``, else ``rounds`` of
+        its element count)."""
+        if self.shaped_wire is not None:
+            return tuple(self.shaped_wire(params, tuple(int(x) for x in shape), itemsize))
+        numel = 1
+        for x in shape:
+            numel *= int(x)
+        return self.rounds(params, numel, itemsize, world, density)
+
 
 REGISTRY: Dict[str, CompressorInfo] = {}
 
@@ -174,7 +191,7 @@ REGISTRY: Dict[str, CompressorInfo] = {}
 def register(name: str, exchange: str, doc: str, *params: Param,
              check: Optional[Callable[[Dict[str, Any]], None]] = None, wire: Optional[WireRule] = None,
              merge: str = ELEMENTWISE, horovod_codec: bool = False, horovod_refusal: str = "",
-             same_shape: bool = False) -> CompressorInfo:
+             same_shape: bool = False, shaped_wire: Optional[ShapedWireRule] = None) -> CompressorInfo:
     """Declare an algorithm: spec name, parameters, wire cost, merge policy, whether it runs inside
     Horovod's own optimizers. Called once, when its oracle module (a module of
     ``hvdcompress/reference``) is imported; a backend implements it by subclassing its
@@ -184,7 +201,7 @@ def register(name: str, exchange: str, doc: str, *params: Param,
     if merge not in MERGE_POLICIES:
         raise ValueError(f"register {name!r}: merge must be one of {MERGE_POLICIES}; got {merge!r}")
     info = REGISTRY[name] = CompressorInfo(name, exchange, tuple(params), doc, check, wire, merge,
-                                           horovod_codec, horovod_refusal, same_shape)
+                                           horovod_codec, horovod_refusal, same_shape, shaped_wire)
     return info
 
 

@@ -321,7 +321,8 @@ def profile_workload(model: torch.nn.Module, closure: Callable[[], torch.Tensor]
         *t_b, forward, update = _rank_mean(t_b + [forward, update], "hvc.profile.workload", comm)
     by_name = dict(named)
     sizes = [float(by_name[n].numel() * by_name[n].element_size()) for n in order]
-    return Workload(tuple(order), tuple(sizes), tuple(max(0.0, t) for t in t_b), forward, update)
+    shapes = tuple(tuple(int(x) for x in by_name[n].shape) for n in order)
+    return Workload(tuple(order), tuple(sizes), tuple(max(0.0, t) for t in t_b), forward, update, shapes)
 
 
 def hosts(comm=None) -> Tuple[str, ...]:

@@ -78,17 +78,36 @@ def workload_from_profile(name_or_path: str, scale: float = 1.0, update_seconds:
     time precedes its first parameter's gradient, its other parameters follow at once."""
     from .emulated import load_profile, scaled_shape
     prof = load_profile(name_or_path)
-    names, sizes, t_b = [], [], []
+    names, sizes, t_b, shapes = [], [], [], []
     pending = 0.0  # backward time of layers without parameters: it precedes the next gradient
     for layer in reversed(prof["layers"]):
         pending += float(layer["backward_s"])
         for pname, shape in layer["params"].items():
+            shape = scaled_shape(shape, scale) if scale != 1 else shape
             names.append(f"{layer['name']}.{pname}")
-            sizes.append(4.0 * float(np.prod(scaled_shape(shape, scale) if scale != 1 else shape)))
+            shapes.append(tuple(int(x) for x in shape))
+            sizes.append(4.0 * float(np.prod(shape)))
             t_b.append(pending)
             pending = 0.0
     forward = float(sum(layer["forward_s"] for layer in prof["layers"]))
-    return Workload(tuple(names), tuple(sizes), tuple(t_b), forward, update_seconds)
+    return Workload(tuple(names), tuple(sizes), tuple(t_b), forward, update_seconds, tuple(shapes))
+
+
+def profile_shapes(workload: Workload, name_or_path: str, scale: float = 1.0) -> Optional[Workload]:
+    """``workload`` (of the emulated model of that profile, its parameters named as the bench's
+    model names them) with its tensors' shapes from the profile; None where a name is not found."""
+    from .emulated import load_profile, scaled_shape
+    known = {}
+    for layer in load_profile(name_or_path)["layers"]:
+        for pname, shape in layer["params"].items():
+            known[f"{layer['name']}.{pname}"] = tuple(scaled_shape(shape, scale) if scale != 1 else shape)
+    shapes = []
+    for n in workload.names:
+        key = next((k for k in (n, n.replace("layers.", "", 1).replace("__", ".")) if k in known), None)
+        if key is None:
+            return None
+        shapes.append(known[key])
+    return workload.with_shapes(tuple(shapes))
 
 
 def _user_model(path: str):
@@ -252,7 +271,7 @@ def calibrated_workload(workload: Workload, model: CostModel, reference: dict) -
     modelled = float(model.group_cpu_seconds("none", sum(workload.sizes_bytes)))
     per_tensor = max(0.0, reference["hook_seconds"] - modelled) / max(1, len(workload.names))
     return Workload(workload.names, workload.sizes_bytes, tuple(t * scale + per_tensor for t in workload.t_b),
-                    workload.forward_seconds * scale, workload.update_seconds * scale)
+                    workload.forward_seconds * scale, workload.update_seconds * scale, workload.shapes)
 
 
 @dataclass(frozen=True)

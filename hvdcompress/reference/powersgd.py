@@ -54,7 +54,7 @@ def is_compressed(shape: Tuple[int, ...], rank: int) -> bool:
 
 
 def _wire(params, d, itemsize, world, density):
-    """Square matrices assumed (only sizes are known here): n = m = sqrt(d); 2 allreduces of
+    """Square matrices assumed (only sizes are known here; ``_shaped_wire`` where the shape is): n = m = sqrt(d); 2 allreduces of
     sqrt(d)*r values; dense (one allreduce of d, no second round) when 2*sqrt(d)*r >= d. The measured bytes
     (``opt.stats``) use the real shapes: (n + m) * r * itemsize per matrix (P and Q travel in the
     gradient's dtype)."""
@@ -65,11 +65,22 @@ def _wire(params, d, itemsize, world, density):
             Round(SUMMED, np.where(dense, 0, 1), np.where(dense, 0, side * r * itemsize)))
 
 
+def _shaped_wire(params, shape, itemsize):
+    """One tensor of a known shape, as the exchange sends it: a compressed matrix n x m sends P
+    (n*r values), then Q (m*r values); any other tensor one dense allreduce."""
+    r = params["rank"]
+    if not is_compressed(shape, r):
+        numel = math.prod(shape) if shape else 1
+        return (Round(SUMMED, 1, float(numel * itemsize)),)
+    n, m = matrix_shape(shape)
+    return (Round(SUMMED, 1, float(n * r * itemsize)), Round(SUMMED, 1, float(m * r * itemsize)))
+
+
 register("powersgd", SUMMED, "PowerSGD: rank-r factors P, Q of each matrix by one power iteration "
          "(warm-started Q, Gram-Schmidt on P, error feedback), two allreduces; 1-D tensors dense",
          Param("rank", int, 2, "rank r of the approximation", low=1, high=2 ** 16),
          Param("seed", int, 0, "seed of the initial Q (the same on every rank)", low=0, high=2 ** 32 - 1),
-         residual_param(True), wire=_wire, merge=LAYERWISE,
+         residual_param(True), wire=_wire, merge=LAYERWISE, shaped_wire=_shaped_wire,
          horovod_refusal="it needs two allreduce rounds (P, then Q) and state (Q, the residual); Horovod's "
                          "protocol has one allreduce and no state")
 

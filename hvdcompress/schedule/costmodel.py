@@ -31,10 +31,12 @@ An exchange of a (merged) tensor of d elements issues one or more collectives; i
 sum over them (``comm_seconds``). Top-k sends an int32-index allgather and a float32-value
 allgather of k = ceil(ratio * d) entries each, so t_c = 2 * (a_N + b_N * 4 * N * k), as in
 docs/design.md. Which collectives a compressor issues, in how many rounds, is what its
-registration declares (``spec.register(..., wire=)``; ``rounds`` below). Between two ranks a
-gathered round of a same-shape algorithm (``register(..., same_shape=True)``: quantizers, top-k,
-bf16) is charged the allreduce fit for its bytes, as the communicators send it as a sum
-(``SummedGather``); the allgather fit stays for the others (DGC, threshold).
+registration declares (``spec.register(..., wire=)``; ``rounds`` below). Where the cost depends on
+the tensor's shape, not only its element count (PowerSGD: P has n*r values, Q m*r), a tensor of
+known shape is charged by its shape (``register(..., shaped_wire=)``, ``tensor_comm_seconds``).
+Between two ranks a gathered round of a same-shape algorithm (``register(..., same_shape=True)``:
+quantizers, top-k, bf16) is charged the allreduce fit for its bytes, as the communicators send it
+as a sum (``SummedGather``); the allgather fit stays for the others (DGC, threshold).
 
 Compression (per compressor spec) ``t_s(d) = a * f(d) + b`` with ``f(d) = d * log2(d)``
 ("dlogd", sort-like selection) or ``f(d) = d`` ("linear"); both forms are fitted and the one with
@@ -294,6 +296,23 @@ class CostModel:
             scale = model.world_size if gathered else 1
             alpha = fit.alpha if start_up is None else start_up
             total = total + r.collectives * alpha + fit.beta * scale * r.nbytes
+        return total
+
+    def tensor_comm_seconds(self, spec, shape, world_size: Optional[int] = None, itemsize: int = 4,
+                            start_up: Optional[float] = None) -> float:
+        """t_c of one tensor of a known ``shape`` sent alone by ``spec``: as ``comm_seconds``, over
+        the rounds of that shape (``CompressorInfo.shape_rounds``). Where the wire cost depends on
+        the shape (PowerSGD: P has n*r values, Q m*r), the element count alone misjudges it."""
+        spec = resolve(spec)
+        model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
+        summed_gather = model.world_size == 2 and spec.info.same_shape  # as in comm_seconds
+        total = 0.0
+        for r in spec.info.shape_rounds(spec.params, tuple(shape), itemsize, model.world_size):
+            gathered = r.kind == GATHERED and not summed_gather
+            fit = model.allgather if gathered else model.summed_fit(getattr(r, "half", False))
+            scale = model.world_size if gathered else 1
+            alpha = fit.alpha if start_up is None else start_up
+            total += float(r.collectives) * alpha + fit.beta * scale * float(r.nbytes)
         return total
 
     @property

@@ -50,15 +50,15 @@ MGS paper's rule) and ``brute_force`` (tests).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, replace
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .search import Option, Search, brute_force, by_size, greedy, layerwise, optimal, optimal_choice, predict_choice, single
 from ..contract import LAYERWISE
 from ..spec import GATHERED, resolve
-from .timeline import Timeline, check_inputs, check_overlap, predict
+from .timeline import Timeline, check_inputs, check_overlap, predict, predict_costs
 
 MIB = 1 << 20
 COST_MODEL_SCHEDULES = ("mgs", "mgwfbp")
@@ -120,6 +120,7 @@ class Workload:
     t_b: Tuple[float, ...]
     forward_seconds: float = 0.0
     update_seconds: float = 0.0
+    shapes: Optional[Tuple[Tuple[int, ...], ...]] = None  # per tensor, when known (``make_plan``)
 
     def __post_init__(self):
         check_inputs(self.sizes_bytes, self.t_b)
@@ -127,6 +128,15 @@ class Workload:
             raise ValueError(f"workload: {len(self.names)} names for {len(self.sizes_bytes)} tensors")
         for field_name in ("names", "sizes_bytes", "t_b"):
             object.__setattr__(self, field_name, tuple(getattr(self, field_name)))
+        if self.shapes is not None:
+            shapes = tuple(tuple(int(x) for x in sh) for sh in self.shapes)
+            if len(shapes) != len(self.names):
+                raise ValueError(f"workload: {len(shapes)} shapes for {len(self.names)} tensors")
+            object.__setattr__(self, "shapes", shapes)
+
+    def with_shapes(self, shapes) -> "Workload":
+        """This workload with per-tensor ``shapes``."""
+        return replace(self, shapes=shapes)
 
     @property
     def compute_seconds(self) -> float:
@@ -134,18 +144,23 @@ class Workload:
         return self.forward_seconds + float(np.sum(self.t_b)) + self.update_seconds
 
     def plan(self, schedule, cost_model, spec=None, world_size: Optional[int] = None, **kw) -> "Plan":
+        kw.setdefault("shapes", self.shapes)
         return make_plan(schedule, self.sizes_bytes, self.t_b, cost_model, spec, world_size,
                          forward_seconds=self.forward_seconds, update_seconds=self.update_seconds, **kw)
 
     def to_dict(self) -> dict:
-        return {"names": list(self.names), "sizes_bytes": list(self.sizes_bytes), "t_b": list(self.t_b),
-                "forward_seconds": self.forward_seconds, "update_seconds": self.update_seconds}
+        out = {"names": list(self.names), "sizes_bytes": list(self.sizes_bytes), "t_b": list(self.t_b),
+               "forward_seconds": self.forward_seconds, "update_seconds": self.update_seconds}
+        if self.shapes is not None:
+            out["shapes"] = [list(sh) for sh in self.shapes]
+        return out
 
     @classmethod
     def from_dict(cls, d) -> "Workload":
         return cls(tuple(d["names"]), tuple(float(x) for x in d["sizes_bytes"]),
                    tuple(float(x) for x in d["t_b"]), float(d.get("forward_seconds", 0.0)),
-                   float(d.get("update_seconds", 0.0)))
+                   float(d.get("update_seconds", 0.0)),
+                   tuple(tuple(sh) for sh in d["shapes"]) if d.get("shapes") is not None else None)
 
 
 @dataclass(frozen=True)
@@ -205,6 +220,41 @@ def step_costs(cost_model, spec, world: Optional[int] = None, itemsize: int = 4,
     return t_alone, t_queued
 
 
+def tensor_comm(shapes, cost_model, spec, world: int, itemsize: int) -> Callable:
+    """A function of a tensor's index: (t_c, (t_alone, t_queued) or None) of that tensor sent alone
+    by ``spec``, at its shape's wire cost (``CostModel.tensor_comm_seconds``)."""
+    start_ups = getattr(cost_model, "start_ups", None)
+
+    def costs(i):
+        shape = tuple(shapes[i])
+        tc = cost_model.tensor_comm_seconds(spec, shape, world, itemsize)
+        step = None if start_ups is None else tuple(
+            cost_model.tensor_comm_seconds(spec, shape, world, itemsize, start_up=a) for a in start_ups)
+        return tc, step
+    return costs
+
+
+def predict_shaped(groups, sizes, t_b, shapes, cost_model, spec, world: int, itemsize: int, overlap: str,
+                   t_s: Callable, t_d: Optional[Callable], t_close: Optional[Callable]) -> Timeline:
+    """The timeline of one tensor per group, each exchange charged the wire cost of its tensor's
+    shape (``CostModel.tensor_comm_seconds``; at the step's start-ups where timed, as
+    ``step_costs``); compression, decompression and the closing term by its bytes."""
+    if len(shapes) != len(sizes):
+        raise ValueError(f"shapes: one per tensor ({len(sizes)}); got {len(shapes)}")
+    groups = tuple(tuple(int(i) for i in g) for g in groups)
+    nbytes = np.array([sizes[g[0]] for g in groups], dtype=float)
+    group_shapes = [tuple(shapes[g[0]]) for g in groups]
+
+    def tc(start_up=None):
+        return np.array([cost_model.tensor_comm_seconds(spec, sh, world, itemsize, start_up=start_up)
+                         for sh in group_shapes], dtype=float)
+    start_ups = getattr(cost_model, "start_ups", None)
+    step = None if start_ups is None else (tc(start_ups[0]), tc(start_ups[1]))
+    close = float(np.asarray(t_close(nbytes[-1:]), dtype=float)[0]) if t_close is not None and len(groups) else None
+    return predict_costs(groups, t_b, np.asarray(t_s(nbytes), dtype=float), tc(), overlap,
+                         None if t_d is None else np.asarray(t_d(nbytes), dtype=float), close, step)
+
+
 def codec_options(spec, alternatives: Sequence = ()) -> List:
     """The specs a group may be sent with: ``spec`` first, then each alternative not equal to it."""
     out = [resolve(spec)]
@@ -218,7 +268,8 @@ def codec_options(spec, alternatives: Sequence = ()) -> List:
 def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[float]] = None, cost_model=None,
               spec=None, world_size: Optional[int] = None, *, overlap: str = "shared",
               forward_seconds: float = 0.0, update_seconds: float = 0.0, itemsize: int = 4,
-              density: Optional[float] = None, alternatives: Sequence = ()) -> Plan:
+              density: Optional[float] = None, alternatives: Sequence = (),
+              shapes: Optional[Sequence[Sequence[int]]] = None) -> Plan:
     """Plan the groups for ``spec`` (a compressor spec or string; default none) and predict the
     step time. ``sizes_bytes``/``t_b`` per tensor in backward order; ``world_size`` defaults to the
     cost model's (another one is extrapolated, see ``CostModel.for_world_size``); ``density`` is
@@ -227,7 +278,11 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
     ``alternatives`` (e.g. ``("fp16", "none")``): other specs a group may be sent with; then
     every group also gets the spec of least modelled step time, chosen jointly with the partition
     (``search.optimal_choice``; for the fixed schedules, over their partition), compression time
-    included whatever the schedule, and ``Plan.codecs`` lists them."""
+    included whatever the schedule, and ``Plan.codecs`` lists them.
+
+    ``shapes`` (per tensor, optional): where every group is one tensor and no alternatives are
+    given, the predicted timeline charges each exchange the wire cost of its tensor's shape
+    (``CostModel.tensor_comm_seconds``) rather than of its element count."""
     sched = parse_schedule(schedule)
     spec = resolve(spec)
     check_overlap(overlap)
@@ -292,7 +347,15 @@ def make_plan(schedule, sizes_bytes: Sequence[float], t_b: Optional[Sequence[flo
         found = optimal_choice(sizes, t_b, options, overlap, cuts=cuts)
         groups, codecs = found.groups, [str(specs[c]) for c in found.choices]
         gap = found.gap if cuts is None else None
-        timeline = predict_choice(groups, found.choices, sizes, t_b, options, overlap, [c[3] for c in costs])
+        shaped = None
+        if shapes is not None:
+            shaped = [None if o.info.merge != LAYERWISE else tensor_comm(shapes, cost_model, o, world, itemsize)
+                      for o in specs]
+        timeline = predict_choice(groups, found.choices, sizes, t_b, options, overlap, [c[3] for c in costs], shaped)
+        predicted = float(forward_seconds) + timeline.end + float(update_seconds)
+    elif cost_model is not None and t_b is not None and shapes is not None and all(len(g) == 1 for g in groups):
+        timeline = predict_shaped(groups, sizes, t_b, shapes, cost_model, spec, world, itemsize, overlap,
+                                  t_s, t_d, t_close)
         predicted = float(forward_seconds) + timeline.end + float(update_seconds)
     elif cost_model is not None and t_b is not None:
         timeline = predict(groups, sizes, t_b, t_s, t_c, overlap, t_d, t_close, t_step)

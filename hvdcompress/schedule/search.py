@@ -184,9 +184,12 @@ class ChoiceSearch(NamedTuple):
 
 
 def predict_choice(groups, choices: Sequence[int], sizes, t_b, options: Sequence,
-                   overlap: str = "shared", t_d: Optional[Sequence[Optional[Callable]]] = None):
+                   overlap: str = "shared", t_d: Optional[Sequence[Optional[Callable]]] = None,
+                   tensor_comm: Optional[Sequence[Optional[Callable]]] = None):
     """``timeline.predict`` where group g is sent by ``options[choices[g]]`` (``t_d``: one
-    decompression cost function or None per option, for the prediction)."""
+    decompression cost function or None per option, for the prediction). ``tensor_comm``: per
+    option None or a function of a tensor's index giving (t_c, (t_alone, t_queued) or None) of
+    that tensor sent alone (its shape's wire cost), used for that option's groups of one tensor."""
     check_overlap(overlap)
     sizes, t_b = check_inputs(sizes, t_b)
     groups = check_partition(groups, len(sizes))
@@ -210,6 +213,14 @@ def predict_choice(groups, choices: Sequence[int], sizes, t_b, options: Sequence
     if any(o.t_step is not None for o in options):
         both = [options[c].t_step or (options[c].t_c, options[c].t_c) for c in choices]
         step = ([cost(f[0], g) for g, f in enumerate(both)], [cost(f[1], g) for g, f in enumerate(both)])
+    for g, c in enumerate(choices):
+        fn = tensor_comm[int(c)] if tensor_comm is not None else None
+        if fn is None or len(groups[g]) != 1:
+            continue
+        tc[g], per_step = fn(groups[g][0])
+        if step is not None:
+            alone, queued = per_step if per_step is not None else (tc[g], tc[g])
+            step[0][g], step[1][g] = alone, queued
     return predict_costs(groups, t_b, ts, tc, overlap, td, close, step)
 
 
