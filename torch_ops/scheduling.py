@@ -470,18 +470,19 @@ class Scheduler:
         else:  # a fixed partition: only its choice of specs is measured
             candidates = [tuning.candidate(plan.schedule, plan)]
         if alt:
-            alone = self._spec_alone(model) if self.searches else []
-            candidates = tuning.with_fixed_choices(candidates, self._fixed_choices(model), spec_alone=alone)
+            fixed = self._fixed_choices(model)
+            alone = self._spec_alone(model, replace(fixed[0][1], codecs=None)) if self.searches else []
+            candidates = tuning.with_fixed_choices(candidates, fixed, spec_alone=alone)
         return plan, candidates
 
-    def _spec_alone(self, model: CostModel) -> List[tuning.Candidate]:
+    def _spec_alone(self, model: CostModel, alone: Plan) -> List[tuning.Candidate]:
         """The candidates the measured validation runs for the compressor alone (without the codec
-        choice: ``tuning.propose`` over the plans the planner makes for it), each with the
-        compressor on every group, so that the choice's validation measures them too. None for a
-        compressor that never merges: alone, its schedule is layerwise, its fixed choice."""
+        choice: ``tuning.propose`` over the plans the planner makes for it, ``alone`` its own plan,
+        the first fixed choice), each with the compressor on every group, so that the choice's
+        validation measures them too. None for a compressor that never merges: alone, its schedule
+        is layerwise, its fixed choice."""
         if self.spec.info.merge == LAYERWISE:
             return []
-        alone = self.workload.plan(self.schedule, model, self.spec, self.world)
         found = tuning.propose(lambda s: alone if s == alone.schedule else
                                self.workload.plan(s, model, self.spec, self.world),
                                alone.schedule, self.workload.sizes_bytes)

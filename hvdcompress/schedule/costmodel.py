@@ -287,13 +287,18 @@ class CostModel:
         ``start_up``: every collective's start-up in place of the fits' (``start_ups``)."""
         d = np.asarray(dense_bytes, dtype=float) / itemsize
         model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
-        # a same-shape gather between two ranks travels as an allreduce of its bytes (SummedGather)
-        summed_gather = model.world_size == 2 and resolve(spec).info.same_shape
-        total = np.zeros_like(d)
-        for r in rounds(spec, d, itemsize, density, model.world_size):  # rounds run one after another
+        return model._rounds_seconds(spec, rounds(spec, d, itemsize, density, model.world_size), start_up,
+                                     np.zeros_like(d))
+
+    def _rounds_seconds(self, spec, rs, start_up: Optional[float], total):
+        """``total`` plus the seconds of the rounds ``rs`` of ``spec``, run one after another, on
+        this model's world size. A same-shape gather between two ranks travels as an allreduce of
+        its bytes (``SummedGather``), so it is charged the allreduce fit."""
+        summed_gather = self.world_size == 2 and resolve(spec).info.same_shape
+        for r in rs:
             gathered = r.kind == GATHERED and not summed_gather
-            fit = model.allgather if gathered else model.summed_fit(getattr(r, "half", False))
-            scale = model.world_size if gathered else 1
+            fit = self.allgather if gathered else self.summed_fit(getattr(r, "half", False))
+            scale = self.world_size if gathered else 1
             alpha = fit.alpha if start_up is None else start_up
             total = total + r.collectives * alpha + fit.beta * scale * r.nbytes
         return total
@@ -305,15 +310,8 @@ class CostModel:
         the shape (PowerSGD: P has n*r values, Q m*r), the element count alone misjudges it."""
         spec = resolve(spec)
         model = self if world_size in (None, self.world_size) else self.for_world_size(world_size)
-        summed_gather = model.world_size == 2 and spec.info.same_shape  # as in comm_seconds
-        total = 0.0
-        for r in spec.info.shape_rounds(spec.params, tuple(shape), itemsize, model.world_size):
-            gathered = r.kind == GATHERED and not summed_gather
-            fit = model.allgather if gathered else model.summed_fit(getattr(r, "half", False))
-            scale = model.world_size if gathered else 1
-            alpha = fit.alpha if start_up is None else start_up
-            total += float(r.collectives) * alpha + fit.beta * scale * float(r.nbytes)
-        return total
+        rs = spec.info.shape_rounds(spec.params, tuple(shape), itemsize, model.world_size)
+        return float(model._rounds_seconds(spec, rs, start_up, 0.0))
 
     @property
     def start_ups(self) -> Optional[Tuple[float, float]]:

@@ -243,15 +243,13 @@ def predict_shaped(groups, sizes, t_b, shapes, cost_model, spec, world: int, ite
         raise ValueError(f"shapes: one per tensor ({len(sizes)}); got {len(shapes)}")
     groups = tuple(tuple(int(i) for i in g) for g in groups)
     nbytes = np.array([sizes[g[0]] for g in groups], dtype=float)
-    group_shapes = [tuple(shapes[g[0]]) for g in groups]
-
-    def tc(start_up=None):
-        return np.array([cost_model.tensor_comm_seconds(spec, sh, world, itemsize, start_up=start_up)
-                         for sh in group_shapes], dtype=float)
-    start_ups = getattr(cost_model, "start_ups", None)
-    step = None if start_ups is None else (tc(start_ups[0]), tc(start_ups[1]))
+    costs = [tensor_comm(shapes, cost_model, spec, world, itemsize)(g[0]) for g in groups]
+    tc = np.array([c[0] for c in costs], dtype=float)
+    step = None
+    if costs and costs[0][1] is not None:  # the step's start-ups were timed
+        step = tuple(np.array([c[1][k] for c in costs], dtype=float) for k in (0, 1))
     close = float(np.asarray(t_close(nbytes[-1:]), dtype=float)[0]) if t_close is not None and len(groups) else None
-    return predict_costs(groups, t_b, np.asarray(t_s(nbytes), dtype=float), tc(), overlap,
+    return predict_costs(groups, t_b, np.asarray(t_s(nbytes), dtype=float), tc, overlap,
                          None if t_d is None else np.asarray(t_d(nbytes), dtype=float), close, step)
 
 
