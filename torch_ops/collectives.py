@@ -53,7 +53,8 @@ class SummedGather:
     True)`` at two ranks; at three or more ranks a sum no longer separates the payloads.
 
     ``words`` is the buffer to allreduce in place (None for an empty payload: no collective);
-    ``result(summed)`` is the gather's result, rank order along dim 0, as ``allgather`` gives."""
+    once it holds the sum, ``result()`` is the gather's result, rank order along dim 0, as
+    ``allgather`` gives."""
 
     __slots__ = ("shape", "dtype", "device", "rank", "nbytes", "own", "words", "handle")
 
@@ -68,7 +69,8 @@ class SummedGather:
         if self.nbytes == 0:
             self.own = self.words = None
             return
-        words = torch.zeros((self.nbytes + 3) // 4, dtype=torch.int32, device=t.device)
+        words = torch.empty((self.nbytes + 3) // 4, dtype=torch.int32, device=t.device)
+        words[-1] = 0  # the padding bytes, if any, are zero on every rank
         words.view(torch.uint8)[:self.nbytes] = raw
         self.own = words.clone()
         self.words = words
