@@ -10,6 +10,7 @@ See docs/design.md.
 
 from .spec import Compression, CompressionSpec, parse_spec, resolve
 from .stats import WireStats
+from . import reference  # noqa: F401  (its modules declare every built-in algorithm)
 
 __version__ = "0.1.0"
 __all__ = ["Compression", "CompressionSpec", "parse_spec", "resolve", "WireStats", "__version__"]

@@ -44,7 +44,7 @@ def _cell(text: str) -> str:
 def _default(p: spec.Param) -> str:
     if p.default is None:
         return "none"
-    return f"`{spec._fmt(p.default)}`" if spec._fmt(p.default) != "" else "(empty)"
+    return f"`{spec.format_value(p.default)}`" if spec.format_value(p.default) != "" else "(empty)"
 
 
 def registry() -> Dict[str, spec.CompressorInfo]:
@@ -52,7 +52,6 @@ def registry() -> Dict[str, spec.CompressorInfo]:
     algorithm a program registered from elsewhere, e.g. a test's toy, is not documented here)."""
     from hvdcompress.reference.oracle import ORACLES
 
-    spec._load_builtins()
     return {name: info for name, info in spec.REGISTRY.items()
             if name in ORACLES and ORACLES[name].__module__.startswith("hvdcompress.reference.")}
 

@@ -27,14 +27,22 @@ any collective -- saying why and what to use instead (``refusal``).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 from .registry import registered
 
-_BACKENDS = {"torch": "torch_ops.compressors", "tensorflow": "tf_ops.compressors"}
+# the top-level module of a tensor's type ("torch", "tensorflow") -> its backend's
+# ``compressor_class(spec)``, whose ``horovod_codec`` is the codec; filled by the backends
+BACKENDS: Dict[str, Callable[[Any], Any]] = {}
+_FACES = {"torch": "hvdcompress.torch", "tensorflow": "hvdcompress.keras or hvdcompress.tensorflow"}
 
 _USE_OURS = "use hvdcompress's own DistributedOptimizer (same arguments) with this spec instead"
+
+
+def register_backend(tensor_module: str, compressor_class: Callable[[Any], Any]) -> None:
+    """Called by a backend when it is imported: tensors whose type comes from ``tensor_module``
+    are encoded by the ``horovod_codec`` of ``compressor_class(spec)``."""
+    BACKENDS[tensor_module] = compressor_class
 
 
 def supported() -> Tuple[str, ...]:
@@ -64,10 +72,14 @@ def _codec(spec, tensor):
                          f"{why}; {_USE_OURS}. Horovod's optimizers take: "
                          f"{', '.join('Compression.' + n for n in supported())} (without residual)")
     root = type(tensor).__module__.split(".")[0]
-    if root not in _BACKENDS:
+    if root not in _FACES:
         raise TypeError(f"compression {str(spec)!r}: compress() takes a torch or TensorFlow tensor; "
                         f"got {type(tensor).__name__}")
-    return importlib.import_module(_BACKENDS[root]).compressor_class(spec).horovod_codec
+    if root not in BACKENDS:
+        raise RuntimeError(f"compression {str(spec)!r}: compress() got a {root} tensor, but hvdcompress's "
+                           f"{root} backend is not loaded; import {_FACES[root]} before handing a spec "
+                           "to Horovod's optimizer")
+    return BACKENDS[root](spec).horovod_codec
 
 
 def compress(spec, tensor) -> Tuple[Any, Any]:

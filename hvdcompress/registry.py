@@ -5,6 +5,10 @@ module (a module of ``hvdcompress/reference``, imported by discovery, so an algo
 adding its module); ``Param`` validates one parameter (type, default, range), ``Round`` is one
 round of its wire cost. Specs (``hvdcompress.spec``) are made from these entries; backends look
 their implementations up by the same name.
+
+The registry imports none of the modules that declare: the package (``hvdcompress/__init__``)
+imports ``hvdcompress.reference`` once, so every built-in is declared before any name is looked up
+and the arrows run one way (reference -> spec -> registry).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from .contract import ELEMENTWISE, LAYERWISE, MERGE_POLICIES, PER_MEMBER, discover
+from .contract import ELEMENTWISE, LAYERWISE, MERGE_POLICIES, PER_MEMBER
 
 SUMMED = "allreduce"
 GATHERED = "allgather"
@@ -213,15 +217,8 @@ def residual_param(default: bool) -> Param:
 RATIO_RANGE = dict(low=0.0, high=1.0, low_open=True)
 
 
-def _load_builtins() -> None:
-    """Import every module of the oracle folder (``hvdcompress/reference``): each algorithm
-    family there declares its algorithms with ``register`` (idempotent)."""
-    discover("hvdcompress.reference")
-
-
 def registered() -> Dict[str, CompressorInfo]:
-    """Every declared algorithm (the built-ins loaded), by name."""
-    _load_builtins()
+    """Every declared algorithm, by name."""
     return dict(REGISTRY)
 
 
@@ -231,8 +228,6 @@ def names_with_param(param: str) -> Tuple[str, ...]:
 
 
 def info_for(name: str) -> CompressorInfo:
-    if not isinstance(name, str) or name not in REGISTRY:
-        _load_builtins()
     if not isinstance(name, str) or name not in REGISTRY:
         known = ", ".join(sorted(REGISTRY))
         raise ValueError(f"compression: unknown compressor {name!r}; known compressors: {known}")

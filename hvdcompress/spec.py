@@ -21,7 +21,7 @@ from typing import Any, Dict, Mapping, Tuple
 from .contract import ELEMENTWISE, LAYERWISE, MERGE_POLICIES, PER_MEMBER  # noqa: F401  (register's merge rules)
 from .registry import (GATHERED, RATIO_RANGE, REGISTRY, SUMMED, CompressorInfo, Param, Round,  # noqa: F401
                        WireRule, build_from, describe, info_for, names_with_param, num_selected, register,
-                       registered, residual_param, _load_builtins)
+                       registered, residual_param)
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class CompressionSpec:
     def __str__(self) -> str:
         if not self.params:
             return self.name
-        args = ",".join(f"{k}={_fmt(v)}" for k, v in self.params.items())
+        args = ",".join(f"{k}={format_value(v)}" for k, v in self.params.items())
         return f"{self.name}:{args}"
 
     def __call__(self, **params: Any) -> "CompressionSpec":
@@ -91,7 +91,8 @@ class CompressionSpec:
         return decompress(self, tensor, ctx)
 
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
+    """A parameter's value as a spec string writes it (``0.01``, ``true``, ``none``, ``0.25/0.0625``)."""
     if isinstance(v, tuple):
         return "/".join(repr(x) for x in v)
     if isinstance(v, bool) or v is None:
@@ -120,13 +121,11 @@ class _Factories(type):
     def __getattr__(cls, name: str) -> "CompressionSpec":
         if name.startswith("_"):
             raise AttributeError(name)
-        _load_builtins()
         if name not in REGISTRY:
             raise AttributeError(f"Compression has no compressor {name!r}; known: {', '.join(sorted(REGISTRY))}")
         return CompressionSpec(name)
 
     def __dir__(cls):
-        _load_builtins()
         return sorted(set(super().__dir__()) | set(REGISTRY))
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from .spec import REGISTRY, _load_builtins, describe
+from .spec import REGISTRY, describe
 
 
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     ap.add_argument("names", nargs="*", metavar="NAME", help="spec names to describe (default: list them all)")
     args = ap.parse_args(argv)
-    _load_builtins()
     if not args.names:
         width = max(len(n) for n in REGISTRY)
         for name, info in REGISTRY.items():

@@ -24,8 +24,7 @@ from typing import Dict, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..contract import (Allgather, Allreduce, Alltoall, ExchangeContext, Flag, Member, Registered, discover,
-                        lockstep)
+from ..contract import Allgather, Allreduce, Alltoall, ExchangeContext, Flag, Member, Registered, lockstep
 from ..spec import CompressionSpec, resolve
 
 ORACLES: Dict[str, type] = {}
@@ -46,8 +45,6 @@ class Oracle(Registered):
 
 def oracle_for(spec) -> Oracle:
     spec = resolve(spec)
-    if spec.name not in ORACLES:
-        discover("hvdcompress.reference")
     if spec.name not in ORACLES:
         raise ValueError(f"reference: no numpy oracle for compressor {spec.name!r}")
     return ORACLES[spec.name](spec)

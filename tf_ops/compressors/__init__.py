@@ -4,6 +4,7 @@ module of this folder is imported when a compressor is first looked up
 (``hvdcompress.contract.discover``): adding an algorithm is adding its module."""
 
 from hvdcompress.contract import discover
+from hvdcompress.horovod_interop import register_backend
 from hvdcompress.spec import CompressionSpec, build_from
 
 from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor, TakesMomentum, selected_count
@@ -21,6 +22,7 @@ def build_compressor(spec: CompressionSpec) -> Compressor:
 
 
 discover(__name__)  # the family modules of this folder register their classes
+register_backend("tensorflow", compressor_class)  # specs in Horovod's own optimizers, on tensorflow tensors
 
 __all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "TakesMomentum", "COMPRESSORS", "build_compressor",
            "compressor_class", "selected_count", "topk_indices", "threshold_indices", "random_selection",

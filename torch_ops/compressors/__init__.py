@@ -8,6 +8,7 @@ adding its module.
 """
 
 from hvdcompress.contract import discover
+from hvdcompress.horovod_interop import register_backend
 from hvdcompress.spec import CompressionSpec, build_from
 
 from .base import COMPRESSORS, Compressor, ExchangeContext, OneRoundCompressor, TakesMomentum
@@ -26,6 +27,7 @@ def build_compressor(spec: CompressionSpec) -> Compressor:
 
 
 discover(__name__)  # the family modules of this folder register their classes
+register_backend("torch", compressor_class)  # specs in Horovod's own optimizers, on torch tensors
 
 __all__ = ["Compressor", "ExchangeContext", "OneRoundCompressor", "TakesMomentum", "COMPRESSORS", "build_compressor",
            "compressor_class", "topk_indices", "sampled_threshold_select"]
