@@ -38,7 +38,7 @@ import torch
 import hvdcompress.torch as hvc
 from hvdcompress.bench.convergence import best_lr, train_and_test
 from hvdcompress.datasets import load
-from hvdcompress.spec import REGISTRY, _load_builtins, parse_spec
+from hvdcompress.spec import REGISTRY, parse_spec
 
 # The setting each compressor is known by (README tables); DGC as in "DGC evidence".
 HEADLINE = {  # in the order they run: dense first (the reference), then issue 13's, then the others
@@ -65,7 +65,6 @@ ACCUMULATING = ("dgc", "sketch")
 
 
 def configs() -> dict:
-    _load_builtins()
     out = {}
     for name in list(HEADLINE) + sorted(set(REGISTRY) - set(HEADLINE)):
         if HEADLINE.get(name, name).split(":")[0] not in REGISTRY:
