@@ -176,10 +176,10 @@ def test_torch_only_switch_takes_neither_kernels_nor_numpy():
     x = torch.ones(10)
     native.set_torch_only(True)
     try:
-        assert native.lib() is None and cpu_selection._numpy_view(x) is None
+        assert native.lib() is None and cpu_selection.numpy_view(x) is None
     finally:
         native.set_torch_only(False)
-    assert cpu_selection._numpy_view(x) is not None
+    assert cpu_selection.numpy_view(x) is not None
 
 
 # -- 1-bit SGD per column (the default scope): the compiled kernel's shapes and summation order ----

@@ -15,6 +15,7 @@ from hvdcompress.reference.dgc import sampled_threshold_select as np_select
 from hvdcompress.reference.selection import threshold_indices as np_threshold
 from hvdcompress.reference.selection import topk_indices as np_topk
 from hvdcompress import parse_spec
+from hvdcompress.native.select import topk_sample_stride
 from scenarios.local_world import run_lockstep
 from torch_ops.compressors import ExchangeContext, build_compressor
 from torch_ops.compressors import dgc_selection as ds
@@ -53,7 +54,7 @@ def _vector(kind: str, n: int, seed: int = 0) -> np.ndarray:
         x = np.sort(rng.standard_normal(n))
     else:  # "sampled_big": large values exactly where top-k's threshold sample looks
         x = rng.standard_normal(n) * 1e-3
-        stride = cs._sample_stride(n)
+        stride = topk_sample_stride(n)
         x[stride // 2::stride] = 10.0 + rng.random(len(x[stride // 2::stride]))
         x[rng.integers(0, n, max(1, n // 50))] = 5.0
     return x.astype(np.float32)
@@ -93,7 +94,7 @@ def test_nan_ranks_below_every_number_on_every_path(request, mode, monkeypatch):
     with more NaN than numbers, on small tensors (direct path), mid-size and large ones (sampled
     candidates, whose sample may hold NaN), and the dense fallback (k near n)."""
     if mode == "torch_only":
-        monkeypatch.setattr(ts, "_numpy_view", lambda a: None)
+        monkeypatch.setattr(ts, "numpy_view", lambda a: None)
     else:
         request.getfixturevalue(mode)
     for n in (7, 100, 5003, 100_003):
@@ -179,7 +180,7 @@ def test_torch_fused_dgc_step_over_several_chunks_is_the_oracle(text):
 
 def test_torch_paths_without_numpy(monkeypatch):
     """The torch-only scans (block maxima, word-wise nonzero) used off CPU or for dtypes numpy lacks."""
-    monkeypatch.setattr(ts, "_numpy_view", lambda a: None)
+    monkeypatch.setattr(ts, "numpy_view", lambda a: None)
     for kind in ("normal", "ties", "constant", "heavy", "periodic", "sampled_big"):
         for n in (100, 4097, 300_007):
             x = _vector(kind, n, seed=4)

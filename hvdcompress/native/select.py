@@ -112,7 +112,7 @@ def ge(x: np.ndarray, t, cap: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     return np.concatenate(idxs), np.concatenate(mags)
 
 
-def sample_stride(n: int) -> int:
+def topk_sample_stride(n: int) -> int:
     """Top-k's threshold sample: every n/64-th entry (at least 512 entries, at most SAMPLE_SIZE,
     never more than every 8th)."""
     m = min(SAMPLE_SIZE, max(n // SAMPLE_EVERY, min(512, n // 8)))
@@ -151,7 +151,7 @@ def topk(x: np.ndarray, k: int, kth: Kth = kth_largest) -> np.ndarray:
     n = x.size
     if n < NP_DIRECT_BELOW:
         return positions(np.abs(x), k, kth)
-    stride = sample_stride(n)
+    stride = topk_sample_stride(n)
     sample = np.abs(x[stride // 2::stride])
     m = sample.size
     ks = sample_k(k, m, n)
@@ -219,7 +219,7 @@ def add_topk(g: np.ndarray, r_in: np.ndarray, r: np.ndarray, k: int, kth: Kth = 
     if kern is None or g.dtype != r.dtype or r_in.dtype != r.dtype or n < NATIVE_DIRECT_BELOW or not (1 < k < n):
         return None
     lib, suffix = kern
-    stride = sample_stride(n)
+    stride = topk_sample_stride(n)
     sample = np.abs(g[stride // 2::stride] + r_in[stride // 2::stride])  # g + r, as the update rounds it
     m = sample.size
     ks = sample_k(k, m, n)

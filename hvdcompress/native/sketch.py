@@ -123,7 +123,7 @@ class Kernels:
         estimates). ``est``: gives a float32 buffer of d entries for the fallback (every estimate)."""
         n, count = self.d, int(count)
         if 1 < count < n and n >= select.NATIVE_DIRECT_BELOW:
-            stride = select.sample_stride(n)
+            stride = select.topk_sample_stride(n)
             m = (n - stride // 2 - 1) // stride + 1
             sample = self.estimates_abs_at(table, stride // 2, stride, m)
             ks = sample_k(count, m, n)

@@ -44,7 +44,7 @@ from .selection import sampled_threshold_select, sampling_offset, wire_index_dty
 
 
 @tf.function(experimental_attributes={"_noinline": True}, autograph=False)
-def _grouped_add(a, b):
+def grouped_add(a, b):
     """a + b, computed before it is added to anything else. Inside a traced function Grappler's
     arithmetic optimizer would flatten ``v + (g + m*u)`` into one AddN summed left to right,
     ((v + g) + m*u), which rounds differently than the oracle; a function it may not inline keeps
@@ -74,7 +74,7 @@ def _update_in_place(u: tf.Variable, v: tf.Variable, g: tf.Tensor, momentum, nes
     m = tf.cast(momentum, dtype)
     u_new = u * m + g
     u.assign(u_new, read_value=False)
-    v.assign_add(_grouped_add(g, u_new * m) if nesterov else u_new, read_value=False)
+    v.assign_add(grouped_add(g, u_new * m) if nesterov else u_new, read_value=False)
 
 
 def scaled_sum(indices: tf.Tensor, values: tf.Tensor, n: int, scale: float) -> tf.Tensor:

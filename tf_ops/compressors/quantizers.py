@@ -26,7 +26,7 @@ from . import host
 from ..collectives import Allgather
 from ..memory import Memory, ResidualMemory
 from .base import OneRoundCompressor, TakesMomentum, scaled
-from .dgc import _grouped_add
+from .dgc import grouped_add
 from .packing import pack, uniform, unpack
 
 
@@ -280,11 +280,11 @@ class _MomentumInside(TakesMomentum):
         if m > 0.0:  # only with momentum_correction (the spec's check)
             u = ctx.state["u"]
             mf = tf.constant(m, x.dtype)  # m rounded once to x's dtype (tf.cast(m) would round to float32 first)
-            # sums kept apart (``_grouped_add``): Grappler would flatten them with the residual's
+            # sums kept apart (``grouped_add``): Grappler would flatten them with the residual's
             # add into one AddN and round differently from the oracle
-            u_new = _grouped_add(u * mf, x)
+            u_new = grouped_add(u * mf, x)
             u.assign(u_new)
-            x = _grouped_add(x, u_new * mf) if self.spec["nesterov"] else u_new
+            x = grouped_add(x, u_new * mf) if self.spec["nesterov"] else u_new
         return (yield from super().exchange(x, ctx))
 
 

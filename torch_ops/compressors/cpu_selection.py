@@ -5,11 +5,11 @@ the torch-only paths (other devices and dtypes); every function here gives the s
 ``hvdcompress.native.select``'s, shared with TensorFlow; PyTorch gives them its k-th largest
 (``torch.topk`` on large arrays) and reads tiny tensors through its own pointers.
 
-``_np_topk``      exact top-k from a candidate set {|x| >= t}, t from a strided sample a few
-                  standard deviations below the k-th largest (see ``selection``'s module doc)
+``np_topk``          exact top-k from a candidate set {|x| >= t}, t from a strided sample a few
+                     standard deviations below the k-th largest (see ``selection``'s module doc)
 ``_np_mostly_zero``  the shortcut for a tensor that is mostly zeros
-``_ge_numpy``     every |x| >= t, chunk by chunk (or one compiled pass)
-``add_and_topk``  error feedback's r += g fused with the candidate scan (compiled kernels)
+``ge_numpy``         every |x| >= t, chunk by chunk (or one compiled pass)
+``add_and_topk``     error feedback's r += g fused with the candidate scan (compiled kernels)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ NP_PARTITION_UPTO = 4096  # k-th largest by numpy's partition up to this size, t
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
-def _numpy_view(a: torch.Tensor) -> Optional[np.ndarray]:
+def numpy_view(a: torch.Tensor) -> Optional[np.ndarray]:
     """The tensor's memory as a numpy array (no copy), where numpy can read it: CPU, a float
     dtype numpy has, contiguous. Numpy's compare and nonzero are several times faster than
     torch's on CPU, and a numpy call costs a fraction of a torch call. None under
@@ -40,15 +40,15 @@ def _numpy_view(a: torch.Tensor) -> Optional[np.ndarray]:
 
 
 _work = {}
-_TORCH_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+KERNEL_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
-def _native_topk_small(a: torch.Tensor, k: int) -> Optional[torch.Tensor]:
+def native_topk_small(a: torch.Tensor, k: int) -> Optional[torch.Tensor]:
     """The k largest |a| (ties to the lower index), ascending, by the compiled kernel (a min-heap
     of k or an nth_element, then one scan), for a contiguous CPU float32/float64 tensor with
     0 < k < a.numel(); None where the kernel does not apply (other tensors, no library, a NaN).
     Pointers come from torch (numpy's are several times dearer to read on a tiny tensor)."""
-    suffix = _TORCH_SUFFIX.get(a.dtype)
+    suffix = KERNEL_SUFFIX.get(a.dtype)
     if suffix is None or not a.is_cpu or not a.is_contiguous():
         return None
     lib = native.lib()
@@ -64,15 +64,13 @@ def _native_topk_small(a: torch.Tensor, k: int) -> Optional[torch.Tensor]:
     return out if c == k else None
 
 
-def _ge_numpy(x: np.ndarray, t, cap: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+def ge_numpy(x: np.ndarray, t, cap: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """(indices ascending, their |x|) of every |x_i| >= t (``hvdcompress.native.select.ge``)."""
     return shared.ge(x, t, cap)
 
 
-_sample_stride = shared.sample_stride
 
-
-def _np_kth_largest(y: np.ndarray, k: int):
+def np_kth_largest(y: np.ndarray, k: int):
     """The k-th largest entry of y (0 < k <= y.size), as y's scalar type."""
     c = y.size
     if c <= NP_PARTITION_UPTO:
@@ -85,32 +83,32 @@ def _np_kth_largest(y: np.ndarray, k: int):
     return y.dtype.type(w.item())
 
 
-def _np_positions(y: np.ndarray, k: int) -> np.ndarray:
+def np_positions(y: np.ndarray, k: int) -> np.ndarray:
     """Positions (ascending) of the k largest entries of y, ties toward the lower position."""
-    return shared.positions(y, k, _np_kth_largest)
+    return shared.positions(y, k, np_kth_largest)
 
 
-def _np_topk(x: np.ndarray, k: int) -> np.ndarray:
+def np_topk(x: np.ndarray, k: int) -> np.ndarray:
     """``topk_indices`` in numpy (1 < k < x.size): ``hvdcompress.native.select.topk``."""
-    return shared.topk(x, k, _np_kth_largest)
+    return shared.topk(x, k, np_kth_largest)
 
 
 def _np_mostly_zero(x: np.ndarray, k: int) -> Optional[np.ndarray]:
     """``hvdcompress.native.select.mostly_zero``: the nonzeros of a mostly-zero tensor (then the
     lowest-index zeros), or None when a NaN is among them."""
-    return shared.mostly_zero(x, k, _np_kth_largest)
+    return shared.mostly_zero(x, k, np_kth_largest)
 
 
 def add_and_topk(r: torch.Tensor, g: torch.Tensor, k: int) -> Optional[torch.Tensor]:
     """Error feedback's compensation and selection in one pass: r <- r + g in place, then the
     k largest |r| (ascending), for contiguous 1-D CPU float32/float64 r and g of one dtype
     (``hvdcompress.native.select.add_topk``). None, with r untouched, where it does not apply."""
-    if (_TORCH_SUFFIX.get(r.dtype) is None or g.dtype != r.dtype or not (r.is_cpu and g.is_cpu)
+    if (KERNEL_SUFFIX.get(r.dtype) is None or g.dtype != r.dtype or not (r.is_cpu and g.is_cpu)
             or r.numel() < NATIVE_DIRECT_BELOW or not (1 < k < r.numel())
             or not (r.is_contiguous() and g.is_contiguous()) or r.dim() != 1):
         return None
-    x, gx = _numpy_view(r), _numpy_view(g)
+    x, gx = numpy_view(r), numpy_view(g)
     if x is None or gx is None:
         return None
-    idx = shared.add_topk(gx, x, x, k, _np_kth_largest)
+    idx = shared.add_topk(gx, x, x, k, np_kth_largest)
     return None if idx is None else torch.from_numpy(idx)

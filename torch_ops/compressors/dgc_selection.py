@@ -15,15 +15,16 @@ from hvdcompress.native import select as shared
 from hvdcompress.sampling import ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, sample_k, sample_stride
 
 from . import native
-from .cpu_selection import _TORCH_SUFFIX, _np_kth_largest, _numpy_view
-from .selection import CHUNK, DIRECT_BELOW, Blocks, _at_least, _empty, _scratch, _topk_positions, block_absmax, block_size
+from .cpu_selection import KERNEL_SUFFIX, np_kth_largest, numpy_view
+from .selection import (CHUNK, DIRECT_BELOW, Blocks, at_least, block_absmax, block_size, empty_indices, scratch,
+                        topk_positions)
 
 
 def _sampled_select(v: torch.Tensor, k: int, sample: torch.Tensor, adapt_iters: int,
                     blocks: Optional[Blocks]) -> torch.Tensor:
     n = v.numel()
     if k <= 0:
-        return _empty(v.device)
+        return empty_indices(v.device)
     ks = sample_k(k, sample.numel(), n)
     thr = torch.topk(sample, ks, sorted=False).values.min()
     lower = torch.tensor(LOWER_FACTOR, dtype=v.dtype, device=v.device)
@@ -33,10 +34,10 @@ def _sampled_select(v: torch.Tensor, k: int, sample: torch.Tensor, adapt_iters: 
             mag = v.abs()
             idx = torch.arange(n, device=v.device)
         else:
-            idx, mag = _at_least(v, thr, blocks)
+            idx, mag = at_least(v, thr, blocks)
         c = idx.numel()
         if 10 * c > ACCEPT_HIGH_TENTHS * k:
-            return idx.index_select(0, _topk_positions(mag, k))
+            return idx.index_select(0, topk_positions(mag, k))
         if 10 * c >= ACCEPT_LOW_TENTHS * k or it == adapt_iters:
             return idx
         thr = thr * lower
@@ -45,7 +46,7 @@ def _sampled_select(v: torch.Tensor, k: int, sample: torch.Tensor, adapt_iters: 
 
 def _np_sampled_select(x: np.ndarray, k: int, sample: np.ndarray, adapt_iters: int) -> np.ndarray:
     """``_sampled_select`` in numpy (``hvdcompress.native.select.sampled_select``)."""
-    return shared.sampled_select(x, k, sample, adapt_iters, _np_kth_largest)
+    return shared.sampled_select(x, k, sample, adapt_iters, np_kth_largest)
 
 
 def sampled_threshold_select(v: torch.Tensor, k: int, sample_ratio: float, adapt_iters: int,
@@ -54,7 +55,7 @@ def sampled_threshold_select(v: torch.Tensor, k: int, sample_ratio: float, adapt
     v = v.reshape(-1)
     if not v.is_contiguous():
         v = v.contiguous()
-    x = _numpy_view(v)
+    x = numpy_view(v)
     if x is not None:
         sample = np.abs(x[offset::sample_stride(sample_ratio)])
         return torch.from_numpy(_np_sampled_select(x, k, sample, adapt_iters))
@@ -90,13 +91,13 @@ def accumulate_and_select(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, mom
         _update(g, u, v, momentum, nesterov)
         return sampled_threshold_select(v, k, sample_ratio, adapt_iters, offset)
     stride = sample_stride(sample_ratio)
-    sample = _scratch.get(len(range(offset, n, stride)), v.dtype, v.device, "sample")
-    x = _numpy_view(v)
+    sample = scratch.get(len(range(offset, n, stride)), v.dtype, v.device, "sample")
+    x = numpy_view(v)
     size = None if x is not None else block_size(k / n)  # numpy scans need no blocks
     nb = n // size if size else 0
-    bmax = _scratch.get(nb, v.dtype, v.device, "bmax")
-    bmin = _scratch.get(nb, v.dtype, v.device, "bmin")
-    tmp = _scratch.get(min(CHUNK, n), v.dtype, v.device, "tmp") if nesterov else None
+    bmax = scratch.get(nb, v.dtype, v.device, "bmax")
+    bmin = scratch.get(nb, v.dtype, v.device, "bmin")
+    tmp = scratch.get(min(CHUNK, n), v.dtype, v.device, "tmp") if nesterov else None
     for lo in range(0, n, CHUNK):
         hi = min(lo + CHUNK, n)
         gc, vc = g[lo:hi], v[lo:hi]
@@ -130,19 +131,19 @@ def _native_accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, 
     """``accumulate_and_select`` in one compiled pass over g, u and v, in place
     (``hvdcompress.native.select.dgc_select``, shared with TensorFlow; its work buffers are this
     module's reused ones); None where it does not apply."""
-    suffix = _TORCH_SUFFIX.get(v.dtype)
+    suffix = KERNEL_SUFFIX.get(v.dtype)
     if (suffix is None or g.dtype != v.dtype or u.dtype != v.dtype or not (g.is_cpu and u.is_cpu and v.is_cpu)
             or not (g.is_contiguous() and u.is_contiguous() and v.is_contiguous())
             or v.is_neg() or g.is_neg() or u.is_neg()):
         return None
     if native.lib() is None:
         return None
-    x, gx, ux = _numpy_view(v), _numpy_view(g), _numpy_view(u)
+    x, gx, ux = numpy_view(v), numpy_view(g), numpy_view(u)
     if x is None or gx is None or ux is None:
         return None
     gx, ux, x = gx.reshape(-1), ux.reshape(-1), x.reshape(-1)
     idx = shared.dgc_select(gx, ux, x, ux, x, momentum, nesterov, k, sample_ratio, adapt_iters, offset,
-                            _np_kth_largest, _buffer)
+                            np_kth_largest, _buffer)
     return None if idx is None else torch.from_numpy(idx)
 
 
@@ -151,8 +152,8 @@ _NUMPY_TO_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): to
 
 
 def _buffer(n: int, dtype, role: str) -> np.ndarray:
-    """A reused work array (``selection._scratch``) for the shared DGC pass."""
-    return _scratch.get(n, _NUMPY_TO_TORCH[np.dtype(dtype)], torch.device("cpu"), role).numpy()
+    """A reused work array (``selection.scratch``) for the shared DGC pass."""
+    return scratch.get(n, _NUMPY_TO_TORCH[np.dtype(dtype)], torch.device("cpu"), role).numpy()
 
 
 def take_and_zero(v: torch.Tensor, u: Optional[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
@@ -160,7 +161,7 @@ def take_and_zero(v: torch.Tensor, u: Optional[torch.Tensor], idx: torch.Tensor)
     One compiled loop over the k indices where it applies (indices outside v: nothing written,
     the torch calls then raise as they would), else ``index_select`` and
     ``index_fill_`` (several times faster than ``v[idx]``); the same result either way."""
-    suffix = _TORCH_SUFFIX.get(v.dtype)
+    suffix = KERNEL_SUFFIX.get(v.dtype)
     lib = native.lib() if suffix is not None else None
     if (lib is not None and v.is_cpu and v.is_contiguous() and not v.is_neg() and idx.dtype == torch.int64
             and idx.is_cpu and idx.is_contiguous() and idx.dim() == 1

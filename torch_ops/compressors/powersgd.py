@@ -59,7 +59,7 @@ class PowerSGDCompressor(Compressor):
             q = uniform(m * r, p["seed"], ctx.step, ctx.key, 0, device=x.device).sub_(0.5)
         q = q.view(m, r).to(mat.dtype)
         # The skinny products are taken as (Q^T M^T)^T and (P^T M)^T: on one CPU thread BLAS runs
-        # them 3-9x faster than M Q and M^T P (the same sums; the order within each may differ).
+        # them several times faster than M Q and M^T P (the same sums; the order within each may differ).
         (psum,) = yield (Allreduce(torch.mm(q.t(), mat.t()).t().contiguous()),)
         phat = orthogonalize(psum)
         qloc = torch.mm(phat.t(), mat).t().contiguous()

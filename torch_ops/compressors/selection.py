@@ -42,10 +42,11 @@ import torch
 
 from hvdcompress.sampling import sample_k
 from hvdcompress.native.select import topk_any as shared_topk_any
+from hvdcompress.native.select import topk_sample_stride
 
 from . import cpu_selection
-from .cpu_selection import (NATIVE_DIRECT_BELOW, _ge_numpy, _native_topk_small, _np_positions, _np_topk,
-                            _numpy_view, _sample_stride)
+from .cpu_selection import (NATIVE_DIRECT_BELOW, ge_numpy, native_topk_small, np_positions, np_topk,
+                            numpy_view)
 
 CHUNK = 1 << 18       # entries per chunk of the fused DGC loop (stays in the core's cache)
 DIRECT_BELOW = 4096   # torch: tensors smaller than this take the direct path (one topk)
@@ -66,10 +67,10 @@ class _Scratch:
         return buf[:n]
 
 
-_scratch = _Scratch()
+scratch = _Scratch()
 
 
-def _empty(device) -> torch.Tensor:
+def empty_indices(device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64, device=device)
 
 
@@ -82,12 +83,12 @@ def _kth_largest(mag: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(mag, c - k + 1, largest=False, sorted=False).values.max()
 
 
-def _topk_positions(mag: torch.Tensor, k: int) -> torch.Tensor:
+def topk_positions(mag: torch.Tensor, k: int) -> torch.Tensor:
     """Positions (ascending) of the k largest entries of ``mag``, ties toward the lower position;
     0 < k < mag.numel(): every position > the k-th largest value w, then the first ones == w."""
-    y = _numpy_view(mag)
+    y = numpy_view(mag)
     if y is not None:
-        return torch.from_numpy(_np_positions(y, k))
+        return torch.from_numpy(np_positions(y, k))
     w = _kth_largest(mag, k)
     keep = mag > w
     need = k - int(keep.sum())
@@ -109,18 +110,18 @@ def _topk_positions(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _topk_positions_nan_last(mag: torch.Tensor, k: int) -> torch.Tensor:
-    """``_topk_positions`` with NaN ranked below every number, as the oracle ranks it."""
+    """``topk_positions`` with NaN ranked below every number, as the oracle ranks it."""
     nan = torch.isnan(mag)
     num = torch.nonzero(~nan).view(-1)
     if k < num.numel():
-        return num[_topk_positions(mag[num], k)]
+        return num[topk_positions(mag[num], k)]
     return torch.cat([num, torch.nonzero(nan).view(-1)[:k - num.numel()]]).sort().values
 
 
 def _argmax_first(a: torch.Tensor) -> torch.Tensor:
     """[index of the largest |a|] (the first among equals; NaN ranks last, as in the oracle), as a
     1-element int64 tensor."""
-    x = _numpy_view(a)
+    x = numpy_view(a)
     if x is not None:
         return torch.from_numpy(shared_topk_any(x, 1))
     mag = a.abs()
@@ -137,7 +138,7 @@ def _direct(a: torch.Tensor, k: int) -> torch.Tensor:
         lo = vals[k - 1:].tolist()
         if lo[0] > lo[1] and not math.isnan(vals[0].item()):  # topk ranks NaN first: the general path
             return idx[:k].sort().values
-    return _topk_positions(mag, k)
+    return topk_positions(mag, k)
 
 
 # -- the entries at or above a threshold --------------------------------------------------------
@@ -162,7 +163,7 @@ def block_absmax(a: torch.Tensor, size: int) -> Blocks:
     nb = a.numel() // size
     hi_all = a[:nb * size].view(nb, size)
     bmax = torch.empty(nb, dtype=a.dtype, device=a.device)
-    bmin = _scratch.get(nb, a.dtype, a.device, "bmin")
+    bmin = scratch.get(nb, a.dtype, a.device, "bmin")
     rows = CHUNK // size
     for lo in range(0, nb, rows):
         part = hi_all[lo:lo + rows]
@@ -197,9 +198,9 @@ def _ge_wordwise(a: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.
     """(indices ascending, their |a|) of every |a_i| >= t: one scan into a reused bool buffer,
     ``nonzero`` over it read as int64 words, then over the bytes of the nonzero words."""
     n = a.numel()
-    mag = torch.abs(a, out=_scratch.get(n, a.dtype, a.device, "mag"))
+    mag = torch.abs(a, out=scratch.get(n, a.dtype, a.device, "mag"))
     padded = -(-n // 8) * 8
-    mask = _scratch.get(padded, torch.bool, a.device, "mask")
+    mask = scratch.get(padded, torch.bool, a.device, "mask")
     torch.ge(mag, t, out=mask[:n])
     if padded > n:
         mask[n:] = False
@@ -210,13 +211,13 @@ def _ge_wordwise(a: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.
     return idx, mag.index_select(0, idx)
 
 
-def _at_least(a: torch.Tensor, t: torch.Tensor, blocks: Optional[Blocks] = None
+def at_least(a: torch.Tensor, t: torch.Tensor, blocks: Optional[Blocks] = None
               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(indices ascending, their |a|) of every |a_i| >= t, exactly: through ``blocks`` when given
     and selective enough, else by a word-wise scan."""
-    x = _numpy_view(a)
+    x = numpy_view(a)
     if x is not None:
-        idx, mag = _ge_numpy(x, float(t))
+        idx, mag = ge_numpy(x, float(t))
         return torch.from_numpy(idx), torch.from_numpy(mag)
     if blocks is not None:
         found = _ge_from_blocks(a, t, blocks)
@@ -228,9 +229,9 @@ def _at_least(a: torch.Tensor, t: torch.Tensor, blocks: Optional[Blocks] = None
 def threshold_indices(a: torch.Tensor, threshold: float) -> torch.Tensor:
     """Indices (int64, ascending) of every |a| >= threshold (compared in a's dtype)."""
     a = a.reshape(-1)
-    x = _numpy_view(a)
+    x = numpy_view(a)
     if x is not None:
-        return torch.from_numpy(_ge_numpy(x, np.asarray(threshold, dtype=x.dtype))[0])
+        return torch.from_numpy(ge_numpy(x, np.asarray(threshold, dtype=x.dtype))[0])
     t = torch.tensor(threshold, dtype=a.dtype, device=a.device)
     if a.numel() < DIRECT_BELOW:
         return torch.nonzero(a.abs() >= t).view(-1)
@@ -249,21 +250,21 @@ def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
     if k >= n:
         return torch.arange(n, device=a.device)
     if k <= 0:
-        return _empty(a.device)
+        return empty_indices(a.device)
     if k == 1:
         return _argmax_first(a)
     if n < NATIVE_DIRECT_BELOW:
-        idx = _native_topk_small(a, k)
+        idx = native_topk_small(a, k)
         if idx is not None:
             return idx
-    x = _numpy_view(a)
+    x = numpy_view(a)
     if x is not None:
-        return torch.from_numpy(_np_topk(x, k))
+        return torch.from_numpy(np_topk(x, k))
     if n < DIRECT_BELOW:
         return _direct(a, k)
     if not a.is_contiguous():
         a = a.contiguous()
-    stride = _sample_stride(n)
+    stride = topk_sample_stride(n)
     sample = a[stride // 2::stride].abs()
     m = sample.numel()
     ks = sample_k(k, m, n)
@@ -283,8 +284,8 @@ def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
         else:
             idx, mag = _ge_wordwise(a, t)
         if idx.numel() >= k:  # every entry of the answer has |a| >= the k-th largest >= t
-            return idx if idx.numel() == k else idx.index_select(0, _topk_positions(mag, k))
-    return _topk_positions(a.abs(), k)
+            return idx if idx.numel() == k else idx.index_select(0, topk_positions(mag, k))
+    return topk_positions(a.abs(), k)
 
 
 def add_and_topk(r: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:

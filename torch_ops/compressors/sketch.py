@@ -57,7 +57,7 @@ from hvdcompress.spec import CompressionSpec
 from ..collectives import Allreduce
 from . import native
 from .base import Compressor, ExchangeContext, TakesMomentum
-from .selection import _scratch, topk_indices
+from .selection import scratch, topk_indices
 
 CHUNK = 1 << 19
 
@@ -214,7 +214,7 @@ class Native:
         table = table.contiguous()
         if not _f32(table, self.rows * self.cols):
             table = table.to(torch.float32).contiguous()
-        est = lambda: _scratch.get(d, torch.float32, torch.device("cpu"), "sketch.est").numpy()  # noqa: E731
+        est = lambda: scratch.get(d, torch.float32, torch.device("cpu"), "sketch.est").numpy()  # noqa: E731
         return torch.from_numpy(self.kernels.candidates(table.data_ptr(), count, est))
 
 
