@@ -1,11 +1,12 @@
 """hvdcompress: communication-efficient distributed training on top of Horovod.
 
-This package is the framework-agnostic core (it imports neither torch nor TensorFlow): the
-algorithm registry and spec validation (``spec``), the numpy oracles that declare and define every
-algorithm (``reference``), the seeded schemes the backends reproduce, the cost model and merge
-planner, wire statistics and the benchmark harness (``bench``). The backends are
-``hvdcompress.torch`` (PyTorch), ``hvdcompress.keras`` and ``hvdcompress.tensorflow``.
-See docs/design.md.
+This package is the framework-agnostic core (it imports no framework and no backend; the
+backends register themselves with it): the algorithm registry and spec validation (``spec``), the
+numpy oracles that declare and define every algorithm (``reference``), the seeded schemes the
+backends reproduce, the cost model and merge planner, wire statistics. Above the backends stand
+the faces users import, ``hvdcompress.torch`` (PyTorch), ``hvdcompress.keras`` and
+``hvdcompress.tensorflow``, and the tools (the benchmark harness ``bench``, the console command).
+``.importlinter`` states these layers. See docs/design.md.
 """
 
 from .spec import Compression, CompressionSpec, parse_spec, resolve

@@ -65,3 +65,33 @@ def test_training_continues_identical_through_a_worker_joining_and_leaving(tmp_p
             assert r["rank"] == 2 and r["residual_norm"] == 0.0, r
         else:
             assert r["residual_norm"] == before["residual_norm"] > 0, (r, before)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "dgc:ratio=0.01", "fp16"])
+def test_snapshot_and_sync_carry_the_density(spec):
+    """A commit snapshot restores the density it saw, and a sync hands rank 0's density on
+    (through ``GradientCompression.density``); a spec without one has None throughout."""
+    import tf_ops  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+    from tf_ops.compression import GradientCompression
+    from tf_ops.elastic import CompressionSnapshot, sync_compression
+
+    c = GradientCompression(spec)
+    before = c.density
+    snapshot = CompressionSnapshot([c])
+    snapshot.save()
+    if before is None:
+        snapshot.restore()
+        sync_compression(c, lambda obj: obj)
+        assert c.density is None
+        return
+    c.density = 0.5
+    snapshot.restore()
+    assert c.density == before
+    sent = {}
+
+    def bcast(obj):  # rank 0 says 0.25
+        sent.update(obj)
+        return dict(obj, density=0.25)
+
+    sync_compression(c, bcast)
+    assert sent["density"] == before and c.density == 0.25

@@ -122,8 +122,6 @@ def check_elastic(optimizer, compressions: List[GradientCompression]) -> None:
 def _variables(c: GradientCompression) -> Dict[str, tf.Variable]:
     """Every variable of ``c`` that a commit snapshots, by a name stable within this process."""
     out = {"step": c.step, "epoch": c.epoch, "epoch_set": c.epoch_set}
-    if c._density is not None:
-        out["density"] = c._density
     for i, slots in enumerate(c.slots):
         for name, var in slots.items():
             out[f"slot.{i}.{name}"] = var
@@ -136,12 +134,16 @@ class CompressionSnapshot:
     def __init__(self, compressions: List[GradientCompression]):
         self.compressions = compressions
         self._saved: List[Dict[str, np.ndarray]] = [{} for _ in compressions]
+        self._densities: List[Optional[float]] = [None for _ in compressions]
 
     def save(self) -> None:
         self._saved = [{k: v.numpy().copy() for k, v in _variables(c).items()} for c in self.compressions]
+        self._densities = [c.density for c in self.compressions]
 
     def restore(self) -> None:
-        for c, saved in zip(self.compressions, self._saved):
+        for c, saved, density in zip(self.compressions, self._saved, self._densities):
+            if density is not None:
+                c.density = density
             for key, var in _variables(c).items():
                 if key in saved:
                     var.assign(saved[key])
@@ -155,7 +157,7 @@ def sync_compression(c: GradientCompression, bcast_object) -> None:
     """Rank 0's counters and shared slots on every rank (one object broadcast); own slots stay."""
     shared = {"step": int(c.step.numpy()), "epoch": int(c.epoch.numpy()),
               "epoch_set": bool(c.epoch_set.numpy()),
-              "density": None if c._density is None else float(c._density.numpy()),
+              "density": c.density,
               "slots": {(i, name): var.numpy() for i, slots in enumerate(c.slots) for name, var in slots.items()
                         if name in c.compressor.shared_slots}}
     shared = bcast_object(shared)
@@ -163,7 +165,7 @@ def sync_compression(c: GradientCompression, bcast_object) -> None:
     c.epoch.assign(shared["epoch"])
     c.epoch_set.assign(shared["epoch_set"])
     if shared["density"] is not None:
-        c._density.assign(shared["density"])
+        c.density = shared["density"]
     for (i, name), value in shared["slots"].items():
         while len(c.slots) <= i:
             c.slots.append({})
@@ -194,10 +196,7 @@ def after_reset(model, optimizer) -> None:
     world size; the model's cached Keras functions are dropped so they are traced again."""
     exchanger = getattr(optimizer, "_hvc", None) if optimizer is not None else None
     if exchanger is not None:
-        world = process_set_size(exchanger.process_set)
-        exchanger.world_size = world
-        exchanger.scale = (1.0 / exchanger.prescale) / world if exchanger.average else 1.0
-        exchanger._checked = set()
+        exchanger.follow_world_size(process_set_size(exchanger.process_set))
     for attr in ("train_function", "test_function", "predict_function"):
         if getattr(model, attr, None) is not None:
             setattr(model, attr, None)

@@ -70,6 +70,13 @@ class Exchanger:
         self._checked = set()  # gradient signatures already checked to be the same on every rank
         self._communicator = None  # the sparse gradients' allgathers (made when first needed)
 
+    def follow_world_size(self, world_size: int) -> None:
+        """After a Horovod Elastic reset: average over the new number of ranks, and check each
+        gradient signature again."""
+        self.world_size = world_size
+        self.scale = (1.0 / self.prescale) / world_size if self.average else 1.0
+        self._checked = set()
+
     def densify(self, grads, reason: str = "backward_passes_per_step > 1 accumulates dense sums"
                 ) -> List[Optional[tf.Tensor]]:
         """``grads`` with every ``tf.IndexedSlices`` converted to a dense tensor; a warning (once)

@@ -1,7 +1,7 @@
 """GPU-like compute emulation for the benchmark harness (``hvdcompress bench --compute emulated:<profile>``).
 
 On a GPU machine the forward and backward passes run on the accelerator and the CPU cores are free
-for compression and Horovod's background thread; on our CPU-only machines the workers' own
+for compression and Horovod's background thread; on a CPU-only machine the workers' own
 backward passes occupy every core, so an exchange launched from a gradient hook barely progresses
 before backward ends. :class:`EmulatedModel` restores the GPU situation: its layers have *real*
 parameters (so gradients, compression, selection, exchange and their bytes are real), but each

@@ -1,8 +1,8 @@
 """``LatencyDriver``: a Horovod driver whose exchange rounds complete no sooner than a fixed delay
 after they were launched.
 
-``netem`` is not available on our machines, so link latency cannot be emulated by ``tc``. The
-benchmark harness (``hvdcompress bench --latency-ms``) instead passes this driver to
+``netem`` (``tc``'s delay) needs a kernel module a host may lack, so link latency is not emulated
+by ``tc``. The benchmark harness (``hvdcompress bench --latency-ms``) instead passes this driver to
 ``DistributedOptimizer(driver=...)``: each round of collectives is launched at once, as usual,
 but ``wait()`` does not return (and ``poll()`` does not report completion) before
 ``launch time + latency``. The delay is *injected* in the training process, not emulated on

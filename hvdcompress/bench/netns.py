@@ -9,8 +9,8 @@ Topology for N workers (all names carry this process's id, so concurrent runs ne
 The 10.213.0.0/24 addresses exist only inside these namespaces: nothing is routed to or from the
 machine's own network. With a bandwidth set, a ``tbf`` qdisc limits *both* directions of every
 worker's link (on ``hvc0``, what the worker sends; on the bridge's ``hvcp<i>``, what it receives),
-so each worker has a full-duplex link of that rate into a switch. ``netem`` is not available on
-these machines, so no latency is added here (see ``--latency-ms``, injected in the workers).
+so each worker has a full-duplex link of that rate into a switch. No latency is added here:
+``netem`` needs a kernel module a host may lack (see ``--latency-ms``, injected in the workers).
 
 ``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts`` over ``/etc/hosts``; we write one per
 namespace mapping the worker's host name and the machine's host name to that namespace's address,
