@@ -2,7 +2,7 @@
 
 * ``lint-imports`` keeps the contracts of ``.importlinter`` (the core imports no framework, no
   backend, no face and no tool; tools over faces over backends; torch_ops and tf_ops never import
-  each other);
+  each other; no import circle among a package's modules);
 * import-linter reads import statements only, so a core module may not load a framework or a
   backend by name either (``importlib.import_module``, ``__import__``, ``discover``): a backend
   registers itself with the core when it is imported, never the other way round.
@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -127,3 +128,22 @@ def test_the_name_check_sees_what_it_must(tmp_path):
     assert len(hits) == 4, hits
     assert any("'torch_ops.compressors'" in h for h in hits) and any("import_module('tf_ops')" in h for h in hits)
     assert any("__import__('horovod.torch')" in h for h in hits) and any("named at run time" in h for h in hits)
+
+
+def test_a_backend_registers_itself_with_the_core():
+    """Horovod's codec of a spec comes from the backend that registered itself: before the torch
+    backend is imported, a torch tensor gets an error saying what to import; after, the codec."""
+    code = ("import sys, torch, hvdcompress\n"
+            "assert 'torch_ops' not in sys.modules\n"
+            "try:\n"
+            "    hvdcompress.Compression.fp16.compress(torch.ones(2))\n"
+            "except RuntimeError as e:\n"
+            "    print('refused:', e)\n"
+            "import hvdcompress.torch\n"
+            "payload, _ = hvdcompress.Compression.fp16.compress(torch.ones(2))\n"
+            "print('payload:', payload.dtype)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "refused:" in run.stdout and "import hvdcompress.torch" in run.stdout, run.stdout
+    assert "payload: torch.float16" in run.stdout, run.stdout
