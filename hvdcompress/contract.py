@@ -26,8 +26,8 @@ as DDP's ``GradBucket`` describes its parameters.
 
 **Registries.** ``Registered`` is the base of every registry of implementations keyed by spec
 name (oracles, torch and TF compressors): a subclass that sets ``name`` is entered into its
-family's table. ``discover(package)`` imports every module of a package folder, so a family
-module registers its algorithms by being there.
+family's table. ``discover(package)`` imports every module of a package folder (a package calls
+it on itself, ``discover(__name__)``), so a family module registers its algorithms by being there.
 
 **Lockstep.** ``lockstep(gens, answer)`` drives one generator per simulated rank round by round;
 the oracle's ``simulate`` and the tests' single-process worlds supply ``answer`` (how a round's

@@ -1,7 +1,8 @@
 """TensorFlow compressors: one module per algorithm family, one class per registered algorithm
 (``name = "topk"`` registers it; the algorithm is declared in ``hvdcompress.reference``). Every
-module of this folder is imported when a compressor is first looked up
-(``hvdcompress.contract.discover``): adding an algorithm is adding its module."""
+module of this folder is imported with this package (``hvdcompress.contract.discover``): adding an
+algorithm is adding its module. The package then registers itself with the core for Horovod's own
+optimizers (``register_backend``)."""
 
 from hvdcompress.contract import discover
 from hvdcompress.horovod_interop import register_backend

@@ -2,9 +2,9 @@
 
 A class names the algorithm it implements (``name = "topk"``) and is registered by that; the
 algorithm itself (spec, parameters, wire cost, oracle) is declared in ``hvdcompress.reference``.
-The family modules are not listed here: every module of this folder is imported when a
-compressor is first looked up (``hvdcompress.contract.discover``), so adding an algorithm is
-adding its module.
+The family modules are not listed here: every module of this folder is imported with this
+package (``hvdcompress.contract.discover``), so adding an algorithm is adding its module. The
+package then registers itself with the core for Horovod's own optimizers (``register_backend``).
 """
 
 from hvdcompress.contract import discover
