@@ -55,16 +55,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from hvdcompress.spec import LAYERWISE, CompressionSpec, resolve
+from hvdcompress.spec import LAYERWISE, resolve
 
 from .compressors import TakesMomentum, compressor_class
 from .grouping import Group
-from .session import ExchangeSession
+from .session import ExchangeSession, SessionFront
 
 State = Dict[str, torch.Tensor]
 
 
-class CommHookState:
+class CommHookState(SessionFront):
     """The hook's state: the exchange session (``torch_ops.session``: compressor, per-parameter
     compression state, step and epoch, exchanges in flight, stats), the transport, and the
     buckets of the current backward pass (module doc). Build it with ``comm_hook``; every
@@ -106,21 +106,6 @@ class CommHookState:
                 optimizer.register_load_state_dict_post_hook(lambda opt: comp.after_load(opt.param_groups)),
             ]
 
-    @property
-    def spec(self) -> CompressionSpec:
-        return self.session.spec
-
-    @property
-    def compressor(self):
-        return self.session.compressor
-
-    @property
-    def stats(self):
-        return self.session.stats
-
-    @property
-    def step(self) -> int:
-        return self.session.step
 
     @property
     def transport(self):

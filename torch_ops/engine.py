@@ -44,7 +44,7 @@ from .delayed import DelayedAveraging, average_over_ranks
 from .grouping import FlatBuffers, Group, make_groups, scatter
 from .policy import SyncPolicy, Synchronous
 from .scheduling import Scheduler, StepClock, now
-from .session import ExchangeSession
+from .session import ExchangeSession, SessionFront
 from .sparse_grads import sparse_exchange, split_out
 
 
@@ -55,7 +55,7 @@ def make_policy(delay: int, sync_every: int, local_factor: float, momentum) -> S
     return DelayedAveraging(delay, sync_every, local_factor, momentum)
 
 
-class Engine:
+class Engine(SessionFront):
     """Exchanges the gradients of ``params`` (name -> tensor) among the transport's ranks.
 
     ``average``: op=Average (the sum is scaled by ``predivide / world``) or Sum; ``predivide``:
@@ -105,23 +105,6 @@ class Engine:
         self._new_step()
 
     # -- what the optimizer asks -----------------------------------------------------------------
-    @property
-    def spec(self) -> CompressionSpec:
-        return self.session.spec
-
-    @property
-    def compressor(self):
-        return self.session.compressor
-
-    @property
-    def step(self) -> int:
-        """Steps synchronized so far (the session's clock)."""
-        return self.session.step
-
-    @property
-    def stats(self):
-        return self.session.stats
-
     @property
     def pending(self) -> PendingQueue:
         """Exchanges in flight, keyed by (step, group index)."""

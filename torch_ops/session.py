@@ -162,3 +162,27 @@ class ExchangeSession:
         self.compressor.load_global_state(saved.get("compressor"))
         self.load_param_state(saved["state"])
         self.pending = PendingQueue()
+
+
+class SessionFront:
+    """Base of a front end over an ``ExchangeSession`` (``self.session``): what it reads through."""
+
+    session: ExchangeSession
+
+    @property
+    def spec(self) -> CompressionSpec:
+        return self.session.spec
+
+    @property
+    def compressor(self):
+        return self.session.compressor
+
+    @property
+    def stats(self) -> WireStats:
+        """Bytes this rank sent per step vs dense, compression time (``hvdcompress.stats``)."""
+        return self.session.stats
+
+    @property
+    def step(self) -> int:
+        """Steps completed so far (the session's clock)."""
+        return self.session.step
