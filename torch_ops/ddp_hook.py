@@ -59,7 +59,7 @@ from hvdcompress.spec import LAYERWISE, resolve
 
 from .compressors import TakesMomentum, compressor_class
 from .grouping import Group
-from .session import ExchangeSession, SessionFront
+from .session import ExchangeSession, SessionFront, exchange_name
 
 State = Dict[str, torch.Tensor]
 
@@ -176,7 +176,7 @@ class CommHookState(SessionFront):
                             x = buf[spans[0][0]:spans[0][0] + group.numel]  # a view: the result is built in place
                         else:
                             x = torch.cat([buf[o:o + m] for o, m in spans])
-                        ex = session.start(x, names, key=group.key, step=step, name=f"hvc.{group.key}",
+                        ex = session.start(x, names, key=group.key, step=step, name=exchange_name(group.key),
                                            shape=group.shape, members=group.layout, epoch=epoch, out=x)
                         session.pending.add(self._order[names[0]], ex, step)
                         parts.append((ex, spans))
@@ -205,8 +205,7 @@ class CommHookState(SessionFront):
                     exchanges.append(ex)
                 dense += buf.numel() * buf.element_size()
         buckets, self._buckets = self._buckets, []
-        self.session.record(exchanges, dense)
-        self.session.step += 1
+        self.session.end_step(exchanges, dense)
         for fut, buf, _ in buckets:
             fut.set_result(buf)
 

@@ -77,6 +77,7 @@ from hvdcompress.delay import check_delay, check_sync_every
 from .grouping import Group, flatten
 from .nonfinite import count_nonfinite
 from .policy import PolicyHost, SyncPolicy
+from .session import exchange_name
 
 
 class DelayedAveraging(SyncPolicy):
@@ -109,7 +110,7 @@ class DelayedAveraging(SyncPolicy):
         local = self.local_term(group, flatten(grads))
         self.remember(host.step, gi, group, self.applied_term(group, grads, local))
         x = local * host.prescale if host.prescale != 1.0 else local.clone()
-        return x, f"hvc.{group.key}.s{host.step % self.slots()}"
+        return x, exchange_name(group.key, f"s{host.step % self.slots()}")
 
     def write_back(self, host: PolicyHost, step: int, pending: Dict, exchanging: bool) -> None:
         for key, ex in pending.items():

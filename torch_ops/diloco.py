@@ -46,9 +46,8 @@ import torch
 
 from hvdcompress.diloco import OUTER_LR, OUTER_MOMENTUM, OUTER_NESTEROV, check_arguments, split_fragments
 
-from .collectives import PendingQueue
 from .nonfinite import check_state_finite
-from .session import ExchangeSession
+from .session import ExchangeSession, exchange_name
 from .transport import make_transport
 
 STATE_KEY = "hvdcompress_diloco"
@@ -186,7 +185,7 @@ class DiLoCo:
             # the exchange gets a copy: a summed payload may be the tensor itself, allreduced in
             # place, and ``delta`` must stay this rank's own for a checkpoint taken while in flight
             x = delta.clone()
-            ex = session.start(x, (name,), key=name, step=self.rounds[p], name=f"hvc.diloco.{name}.s{self.rounds[p]}",
+            ex = session.start(x, (name,), key=name, step=self.rounds[p], name=exchange_name("diloco", name, f"s{self.rounds[p]}"),
                                shape=tuple(self.params[i].shape), epoch=0)
             session.pending.add(i, ex, due)
         self.rounds[p] += 1
@@ -227,7 +226,7 @@ class DiLoCo:
         """After a Horovod Elastic reset, on every rank (module doc): drop the fragment in flight,
         follow the new world size, take rank 0's global parameters, optimizer states and counters."""
         self._in_flight = None
-        self.session.pending = PendingQueue()
+        self.session.drop_in_flight()
         self.world = self.transport.size()
         shared = self.transport.broadcast_object({
             "step": self.t, "rounds": list(self.rounds), "global": [g.clone() for g in self.global_params],
@@ -296,7 +295,7 @@ class DiLoCo:
         self.t, self.rounds = int(ours["step"]), list(ours["rounds"])
         flight = ours["in_flight"]
         self._in_flight = None
-        self.session.pending = PendingQueue()
+        self.session.drop_in_flight()
         if flight is not None:
             self._in_flight = {"fragment": flight["fragment"], "due": flight["due"], "saved": {
                 "delta": {index[n]: d.clone() for n, d in flight["delta"].items()},

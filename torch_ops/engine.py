@@ -44,7 +44,7 @@ from .delayed import DelayedAveraging, average_over_ranks
 from .grouping import FlatBuffers, Group, make_groups, scatter
 from .policy import SyncPolicy, Synchronous
 from .scheduling import Scheduler, StepClock, now
-from .session import ExchangeSession, SessionFront
+from .session import ExchangeSession, SessionFront, exchange_name
 from .sparse_grads import sparse_exchange, split_out
 
 
@@ -179,7 +179,7 @@ class Engine(SessionFront):
             self.pending.add((step, gi), ex, step + policy.delay)
 
     def _launch_sparse(self, gi: int, p: torch.Tensor, group: Group) -> None:
-        ex = PendingExchange(sparse_exchange(p.grad, self.prescale * self.scale), f"hvc.{group.key}.sparse",
+        ex = PendingExchange(sparse_exchange(p.grad, self.prescale * self.scale), exchange_name(group.key, "sparse"),
                              self.transport)
 
         def apply(result, p=p):
@@ -218,8 +218,7 @@ class Engine(SessionFront):
                     p.grad = p.grad.to_sparse()
         self.clock.finish = now() - scattered + sum(ex.compute_seconds - ex.first_seconds
                                                     for ex in pending.values())
-        self.session.record(pending.values(), sum(p.numel() * p.element_size() for p in self.params))
-        self.session.step += 1
+        self.session.end_step(pending.values(), sum(p.numel() * p.element_size() for p in self.params))
         self._new_step()
         self.synchronized = True
         self.clock.sync = (start, now())
@@ -312,7 +311,7 @@ class Engine(SessionFront):
         """After Horovod was initialised again (an elastic reset), locally: drop the exchanges of
         the old Horovod, follow the new world size, start the scheduler over (layerwise until the
         new plan; state carried per parameter). Idempotent."""
-        self.session.pending = PendingQueue()
+        self.session.drop_in_flight()
         self.world = self.transport.size()
         self.scale = self.predivide / self.world if self.average else 1.0
         self.scheduler = self.scheduler.restarted(self.world)

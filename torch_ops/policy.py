@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
+from .session import exchange_name
+
 
 class PolicyHost(Protocol):
     """What a sync policy may use of the engine that runs it."""
@@ -106,7 +108,7 @@ class Synchronous(SyncPolicy):
         x = host.flatten(group, grads)
         if host.prescale != 1.0:
             x = x.mul_(host.prescale) if len(grads) > 1 else x * host.prescale
-        return x, f"hvc.{group.key}"
+        return x, exchange_name(group.key)
 
     def write_back(self, host: PolicyHost, step: int, pending: Dict, exchanging: bool) -> None:
         for ex in pending.values():

@@ -10,10 +10,11 @@ events (autograd hooks, DDP buckets, outer steps) into calls on one ``ExchangeSe
 * the step and epoch clock (``step``, ``set_epoch``, ``current_epoch``: warm-ups);
 * starting an exchange (``start``): its context, the compressor's exchange (or a per-group
   codec's), the non-finite guard (``torch_ops.nonfinite``), its ``PendingExchange`` on the
-  transport, named as given;
+  transport, named by ``exchange_name`` (names key Horovod's matching of collectives, so they
+  are the same on every rank and unique among the exchanges in flight);
 * the exchanges in flight (``pending``, a ``PendingQueue``);
-* the wire statistics (``stats``, ``record``) and the saved format (``pack`` / ``check`` /
-  ``load``, ``torch_ops.checkpoint``).
+* the wire statistics (``stats``, counted at ``end_step``) and the saved format (``pack`` /
+  ``check`` / ``load``, ``torch_ops.checkpoint``).
 
 The transport is any ``hvdcompress.contract.Transport``; a front end may set it after the session
 is made (the DDP hook makes its own at the first bucket).
@@ -38,6 +39,11 @@ from .grouping import join_state, split_state
 from .nonfinite import guard
 
 State = Dict[str, torch.Tensor]
+
+
+def exchange_name(*parts) -> str:
+    """The name of an exchange: ``hvc.<part>.<part>...`` (the transport appends round and request)."""
+    return ".".join(["hvc", *map(str, parts)])
 
 
 class ExchangeSession:
@@ -136,11 +142,18 @@ class ExchangeSession:
                     fallback_exchange(self.compressor, codec, x, ctx))
         return PendingExchange(guard(exchange, x, ctx.state), name, self.transport)
 
-    def record(self, exchanges: Iterable[PendingExchange], dense_bytes: int) -> None:
-        """Count a step's completed exchanges in ``stats`` against ``dense_bytes`` uncompressed."""
+    def end_step(self, exchanges: Iterable[PendingExchange], dense_bytes: int) -> None:
+        """A step is over: its completed exchanges counted in ``stats`` against ``dense_bytes``
+        uncompressed, and the clock moved on."""
         exchanges = list(exchanges)
         self.stats.record(sum(ex.bytes_sent for ex in exchanges), dense_bytes,
                           sum(ex.compute_seconds for ex in exchanges), self.compressor.density(self.current_epoch()))
+        self.step += 1
+
+    def drop_in_flight(self) -> None:
+        """Forget the exchanges in flight (after an elastic reset: their handles belonged to the
+        transport that was shut down)."""
+        self.pending = PendingQueue()
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def pack(self, plan: Optional[dict] = None, policy: Optional[dict] = None) -> dict:
@@ -161,7 +174,7 @@ class ExchangeSession:
         self.epoch_set = bool(saved.get("epoch_set", True))
         self.compressor.load_global_state(saved.get("compressor"))
         self.load_param_state(saved["state"])
-        self.pending = PendingQueue()
+        self.drop_in_flight()
 
 
 class SessionFront:
