@@ -1,6 +1,7 @@
 """hvdcompress on torch.distributed without Horovod: the transport, the DDP communication hook
-(``hvdcompress.ddp``), ``DistributedOptimizer(backend="torch")`` and ``DiLoCo(backend="torch")``, on 2 and 3 real Gloo processes
-(tests/scenarios/ddp.py: one spawn per world size, Horovod's import blocked in every process).
+(``hvdcompress.ddp``), ``DistributedOptimizer(backend="torch")`` and ``DiLoCo(backend="torch")``, on 2 and 3
+real Gloo processes (tests/scenarios/ddp.py: one spawn per world size, Horovod's import blocked in every
+process).
 
 Every registered compressor, through the hook and through the optimizer: identical parameters on
 every rank after every step, a checkpoint resumed exactly, and every exchange equal to the numpy

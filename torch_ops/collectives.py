@@ -11,13 +11,13 @@ is a generator that *yields* a tuple of requests and is *sent* their results.
                            what every rank sent to this one, in rank order (Horovod's alltoall).
 
 ``Communicator`` implements the contract's ``Transport`` on Horovod: the one object through which
-the project makes collectives of any kind, on the user's process set: the exchanges' async requests (``launch`` / ``poll`` / ``wait``, from
-outside Horovod: ``allreduce_async_``, ``allgather_async``, ``alltoall_async``, ``synchronize``;
-``batch()`` around launches that may be fused, a no-op where the transport fuses by itself),
-and the scheduler's and profiler's object broadcasts, gathers, barriers and timed collectives.
-``PendingExchange`` counts the bytes each rank hands to the transport, so compression ratios are
-measured from the real payload tensors, not claimed. ``PendingQueue`` keeps exchanges in flight
-across hooks and steps, advancing them by polling.
+the project makes collectives of any kind, on the user's process set: the exchanges' async requests
+(``launch`` / ``poll`` / ``wait``, from outside Horovod: ``allreduce_async_``, ``allgather_async``,
+``alltoall_async``, ``synchronize``; ``batch()`` around launches that may be fused, a no-op where
+the transport fuses by itself), and the scheduler's and profiler's object broadcasts, gathers,
+barriers and timed collectives. ``PendingExchange`` counts the bytes each rank hands to the
+transport, so compression ratios are measured from the real payload tensors, not claimed.
+``PendingQueue`` keeps exchanges in flight across hooks and steps, advancing them by polling.
 """
 
 from __future__ import annotations

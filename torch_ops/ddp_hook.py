@@ -12,11 +12,11 @@ into one exchange per parameter, each with its own state, and the results are wr
 the bucket.
 
 The hook translates DDP's buckets into calls on an exchange session (``torch_ops.session``), which
-owns the compressor, the state, the clock and the exchanges in flight. Every exchange goes
-through a ``TorchDistCommunicator`` on DDP's process group, wrapped in the non-finite guard (``torch_ops.nonfinite``: a non-finite gradient on any rank gives NaN on every
-rank and leaves no NaN in the state). torch.distributed has no tensor fusion of its own (Horovod
-fuses concurrent allreduces in its background thread), so the hook batches
-(``TorchDistCommunicator.batch``):
+owns the compressor, the state, the clock and the exchanges in flight. Every exchange goes through a
+``TorchDistCommunicator`` on DDP's process group, wrapped in the non-finite guard
+(``torch_ops.nonfinite``: a non-finite gradient on any rank gives NaN on every rank and leaves no
+NaN in the state). torch.distributed has no tensor fusion of its own (Horovod fuses concurrent
+allreduces in its background thread), so the hook batches (``TorchDistCommunicator.batch``):
 
 * the first rounds of a bucket's exchanges are launched by its hook call, so they overlap the
   rest of backward, one batch per *unit* (the bucket, or the saved groups it holds after a

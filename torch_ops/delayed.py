@@ -103,7 +103,8 @@ class DelayedAveraging(SyncPolicy):
         return self.delay > 0 or self.every > 1
 
     # -- the policy interface (torch_ops.policy) ---------------------------------------------------
-    def exchange_input(self, host: PolicyHost, gi: int, group: Group, grads: List[torch.Tensor]) -> Tuple[torch.Tensor, str]:
+    def exchange_input(self, host: PolicyHost, gi: int, group: Group,
+                       grads: List[torch.Tensor]) -> Tuple[torch.Tensor, str]:
         """The exchange gets its own copy (the local gradient stays in ``.grad``): the step's
         gradient plus what temporal sparsity accumulated; its local term is remembered for the
         correction. Named by step slot, unique among the exchanges in flight."""

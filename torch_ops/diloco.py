@@ -185,7 +185,8 @@ class DiLoCo:
             # the exchange gets a copy: a summed payload may be the tensor itself, allreduced in
             # place, and ``delta`` must stay this rank's own for a checkpoint taken while in flight
             x = delta.clone()
-            ex = session.start(x, (name,), key=name, step=self.rounds[p], name=exchange_name("diloco", name, f"s{self.rounds[p]}"),
+            rnd = self.rounds[p]
+            ex = session.start(x, (name,), key=name, step=rnd, name=exchange_name("diloco", name, f"s{rnd}"),
                                shape=tuple(self.params[i].shape), epoch=0)
             session.pending.add(i, ex, due)
         self.rounds[p] += 1
@@ -291,7 +292,7 @@ class DiLoCo:
         with torch.no_grad():
             for n, g in ours["global"].items():
                 self.global_params[index[n]].copy_(g)
-        self.session.load_param_state(ours["state"])
+        self.session.load_param_state({n: ours["state"].get(n, {}) for n in self.names})
         self.t, self.rounds = int(ours["step"]), list(ours["rounds"])
         flight = ours["in_flight"]
         self._in_flight = None

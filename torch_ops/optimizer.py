@@ -53,11 +53,8 @@ from .scheduling import DEFAULT_TUNE_STEPS, check_revalidate_every, check_tune_s
 from .transport import Average, make_transport
 
 
-# Horovod's ``broadcast_optimizer_state`` tells its own DistributedOptimizer by the class's module:
-# on a rank whose optimizer has no state yet it fills the state with the wrapped optimizer's step
-# (no exchange), where for any other optimizer it calls ``step()``. Ours would exchange there, on
-# the ranks without state only, while the others wait elsewhere: the class declares Horovod's
-# module so that helper (and any other that asks the same) treats it as Horovod's own.
+# Horovod needs it: ``broadcast_optimizer_state`` calls ``step()`` (an exchange, on the ranks without
+# state only) unless the optimizer's class is from this module.
 HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
 
 
