@@ -29,6 +29,9 @@ name (oracles, torch and TF compressors): a subclass that sets ``name`` is enter
 family's table. ``discover(package)`` imports every module of a package folder (a package calls
 it on itself, ``discover(__name__)``), so a family module registers its algorithms by being there.
 
+**Transport.** ``Transport`` is what carries the requests between ranks (Horovod, torch.distributed,
+a test's world of one): every front end takes any object with its methods.
+
 **Lockstep.** ``lockstep(gens, answer)`` drives one generator per simulated rank round by round;
 the oracle's ``simulate`` and the tests' single-process worlds supply ``answer`` (how a round's
 requests are summed or gathered in their framework).
@@ -39,7 +42,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Generator, List, Optional, Protocol, Sequence, Tuple
 
 # -- requests ---------------------------------------------------------------------------------------
 
@@ -74,6 +77,57 @@ Exchange = Generator[Tuple[Request, ...], Tuple[Any, ...], Any]
 def payload_requests(requests: Sequence[Request]) -> List[Request]:
     """The requests of a round that carry payload (every one but ``Flag``)."""
     return [r for r in requests if not isinstance(r, Flag)]
+
+
+# -- transport --------------------------------------------------------------------------------------
+
+
+class Transport(Protocol):
+    """What carries an exchange's requests between the ranks of one set (a Horovod process set, a
+    torch.distributed process group). Implementations are peers: none derives from another.
+
+    who         ``rank()`` / ``size()`` in the set; ``included()``: this process is in the set (a
+                rank outside exchanges nothing); ``process_set``: the set as its framework names
+                it; ``versions()``: the transport's name and version (recorded with cost models)
+    requests    ``launch(requests, name)`` starts one round (``Allreduce`` / ``Flag``,
+                ``Allgather``, ``Alltoall``) and returns its handles; ``wait(handles)`` returns
+                the results, in request order; ``poll(handles)``: complete, so waiting will not
+                block (a transport that matches collectives by issue order answers False);
+                ``name`` keys the collectives where the transport matches them by name
+    batching    ``batch()``: a context whose launches may be fused into fewer collectives when
+                it ends (a no-op where the transport fuses by itself)
+    blocking    ``allreduce_(t, name, average)`` in place, ``allgather(t, name)``, ``barrier()``,
+                ``allgather_object(obj, name)`` (every rank's, rank order),
+                ``broadcast_object(obj, name, root)`` -- for planning, profiling and checkpoints
+    """
+
+    process_set: Any
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def included(self) -> bool: ...
+
+    def versions(self) -> Dict[str, str]: ...
+
+    def launch(self, requests: Sequence[Request], name: str) -> List[Any]: ...
+
+    def wait(self, handles: Sequence[Any]) -> Tuple[Any, ...]: ...
+
+    def poll(self, handles: Sequence[Any]) -> bool: ...
+
+    def batch(self) -> ContextManager[Any]: ...
+
+    def allreduce_(self, t: Any, name: str, average: bool = False) -> Any: ...
+
+    def allgather(self, t: Any, name: str) -> Any: ...
+
+    def barrier(self) -> None: ...
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]: ...
+
+    def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any: ...
 
 
 # -- members and context ----------------------------------------------------------------------------

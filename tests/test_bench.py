@@ -216,12 +216,12 @@ def test_replicas_that_differ_fail_the_worker():
 
 
 def test_latency_driver_delays_completion(monkeypatch):
-    from torch_ops.collectives import HorovodDriver
+    from torch_ops.collectives import Communicator
     from hvdcompress.bench.injected_latency import LatencyDriver
 
-    monkeypatch.setattr(HorovodDriver, "launch", lambda self, reqs, name: ["handle"])
-    monkeypatch.setattr(HorovodDriver, "wait", lambda self, handles: ("result",))
-    monkeypatch.setattr(HorovodDriver, "poll", lambda self, handles: True)
+    monkeypatch.setattr(Communicator, "launch", lambda self, reqs, name: ["handle"])
+    monkeypatch.setattr(Communicator, "wait", lambda self, handles: ("result",))
+    monkeypatch.setattr(Communicator, "poll", lambda self, handles: True)
     driver = LatencyDriver(0.2)
     start = time.perf_counter()
     handles = driver.launch([], "x")

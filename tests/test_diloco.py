@@ -15,7 +15,7 @@ import pytest
 
 from hvdcompress.diloco import check_arguments, split_fragments
 from hvdcompress.reference.diloco import DiLoCoReference
-from scenarios.diloco import CKPT, TORCH_CONFIGS, TORCH_STEPS
+from scenarios.diloco import CKPT, TORCH_CONFIGS
 
 F32 = np.float32
 
@@ -193,27 +193,9 @@ def torch_runs():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(TORCH_CONFIGS))
 def test_torch_diloco_matches_the_reference_on_two_workers(torch_runs, name):
+    from scenarios.diloco import assert_matches_reference
     from scenarios.launch import part
-    runs = [r[name] for r in part(torch_runs, "reference")]
-    kw = TORCH_CONFIGS[name]
-    ref = DiLoCoReference(runs[0]["init"], world=2, names=runs[0]["names"], **kw)
-    for r in range(2):  # every rank started from the same parameters
-        for a, b in zip(runs[r]["init"], runs[0]["init"]):
-            assert np.array_equal(a, b)
-    for t in range(TORCH_STEPS):
-        out = ref.step([runs[r]["locals"][t] for r in range(2)])
-        synced = ref.cfg.applied_at(t + 1)
-        for r in range(2):
-            for i, (got, want) in enumerate(zip(runs[r]["after"][t], out[r])):
-                # the outer SGD step may round differently in the last bit (a fused multiply-add)
-                np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-7, err_msg=f"{name} t={t + 1} rank {r} p{i}")
-        if synced is not None and ref.cfg.mix == 0.0:
-            for i in ref.fragments[synced]:  # identical replicas after the outer step
-                assert np.array_equal(runs[0]["after"][t][i], runs[1]["after"][t][i])
-    for r in range(2):
-        assert runs[r]["bytes"] == ref.bytes_sent[r]
-        for got, want in zip(runs[r]["global"], ref.theta):
-            np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-7)
+    assert_matches_reference([r[name] for r in part(torch_runs, "reference")], TORCH_CONFIGS[name])
 
 
 @pytest.mark.multiprocess

@@ -1,6 +1,7 @@
-"""hvdcompress on torch.distributed without Horovod: the communicator, the DDP communication hook
-(``hvdcompress.ddp``) and ``DistributedOptimizer(backend="torch")``, on 2 and 3 real Gloo processes
-(tests/scenarios/ddp.py: one spawn per world size, Horovod's import blocked in every process).
+"""hvdcompress on torch.distributed without Horovod: the transport, the DDP communication hook
+(``hvdcompress.ddp``), ``DistributedOptimizer(backend="torch")`` and ``DiLoCo(backend="torch")``, on 2 and 3
+real Gloo processes (tests/scenarios/ddp.py: one spawn per world size, Horovod's import blocked in every
+process).
 
 Every registered compressor, through the hook and through the optimizer: identical parameters on
 every rank after every step, a checkpoint resumed exactly, and every exchange equal to the numpy
@@ -17,13 +18,14 @@ import numpy as np
 import pytest
 
 from scenarios.ddp import FUSED_SPEC, FUSED_STEPS, SAVE_AT, SPECS, STEPS, launch
+from scenarios.diloco import TORCH_CONFIGS, assert_matches_reference
 from hvdcompress import parse_spec
 from hvdcompress.reference import simulate
 
 pytestmark = pytest.mark.multiprocess  # real gloo process groups
 
 TWO = ["communicator", "every_compressor", "fused", "bad_specs", "nonfinite", "auto_schedule", "default_choice",
-       "delayed", "example"]
+       "delayed", "diloco", "example"]
 THREE = ["communicator", "every_compressor", "fused", "bad_specs"]
 
 
@@ -229,6 +231,19 @@ def test_delayed_averaging_on_torch_distributed(two):
     for got in part(two, "delayed"):
         assert False in got["identical_before_flush"]  # replicas differ by their local steps
         assert got["identical_after_flush"]
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_CONFIGS))
+def test_diloco_under_torchrun_matches_the_reference(two, name):
+    """DiLoCo with ``backend="torch"`` (what torchrun launches), against the numpy reference."""
+    assert_matches_reference([got["reference"][name] for got in part(two, "diloco")], TORCH_CONFIGS[name])
+
+
+def test_diloco_under_torchrun_resumes_a_fragment_in_flight_exactly(two):
+    for got in part(two, "diloco"):
+        assert got["checkpoint"]["in_flight"]
+        for a, b in zip(got["checkpoint"]["straight"], got["checkpoint"]["resumed"]):
+            assert np.array_equal(a, b)
 
 
 def test_ddp_digits_example_two_steps(two):

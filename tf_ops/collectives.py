@@ -109,9 +109,6 @@ class Communicator:
         return tuple(out)
 
 
-HorovodDriver = Communicator  # the earlier name
-
-
 def run_exchanges(gens: Sequence[Exchange], names: Sequence[str], driver) -> Tuple[List[tf.Tensor], tf.Tensor]:
     """Drive every exchange to completion, round-robin: round r of every exchange is issued
     before round r+1 of any, so multi-round exchanges interleave. Returns (results in the order

@@ -53,7 +53,7 @@ from hvdcompress.schedule.planner import Schedule
 from hvdcompress.spec import CompressionSpec, resolve
 from hvdcompress.stats import WireStats
 
-from .collectives import HorovodDriver, run_exchanges
+from .collectives import Communicator, run_exchanges
 from .codec_choice import check_codec_choice, fallback_exchange
 from .compressors import ExchangeContext, build_compressor
 from .nonfinite import RestoreMarker, guard
@@ -338,7 +338,7 @@ class GradientCompression(tf.Module):
             return self._driver
         drv = self._local.drivers.get(id(process_set))
         if drv is None:
-            drv = self._local.drivers[id(process_set)] = HorovodDriver(process_set)
+            drv = self._local.drivers[id(process_set)] = Communicator(process_set)
         return drv
 
     def _groups(self, grads, world_size: int, process_set) -> List[Group]:

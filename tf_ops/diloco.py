@@ -132,7 +132,7 @@ class DiLoCo(tf.Module):
         for i in self.fragments[p]:
             delta = tf.reshape(self.global_params[i] - self._vars[i], [-1])
             ctx = ExchangeContext(self.names[i], rnd, world, 1.0 / world, self.comp_state[i],
-                                  tuple(self._vars[i].shape), 0, None, self._rank())
+                                  tuple(self._vars[i].shape), 0, self._rank())
             gens.append(guard(self.compressor.exchange(delta, ctx), delta, self.comp_state[i],
                               where=f"'{self.names[i]}'"))
             names.append(f"hvc.diloco.{self.names[i]}.s{rnd}")

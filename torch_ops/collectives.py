@@ -1,4 +1,4 @@
-"""The Horovod communicator that carries out the contract's collective requests.
+"""The Horovod transport that carries out the contract's collective requests.
 
 The compressor contract (``hvdcompress.contract``) keeps compressors free of Horovod: an exchange
 is a generator that *yields* a tuple of requests and is *sent* their results.
@@ -10,14 +10,14 @@ is a generator that *yields* a tuple of requests and is *sent* their results.
     Alltoall(t, splits) -- send ``splits[r]`` rows of ``t`` to rank r (in order); the result is
                            what every rank sent to this one, in rank order (Horovod's alltoall).
 
-``Communicator`` is the one object through which the project makes collectives of any kind, on
-the user's process set: the exchanges' async requests (``launch`` / ``poll`` / ``wait``, from
-outside Horovod: ``allreduce_async_``, ``allgather_async``, ``alltoall_async``, ``synchronize``;
-``batch()`` around launches that may be fused, a no-op where the transport fuses by itself),
-and the scheduler's and profiler's object broadcasts, gathers, barriers and timed collectives.
-``PendingExchange`` counts the bytes each rank hands to the transport, so compression ratios are
-measured from the real payload tensors, not claimed. ``PendingQueue`` keeps exchanges in flight
-across hooks and steps, advancing them by polling.
+``Communicator`` implements the contract's ``Transport`` on Horovod: the one object through which
+the project makes collectives of any kind, on the user's process set: the exchanges' async requests
+(``launch`` / ``poll`` / ``wait``, from outside Horovod: ``allreduce_async_``, ``allgather_async``,
+``alltoall_async``, ``synchronize``; ``batch()`` around launches that may be fused, a no-op where
+the transport fuses by itself), and the scheduler's and profiler's object broadcasts, gathers,
+barriers and timed collectives. ``PendingExchange`` counts the bytes each rank hands to the
+transport, so compression ratios are measured from the real payload tensors, not claimed.
+``PendingQueue`` keeps exchanges in flight across hooks and steps, advancing them by polling.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hvdcompress.contract import Allgather, Allreduce, Alltoall, Exchange, Flag, Request, payload_requests
+from hvdcompress.contract import Allgather, Allreduce, Alltoall, Exchange, Flag, Request, Transport, payload_requests
 
 
 def request_bytes(requests: Sequence[Request]) -> int:
@@ -94,7 +94,7 @@ def sums_gathers(req, world_size: int) -> bool:
 
 
 class Communicator:
-    """Every collective hvdcompress makes, on one Horovod process set (default: all ranks).
+    """The ``Transport`` (``hvdcompress.contract``) on one Horovod process set (default: all ranks).
 
     The optimizer builds one from its ``process_set`` and hands it to the exchanges, the scheduler
     and the profiler, so no collective ever runs on a set of ranks other than the user's (one
@@ -112,7 +112,6 @@ class Communicator:
 
         self._hvd = hvd
         self.process_set = process_set if process_set is not None else hvd.global_process_set
-        self._ps = self.process_set  # older name, kept for subclasses
 
     # -- who --------------------------------------------------------------------------------------
     def rank(self) -> int:
@@ -209,34 +208,44 @@ class Communicator:
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj``, in rank order (pickled; two allgathers on the process set)."""
-        import cloudpickle
-
-        data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
+        data = pickled(obj)
         sizes = self.allgather(torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.sizes")
-        blob = self.allgather(data, name=f"{name}.data")
-        out, offset = [], 0
-        for n in sizes.tolist():
-            out.append(cloudpickle.loads(blob[offset:offset + n].numpy().tobytes()))
-            offset += n
-        return out
+        return unpickled(self.allgather(data, name=f"{name}.data"), sizes.tolist())
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         """``obj`` of the rank with index ``root`` in the process set, on every rank of the set."""
         return self.allgather_object(obj if self.rank() == root else None, name)[root]
 
 
-HorovodDriver = Communicator  # the name used before the communicator also carried object collectives
+def pickled(obj: Any, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``obj`` as a uint8 tensor (cloudpickle), for the object collectives of a transport."""
+    import cloudpickle
+
+    data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
+    return data if device is None else data.to(device)
+
+
+def unpickled(blob: torch.Tensor, sizes: Sequence[int]) -> List[Any]:
+    """The objects of a gathered ``blob`` holding one pickle per rank of ``sizes`` bytes each."""
+    import cloudpickle
+
+    blob = blob.cpu()
+    out, offset = [], 0
+    for n in sizes:
+        out.append(cloudpickle.loads(blob[offset:offset + n].numpy().tobytes()))
+        offset += n
+    return out
 
 
 class PendingExchange:
     """One exchange in flight: its generator, the current round's handles, its byte count, and
     (``apply``) what to do with its result when it is written back."""
 
-    __slots__ = ("gen", "name", "driver", "handles", "round", "bytes_sent", "result", "compute_seconds",
+    __slots__ = ("gen", "name", "transport", "handles", "round", "bytes_sent", "result", "compute_seconds",
                  "first_seconds", "apply")
 
-    def __init__(self, gen: Exchange, name: str, driver: Communicator):
-        self.gen, self.name, self.driver = gen, name, driver
+    def __init__(self, gen: Exchange, name: str, transport: Transport):
+        self.gen, self.name, self.transport = gen, name, transport
         self.handles: Optional[List[Any]] = None
         self.round = 0
         self.bytes_sent = 0
@@ -256,7 +265,7 @@ class PendingExchange:
         finally:
             self.compute_seconds += time.perf_counter() - start
         self.bytes_sent += request_bytes(requests)
-        self.handles = self.driver.launch(requests, f"{self.name}.r{self.round}")
+        self.handles = self.transport.launch(requests, f"{self.name}.r{self.round}")
         self.round += 1
 
     @property
@@ -266,14 +275,14 @@ class PendingExchange:
     def step(self) -> bool:
         """Wait for the current round, feed its results, launch the next. True when finished."""
         if not self.done:
-            self._advance(self.driver.wait(self.handles))
+            self._advance(self.transport.wait(self.handles))
         return self.done
 
     def poll(self) -> bool:
         """Without blocking: while the current round has completed, feed its results and launch
         the next. True when finished."""
-        while not self.done and self.driver.poll(self.handles):
-            self._advance(self.driver.wait(self.handles))
+        while not self.done and self.transport.poll(self.handles):
+            self._advance(self.transport.wait(self.handles))
         return self.done
 
 
@@ -311,9 +320,14 @@ class PendingQueue:
             if not ex.done and not ex.poll():
                 break
 
-    def finish(self, due: Optional[int] = None) -> Dict[Any, PendingExchange]:
-        """Complete and remove the exchanges due by ``due`` (all with None); {key: exchange}."""
+    def finish(self, due: Optional[int] = None, by_key: bool = False) -> Dict[Any, PendingExchange]:
+        """Complete and remove the exchanges due by ``due`` (all with None); {key: exchange}.
+        They are driven in launch order, or with ``by_key`` in the order of their keys (a
+        transport that matches collectives by issue order needs an order that is the same on
+        every rank whatever the launch order was)."""
         mine = [(k, ex) for k, d, ex in self._items if due is None or d <= due]
+        if by_key:
+            mine.sort(key=lambda item: item[0])
         self._items = [(k, d, ex) for k, d, ex in self._items if not (due is None or d <= due)]
         finish_all([ex for _, ex in mine])
         return dict(mine)
@@ -326,13 +340,13 @@ def finish_all(pending: Sequence[PendingExchange]) -> None:
     Each pass (every exchange waits for its current round and launches its next) runs inside its
     communicators' ``batch()``: the next rounds launched in one pass go out together, fused into
     one collective per dtype on torch.distributed. The order of the pass is the order of
-    ``pending``, so it is the same on every rank. A stand-in driver without ``batch`` is driven
+    ``pending``, so it is the same on every rank. A stand-in transport without ``batch`` is driven
     one launch at a time."""
     queue = [p for p in pending if not p.done]
     while queue:
         with contextlib.ExitStack() as stack:
-            for driver in dict.fromkeys(p.driver for p in queue):
-                batch = getattr(driver, "batch", None)
+            for transport in dict.fromkeys(p.transport for p in queue):
+                batch = getattr(transport, "batch", None)
                 if batch is not None:
                     stack.enter_context(batch())
             queue = [p for p in queue if not p.step()]

@@ -11,11 +11,12 @@ optimizer. A compressor declared ``LAYERWISE`` (PowerSGD) is never merged: the b
 into one exchange per parameter, each with its own state, and the results are written back into
 the bucket.
 
-Every exchange goes through a ``TorchDistCommunicator`` on DDP's process group, wrapped in the
-non-finite guard (``torch_ops.nonfinite``: a non-finite gradient on any rank gives NaN on every
-rank and leaves no NaN in the state). torch.distributed has no tensor fusion of its own (Horovod
-fuses concurrent allreduces in its background thread), so the hook batches
-(``TorchDistCommunicator.batch``):
+The hook translates DDP's buckets into calls on an exchange session (``torch_ops.session``), which
+owns the compressor, the state, the clock and the exchanges in flight. Every exchange goes through a
+``TorchDistCommunicator`` on DDP's process group, wrapped in the non-finite guard
+(``torch_ops.nonfinite``: a non-finite gradient on any rank gives NaN on every rank and leaves no
+NaN in the state). torch.distributed has no tensor fusion of its own (Horovod fuses concurrent
+allreduces in its background thread), so the hook batches (``TorchDistCommunicator.batch``):
 
 * the first rounds of a bucket's exchanges are launched by its hook call, so they overlap the
   rest of backward, one batch per *unit* (the bucket, or the saved groups it holds after a
@@ -54,23 +55,20 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from hvdcompress.spec import LAYERWISE, CompressionSpec, resolve
-from hvdcompress.stats import WireStats
-from hvdcompress.warmup import auto_epoch
+from hvdcompress.spec import LAYERWISE, resolve
 
-from . import checkpoint
-from .collectives import PendingExchange, finish_all
-from .compressors import ExchangeContext, TakesMomentum, build_compressor, compressor_class
-from .grouping import Group, join_state, split_state
-from .nonfinite import guard
+from .compressors import TakesMomentum, compressor_class
+from .grouping import Group
+from .session import ExchangeSession, SessionFront, exchange_name
 
 State = Dict[str, torch.Tensor]
 
 
-class CommHookState:
-    """The hook's state: compressor, per-parameter compression state, step and epoch counters,
-    the communicator, and the exchanges of the current backward pass (module doc). Build it with
-    ``comm_hook``; every argument is checked before any collective, on every rank."""
+class CommHookState(SessionFront):
+    """The hook's state: the exchange session (``torch_ops.session``: compressor, per-parameter
+    compression state, step and epoch, exchanges in flight, stats), the transport, and the
+    buckets of the current backward pass (module doc). Build it with ``comm_hook``; every
+    argument is checked before any collective, on every rank."""
 
     def __init__(self, spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  process_group=None):
@@ -86,26 +84,19 @@ class CommHookState:
             warnings.warn(f"hvdcompress.ddp: compression '{spec.name}' applies momentum={spec['momentum']} in its "
                           "memory; pass optimizer= to comm_hook so the optimizer's own momentum is taken over (set "
                           "to 0), or run the optimizer without momentum")
-        self.spec: CompressionSpec = spec
-        self.compressor = build_compressor(spec)
-        self.layerwise = self.compressor.merge == LAYERWISE
         self._names: Dict[int, str] = {}
-        self._params: Dict[str, torch.Tensor] = {}
+        params: Dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self._names[id(p)] = name
-                self._params[name] = p
+                params[name] = p
+        # the transport is made at the first bucket: the hook may be built before init_process_group
+        self.session = ExchangeSession(spec, params, who="hvdcompress.ddp", owner="state")
+        self.layerwise = self.compressor.merge == LAYERWISE
         self._group = process_group if process_group is not None else getattr(model, "process_group", None)
-        self._comm = None  # made at the first bucket: the hook may be built before init_process_group
-        self.step = 0
-        self._epoch, self._epoch_set, self._warned_epoch = 0, False, False
-        self._groups: Dict[Tuple[str, ...], State] = {}  # state of the buckets seen, in their layout
-        self._per_param: Dict[str, State] = {}  # state of parameters in no bucket seen since (load, rebuild)
         self._layout: Dict[str, Tuple[str, ...]] = {}  # parameter -> the unit it was last exchanged in
-        self._order = {name: i for i, name in enumerate(self._params)}  # the model's parameter order
-        self._pending: List[Tuple[int, PendingExchange]] = []  # this backward pass's exchanges in flight
+        self._order = {name: i for i, name in enumerate(params)}  # the model's parameter order
         self._buckets: List[Tuple[torch.futures.Future, torch.Tensor, List[Any]]] = []  # this backward pass
-        self.stats = WireStats()
         self.optimizer = optimizer
         self._handles = []
         if optimizer is not None:
@@ -115,36 +106,27 @@ class CommHookState:
                 optimizer.register_load_state_dict_post_hook(lambda opt: comp.after_load(opt.param_groups)),
             ]
 
+
     @property
-    def comm(self):
+    def transport(self):
         """The ``TorchDistCommunicator`` on the process group (made on first use)."""
-        if self._comm is None:
+        if self.session.transport is None:
             from .dist_collectives import TorchDistCommunicator
-            self._comm = TorchDistCommunicator(self._group)
-        return self._comm
+            self.session.transport = TorchDistCommunicator(self._group)
+        return self.session.transport
 
     @property
     def world(self) -> int:
-        return self.comm.size()
+        return self.transport.size()
 
     # -- epochs (warm-ups) ---------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Tell compressors with a warm-up (DGC) which epoch starts; call on every rank."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"set_epoch: epoch must be an int >= 0; got {epoch!r}")
-        self._epoch, self._epoch_set = epoch, True
+        self.session.set_epoch(epoch)
 
     @property
     def epoch(self) -> int:
-        steps = self.compressor.warmup_epoch_steps
-        if self._epoch_set or steps is None:
-            return self._epoch
-        if not self._warned_epoch:
-            self._warned_epoch = True
-            warnings.warn(f"hvdcompress.ddp: compression '{self.spec.name}' warms its density up over epochs, and "
-                          f"set_epoch() was not called: counting epochs of {steps} steps (the spec's "
-                          "warmup_epoch_steps). Call state.set_epoch(epoch) at the start of every epoch instead.")
-        return auto_epoch(self.step, steps)
+        return self.session.current_epoch()
 
     # -- the hook ------------------------------------------------------------------------------------
     def members(self, bucket) -> List[Tuple[str, Tuple[int, ...], int]]:
@@ -178,14 +160,15 @@ class CommHookState:
         buf = bucket.buffer()
         members = self.members(bucket)
         where = {n: (shape, offset) for n, shape, offset in members}
-        step, epoch, rank, world = self.step, self.epoch, self.comm.rank(), self.world
+        session, transport = self.session, self.transport
+        step, epoch = session.step, self.epoch
         parts = []
         with torch.no_grad():
             for unit in self._units_of(members):
                 # one batch per unit: a split unit's first rounds travel as one collective per dtype,
                 # laid out by the unit alone (not by DDP's current buckets), so sums are reproduced
                 # exactly after a resume
-                with self.comm.batch():
+                with transport.batch():
                     for names in ([(n,) for n in unit] if self.layerwise else [unit]):
                         group = Group(names, tuple(where[n][0] for n in names))
                         spans = [(where[n][1], m) for n, m in zip(names, group.numels)]
@@ -193,12 +176,9 @@ class CommHookState:
                             x = buf[spans[0][0]:spans[0][0] + group.numel]  # a view: the result is built in place
                         else:
                             x = torch.cat([buf[o:o + m] for o, m in spans])
-                        state = self._state_for(group)
-                        ctx = ExchangeContext(group.key, step, world, 1.0 / world, state, group.shape, epoch, rank,
-                                              group.layout, out=x)
-                        exchange = guard(self.compressor.exchange(x, ctx), x, state)  # non-finite never hidden
-                        ex = PendingExchange(exchange, f"hvc.{group.key}", self.comm)
-                        self._pending.append((self._order[names[0]], ex))
+                        ex = session.start(x, names, key=group.key, step=step, name=exchange_name(group.key),
+                                           shape=group.shape, members=group.layout, epoch=epoch, out=x)
+                        session.pending.add(self._order[names[0]], ex, step)
                         parts.append((ex, spans))
         fut: torch.futures.Future = torch.futures.Future()
         self._buckets.append((fut, buf, parts))
@@ -211,10 +191,9 @@ class CommHookState:
         with torch.no_grad():
             # later rounds in the model's parameter order: the fused layout is the same whatever
             # DDP's buckets are
-            pending, self._pending = sorted(self._pending, key=lambda item: item[0]), []
-            finish_all([ex for _, ex in pending])
-            sent = dense = 0
-            seconds = 0.0
+            self.session.pending.finish(by_key=True)
+            dense = 0
+            exchanges = []
             for _, buf, parts in self._buckets:
                 for ex, spans in parts:
                     result, pos = ex.result.reshape(-1), 0
@@ -223,65 +202,39 @@ class CommHookState:
                         if result.data_ptr() + pos * result.element_size() != target.data_ptr():
                             target.copy_(result[pos:pos + n])
                         pos += n
-                    sent += ex.bytes_sent
-                    seconds += ex.compute_seconds
+                    exchanges.append(ex)
                 dense += buf.numel() * buf.element_size()
         buckets, self._buckets = self._buckets, []
-        self.stats.record(sent, dense, seconds, self.compressor.density(self.epoch))
-        self.step += 1
+        self.session.end_step(exchanges, dense)
         for fut, buf, _ in buckets:
             fut.set_result(buf)
 
     # -- state ---------------------------------------------------------------------------------------
-    def _state_for(self, group: Group) -> State:
-        """The state dict of ``group`` (a bucket, or one parameter of it), in its layout; when DDP's
-        buckets changed, the buckets overlapping it are split back per parameter first."""
-        names = group.names
-        st = self._groups.get(names)
-        if st is not None:
-            return st
-        wanted = set(names)
-        for other in [g for g in self._groups if wanted.intersection(g)]:
-            numels = [self._params[n].numel() for n in other]
-            self._per_param.update(zip(other, split_state(self._groups.pop(other), numels)))
-        st = self._groups[names] = join_state([self._per_param.pop(n, {}) for n in names], list(group.numels))
-        return st
-
     def param_state(self) -> Dict[str, State]:
         """Compression state per parameter name (copies)."""
-        out = {n: {k: t.detach().clone() for k, t in st.items()} for n, st in self._per_param.items()}
-        for names, st in self._groups.items():
-            out.update(zip(names, split_state(st, [self._params[n].numel() for n in names])))
-        return out
+        return self.session.param_state()
 
     def state_dict(self) -> Dict[str, Any]:
         """Step, epoch, compression state per parameter, compressor-wide state (each rank its own)."""
         if self._buckets:
             raise AssertionError("hvdcompress.ddp: state_dict() during backward; call it between steps")
-        saved = checkpoint.pack(spec=self.spec, step=self.step, epoch=self._epoch, epoch_set=self._epoch_set,
-                                state=self.param_state(), plan=None, policy=None,
-                                compressor=self.compressor.global_state())
+        saved = self.session.pack()
         saved["ddp_groups"] = [list(g) for g in dict.fromkeys(self._layout.values())]
         return saved
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned; checked first (same spec, known parameters, sizes,
         finite values: ValueError otherwise, with nothing changed)."""
-        checkpoint.check(state_dict, self.spec, self.compressor, {n: p.numel() for n, p in self._params.items()})
+        self.session.check(state_dict)
         groups = [tuple(g) for g in state_dict.get("ddp_groups") or ()]
         seen = [n for g in groups for n in g]
-        if len(seen) != len(set(seen)) or not set(seen) <= set(self._params):
+        if len(seen) != len(set(seen)) or not set(seen) <= set(self.session.params):
             raise ValueError("load_state_dict: the checkpoint's bucket groups name parameters this model does not "
                              "have, or one parameter twice (a checkpoint of a different model?)")
         if self._buckets:
             raise AssertionError("hvdcompress.ddp: load_state_dict() during backward; call it between steps")
-        self.step = int(state_dict["step"])
-        self._epoch, self._epoch_set = int(state_dict["epoch"]), bool(state_dict.get("epoch_set", True))
-        self.compressor.load_global_state(state_dict.get("compressor"))
-        self._groups = {}
+        self.session.load(state_dict)
         self._layout = {n: g for g in groups for n in g}
-        self._per_param = {n: {k: t.detach().clone().to(self._params[n].device) for k, t in st.items()}
-                           for n, st in state_dict["state"].items()}
 
     def remove(self) -> None:
         """Detach the optimizer hooks this state installed (the DDP hook itself cannot be removed)."""

@@ -76,7 +76,8 @@ from hvdcompress.delay import check_delay, check_sync_every
 
 from .grouping import Group, flatten
 from .nonfinite import count_nonfinite
-from .policy import SyncPolicy
+from .policy import PolicyHost, SyncPolicy
+from .session import exchange_name
 
 
 class DelayedAveraging(SyncPolicy):
@@ -102,30 +103,31 @@ class DelayedAveraging(SyncPolicy):
         return self.delay > 0 or self.every > 1
 
     # -- the policy interface (torch_ops.policy) ---------------------------------------------------
-    def exchange_input(self, engine, gi: int, group: Group, grads: List[torch.Tensor]) -> Tuple[torch.Tensor, str]:
+    def exchange_input(self, host: PolicyHost, gi: int, group: Group,
+                       grads: List[torch.Tensor]) -> Tuple[torch.Tensor, str]:
         """The exchange gets its own copy (the local gradient stays in ``.grad``): the step's
         gradient plus what temporal sparsity accumulated; its local term is remembered for the
         correction. Named by step slot, unique among the exchanges in flight."""
         local = self.local_term(group, flatten(grads))
-        self.remember(engine.step, gi, group, self.applied_term(group, grads, local))
-        x = local * engine.prescale if engine.prescale != 1.0 else local.clone()
-        return x, f"hvc.{group.key}.s{engine.step % self.slots()}"
+        self.remember(host.step, gi, group, self.applied_term(group, grads, local))
+        x = local * host.prescale if host.prescale != 1.0 else local.clone()
+        return x, exchange_name(group.key, f"s{host.step % self.slots()}")
 
-    def write_back(self, engine, step: int, pending: Dict, exchanging: bool) -> None:
+    def write_back(self, host: PolicyHost, step: int, pending: Dict, exchanging: bool) -> None:
         for key, ex in pending.items():
             self.completed(key, ex.result)
         if not exchanging:  # temporal sparsity: a local step; its gradient joins the next exchange
-            for name, p in engine.by_name.items():
+            for name, p in host.by_name.items():
                 self.accumulate(name, p.grad)
-        self.apply(step, engine.by_name)
+        self.apply(step, host.by_name)
 
-    def complete_in_flight(self, engine) -> None:
+    def complete_in_flight(self, host: PolicyHost) -> None:
         """Wait for every exchange in flight; their corrections stay due at their steps
         (checkpoints and regrouping need no exchange in flight)."""
-        for key, ex in engine.pending.finish(None).items():
+        for key, ex in host.finish_in_flight().items():
             self.completed(key, ex.result)
 
-    def flush(self, engine, optimizer, wrapped_step) -> None:
+    def flush(self, host: PolicyHost, optimizer, wrapped_step) -> None:
         """Make the replicas identical, on every rank between steps:
 
         1. wait for every exchange in flight (their corrections ``R - L`` become due);
@@ -139,30 +141,30 @@ class DelayedAveraging(SyncPolicy):
         """
         if not self.active:
             return
-        if engine.launched_now():
+        if host.launched_now():
             raise AssertionError("optimizer.flush() was called between backward() and step(); call it between steps")
-        by_name = engine.by_name
+        by_name = host.by_name
         with torch.no_grad():
-            self.complete_in_flight(engine)
+            self.complete_in_flight(host)
             if self.accumulated:
                 self.flushing = True
-                for gi, group in enumerate(engine.groups):
+                for gi, group in enumerate(host.groups):
                     for name in group.names:
                         if by_name[name].grad is None:
                             by_name[name].grad = torch.zeros_like(by_name[name])
                         by_name[name].grad.zero_()
-                    engine.launch(gi)
+                    host.launch(gi)
                 self.flushing = False
-                for (s, gi), ex in engine.pending.finish(None).items():
+                for (s, gi), ex in host.finish_in_flight().items():
                     self.completed((s, gi), ex.result, due_step=s)
             corrections = self.pending_corrections()
             for name, p in by_name.items():
                 c = corrections.get(name)
                 p.grad = c.view_as(p).clone() if c is not None else torch.zeros_like(p)
-            engine.compressor.before_step(optimizer.param_groups, optimizer.state)
+            host.before_step(optimizer)
         wrapped_step()
-        average_over_ranks(engine.comm, engine.params, optimizer.state, "hvc.flush")
-        for p in engine.params:
+        host.average_over_ranks(optimizer.state, "hvc.flush")
+        for p in by_name.values():
             p.grad = None
 
     def exchanges_at(self, step: int) -> bool:
@@ -293,18 +295,18 @@ class DelayedAveraging(SyncPolicy):
         self.velocity = copy(saved.get("velocity"))
 
 
-def average_over_ranks(comm, params: List[torch.Tensor], optimizer_state, name: str) -> None:
+def average_over_ranks(transport, params: List[torch.Tensor], optimizer_state, name: str) -> None:
     """Average the parameters and the optimizer's per-parameter floating state tensors of the
-    same shape (momentum buffers, Adam's moments) over the communicator's ranks, in place, so
+    same shape (momentum buffers, Adam's moments) over the transport's ranks, in place, so
     every rank holds identical values afterwards (one allreduce per tensor)."""
     with torch.no_grad():
         for i, p in enumerate(params):
-            comm.allreduce_(p.data, f"{name}.p{i}", average=True)
+            transport.allreduce_(p.data, f"{name}.p{i}", average=True)
             st = optimizer_state.get(p, {})
             for k in sorted(st):
                 t = st[k]
                 if torch.is_tensor(t) and t.is_floating_point() and t.shape == p.shape:
-                    comm.allreduce_(t, f"{name}.p{i}.{k}", average=True)
+                    transport.allreduce_(t, f"{name}.p{i}.{k}", average=True)
 
 
 __all__ = ["DelayedAveraging", "average_over_ranks", "check_delay", "check_sync_every"]

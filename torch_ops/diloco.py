@@ -1,5 +1,5 @@
-"""DiLoCo, Streaming DiLoCo and SparseLoCo on Horovod (PyTorch): an outer loop around any
-optimizer.
+"""DiLoCo, Streaming DiLoCo and SparseLoCo on PyTorch (Horovod or torch.distributed): an outer
+loop around any optimizer.
 
 ``DiLoCo`` wraps the user's inner optimizer as Horovod's ``DistributedOptimizer`` wraps one: the
 training loop calls ``opt.zero_grad()``, ``loss.backward()`` and ``opt.step()`` as before. Inner
@@ -8,9 +8,11 @@ states the rules; ``hvdcompress.reference.diloco`` is the numpy oracle this is t
 
 * launch: fragment p's pseudo-gradients ``Delta_i = theta_global - theta_i`` (global MINUS
   local) are compressed with the spec (error feedback on the pseudo-gradient where the spec has
-  it) and exchanged as Horovod async ops through the project's ``Communicator``, one exchange per
-  tensor, guarded (``nonfinite.guard``: a NaN or inf on any rank makes the result NaN on every
-  rank). They stay in flight while the next ``overlap_steps`` inner steps compute.
+  it) and exchanged as async ops on the transport (Horovod's ``Communicator``, or under torchrun
+  ``backend="torch"``: ``TorchDistCommunicator``), one exchange per tensor, started by an exchange
+  session (``torch_ops.session``, which owns the compressor, the per-tensor state and the guard:
+  a NaN or inf on any rank makes the result NaN on every rank). They stay in flight while the
+  next ``overlap_steps`` inner steps compute.
 * apply: the outer optimizer (default SGD, lr 0.7, momentum 0.9, Nesterov) steps
   ``theta_global`` of p with the mean Delta; the local parameters become ``theta_global + mix *
   (theta_local - theta_global)``.
@@ -44,10 +46,9 @@ import torch
 
 from hvdcompress.diloco import OUTER_LR, OUTER_MOMENTUM, OUTER_NESTEROV, check_arguments, split_fragments
 
-from .collectives import Communicator, PendingExchange, finish_all
-from .compressors import build_compressor
-from .compressors.base import ExchangeContext
-from .nonfinite import check_state_finite, guard
+from .nonfinite import check_state_finite
+from .session import ExchangeSession, exchange_name
+from .transport import make_transport
 
 STATE_KEY = "hvdcompress_diloco"
 
@@ -81,12 +82,17 @@ class DiLoCo:
         compression: any registered spec (string or ``Compression.<name>(...)``) for the
             pseudo-gradients, e.g. ``"sparseloco:ratio=0.02,bits=2"`` (SparseLoCo) or
             ``"qsgd:levels=7"``; a compressor with a momentum of its own is refused.
-        process_set: the Horovod process set to run on (default: all ranks).
-        driver: the ``Communicator`` all collectives go through (default: one on process_set).
+        process_set: the Horovod process set to run on (default: all ranks); with
+            ``backend="torch"`` a torch.distributed process group (default: the default group).
+        driver: the transport all collectives go through (``hvdcompress.contract.Transport``;
+            default: the backend's on process_set).
+        backend: "horovod" (default; launched by horovodrun) or "torch": torch.distributed
+            (launched by torchrun, any backend; Horovod is never imported).
     """
 
     def __init__(self, model, inner_optimizer, outer_optimizer=None, sync_every: int = 500, fragments: int = 1,
-                 overlap_steps: int = 0, mix: float = 0.0, compression=None, process_set=None, driver=None):
+                 overlap_steps: int = 0, mix: float = 0.0, compression=None, process_set=None, driver=None,
+                 backend: str = "horovod"):
         named = _named(model)
         self.cfg = check_arguments(len(named), sync_every, fragments, overlap_steps, mix, compression)
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -103,22 +109,23 @@ class DiLoCo:
                 raise ValueError(f"DiLoCo: {which} must be a torch.optim.Optimizer; got {opt!r}")
             if any(id(p) not in ids for g in opt.param_groups for p in g["params"]):
                 raise ValueError(f"DiLoCo: {which} holds tensors that are not parameters of the model")
-        self.compressor = build_compressor(self.cfg.compression)  # ValueError: no PyTorch implementation
+        # ValueError here when the spec has no PyTorch implementation
+        self.session = ExchangeSession(self.cfg.compression, dict(named), who="hvdcompress.DiLoCo", owner="DiLoCo")
         self.inner = inner_optimizer
         self.outer = outer_optimizer if outer_optimizer is not None else torch.optim.SGD(
             self.params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=OUTER_NESTEROV)
         self.fragments = split_fragments([p.numel() for p in self.params], self.cfg.fragments)
-        self.driver = driver if driver is not None else Communicator(process_set)
-        self.world = self.driver.size()
-        self.process_set = self.driver.process_set
+        self.transport = self.session.transport = make_transport(backend, process_set, driver)
+        self.world = self.transport.size()
+        self.process_set = self.transport.process_set
         with torch.no_grad():
             self.global_params = [p.detach().clone() for p in self.params]
-        self.comp_state: List[Dict[str, torch.Tensor]] = [{} for _ in self.params]
         self.rounds = [0] * self.cfg.fragments
         self.t = 0
         self._in_flight: Optional[dict] = None
         self.bytes_sent = 0  # payload bytes this rank handed to the transport
-        _register_elastic_handler()
+        if backend == "horovod":
+            _register_elastic_handler()
 
     # -- optimizer face ----------------------------------------------------------------------------
     @property
@@ -142,8 +149,7 @@ class DiLoCo:
             if p is not None:
                 self._launch(p, self.cfg.due(self.t))
             if self._in_flight is not None:
-                for ex in self._in_flight["exchanges"].values():
-                    ex.poll()
+                self.session.pending.poll()
                 if self._in_flight["due"] == self.t:
                     self._apply(self.cfg.mix)
         return loss
@@ -166,36 +172,36 @@ class DiLoCo:
 
     # -- the two halves of a sync ------------------------------------------------------------------
     def _launch(self, p: int, due: int, saved: Optional[dict] = None) -> None:
-        exchanges, inputs = {}, {}
+        session, inputs = self.session, {}
         for i in self.fragments[p]:
+            name = self.names[i]
             if saved is None:
                 delta = (self.global_params[i] - self.params[i].detach()).reshape(-1).to(torch.float32)
-                before = {k: v.clone() for k, v in self.comp_state[i].items()}
+                before = {k: v.clone() for k, v in session.state_for((name,)).items()}
             else:
                 delta, before = saved["delta"][i], saved["state"][i]
-                self.comp_state[i] = {k: v.clone() for k, v in before.items()}
+                session.set_state(name, {k: v.clone() for k, v in before.items()})
             inputs[i] = (delta, before)
-            ctx = ExchangeContext(self.names[i], self.rounds[p], self.world, 1.0 / self.world, self.comp_state[i],
-                                  tuple(self.params[i].shape), 0, self.driver.rank())
             # the exchange gets a copy: a summed payload may be the tensor itself, allreduced in
             # place, and ``delta`` must stay this rank's own for a checkpoint taken while in flight
             x = delta.clone()
-            gen = guard(self.compressor.exchange(x, ctx), x, self.comp_state[i])
-            ex = PendingExchange(gen, f"hvc.diloco.{self.names[i]}.s{self.rounds[p]}", self.driver)
-            exchanges[i] = ex
+            rnd = self.rounds[p]
+            ex = session.start(x, (name,), key=name, step=rnd, name=exchange_name("diloco", name, f"s{rnd}"),
+                               shape=tuple(self.params[i].shape), epoch=0)
+            session.pending.add(i, ex, due)
         self.rounds[p] += 1
-        self._in_flight = {"fragment": p, "due": due, "exchanges": exchanges, "inputs": inputs}
+        self._in_flight = {"fragment": p, "due": due, "inputs": inputs}
 
     def _apply(self, mix: float) -> None:
-        flight, self._in_flight = self._in_flight, None
-        finish_all(list(flight["exchanges"].values()))
-        self.bytes_sent += sum(ex.bytes_sent for ex in flight["exchanges"].values())
+        self._in_flight = None
+        exchanges = self.session.pending.finish()
+        self.bytes_sent += sum(ex.bytes_sent for ex in exchanges.values())
         saved_grads = [p.grad for p in self.params]
         local = {}
         try:
             for p in self.params:
                 p.grad = None
-            for i, ex in flight["exchanges"].items():
+            for i, ex in exchanges.items():
                 param = self.params[i]
                 local[i] = param.detach().clone()
                 param.copy_(self.global_params[i])
@@ -204,7 +210,7 @@ class DiLoCo:
         finally:
             for p, g in zip(self.params, saved_grads):
                 p.grad = g
-        for i in flight["exchanges"]:
+        for i in exchanges:
             param = self.params[i]
             self.global_params[i].copy_(param)
             if mix != 0.0:  # global + mix * (local - global), two roundings as the reference
@@ -221,8 +227,9 @@ class DiLoCo:
         """After a Horovod Elastic reset, on every rank (module doc): drop the fragment in flight,
         follow the new world size, take rank 0's global parameters, optimizer states and counters."""
         self._in_flight = None
-        self.world = self.driver.size()
-        shared = self.driver.broadcast_object({
+        self.session.drop_in_flight()
+        self.world = self.transport.size()
+        shared = self.transport.broadcast_object({
             "step": self.t, "rounds": list(self.rounds), "global": [g.clone() for g in self.global_params],
             "inner": copy.deepcopy(self.inner.state_dict()), "outer": copy.deepcopy(self.outer.state_dict())},
             "hvc.diloco.elastic.sync")
@@ -235,6 +242,7 @@ class DiLoCo:
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
+        state = self.session.param_state()
         flight = None
         if self._in_flight is not None:
             src = self._in_flight.get("saved") or {
@@ -252,7 +260,7 @@ class DiLoCo:
                 "overlap_steps": self.cfg.overlap_steps,
                 "step": self.t, "rounds": list(self.rounds),
                 "global": {n: g.clone() for n, g in zip(self.names, self.global_params)},
-                "state": {n: {k: v.clone() for k, v in st.items()} for n, st in zip(self.names, self.comp_state)},
+                "state": {n: state.get(n, {}) for n in self.names},
                 "in_flight": flight,
             },
         }
@@ -284,10 +292,11 @@ class DiLoCo:
         with torch.no_grad():
             for n, g in ours["global"].items():
                 self.global_params[index[n]].copy_(g)
-        self.comp_state = [{k: v.clone() for k, v in ours["state"].get(n, {}).items()} for n in self.names]
+        self.session.load_param_state({n: ours["state"].get(n, {}) for n in self.names})
         self.t, self.rounds = int(ours["step"]), list(ours["rounds"])
         flight = ours["in_flight"]
         self._in_flight = None
+        self.session.drop_in_flight()
         if flight is not None:
             self._in_flight = {"fragment": flight["fragment"], "due": flight["due"], "saved": {
                 "delta": {index[n]: d.clone() for n, d in flight["delta"].items()},
@@ -320,7 +329,7 @@ def _register_elastic_handler() -> None:
     """Let Horovod's ``TorchState`` (and ``hvc.elastic.TorchState``) handle ``DiLoCo`` values."""
     try:
         from horovod.torch.elastic import state as hvd_state
-    except ImportError:  # no Horovod here (single-process use with a driver of one's own)
+    except ImportError:  # no Horovod here (torch.distributed, or a transport of one's own)
         return
     registry = hvd_state.get_handler_registry()
     if not any(t is DiLoCo for t, _ in registry):

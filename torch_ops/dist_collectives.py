@@ -1,4 +1,4 @@
-"""The ``Communicator`` on torch.distributed: the same requests, on a process group, without Horovod.
+"""The ``Transport`` on torch.distributed: the same requests, on a process group, without Horovod.
 
 Any backend torch.distributed has (Gloo on CPU, NCCL on GPUs) carries the exchanges' requests
 (``torch_ops.collectives``: ``Allreduce`` / ``Flag``, ``Allgather``, ``Alltoall``), the
@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .collectives import Allgather, Allreduce, Alltoall, Communicator, Request, SummedGather, sums_gathers
+from .collectives import Allgather, Allreduce, Alltoall, Request, SummedGather, pickled, sums_gathers, unpickled
 
 
 # dtypes torch.distributed's Gloo and NCCL collectives take (Gloo refuses int16, for one). Other
@@ -131,8 +131,9 @@ def _fusion_plan(ops: Sequence[_Op]) -> List[List[_Op]]:
     return plan
 
 
-class TorchDistCommunicator(Communicator):
-    """Every collective hvdcompress makes, on one torch.distributed process group (module doc).
+class TorchDistCommunicator:
+    """The ``Transport`` (``hvdcompress.contract``) on one torch.distributed process group (module
+    doc); a peer of Horovod's ``torch_ops.collectives.Communicator``.
 
     ``group``: a process group (``torch.distributed.new_group``), default the default group.
     ``rank()``/``size()`` are this process's rank in the group and the group's size. Names are
@@ -150,7 +151,6 @@ class TorchDistCommunicator(Communicator):
         self._dist = dist
         self.group = group
         self.process_set = group  # the interface's name for the set of ranks
-        self._ps = group
         self._deferred: List[_Op] = []  # gathers / alltoalls whose data stage waits for their sizes
         self._batched: List[_Op] = []  # allreduces / gathers launched in the open batch, not issued yet
         self._depth = 0  # nesting of ``batch()``
@@ -380,13 +380,9 @@ class TorchDistCommunicator(Communicator):
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj``, in rank order (pickled bytes, gathered with their sizes)."""
-        import cloudpickle
+        (op,) = self.launch((Allgather(pickled(obj, self._object_device())),), name)
+        return unpickled(self.wait((op,))[0], op.rows)
 
-        data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8).to(self._object_device())
-        (op,) = self.launch((Allgather(data),), name)
-        blob = self.wait((op,))[0].cpu()
-        out, offset = [], 0
-        for n in op.rows:
-            out.append(cloudpickle.loads(blob[offset:offset + n].numpy().tobytes()))
-            offset += n
-        return out
+    def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
+        """``obj`` of the rank with index ``root`` in the group, on every rank of the group."""
+        return self.allgather_object(obj if self.rank() == root else None, name)[root]

@@ -7,8 +7,9 @@ A step, as the engine runs it:
 
 1. ``gradient_ready(p)`` (the parameter's post-accumulate-grad hook): after
    ``backward_passes_per_step`` passes the parameter is final; when it is the last of its group,
-   ``launch(gi)`` flattens the group, compresses it and starts its exchange (a generator of
-   collective rounds, ``hvdcompress.contract``) on the communicator, while backward goes on;
+   ``launch(gi)`` flattens the group and has the session (``torch_ops.session``) compress it and
+   start its exchange (a generator of collective rounds, ``hvdcompress.contract``) on the
+   transport, while backward goes on;
 2. ``synchronize()`` launches what did not come (zeros, as Horovod does, so every rank takes part),
    drives the exchanges due at this step to completion and lets the *sync policy* write the
    gradients back;
@@ -18,13 +19,13 @@ A step, as the engine runs it:
 The sync policy (``torch_ops.policy``) is chosen once, at construction: ``Synchronous`` writes
 each exchanged average back; ``Delayed`` (``delay`` / ``sync_every``) applies local terms now and
 corrections when their exchanges arrive, and knows how to flush. The engine never branches on
-which one it has.
+which one it has; a policy sees the engine through ``policy.PolicyHost``.
 
-State: compression state is kept per group (``group_state``) and handed out per parameter
-(``param_state``), so checkpoints do not depend on the grouping. ``state_dict()`` /
-``load_state_dict()`` carry the step counter, epoch, per-parameter compression state, the plan,
-the policy's state and the compressor's global state (``torch_ops.checkpoint`` defines and checks
-the format).
+The ``ExchangeSession`` (``session``) owns the compressor, the compression state per parameter
+name, the step and epoch clock, the exchanges in flight, the stats and the saved format; the
+engine adds what is the optimizer's own: groups and their flat buffers, backward passes, the
+scheduler and the policy. ``state_dict()`` / ``load_state_dict()`` carry the session's state, the
+plan and the policy's state (``torch_ops.checkpoint`` defines and checks the format).
 """
 
 from __future__ import annotations
@@ -36,19 +37,14 @@ import torch
 
 from hvdcompress.contract import LAYERWISE
 from hvdcompress.spec import CompressionSpec
-from hvdcompress.stats import WireStats
-from hvdcompress.warmup import auto_epoch
 
-from . import checkpoint
 from .arguments import check_same_model
-from .codec_choice import fallback_exchange
 from .collectives import PendingExchange, PendingQueue
-from .compressors import ExchangeContext, build_compressor
-from .grouping import FlatBuffers, Group, join_state, make_groups, scatter, split_state
-from .nonfinite import guard
-from .delayed import DelayedAveraging
+from .delayed import DelayedAveraging, average_over_ranks
+from .grouping import FlatBuffers, Group, make_groups, scatter
 from .policy import SyncPolicy, Synchronous
 from .scheduling import Scheduler, StepClock, now
+from .session import ExchangeSession, SessionFront, exchange_name
 from .sparse_grads import sparse_exchange, split_out
 
 
@@ -59,29 +55,29 @@ def make_policy(delay: int, sync_every: int, local_factor: float, momentum) -> S
     return DelayedAveraging(delay, sync_every, local_factor, momentum)
 
 
-class Engine:
-    """Exchanges the gradients of ``params`` (name -> tensor) among the communicator's ranks.
+class Engine(SessionFront):
+    """Exchanges the gradients of ``params`` (name -> tensor) among the transport's ranks.
 
     ``average``: op=Average (the sum is scaled by ``predivide / world``) or Sum; ``predivide``:
-    Horovod's ``gradient_predivide_factor``; ``passes``: ``backward_passes_per_step``.
+    Horovod's ``gradient_predivide_factor``; ``passes``: ``backward_passes_per_step``;
+    ``compressor``: the one built from ``spec`` (built here when None).
     """
 
-    def __init__(self, spec: CompressionSpec, by_name: Dict[str, torch.Tensor], comm, *, average: bool,
+    def __init__(self, spec: CompressionSpec, by_name: Dict[str, torch.Tensor], transport, *, average: bool,
                  predivide: float, passes: int, sparse_as_dense: bool, schedule, cost_model, profile_steps: int,
                  tune_steps: int, delay: int, sync_every: int, check_model: bool, alternatives=(),
-                 revalidate_every=None):
-        self.spec = spec
-        self.compressor = build_compressor(spec)
+                 revalidate_every=None, compressor=None):
+        self.session = ExchangeSession(spec, by_name, transport, compressor=compressor)
         self.by_name: Dict[str, torch.Tensor] = dict(by_name)
         self.params: List[torch.Tensor] = list(by_name.values())
         self.name_of: Dict[torch.Tensor, str] = {p: n for n, p in by_name.items()}
-        self.comm = comm  # one communicator for every collective: exchanges, scheduler, profiler
+        self.transport = transport  # one transport for every collective: exchanges, scheduler, profiler
         # A rank outside the process set exchanges nothing (``synchronize``, ``flush``): as with
         # Horovod's optimizer, its steps are the wrapped optimizer's on its local gradients.
-        self.included = comm.included()
-        self.world = comm.size()
+        self.included = transport.included()
+        self.world = transport.size()
         if self.world > 1 and check_model and self.included:
-            check_same_model(comm, self.by_name)
+            check_same_model(transport, self.by_name)
         self.average = average
         self.predivide = predivide
         self.prescale = 1.0 / predivide
@@ -90,24 +86,17 @@ class Engine:
         self.sparse_as_dense = sparse_as_dense
         self.scheduler = Scheduler(schedule, spec, cost_model, profile_steps,
                                    {n: float(p.numel() * p.element_size()) for n, p in self.by_name.items()},
-                                   self.world, comm, tune_steps, alternatives, revalidate_every)
+                                   self.world, transport, tune_steps, alternatives, revalidate_every)
         # the local gradient in result units: x1 for Average, xN for Sum
         self.policy = make_policy(delay, sync_every, self.prescale * self.scale * self.world,
                                   self.compressor.local_momentum())
-        self.pending = PendingQueue()  # exchanges in flight, keyed by (step, group index)
-        self.group_state: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in self.by_name}
         self.groups: List[Group] = []
         self.flat = FlatBuffers()  # merged groups' flat gradients, memory kept from step to step
         self.sparse_names = set()  # parameters whose gradient came sparse: exchanged alone
-        self.step = 0
-        self.epoch = 0
-        self.epoch_set = False  # set_epoch() called: warm-ups follow it, else count steps
-        self.stats = WireStats()
         self.timings: Dict[str, Optional[float]] = {}
         self.clock = StepClock(None)
         self.synchronized = False  # synchronize() ran and step() has not yet (Horovod's flag)
         self._warned_sparse = False
-        self._warned_epoch = False
         self._sparse_now = set()  # parameters whose gradient came sparse this step (given back sparse)
         self._passes_left: Dict[torch.Tensor, int] = {}
         self._waiting: List[int] = []
@@ -116,6 +105,11 @@ class Engine:
         self._new_step()
 
     # -- what the optimizer asks -----------------------------------------------------------------
+    @property
+    def pending(self) -> PendingQueue:
+        """Exchanges in flight, keyed by (step, group index)."""
+        return self.session.pending
+
     @property
     def plan(self):
         return self.scheduler.plan
@@ -128,23 +122,11 @@ class Engine:
         return any(s == self.step for s, _ in self.pending.keys())
 
     def set_epoch(self, epoch: int) -> None:
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"set_epoch: epoch must be an int >= 0; got {epoch!r}")
-        self.epoch = epoch
-        self.epoch_set = True
+        self.session.set_epoch(epoch)
 
     def current_epoch(self) -> int:
         """The last ``set_epoch``, else (for a compressor with a warm-up) ``step // warmup_epoch_steps``."""
-        steps = self.compressor.warmup_epoch_steps
-        if self.epoch_set or steps is None:
-            return self.epoch
-        if not self._warned_epoch:
-            self._warned_epoch = True
-            warnings.warn(f"hvdcompress: compression '{self.spec.name}' warms its density up over epochs, and "
-                          f"set_epoch() was not called: counting epochs of {steps} steps (the spec's "
-                          "warmup_epoch_steps). Call optimizer.set_epoch(epoch) at the start of every epoch to "
-                          "follow your epochs instead.")
-        return auto_epoch(self.step, steps)
+        return self.session.current_epoch()
 
     # -- a step ------------------------------------------------------------------------------------
     def gradient_ready(self, p: torch.Tensor) -> None:
@@ -185,23 +167,20 @@ class Engine:
             grads.append(p.grad)
         with torch.no_grad():
             x, name = policy.exchange_input(self, gi, group, grads)
-            ctx = ExchangeContext(group.key, step, self.world, self.scale, self.group_state[group.key],
-                                  group.shape, self.current_epoch(), self.comm.rank(), group.layout,
-                                  out=x)  # x: scattered into anyway
             self.pending.poll()  # earlier groups' next rounds go out as soon as they can
             codec = self.scheduler.codec_of(group.names)  # the plan may send this group dense / fp16
             if codec is None and len(group.names) > 1 and self.compressor.merge == LAYERWISE:
                 raise AssertionError(f"hvdcompress: '{self.spec}' never merges, yet group {group.key} holds "
                                      f"{len(group.names)} tensors")
-            exchange = (self.compressor.exchange(x, ctx) if codec is None else
-                        fallback_exchange(self.compressor, codec, x, ctx))
-            exchange = guard(exchange, x, ctx.state)  # non-finite never hidden
-            ex = PendingExchange(exchange, name, self.comm)
+            ex = self.session.start(x, group.names, key=group.key, step=step, name=name, scale=self.scale,
+                                    shape=group.shape, members=group.layout, out=x,  # x: scattered into anyway
+                                    codec=codec)
             ex.apply = self._scatter_to(group)
             self.pending.add((step, gi), ex, step + policy.delay)
 
     def _launch_sparse(self, gi: int, p: torch.Tensor, group: Group) -> None:
-        ex = PendingExchange(sparse_exchange(p.grad, self.prescale * self.scale), f"hvc.{group.key}.sparse", self.comm)
+        ex = PendingExchange(sparse_exchange(p.grad, self.prescale * self.scale), exchange_name(group.key, "sparse"),
+                             self.transport)
 
         def apply(result, p=p):
             p.grad = result
@@ -239,11 +218,7 @@ class Engine:
                     p.grad = p.grad.to_sparse()
         self.clock.finish = now() - scattered + sum(ex.compute_seconds - ex.first_seconds
                                                     for ex in pending.values())
-        dense = sum(p.numel() * p.element_size() for p in self.params)
-        self.stats.record(sum(ex.bytes_sent for ex in pending.values()), dense,
-                          sum(ex.compute_seconds for ex in pending.values()),
-                          self.compressor.density(self.current_epoch()))
-        self.step += 1
+        self.session.end_step(pending.values(), sum(p.numel() * p.element_size() for p in self.params))
         self._new_step()
         self.synchronized = True
         self.clock.sync = (start, now())
@@ -270,25 +245,37 @@ class Engine:
         if self.included:
             self.policy.flush(self, optimizer, wrapped_step)
 
+    # -- the policies' view (torch_ops.policy.PolicyHost) ---------------------------------------------
+    def flatten(self, group: Group, grads: List[torch.Tensor]) -> torch.Tensor:
+        """The group's gradients, flat (a merged group's buffer is reused from step to step)."""
+        return self.flat.flatten(group.key, grads)
+
+    def finish_in_flight(self) -> Dict:
+        """Complete every exchange in flight: {(step, group index): exchange}."""
+        return self.pending.finish(None)
+
+    def before_step(self, optimizer) -> None:
+        """The compressor's turn before the wrapped optimizer's step (DGC's taken-over weight decay)."""
+        self.compressor.before_step(optimizer.param_groups, optimizer.state)
+
+    def average_over_ranks(self, optimizer_state, name: str) -> None:
+        """Average the parameters and the optimizer's per-parameter state over the ranks."""
+        average_over_ranks(self.transport, self.params, optimizer_state, name)
+
     # -- groups and state --------------------------------------------------------------------------
     def param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """Compression state per parameter name (copies), whatever the grouping."""
-        out = {}
-        for g in self.groups:
-            out.update(zip(g.names, split_state(self.group_state[g.key], g.numels)))
-        return out
+        return self.session.param_state()
 
-    def regroup(self, groups: List[List[str]], per_param=None) -> None:
+    def regroup(self, groups: List[List[str]]) -> None:
         """Exchange ``groups`` (names) from now on; state is carried over per parameter."""
         if self.pending:
             raise AssertionError("hvdcompress: regrouping while exchanges are in flight")
-        per = per_param if per_param is not None else self.param_state()
         if not self.sparse_as_dense:  # parameters with sparse gradients are exchanged alone
             groups = split_out(groups, self.sparse_names)
         shapes = {n: tuple(p.shape) for n, p in self.by_name.items()}
         self.groups = make_groups(groups, shapes)
         self.flat.reset()
-        self.group_state = {g.key: join_state([per.get(n, {}) for n in g.names], g.numels) for g in self.groups}
         self._group_of = {self.by_name[n]: gi for gi, g in enumerate(self.groups) for n in g.names}
         self._waiting = [len(g.names) for g in self.groups]
 
@@ -300,13 +287,11 @@ class Engine:
         if not self.launched_now():
             with torch.no_grad():
                 self.policy.complete_in_flight(self)
-        return checkpoint.pack(spec=self.spec, step=self.step, epoch=self.epoch, epoch_set=self.epoch_set,
-                               state=self.param_state(), plan=self.scheduler.plan_dict(),
-                               policy=self.policy.state(), compressor=self.compressor.global_state())
+        return self.session.pack(plan=self.scheduler.plan_dict(), policy=self.policy.state())
 
     def check_state_dict(self, saved: dict) -> None:
         """ValueError, before anything is loaded, if ``saved`` does not fit this engine."""
-        checkpoint.check(saved, self.spec, self.compressor, {n: p.numel() for n, p in self.by_name.items()})
+        self.session.check(saved)
 
     def load_state_dict(self, saved: Optional[dict], param_groups) -> None:
         """Restore ``saved`` (checked already) after the wrapped optimizer's own state."""
@@ -316,26 +301,18 @@ class Engine:
             warnings.warn("load_state_dict: the state dict has no compression state (saved by a "
                           "plain optimizer?); residuals start from zero.")
             return
-        self.step = int(saved["step"])
-        self.epoch = int(saved["epoch"])
-        self.epoch_set = bool(saved.get("epoch_set", True))
-        self.compressor.load_global_state(saved.get("compressor"))
-        per = {n: {} for n in self.by_name}
-        per.update({key: {k: t.detach().clone().to(self.by_name[key].device) for k, t in st.items()}
-                    for key, st in saved["state"].items()})
+        self.session.load(saved)
         groups = self.scheduler.restore(saved.get("plan")) or self.group_names()  # same schedule: its plan
-        self.group_state = {n: {} for n in self.by_name}
-        self.pending = PendingQueue()
         self.policy.load(saved.get("delayed"), lambda n: self.by_name[n].device)
-        self.regroup(groups, per)
+        self.regroup(groups)
 
     # -- Horovod Elastic -------------------------------------------------------------------------------
     def reset(self) -> None:
         """After Horovod was initialised again (an elastic reset), locally: drop the exchanges of
         the old Horovod, follow the new world size, start the scheduler over (layerwise until the
         new plan; state carried per parameter). Idempotent."""
-        self.pending = PendingQueue()
-        self.world = self.comm.size()
+        self.session.drop_in_flight()
+        self.world = self.transport.size()
         self.scale = self.predivide / self.world if self.average else 1.0
         self.scheduler = self.scheduler.restarted(self.world)
         self.clock = StepClock(None)
@@ -349,8 +326,10 @@ class Engine:
         state (it is that rank's unsent gradient)."""
         self.reset()
         if self.world > 1:
-            check_same_model(self.comm, self.by_name)
-        shared = self.comm.broadcast_object({"step": self.step, "epoch": self.epoch, "epoch_set": self.epoch_set,
-                                             "compressor": self.compressor.global_state()}, "hvc.elastic.sync")
-        self.step, self.epoch, self.epoch_set = shared["step"], shared["epoch"], shared["epoch_set"]
+            check_same_model(self.transport, self.by_name)
+        session = self.session
+        shared = self.transport.broadcast_object({"step": session.step, "epoch": session.epoch,
+                                                  "epoch_set": session.epoch_set,
+                                                  "compressor": self.compressor.global_state()}, "hvc.elastic.sync")
+        session.step, session.epoch, session.epoch_set = shared["step"], shared["epoch"], shared["epoch_set"]
         self.compressor.load_global_state(shared["compressor"])

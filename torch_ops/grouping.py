@@ -72,14 +72,14 @@ def flatten(grads: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -
 
 
 class FlatBuffers:
-    """Where merged groups' flat gradients are written: one arena per dtype and device, kept from
-    step to step, each group a slice of it. A fresh 100 MB tensor costs more in page faults than
-    the copy into it (measured: 82 ms against 17 ms for 25.6M floats on this machine's CPU), as
-    Horovod keeps its fusion buffer. The groups partition the parameters, so the slices never
-    overlap and the arena never outgrows one copy of the gradients. For exchanges that end within
-    the step they began in (the synchronous path): a slice is written again at the next step.
-    ``reset`` when the groups change (nothing in flight): the slices are handed out afresh, the
-    memory is kept, so trying other plans (measured validation) allocates nothing."""
+    """Where merged groups' flat gradients are written: one arena per dtype and device, kept from step
+    to step, each group a slice of it. A fresh large tensor costs more in page faults than the copy
+    into it, so the memory is kept, as Horovod keeps its fusion buffer. The groups partition the
+    parameters, so the slices never overlap and the arena never outgrows one copy of the gradients.
+    For exchanges that end within the step they began in (the synchronous path): a slice is written
+    again at the next step. ``reset`` when the groups change (nothing in flight): the slices are
+    handed out afresh, the memory is kept, so trying other plans (measured validation) allocates
+    nothing."""
 
     def __init__(self):
         self._arenas: Dict[tuple, torch.Tensor] = {}

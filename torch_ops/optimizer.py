@@ -50,33 +50,30 @@ from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
 from .scheduling import DEFAULT_TUNE_STEPS, check_revalidate_every, check_tune_steps, now
-from .transport import Average, make_communicator
+from .transport import Average, make_transport
 
 
-# Horovod's ``broadcast_optimizer_state`` tells its own DistributedOptimizer by the class's module:
-# on a rank whose optimizer has no state yet it fills the state with the wrapped optimizer's step
-# (no exchange), where for any other optimizer it calls ``step()``. Ours would exchange there, on
-# the ranks without state only, while the others wait elsewhere: the class declares Horovod's
-# module so that helper (and any other that asks the same) treats it as Horovod's own.
+# Horovod needs it: ``broadcast_optimizer_state`` calls ``step()`` (an exchange, on the ranks without
+# state only) unless the optimizer's class is from this module.
 HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, spec: CompressionSpec, backward_passes_per_step: int,
-                 op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, driver, source,
+                 op, gradient_predivide_factor: float, sparse_as_dense: bool, process_set, transport, source,
                  schedule, cost_model, profile_steps, delay=0, sync_every=1, tune_steps=0, alternatives=(),
-                 revalidate_every=None):
+                 revalidate_every=None, compressor=None):
         super(self.__class__, self).__init__(params)
         self.defaults = dict(source.defaults)
         self.state.update(source.state)
         names = parameter_names(self.param_groups, named_parameters)
         trained = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self.engine = Engine(spec, {names[p]: p for p in trained},
-                             driver, average=op == Average, predivide=gradient_predivide_factor,
+                             transport, average=op == Average, predivide=gradient_predivide_factor,
                              passes=backward_passes_per_step, sparse_as_dense=sparse_as_dense, schedule=schedule,
                              cost_model=cost_model, profile_steps=profile_steps, tune_steps=tune_steps,
                              delay=delay, sync_every=sync_every, alternatives=alternatives,
-                             revalidate_every=revalidate_every,
+                             revalidate_every=revalidate_every, compressor=compressor,
                              check_model=not elastic_mode())  # elastic: checked at each sync (torch_ops.elastic)
         self._should_synchronize = True
         # Horovod's introspection attributes, with their meaning there
@@ -85,7 +82,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
-        self.process_set = self.engine.comm.process_set
+        self.process_set = self.engine.transport.process_set
         # no hooks on a rank outside the process set (nothing is exchanged there), as in Horovod
         self._hvc_hooks = ([p.register_post_accumulate_grad_hook(self.engine.gradient_ready) for p in trained]
                            if self.engine.included else [])
@@ -254,9 +251,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         process_set: a Horovod process set (default: all ranks). On a rank outside it nothing is
             exchanged: as with Horovod's optimizer, ``step()`` is the wrapped optimizer's update
             on the local gradients.
-        driver: the ``torch_ops.collectives.Communicator`` every collective goes through (default
-            ``Communicator(process_set)``); an extension point: a subclass may change how rounds
-            complete (``hvdcompress.bench.injected_latency.LatencyDriver`` delays them).
+        driver: the transport every collective goes through (``hvdcompress.contract.Transport``;
+            default Horovod's ``torch_ops.collectives.Communicator(process_set)``, or with
+            backend="torch" ``torch_ops.dist_collectives.TorchDistCommunicator(process_set)``); an
+            extension point: one may change how rounds complete
+            (``hvdcompress.bench.injected_latency.LatencyDriver`` delays them).
         backend: "horovod" (default; launched by horovodrun) or "torch": torch.distributed
             (launched by torchrun, any backend; Horovod is never imported), with ``process_set``
             a process group (``torch_ops.transport``, ``torch_ops.dist_collectives``).
@@ -315,20 +314,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
     check_tune_steps(tune_steps)
-    alternatives = resolve_codec_choice(codec_choice, spec, build_compressor(spec), schedule, tune_steps, delay,
+    # e.g. DGC takes the momentum over (checked on every rank, before any collective), on copies of
+    # the groups: they are written into the wrapped optimizer once nothing can fail any more
+    groups = [dict(g) for g in optimizer.param_groups]
+    spec = compressor_class(spec).adapt_optimizer(spec, groups)
+    compressor = build_compressor(spec)  # the one compressor of this optimizer
+    alternatives = resolve_codec_choice(codec_choice, spec, compressor, schedule, tune_steps, delay,
                                         sync_every, elastic=elastic_mode())
     check_revalidate_every(revalidate_every, bool(alternatives))
-    driver = make_communicator(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
-    # e.g. DGC takes the momentum over (checked on every rank, before any collective); a rank outside
-    # the process set exchanges nothing and keeps the wrapped optimizer as it is: there the check
-    # runs on copies of the groups
-    groups = optimizer.param_groups if driver.included() else [dict(g) for g in optimizer.param_groups]
-    spec = compressor_class(spec).adapt_optimizer(spec, groups)
+    transport = make_transport(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
+    if transport.included():  # a rank outside the process set exchanges nothing: its optimizer stays as it is
+        for group, adapted in zip(optimizer.param_groups, groups):
+            group.update(adapted)
 
     namespace = dict(_DistributedOptimizer.__dict__)
     if backend == "horovod":
         namespace["__module__"] = HOROVOD_OPTIMIZER_MODULE
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, spec, backward_passes_per_step, op, factor,
-               sparse_as_dense, process_set, driver, optimizer, schedule, cost_model, profile_steps,
-               delay, sync_every, tune_steps, alternatives, revalidate_every)
+               sparse_as_dense, process_set, transport, optimizer, schedule, cost_model, profile_steps,
+               delay, sync_every, tune_steps, alternatives, revalidate_every, compressor)

@@ -4,23 +4,54 @@ The engine (``torch_ops.engine``) asks its policy a few questions and never bran
 policy it has:
 
     exchanges_at(step)            does this step launch exchanges?
-    exchange_input(engine, ...)   the flat tensor a group sends this step, and the exchange's name
-    write_back(engine, ...)       write the step's gradients into ``p.grad`` from the completed exchanges
-    complete_in_flight(engine)    finish exchanges that span steps (before a checkpoint or a regroup)
-    flush(engine, ...)            make the replicas identical
+    exchange_input(host, ...)     the flat tensor a group sends this step, and the exchange's name
+    write_back(host, ...)         write the step's gradients into ``p.grad`` from the completed exchanges
+    complete_in_flight(host)      finish exchanges that span steps (before a checkpoint or a regroup)
+    flush(host, ...)              make the replicas identical
     state() / load(saved)         what the policy keeps between steps, in the checkpoint
 
-``Synchronous`` (here) exchanges every step and writes each exchanged average back; ``Delayed``
-(``torch_ops.delayed``: delayed averaging and temporal sparsity) is the other implementation.
-An outer-optimizer mode is a third one.
+A policy sees the engine only through ``PolicyHost``, the few things it may read and ask for.
+``Synchronous`` (here) exchanges every step and writes each exchanged average back;
+``DelayedAveraging`` (``torch_ops.delayed``: delayed averaging and temporal sparsity) is the other
+implementation. DiLoCo (``torch_ops.diloco``) is not a policy: it exchanges parameters, not
+gradients, around a whole inner optimizer.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
+
+from .session import exchange_name
+
+
+class PolicyHost(Protocol):
+    """What a sync policy may use of the engine that runs it."""
+
+    step: int  # the step being run (exchanges launched now carry it)
+    prescale: float  # what a gradient is multiplied by before it is sent (1 / predivide)
+    by_name: Dict[str, torch.Tensor]  # the parameters, by name
+    groups: list  # the groups exchanged now (``torch_ops.grouping.Group``), in launch order
+
+    def flatten(self, group, grads: List[torch.Tensor]) -> torch.Tensor:
+        """The group's gradients, flat."""
+
+    def launched_now(self) -> bool:
+        """Exchanges of the current step were launched and not synchronized yet."""
+
+    def launch(self, gi: int) -> None:
+        """Start group ``gi`` 's exchange from its gradients now."""
+
+    def finish_in_flight(self) -> Dict:
+        """Complete every exchange in flight: {(launch step, group index): exchange}."""
+
+    def before_step(self, optimizer) -> None:
+        """The compressor's turn right before the wrapped optimizer's step."""
+
+    def average_over_ranks(self, optimizer_state, name: str) -> None:
+        """Average the parameters and the optimizer's per-parameter state over the ranks."""
 
 
 class SyncPolicy(ABC):
@@ -39,19 +70,19 @@ class SyncPolicy(ABC):
         """Whether step ``step`` launches exchanges."""
 
     @abstractmethod
-    def exchange_input(self, engine, gi: int, group, grads) -> Tuple[torch.Tensor, str]:
+    def exchange_input(self, host: PolicyHost, gi: int, group, grads) -> Tuple[torch.Tensor, str]:
         """The flat tensor group ``gi`` sends this step, and the exchange's name."""
 
     @abstractmethod
-    def write_back(self, engine, step: int, pending: Dict, exchanging: bool) -> None:
+    def write_back(self, host: PolicyHost, step: int, pending: Dict, exchanging: bool) -> None:
         """Write the step's gradients into ``p.grad`` from the completed exchanges."""
 
     @abstractmethod
-    def complete_in_flight(self, engine) -> None:
+    def complete_in_flight(self, host: PolicyHost) -> None:
         """Finish exchanges that span steps (before a checkpoint or a regroup)."""
 
     @abstractmethod
-    def flush(self, engine, optimizer, wrapped_step: Callable[[], None]) -> None:
+    def flush(self, host: PolicyHost, optimizer, wrapped_step: Callable[[], None]) -> None:
         """Make the replicas identical."""
 
     @abstractmethod
@@ -71,22 +102,22 @@ class Synchronous(SyncPolicy):
     def exchanges_at(self, step: int) -> bool:
         return True
 
-    def exchange_input(self, engine, gi: int, group, grads) -> Tuple[torch.Tensor, str]:
+    def exchange_input(self, host: PolicyHost, gi: int, group, grads) -> Tuple[torch.Tensor, str]:
         """The group's gradients, flat (a merged group's buffer is the engine's, reused from step
         to step; a lone gradient is the parameter's own ``.grad``, scaled into a new tensor)."""
-        x = engine.flat.flatten(group.key, grads)
-        if engine.prescale != 1.0:
-            x = x.mul_(engine.prescale) if len(grads) > 1 else x * engine.prescale
-        return x, f"hvc.{group.key}"
+        x = host.flatten(group, grads)
+        if host.prescale != 1.0:
+            x = x.mul_(host.prescale) if len(grads) > 1 else x * host.prescale
+        return x, exchange_name(group.key)
 
-    def write_back(self, engine, step: int, pending: Dict, exchanging: bool) -> None:
+    def write_back(self, host: PolicyHost, step: int, pending: Dict, exchanging: bool) -> None:
         for ex in pending.values():
             ex.apply(ex.result)  # the exchange knows where its result goes (dense groups, sparse gradients)
 
-    def complete_in_flight(self, engine) -> None:
+    def complete_in_flight(self, host: PolicyHost) -> None:
         """Nothing spans steps."""
 
-    def flush(self, engine, optimizer, wrapped_step) -> None:
+    def flush(self, host: PolicyHost, optimizer, wrapped_step) -> None:
         """Replicas are identical after every step: nothing to do."""
 
     def state(self) -> Optional[dict]:

@@ -2,8 +2,10 @@
 
 ``DistributedOptimizer(..., backend="horovod")`` (the default) runs on Horovod, as launched by
 ``horovodrun``; ``backend="torch"`` on torch.distributed, as launched by ``torchrun`` (any
-torch.distributed backend: Gloo, NCCL), and never imports Horovod. Everything above the
-``Communicator`` (compressors, schedules, delayed averaging, checkpoints) is the same on both.
+torch.distributed backend: Gloo, NCCL), and never imports Horovod; so does ``DiLoCo``. Everything
+above the transport (compressors, schedules, delayed averaging, checkpoints) is the same on both:
+``torch_ops.collectives.Communicator`` and ``torch_ops.dist_collectives.TorchDistCommunicator``
+are peers implementing ``hvdcompress.contract.Transport``.
 
 The reduction ops are plain ints with Horovod's values (``horovod/common/message.h``: AVERAGE = 0,
 SUM = 1, ADASUM = 2), so ``hvd.Average == Average`` and either may be passed as ``op``, with or
@@ -25,15 +27,16 @@ def check_backend(backend) -> str:
     return backend
 
 
-def make_communicator(backend: str, process_set=None, driver=None):
-    """The communicator every collective of an optimizer goes through: ``driver`` when given, else
-    Horovod's on ``process_set`` (a Horovod process set; Horovod must be initialized) or
-    torch.distributed's on ``process_set`` taken as a process group (torch.distributed must be
-    initialized). ValueError, before any collective, when the transport is not ready."""
+def make_transport(backend: str, process_set=None, transport=None):
+    """The transport (``hvdcompress.contract.Transport``) every collective of a front end goes
+    through: ``transport`` when given (any object with the protocol's methods), else Horovod's on
+    ``process_set`` (a Horovod process set; Horovod must be initialized) or torch.distributed's on
+    ``process_set`` taken as a process group (torch.distributed must be initialized). ValueError,
+    before any collective, when the backend is unknown or not ready."""
     check_backend(backend)
+    if transport is not None:
+        return transport
     if backend == "torch":
-        if driver is not None:
-            return driver
         from .dist_collectives import TorchDistCommunicator
         return TorchDistCommunicator(process_set)
     try:
@@ -42,9 +45,7 @@ def make_communicator(backend: str, process_set=None, driver=None):
         raise ValueError("backend='horovod' needs Horovod (horovod.torch could not be imported: "
                          f"{e}); under torchrun use backend='torch'") from e
     if not hvd.is_initialized():
-        raise ValueError("horovod is not initialized: call hvd.init() before DistributedOptimizer "
+        raise ValueError("horovod is not initialized: call hvd.init() first "
                          "(or, under torchrun, pass backend='torch')")
-    if driver is not None:
-        return driver
     from .collectives import Communicator
     return Communicator(process_set)

@@ -126,7 +126,7 @@ class Phase:
         """One untimed step with the driver tracing: per tensor the gradient hook's entry and exit,
         per round of collectives its launch and completion (a polling thread), synchronize and
         update -- seconds from the first hook (the predicted timeline's time 0)."""
-        driver = self.opt.engine.comm
+        driver = self.opt.engine.transport
         driver.start_trace()
         start = time.perf_counter()
         self.opt.zero_grad()

@@ -205,7 +205,7 @@ def fused(rec) -> dict:
         steps = []
         for step in range(FUSED_STEPS):
             calls.append(0)
-            before = dict(state.comm.collectives)
+            before = dict(state.transport.collectives)
             if tag == "one_bucket":
                 rec.tag = ("hook-one-bucket", FUSED_SPEC)
             opt.zero_grad()
@@ -213,7 +213,7 @@ def fused(rec) -> dict:
             nn.CrossEntropyLoss()(ddp(x), y).backward()
             opt.step()
             rec.tag = None
-            after = state.comm.collectives
+            after = state.transport.collectives
             steps.append({"buckets": calls[-1], "collectives": {k: after[k] - before[k] for k in after},
                           "identical": _identical(model)})
         out[tag] = steps
@@ -371,6 +371,14 @@ def communicator() -> dict:
             "mean": mean.tolist(), "int16": [ro[0].tolist(), str(ro[0].dtype), ro[1].tolist(), str(ro[1].dtype)],
             "poll": c.poll(a), "rank": r, "size": n, "versions": c.versions(), "fused": fused,
             "backend": dist.get_backend(), "same": same}
+
+
+def diloco() -> dict:
+    """DiLoCo on this process group (``backend="torch"``, no Horovod): tests/test_diloco.py's
+    reference runs, and a checkpoint taken with a fragment in flight, resumed."""
+    from scenarios import diloco as sc
+    return {"reference": sc.compare_with_reference(sc.TORCH_CONFIGS, sc.TORCH_STEPS, backend="torch"),
+            "checkpoint": sc.checkpoint_resume(sc.CKPT, 9, 5, backend="torch")}
 
 
 def example() -> dict:

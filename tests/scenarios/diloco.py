@@ -1,4 +1,5 @@
-"""Worker side of tests/test_diloco.py: PyTorch ``DiLoCo`` on real Horovod (Gloo) workers.
+"""Worker side of tests/test_diloco.py: PyTorch ``DiLoCo`` on real Horovod (Gloo) workers (and, for
+tests/test_torch_distributed.py, on torch.distributed Gloo processes: ``backend="torch"``).
 
 Each scenario trains a small two-layer model with rank-dependent data and returns, per inner
 step, every parameter after the inner step (recorded by a step post-hook of the inner optimizer,
@@ -21,6 +22,33 @@ TORCH_CONFIGS = {
 }
 TORCH_STEPS = 12
 CKPT = dict(sync_every=4, fragments=2, overlap_steps=1, mix=0.25, compression="sparseloco:ratio=0.3")
+
+
+def assert_matches_reference(runs, kw, steps=TORCH_STEPS):
+    """Two ranks' ``compare_with_reference`` runs of one config replayed through the numpy
+    reference (``hvdcompress.reference.diloco``): the same parameters after every step (within
+    the outer step's last-bit rounding), identical replicas after each sync without mix, the same
+    bytes and global parameters."""
+    from hvdcompress.reference.diloco import DiLoCoReference
+
+    ref = DiLoCoReference(runs[0]["init"], world=2, names=runs[0]["names"], **kw)
+    for r in range(2):  # every rank started from the same parameters
+        for a, b in zip(runs[r]["init"], runs[0]["init"]):
+            assert np.array_equal(a, b)
+    for t in range(steps):
+        out = ref.step([runs[r]["locals"][t] for r in range(2)])
+        synced = ref.cfg.applied_at(t + 1)
+        for r in range(2):
+            for i, (got, want) in enumerate(zip(runs[r]["after"][t], out[r])):
+                # the outer SGD step may round differently in the last bit (a fused multiply-add)
+                np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-7, err_msg=f"t={t + 1} rank {r} p{i}")
+        if synced is not None and ref.cfg.mix == 0.0:
+            for i in ref.fragments[synced]:  # identical replicas after the outer step
+                assert np.array_equal(runs[0]["after"][t][i], runs[1]["after"][t][i])
+    for r in range(2):
+        assert runs[r]["bytes"] == ref.bytes_sent[r]
+        for got, want in zip(runs[r]["global"], ref.theta):
+            np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-7)
 
 
 def _model(seed=0):
@@ -55,15 +83,23 @@ def _record(model, inner):
     return seen
 
 
-def compare_with_reference(configs, steps):
+def _rank(backend: str) -> int:
+    """This process's rank on the transport ``backend`` names (Horovod initialized here)."""
+    if backend == "torch":
+        import torch.distributed as dist
+        return dist.get_rank()
+    import horovod.torch as hvd
+    hvd.init()
+    return hvd.rank()
+
+
+def compare_with_reference(configs, steps, backend="horovod"):
     """For each config (kwargs of DiLoCo, plus inner lr): per step, (locals after the inner step,
     parameters after DiLoCo.step), the bytes sent, the initial parameters and the names."""
-    import horovod.torch as hvd
     import torch
-    import hvdcompress.torch as hvc
+    from torch_ops.diloco import DiLoCo
 
-    hvd.init()
-    rank = hvd.rank()
+    rank = _rank(backend)
     out = {}
     for name, kw in configs.items():
         kw = dict(kw)
@@ -72,7 +108,7 @@ def compare_with_reference(configs, steps):
         init = [p.detach().numpy().copy() for p in model.parameters()]
         inner = torch.optim.SGD(model.parameters(), lr=lr)
         seen = _record(model, inner)
-        opt = hvc.DiLoCo(model, inner, **kw)
+        opt = DiLoCo(model, inner, backend=backend, **kw)
         after = []
         for t in range(steps):
             _train(model, opt, rank, 1, start=t)
@@ -83,21 +119,19 @@ def compare_with_reference(configs, steps):
     return out
 
 
-def checkpoint_resume(kw, steps, save_at):
+def checkpoint_resume(kw, steps, save_at, backend="horovod"):
     """Train ``steps`` straight; and train ``save_at`` steps, save (a fragment in flight), build a
     new model and DiLoCo, load, train the rest: both final parameters, and whether one was in flight."""
-    import horovod.torch as hvd
     import io
     import torch
-    import hvdcompress.torch as hvc
+    from torch_ops.diloco import DiLoCo
 
-    hvd.init()
-    rank = hvd.rank()
+    rank = _rank(backend)
 
     def build():
         model = _model()
         inner = torch.optim.Adam(model.parameters(), lr=0.01)
-        return model, hvc.DiLoCo(model, inner, **kw)
+        return model, DiLoCo(model, inner, backend=backend, **kw)
 
     model, opt = build()
     _train(model, opt, rank, steps)
