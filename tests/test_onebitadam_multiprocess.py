@@ -1,5 +1,7 @@
-"""1-bit Adam on real Horovod workers (tests/scenarios/onebitadam.py): PyTorch on 2 Gloo workers in
-the session's shared launch. AdamW taken over: parameters identical on every rank after every
+"""1-bit Adam on real Horovod workers (tests/scenarios/onebitadam.py): PyTorch and Keras on 2 Gloo
+workers in the session's shared launches. Keras (SGD, momentum 0, decoupled weight decay: AdamW's
+step on the direction): identical every step, the oracle's replay within float32 rounding, exact
+resume, Adam / momentum SGD / DGC under Adam refused. PyTorch: AdamW taken over: parameters identical on every rank after every
 step and equal to the numpy oracle's replay of the same local gradients; the warm-up's dense
 bytes, then the 1-bit payload; a checkpoint after the warm-up resumes bit for bit with the frozen
 variance, the moment and the residual in it; bad combinations raise on every rank before any
@@ -10,6 +12,7 @@ import pytest
 pytestmark = pytest.mark.multiprocess  # launches Horovod workers (conftest.py)
 
 from scenarios import onebitadam as sc  # noqa: E402
+from scenarios import shared_tf_launch  # noqa: E402
 from scenarios.launch import part  # noqa: E402
 from scenarios.shared_launch import TORCH_2  # noqa: E402
 
@@ -56,3 +59,33 @@ def test_torch_bad_combinations_raise_on_every_rank(torch_results, label, needle
         msg = _ok(r["refused"])[label]
         assert msg is not None and needle in msg, msg
         assert r["after"] == 2.0  # a collective after the refusals: no rank was left in one
+
+
+@pytest.fixture(scope="module")
+def tf_results():
+    return shared_tf_launch.results("test_onebitadam_multiprocess")
+
+
+def test_keras_sgd_applies_the_direction_identical_near_the_oracle_and_resumes(tf_results):
+    for r in tf_results:
+        t = _ok(r["training"])
+        assert all(t["identical"]), t["identical"]
+        warm, compressed = t["sent"][:3], t["sent"][3:]
+        assert len(set(warm)) == 1 and len(set(compressed)) == 1 and warm[0] >= 16 * compressed[0], t["sent"]
+        assert t["resume"]["equal"] and t["resume"]["identical"], t["resume"]
+        assert t["resume"]["state"] == ["m", "residual", "v"]
+    # the exchange is the oracle's bit for bit (tests/test_onebitadam.py); Keras applies the decay
+    # and the step in its own order of float32 operations
+    assert tf_results[0]["training"]["oracle_diff"] < 1e-5, tf_results[0]["training"]["oracle_diff"]
+
+
+@pytest.mark.parametrize("label, needle", [
+    ("adam", "wrap tf.keras.optimizers.SGD(learning_rate, momentum=0.0"),
+    ("sgd_momentum", "momentum=0.9 would apply a second momentum"),
+    ("dgc_adam", "use 'onebitadam'"),
+])
+def test_keras_bad_combinations_raise_on_every_rank(tf_results, label, needle):
+    for r in tf_results:
+        msg = _ok(r["refused"])[label]
+        assert msg is not None and needle in msg, msg
+        assert r["after"] == 2.0

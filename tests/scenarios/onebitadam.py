@@ -126,3 +126,89 @@ def torch_all() -> dict:
     out = {"training": guard(_torch_training), "resume": guard(_torch_resume), "refused": guard(_torch_refused)}
     out["after"] = float(hvd.allreduce(torch.ones(1), name="onebitadam.after", op=hvd.Sum))
     return out
+
+
+# -- Keras --------------------------------------------------------------------------------------------
+def _keras_make():
+    import hvdcompress.keras as hvc
+    import tensorflow as tf
+    from scenarios import kit
+    model = kit.keras_mlp()
+    opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(LR, momentum=0.0, weight_decay=WD), compression=SPEC)
+    model.compile(optimizer=opt, loss=kit.keras_loss())
+    return model, opt
+
+
+def _keras_training(tmp):
+    import os
+    import hvdcompress.keras as hvc
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    from hvdcompress import parse_spec
+    from hvdcompress.reference import simulate
+    from scenarios import kit
+    model, opt = _keras_make()
+    loss_fn = kit.keras_loss()
+    params = [v.numpy().copy() for v in model.trainable_variables]
+    path = os.path.join(tmp, f"onebitadam-rank{hvc.rank()}")
+    identical, sent, grads = [], [], []
+    for step in range(STEPS):
+        if step == 4:
+            model.save_weights(path)
+        x, y = kit.np_batch(hvc.rank(), step)
+        with tf.GradientTape() as tape:  # the local gradients, for the oracle's replay
+            loss = loss_fn(y, model(x, training=True))
+        grads.append([g.numpy() for g in tape.gradient(loss, model.trainable_variables)])
+        model.train_on_batch(x, y)
+        identical.append(kit.tf_identical(model))
+        sent.append(opt.stats.last_bytes)
+    straight = kit.tf_flat(model).numpy()
+    everyone = hvd.allgather_object(grads)
+    diff = None
+    if hvc.rank() == 0:  # Keras SGD's decoupled decay, then the direction: AdamW's step
+        spec, F = parse_spec(SPEC), np.float32
+        names = [v.name for v in model.trainable_variables]
+        states = {n: [{} for _ in everyone] for n in names}
+        for step in range(STEPS):
+            for i, n in enumerate(names):
+                d, states[n], _ = simulate(spec, [r[step][i] for r in everyone], states[n], key=n, step=step,
+                                           shape=params[i].shape)
+                p = params[i] - params[i] * F(WD) * F(LR)
+                params[i] = (p - d.reshape(p.shape) * F(LR)).astype(F)
+        diff = max(float(np.abs(v.numpy() - q).max()) for v, q in zip(model.trainable_variables, params))
+    model2, opt2 = _keras_make()
+    model2.load_weights(path)
+    for step in range(4, STEPS):
+        model2.train_on_batch(*kit.np_batch(hvc.rank(), step))
+    resumed = kit.tf_flat(model2).numpy()
+    return {"identical": identical, "sent": sent, "oracle_diff": diff,
+            "resume": {"equal": bool(np.array_equal(straight, resumed)), "identical": kit.tf_identical(model2),
+                       "state": sorted({k for s in opt2.gradient_compression.slots for k in s})}}
+
+
+def _keras_refused():
+    import hvdcompress.keras as hvc
+    import tensorflow as tf
+    out = {}
+    cases = {"adam": (lambda: tf.keras.optimizers.Adam(0.1), SPEC),
+             "sgd_momentum": (lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9), SPEC),
+             "dgc_adam": (lambda: tf.keras.optimizers.Adam(0.1), "dgc:ratio=0.01")}
+    for label, (make, spec) in cases.items():
+        try:
+            hvc.DistributedOptimizer(make(), compression=spec)
+            out[label] = None
+        except ValueError as e:
+            out[label] = str(e)
+    return out
+
+
+def tf_all() -> dict:
+    import tempfile
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    hvd.init()
+    out = {"training": guard(_keras_training, tempfile.mkdtemp()), "refused": guard(_keras_refused)}
+    out["after"] = float(hvd.allreduce(tf.ones([1]), name="onebitadam_after", op=hvd.Sum).numpy()[0])
+    return out
