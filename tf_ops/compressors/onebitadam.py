@@ -51,6 +51,10 @@ class OneBitAdamCompressor(Compressor):
     def state_slots(self, shape):
         return SLOTS
 
+    def make_slot(self, slot, numel, dtype, name=None):
+        """float32 whatever the gradient's dtype: the oracle's moments and residual are float32."""
+        return super().make_slot(slot, numel, tf.float32, name)
+
     def exchange(self, x, ctx):
         c = adam_constants(self.spec)
         f32 = lambda value: tf.constant(value, tf.float32)  # noqa: E731 (rounded once, as np.float32)
