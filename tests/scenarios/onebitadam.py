@@ -206,8 +206,11 @@ def tf_all() -> dict:
     import tempfile
     import horovod.tensorflow as hvd
     import tensorflow as tf
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    try:  # one thread, unless an earlier scenario of the shared launch already started TensorFlow
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    except RuntimeError:
+        pass
     hvd.init()
     out = {"training": guard(_keras_training, tempfile.mkdtemp()), "refused": guard(_keras_refused)}
     out["after"] = float(hvd.allreduce(tf.ones([1]), name="onebitadam_after", op=hvd.Sum).numpy()[0])
