@@ -31,6 +31,7 @@ class OneBitAdamCompressor(Compressor):
     name = "onebitadam"
     summed = False
     uses_step = True  # the warm-up and the bias correction follow the step
+    shared_slots = ("m", "v")  # the averaged moment and the frozen variance: the same on every rank
 
     def __init__(self, spec):
         super().__init__(spec)

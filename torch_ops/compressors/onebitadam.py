@@ -36,7 +36,6 @@ def _f32(value: float) -> torch.Tensor:
 class OneBitAdamCompressor(Compressor):
     name = "onebitadam"
     summed = False
-    uses_step = True  # the warm-up and the bias correction follow the step
 
     def __init__(self, spec: CompressionSpec):
         super().__init__(spec)
