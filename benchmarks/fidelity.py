@@ -62,12 +62,14 @@ SIGN_LR_SCALE = 0.01
 # compressors whose memory carries what was not applied to the next step without a ``residual``
 # switch: DGC and the sketch accumulate the velocity they did not send
 ACCUMULATING = ("dgc", "sketch")
+# compressors that replace Adam's update (the SGD here cannot run them): benchmarks/fidelity_adam.py
+ADAM_ONLY = ("onebitadam",)
 
 
 def configs() -> dict:
     out = {}
     for name in list(HEADLINE) + sorted(set(REGISTRY) - set(HEADLINE)):
-        if HEADLINE.get(name, name).split(":")[0] not in REGISTRY:
+        if HEADLINE.get(name, name).split(":")[0] not in REGISTRY or name in ADAM_ONLY:
             continue
         spec = parse_spec(HEADLINE.get(name, name))
         out[name] = {"spec": HEADLINE.get(name, name), "headline": name in HEADLINE,

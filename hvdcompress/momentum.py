@@ -15,6 +15,10 @@ the compressor: ``dampening`` != 0 (the memory computes ``u = m*u + g``, undampe
 ``maximize=True`` with weight decay (the optimizer would negate the decay term it is handed).
 Keras's ``weight_decay`` is decoupled (applied to the variables, never through the momentum, in
 dense training too), so it needs no taking over: the Keras optimizer keeps applying it.
+
+Adam: ``onebitadam`` computes Adam's direction itself, so it takes an Adam/AdamW optimizer's betas
+and eps over (``take_over_adam``) and applies AdamW's step for it; DGC's momentum correction is
+SGD's, so DGC under Adam is refused or warned about (``check_dgc_under_adam``).
 """
 
 from __future__ import annotations
@@ -90,3 +94,98 @@ def check_keras_config(spec: CompressionSpec, config: Mapping[str, Any]) -> None
             raise ValueError(f"compression '{spec.name}': the optimizer's {key}={config[key]!r} cannot be honoured: "
                              f"{spec.name} applies the momentum before the optimizer sees the gradient, so it would "
                              f"clip the velocity; {key} must be None{hint}")
+
+
+# -- Adam ------------------------------------------------------------------------------------------
+def is_adam_group(group: Mapping[str, Any]) -> bool:
+    """A PyTorch Adam or AdamW parameter group (``betas`` and ``amsgrad``; NAdam, RAdam and Adamax
+    have betas but other updates)."""
+    return "betas" in group and "amsgrad" in group
+
+
+def take_over_adam(spec: CompressionSpec, groups: Iterable[Mapping[str, Any]]) -> CompressionSpec:
+    """``onebitadam`` with the wrapped PyTorch optimizer's parameter groups: Adam's or AdamW's betas
+    and eps move into the spec (a warning when the spec said otherwise); the learning rate and the
+    decoupled weight decay stay in the groups, read at every step. SGD without momentum needs
+    nothing (its step on the exchanged direction is AdamW's). ValueError, on every rank before any
+    collective, for what cannot be honoured: another optimizer, SGD with momentum (a second
+    momentum on Adam's direction), amsgrad, maximize, Adam's coupled (L2) weight decay, groups with
+    different betas or eps."""
+    name = spec.name
+    groups = list(groups)
+    adam = []
+    for i, g in enumerate(groups):
+        if is_adam_group(g):
+            for key in ("amsgrad", "maximize"):
+                if g.get(key):
+                    raise ValueError(f"compression '{name}': the optimizer's {key}=True (parameter group {i}) "
+                                     f"cannot be honoured: {name} applies Adam's update itself; {key} must be False")
+            if g.get("weight_decay", 0.0) and not g.get("decoupled_weight_decay", False):
+                raise ValueError(f"compression '{name}': Adam's weight_decay={g['weight_decay']} (parameter group {i}) "
+                                 "is an L2 term inside the moments, which the exchanged moment cannot carry; use "
+                                 "torch.optim.AdamW (decoupled weight decay) or weight_decay=0")
+            adam.append((float(g["betas"][0]), float(g["betas"][1]), float(g["eps"])))
+        elif "dampening" in g:  # SGD
+            if g.get("momentum", 0.0) > 0.0:
+                raise ValueError(f"compression '{name}': the optimizer's momentum={g['momentum']} (parameter group "
+                                 f"{i}) would apply a second momentum to Adam's direction; wrap torch.optim.AdamW "
+                                 "(taken over) or SGD with momentum=0")
+        else:
+            raise ValueError(f"compression '{name}': the optimizer (parameter group {i} has keys "
+                             f"{sorted(k for k in g if k != 'params')}) is neither Adam/AdamW nor SGD; {name} "
+                             "computes Adam's direction itself: wrap torch.optim.AdamW (or Adam), or SGD with "
+                             "momentum=0")
+    if not adam:
+        return spec
+    if len(adam) != len(groups) or len(set(adam)) > 1:
+        raise ValueError(f"compression '{name}': the optimizer's parameter groups use different betas/eps "
+                         f"{sorted(set(adam))} (or mix Adam with SGD); {name} keeps one pair of moments' "
+                         "constants: give every group the same betas and eps")
+    (b1, b2, eps), = set(adam)
+    taken = {"beta1": b1, "beta2": b2, "eps": eps}
+    said = {k: spec.params.get(k) for k in taken}
+    differ = {k: v for k, v in said.items() if v is not None and v != taken[k]}
+    if differ:
+        warnings.warn(f"compression '{name}': taking over the optimizer's betas=({b1}, {b2}), eps={eps} (the spec "
+                      f"said {differ}); the optimizer's own update is replaced by {name}'s")
+    return CompressionSpec(name, dict(spec.params, **taken))
+
+
+def take_over_keras_adam(spec: CompressionSpec, config: Mapping[str, Any]) -> CompressionSpec:
+    """``onebitadam`` with a Keras optimizer's config: Keras SGD with momentum 0 applies the
+    exchanged direction as AdamW does (its ``weight_decay`` is decoupled); a Keras Adam's update
+    cannot be replaced from the outside, nor can SGD's momentum be removed from Adam's direction.
+    ValueError naming what to pass instead."""
+    name = spec.name
+    if "beta_1" in config:
+        raise ValueError(f"compression '{name}': a Keras {config.get('name', 'Adam')} optimizer would apply Adam "
+                         f"again to the direction {name} exchanges; wrap tf.keras.optimizers.SGD(learning_rate, "
+                         f"momentum=0.0, weight_decay=...) (decoupled, as AdamW's) and give Adam's constants in the "
+                         f"spec ({name}:beta1=...,beta2=...,eps=...)")
+    if "momentum" not in config:
+        raise ValueError(f"compression '{name}': the Keras optimizer {config.get('name')!r} would rescale the "
+                         f"direction {name} exchanges; wrap tf.keras.optimizers.SGD with momentum=0.0")
+    if config.get("momentum"):
+        raise ValueError(f"compression '{name}': the optimizer's momentum={config['momentum']} would apply a second "
+                         f"momentum to Adam's direction; momentum must be 0.0")
+    return spec
+
+
+def check_dgc_under_adam(spec: CompressionSpec, adam: bool) -> None:
+    """DGC under an Adam optimizer (``adam``: the wrapped optimizer is of the Adam family): its
+    momentum correction is SGD's, so with momentum > 0 Adam would apply a second momentum to DGC's
+    velocity: ValueError. With momentum 0, Adam divides each coordinate by a variance estimated on
+    the gradients while the sparsified exchange hands it rare large residuals (on the char LM of
+    docs/across-the-world.md it ended above the loss of workers that never communicate): a
+    warning. Both point to the specs that keep Adam's loss."""
+    if not adam:
+        return
+    hint = ("use 'onebitadam' (1-bit Adam: the first moment exchanged 1-bit after a dense warm-up) or "
+            "'fp16' with Adam/AdamW (docs/fidelity.md, AdamW)")
+    if momentum_of(spec) > 0.0:
+        raise ValueError(f"compression '{spec.name}': momentum={spec['momentum']} under an Adam optimizer: DGC's "
+                         f"momentum correction is SGD's, and Adam would apply its own moments on top of DGC's "
+                         f"velocity; {hint}")
+    warnings.warn(f"compression '{spec.name}' with an Adam optimizer: Adam's per-coordinate scaling misreads the "
+                  f"sparse, residual-accumulated gradients DGC exchanges (measured worse than no communication on "
+                  f"a transformer); {hint}")

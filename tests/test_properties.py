@@ -83,6 +83,8 @@ VARIANTS = {
     # beta=1 where the residual is on: the conservation property holds for plain error feedback
     "sparseloco": ["sparseloco:ratio=0.1,beta=1", "sparseloco:ratio=1.0,bits=1,beta=1",
                    "sparseloco:ratio=0.2,bits=3,residual=false"],
+    # step 0 is the dense warm-up, step 1 the 1-bit moment
+    "onebitadam": ["onebitadam:warmup_steps=1", "onebitadam:warmup_steps=1,scope=column,beta1=0.5"],
 }
 TEST_ONLY = {"toysign"}  # tests/toy_algorithm: the contract's worked example, not a library algorithm
 NAMES = sorted(set(REGISTRY) - TEST_ONLY)
@@ -120,6 +122,8 @@ def _max_magnitude(spec, dtype: str = "float32") -> float:
         limit = 65504.0 / 4  # sums of 3 ranks, plus a residual, stay finite in half precision
     if spec.name == "powersgd":
         limit = min(limit, 1e4 if dtype != "float16" else 1.0)
+    if spec.name == "onebitadam":
+        limit = min(limit, 1e18)  # its second moment squares the gradient
     if spec.name in ("dgc", "sketch") and dtype == "float16":
         limit = min(limit, 10.0)  # momentum and velocity accumulate (sketch: and are summed per cell)
     return limit
@@ -267,6 +271,13 @@ def _check_wire(spec, shape, world, nbytes, itemsize, label, step=0, declared=Tr
         else:
             assert nbytes == d * itemsize, (label, nbytes, d * itemsize)
             if check_declared and (len(shape) == 2 and shape[0] == shape[1] or len(shape) == 1 and 2 * math.sqrt(d) * r >= d):
+                assert nbytes == declared, (label, nbytes, declared)
+    elif spec.name == "onebitadam":  # the warm-up sends the float32 gradient, then onebit's payload
+        if step < spec["warmup_steps"]:
+            assert nbytes == d * 4, (label, nbytes, d * 4)
+        else:
+            assert nbytes == payload_bytes("onebit", spec.params, d, shape=shape), (label, nbytes)
+            if spec["scope"] == "tensor" or len(shape) == 2 and shape[0] == shape[1]:
                 assert nbytes == declared, (label, nbytes, declared)
     elif spec.name == "onebit" and spec["scope"] == "column":  # the rule counts a square matrix's columns
         assert nbytes == payload_bytes("onebit", spec.params, d, shape=shape), (label, nbytes)

@@ -125,6 +125,7 @@ TORCH_2 = SharedLaunch("torch", 2, {
                     "flush": ("scenarios.diloco", "flush_and_bad_arguments", _no_args),
                     "elastic": ("scenarios.diloco", "elastic_state", lambda: (_diloco().CKPT, 9, 5))},
     "test_docs": {"torch": ("scenarios.docs_snippets", "torch_all", _no_args)},
+    "test_onebitadam_multiprocess": {"all": ("scenarios.onebitadam", "torch_all", _no_args)},
 })
 
 # PyTorch, 3 workers: an odd world (sums and votes in rank order, a rank that is neither first nor

@@ -38,6 +38,7 @@ SCENARIOS = {
     "test_docs": ("scenarios.docs_snippets", "tf_all", lambda: ()),
     "test_tf_diloco": ("scenarios.tf_diloco", "everything", lambda: ()),
     "test_tf_schedules_multiprocess": ("scenarios.tf_schedules", "everything", lambda: (WORLD, scratch_dir())),
+    "test_onebitadam_multiprocess": ("scenarios.onebitadam", "tf_all", lambda: ()),
 }
 
 

@@ -32,6 +32,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from hvdcompress.momentum import check_dgc_under_adam
 from hvdcompress.native import select as shared
 from hvdcompress.sampling import sample_stride
 from hvdcompress.reference.dgc import dgc_density, dgc_sends_dense
@@ -142,6 +143,13 @@ class DGCCompressor(TakesMomentum, Compressor):
     summed = False
     uses_step = True  # the sampling offset is drawn per step
     has_schedule = True  # warm-up: the density follows the epoch
+
+    @classmethod
+    def adapt_optimizer(cls, spec: CompressionSpec, config):
+        """SGD's momentum taken over (``TakesMomentum``); a Keras Adam-family config (``beta_1``) is refused or warned about
+        first (``hvdcompress.momentum.check_dgc_under_adam``)."""
+        check_dgc_under_adam(spec, "beta_1" in config)
+        return super().adapt_optimizer(spec, config)
 
     def __init__(self, spec: CompressionSpec):
         super().__init__(spec)

@@ -29,6 +29,7 @@ import math
 import torch
 
 from hvdcompress.clipping import GlobalNorm, clip_coefficient
+from hvdcompress.momentum import check_dgc_under_adam
 from hvdcompress.sampling import sample_offset, sample_stride
 from hvdcompress.reference.dgc import dgc_density, dgc_sends_dense
 from hvdcompress.spec import CompressionSpec, num_selected
@@ -42,6 +43,13 @@ from .sparse import scaled_sum
 class DGCCompressor(TakesMomentum, Compressor):
     name = "dgc"
     summed = False
+
+    @classmethod
+    def adapt_optimizer(cls, spec: CompressionSpec, param_groups):
+        """SGD's momentum taken over (``TakesMomentum``); an Adam-family optimizer (groups with ``betas``) is refused or warned about
+        first (``hvdcompress.momentum.check_dgc_under_adam``)."""
+        check_dgc_under_adam(spec, any("betas" in g for g in param_groups))
+        return super().adapt_optimizer(spec, param_groups)
 
     def __init__(self, spec: CompressionSpec):
         super().__init__(spec)

@@ -1,0 +1,294 @@
+"""Fidelity under AdamW: every registered spec on the character-level transformer LM of
+benchmarks/diloco_wan.py (its model, corpus, dense pretraining and cosine schedule, imported from
+there), final held-out loss and bytes per step next to dense and next to each worker alone.
+
+    # the measurement (4 workers; see docs/fidelity.md, "AdamW", for the duration)
+    python benchmarks/fidelity_adam.py --workers 4 --seeds 0 1 2
+    # a smoke run (tiny model, a handful of steps; the figures mean nothing)
+    python benchmarks/fidelity_adam.py --quick --workers 2 --steps 6 --pretrain-steps 2 --seeds 0 \\
+        --configs none alone topk onebitadam --out /tmp/fidelity-adam-smoke
+
+One launch of ``--workers`` loopback workers (one thread each). Every worker first trains the
+common starting point (``--pretrain-steps`` of dense synchronous AdamW, as diloco_wan's
+``pretrain``), then runs one *phase* per (method, setting, seed), each from that starting point
+with a fresh AdamW (lr from the sweep, weight decay 0.1, betas 0.9/0.95; the lr follows
+diloco_wan's cosine: 5% warm-up, decay to 10%) for ``--steps`` steps on the rank's own random
+windows of the training text (seed ``1000 * (rank + 1) + 7919 * seed``), then checks that every
+rank holds the same parameters and evaluates the held-out next-character loss.
+
+Methods (``--configs``; all by default): ``alone`` (AdamW without any exchange: each worker
+trains on its own data; its loss is the mean over ranks) and every registered spec through the
+PyTorch ``DistributedOptimizer`` (Horovod, schedule ``layerwise``: every tensor compressed on its
+own, as in the papers) at its setting in ``SETTINGS`` (``{ratio}``: swept over ``--ratios``;
+``{warmup}``: ``onebitadam``'s dense warm-up, ``--onebitadam-warmup`` of the steps; a spec
+without an entry runs with its defaults). Specs that keep SGD's momentum in their memory run with
+``momentum=0`` (AdamW keeps its own); ``onebitadam`` takes AdamW over; ``dgc`` warns (its rule
+under Adam, docs/fidelity.md).
+
+Sweep: with the first seed, every setting x every learning rate of ``--lrs``; the one with the
+lowest final loss (mean over ranks) is the method's own and the other seeds run at it. Figures:
+``final_loss`` (mean over seeds at the method's own setting), ``bytes_per_step`` (payload bytes a
+worker handed to the collectives per step, counted by the communicator, warm-ups included),
+``loss_vs_dense_pct``, ``fewer_bytes_than_dense``, ``better_than_alone``. Written to
+``<out>.json`` and ``<out>.md`` after the launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+from diloco_wan import MODEL, QUICK_MODEL, counting, lr_schedule, pretrain
+
+# Under AdamW: momentum-keeping specs get momentum 0 (AdamW keeps its own). In run order: dense first.
+SETTINGS = {
+    "none": "none",
+    "alone": None,  # no exchange
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "onebitadam": "onebitadam:warmup_steps={warmup}",
+    "topk": "topk:ratio={ratio}",
+    "randomk": "randomk:ratio={ratio}",
+    "threshold": "threshold:threshold=0.001",
+    "dgc": "dgc:ratio={ratio},momentum=0,warmup_epochs=0",
+    "sketch": "sketch:ratio={ratio},momentum=0",
+    "sparseloco": "sparseloco:ratio={ratio}",
+    "signsgd": "signsgd",
+    "efsignsgd": "efsignsgd",
+    "onebit": "onebit",
+    "terngrad": "terngrad",
+    "qsgd": "qsgd:levels=7,bucket=512",
+    "powersgd": "powersgd:rank=2",
+}
+TEST_ONLY = {"toysign"}
+
+
+def configs() -> dict:
+    """Method name -> its spec template (None: each worker alone), every registered spec included."""
+    from hvdcompress.registry import registered
+
+    names = [n for n in registered() if n not in TEST_ONLY]
+    out = {n: s for n, s in SETTINGS.items() if n == "alone" or n in names}
+    out.update({n: n for n in sorted(names) if n not in out})
+    return out
+
+
+def settings(template, ratios, warmup):
+    """The spec strings a template stands for (one per swept ratio)."""
+    if template is None:
+        return [None]
+    if "{ratio}" in template:
+        return [template.format(ratio=r, warmup=warmup) for r in ratios]
+    return [template.format(warmup=warmup)]
+
+
+# -- worker (one per rank) -----------------------------------------------------------------------
+def phase(cfg, text, start_state, spec, lr, seed):
+    """One training run from the common start; (final loss mean over ranks, bytes per step, identical)."""
+    import torch
+
+    import hvdcompress.torch as hvc
+    from hvdcompress.bench.example_models import CharTransformer, char_batches, char_eval_loss
+    from torch_ops.collectives import Communicator
+
+    dims = cfg["model"]
+    torch.manual_seed(0)
+    model = CharTransformer(width=dims["width"], layers=dims["layers"], heads=dims["heads"], context=dims["context"])
+    if start_state is not None:
+        model.load_state_dict(start_state)
+    inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_schedule("cosine", cfg["steps"]))
+    driver = None
+    opt = inner
+    if spec is not None:
+        driver = counting(Communicator)
+        opt = hvc.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=spec,
+                                       driver=driver, schedule="layerwise")
+        opt.set_epoch(1000)  # past any density warm-up: the density asked for is the one measured
+    batches = char_batches(text.train, cfg["batch"], dims["context"], seed=1000 * (hvc.rank() + 1) + 7919 * seed)
+    for _ in range(cfg["steps"]):
+        x, y = next(batches)
+        opt.zero_grad()
+        model.loss(x, y).backward()
+        opt.step()
+        scheduler.step()
+    sent = driver.payload_bytes if driver is not None else 0
+    if spec is not None:
+        opt.flush()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rows = hvc.allgather(flat[None], name=f"check.{spec}.{lr}.{seed}")
+    identical = bool(all(torch.equal(rows[0], r) for r in rows)) if spec is not None else None
+    loss = char_eval_loss(model, text.test, dims["context"], windows=cfg["eval_windows"])
+    mean = float(hvc.allreduce(torch.tensor([loss], dtype=torch.float64), name=f"loss.{spec}.{lr}.{seed}",
+                               op=hvc.Average)[0])
+    return {"final_loss": mean, "final_loss_rank": loss, "bytes_per_step": sent / cfg["steps"], "identical": identical}
+
+
+def worker_main(config_path: str) -> int:
+    import torch
+
+    import hvdcompress.torch as hvc
+    from hvdcompress.datasets import load_stdlib_text
+
+    with open(config_path) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(1)
+    hvc.init()
+    text = load_stdlib_text(cfg["corpus_bytes"])
+    start_state = pretrain(cfg, text) if cfg["pretrain_steps"] else None
+    results = {}
+    for name, template in cfg["configs"].items():
+        specs = settings(template, cfg["ratios"], max(1, round(cfg["onebitadam_warmup"] * cfg["steps"])))
+        first, runs = cfg["seeds"][0], []
+        for spec, lr in itertools.product(specs, cfg["lrs"]):
+            t0 = time.time()
+            r = dict(phase(cfg, text, start_state, spec, lr, first), spec=spec, lr=lr, seed=first)
+            r["seconds"] = time.time() - t0
+            runs.append(r)
+            if hvc.rank() == 0:
+                print(f"[fidelity_adam] {name} {spec} lr {lr:g} seed {first}: loss {r['final_loss']:.4f}, "
+                      f"{r['bytes_per_step']:.0f} B/step, identical {r['identical']} ({r['seconds']:.0f} s)", flush=True)
+        best = min(runs, key=lambda r: (r["final_loss"], r["lr"]))  # identical on every rank (a mean)
+        for seed in cfg["seeds"][1:]:
+            r = dict(phase(cfg, text, start_state, best["spec"], best["lr"], seed), spec=best["spec"], lr=best["lr"],
+                     seed=seed)
+            runs.append(r)
+            if hvc.rank() == 0:
+                print(f"[fidelity_adam] {name} {best['spec']} lr {best['lr']:g} seed {seed}: loss "
+                      f"{r['final_loss']:.4f}", flush=True)
+        results[name] = {"template": template, "spec": best["spec"], "lr": best["lr"], "runs": runs}
+    with open(cfg["out"].format(rank=hvc.rank()), "w") as f:
+        json.dump({"rank": hvc.rank(), "size": hvc.size(), "results": results, "corpus": text.source,
+                   "versions": {"torch": torch.__version__}}, f)
+    hvc.shutdown()
+    return 0
+
+
+# -- orchestrator --------------------------------------------------------------------------------
+def summarize(rank0: dict, seeds) -> dict:
+    """Per method: its own setting's mean loss over the seeds, bytes, and the comparisons."""
+    rows = {}
+    for name, r in rank0["results"].items():
+        own = [x for x in r["runs"] if x["spec"] == r["spec"] and x["lr"] == r["lr"] and x["seed"] in seeds]
+        rows[name] = {"spec": r["spec"], "lr": r["lr"],
+                      "sweep": [(x["spec"], x["lr"], x["final_loss"]) for x in r["runs"] if x["seed"] == seeds[0]],
+                      "loss_per_seed": [x["final_loss"] for x in own],
+                      "final_loss": statistics.mean(x["final_loss"] for x in own),
+                      "bytes_per_step": statistics.mean(x["bytes_per_step"] for x in own),
+                      "identical": None if r["template"] is None else all(x["identical"] for x in r["runs"])}
+    dense, alone = rows.get("none"), rows.get("alone")
+    for name, row in rows.items():
+        if dense is not None:
+            row["loss_vs_dense_pct"] = 100.0 * (row["final_loss"] / dense["final_loss"] - 1.0)
+            row["within_1pct"] = row["loss_vs_dense_pct"] <= 1.0
+            row["fewer_bytes_than_dense"] = (dense["bytes_per_step"] / row["bytes_per_step"]
+                                             if row["bytes_per_step"] else None)
+        if alone is not None and name != "alone":
+            row["better_than_alone"] = row["final_loss"] < alone["final_loss"]
+    return rows
+
+
+def table(report) -> str:
+    m = report["meta"]
+    out = [f"{m['workers']} workers, char LM {m['model']}, {m['steps']} steps after {m['pretrain_steps']} dense "
+           f"pretraining steps, batch {m['batch_per_worker']} per worker, AdamW (wd 0.1, betas 0.9/0.95) with "
+           f"cosine lr; seeds {m['seeds']}; sweep lrs {m['lrs']}, ratios {m['ratios']}; corpus: {m.get('corpus', '?')}.",
+           "", "| method | spec (own setting) | lr | final loss (per seed) | mean | vs dense | bytes/worker/step | "
+           "fewer bytes than dense | better than alone | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in report["rows"].items():
+        vs = f"{r['loss_vs_dense_pct']:+.2f}%" if "loss_vs_dense_pct" in r and name != "none" else "-"
+        spec = f"`{r['spec']}`" if r["spec"] is not None else "no exchange"
+        fewer = f"{r['fewer_bytes_than_dense']:.1f}x" if r.get("fewer_bytes_than_dense") else "-"
+        alone = {True: "yes", False: "**no**"}.get(r.get("better_than_alone"), "-")
+        seeds = ", ".join(f"{v:.4f}" for v in r["loss_per_seed"])
+        out.append(f"| {name} | {spec} | {r['lr']:g} | {seeds} | {r['final_loss']:.4f} | {vs} | "
+                   f"{r['bytes_per_step']:.0f} | {fewer} | {alone} | {'-' if r['identical'] is None else r['identical']} |")
+    return "\n".join(out)
+
+
+def run(args, argv) -> int:
+    from hvdcompress.bench.launch import Placement, WorkerFailure, run_workers
+
+    every = configs()
+    chosen = args.configs or list(every)
+    unknown = [c for c in chosen if c not in every]
+    if unknown:
+        print(f"unknown configs {unknown}; known: {', '.join(every)}", file=sys.stderr)
+        return 2
+    model = dict(QUICK_MODEL if args.quick else MODEL)
+    for key in ("width", "layers", "context"):
+        if getattr(args, key) is not None:
+            model[key] = getattr(args, key)
+    config = {"configs": {c: every[c] for c in chosen}, "steps": args.steps, "batch": args.batch, "lr": args.lrs[0],
+              "lrs": args.lrs, "ratios": args.ratios, "seeds": args.seeds, "pretrain_steps": args.pretrain_steps,
+              "onebitadam_warmup": args.onebitadam_warmup, "corpus_bytes": args.corpus_bytes, "model": model,
+              "eval_windows": 16 if args.quick else 256, "threads": 1}
+    meta = {"command": "python benchmarks/fidelity_adam.py " + shlex.join(argv), "workers": args.workers,
+            "steps": args.steps, "pretrain_steps": args.pretrain_steps, "batch_per_worker": args.batch,
+            "model": model, "lrs": args.lrs, "ratios": args.ratios, "seeds": args.seeds,
+            "onebitadam_warmup_fraction": args.onebitadam_warmup, "network": "loopback",
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average_1_5_15_at_start": list(os.getloadavg()), "machine": f"{os.cpu_count()} cores"}
+    with tempfile.TemporaryDirectory(prefix="hvcfidelityadam-") as tmp:
+        try:
+            ranks = run_workers(Placement.loopback(args.workers), config, tmp, args.launch_timeout,
+                                lambda line: print(line, flush=True),
+                                worker_argv=[os.path.abspath(__file__), "worker"])
+        except WorkerFailure as e:
+            print(f"FAILED: {e}", file=sys.stderr)
+            return 1
+    meta["corpus"] = ranks[0]["corpus"]
+    meta["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    meta["load_average_1_5_15_at_end"] = list(os.getloadavg())
+    report = {"meta": meta, "rows": summarize(ranks[0], args.seeds)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    text = table(report)
+    with open(args.out + ".md", "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def _floats(text):
+    return [float(v) for v in str(text).split(",") if v.strip()]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["worker"]:
+        return worker_main(argv[1])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--pretrain-steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=16, help="per worker")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--context", type=int, default=32)
+    p.add_argument("--lrs", type=_floats, default=[3e-3], help="comma-separated peak learning rates swept (first seed)")
+    p.add_argument("--ratios", type=_floats, default=[0.01], help="comma-separated densities swept for ratio specs")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--onebitadam-warmup", type=float, default=0.03,
+                   help="onebitadam's dense warm-up as a fraction of --steps")
+    p.add_argument("--configs", nargs="*", default=None, help="subset of methods (default: alone and every spec)")
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--quick", action="store_true", help="diloco_wan's tiny model (smoke test; figures mean nothing)")
+    p.add_argument("--launch-timeout", type=float, default=6 * 3600.0)
+    p.add_argument("--out", default="benchmarks/results/fidelity/adamw-4workers")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width = args.layers = args.context = None
+    return run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

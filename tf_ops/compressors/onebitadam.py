@@ -1,0 +1,120 @@
+"""1-bit Adam (Tang et al., arXiv 2102.02888) for TensorFlow; the math, the warm-up and what stands
+in for the paper's server are in the oracle, ``hvdcompress.reference.onebitadam``.
+
+The exchange returns Adam's direction ``d = m_hat / (sqrt(v_hat) + eps)``; ``m``, ``v`` and this
+rank's ``residual`` are flat state variables. Under ``tf.function`` the step is a tensor, so the
+two phases cannot yield different collectives: every step is ONE allgather of a uint8 buffer,
+the float32 gradient's bytes during the warm-up (an exact average: the rows summed in rank order,
+as an allreduce of two ranks) and ``onebit``'s packed payload after it (its compressor's ops,
+error feedback on); a ``tf.cond`` picks what is sent and how it is read, so only one is computed.
+
+Keras: the optimizer must apply the direction as it is, which Keras SGD with momentum 0 does, its
+``weight_decay`` decoupled as AdamW's (``hvdcompress.momentum.take_over_keras_adam``); a Keras
+Adam would apply Adam a second time, and is refused with what to pass instead.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from hvdcompress.momentum import take_over_keras_adam
+from hvdcompress.reference.onebitadam import adam_constants, bias_corrections, inner_spec
+
+from ..collectives import Allgather
+from .base import Compressor
+from .quantizers import OneBitCompressor
+
+SLOTS = ("m", "v", "residual")
+
+
+class OneBitAdamCompressor(Compressor):
+    name = "onebitadam"
+    summed = False
+    uses_step = True  # the warm-up and the bias correction follow the step
+    shared_slots = ("m", "v")  # the averaged moment and the frozen variance: the same on every rank
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.moment = OneBitCompressor(inner_spec(spec))
+
+    @classmethod
+    def adapt_optimizer(cls, spec, config):
+        return take_over_keras_adam(spec, config), config
+
+    @property
+    def can_send_dense(self) -> bool:
+        return False  # the result is Adam's direction, not an average a dense group could send
+
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def state_slots(self, shape):
+        return SLOTS
+
+    def make_slot(self, slot, numel, dtype, name=None):
+        """float32 whatever the gradient's dtype: the oracle's moments and residual are float32."""
+        return super().make_slot(slot, numel, tf.float32, name)
+
+    def exchange(self, x, ctx):
+        c = adam_constants(self.spec)
+        f32 = lambda value: tf.constant(value, tf.float32)  # noqa: E731 (rounded once, as np.float32)
+        b1, b2, eps = f32(c["beta1"]), f32(c["beta2"]), f32(c["eps"])
+        one_b1, one_b2 = f32(1.0 - c["beta1"]), f32(1.0 - c["beta2"])
+        g = tf.cast(tf.reshape(x, [-1]), tf.float32)
+        numel = int(g.shape[0])
+        m, v = ctx.state["m"], ctx.state["v"]
+        step = tf.cast(ctx.step, tf.int64)
+        warm = step < self.spec["warmup_steps"]
+        local = m * b1 + g * one_b1
+
+        def dense_bytes():
+            return tf.reshape(tf.bitcast(g, tf.uint8), [-1])
+
+        def packed():
+            a = self.moment.memory.compensate(local, ctx.state)
+            sel = self.moment.select(a, ctx)
+            (payload,) = self.moment.compress(a, sel, ctx)
+            self.moment.memory.update(lambda: self.moment.unsent((payload,), a, sel, ctx), ctx.state)
+            return payload
+
+        (gathered,) = yield (Allgather(tf.cond(warm, dense_bytes, packed)),)
+
+        def warm_moments():
+            rows = tf.bitcast(tf.reshape(gathered, [ctx.world_size, numel, 4]), tf.float32)
+            total = rows[0]
+            for r in range(1, ctx.world_size):  # rank order
+                total = total + rows[r]
+            mean = total * f32(ctx.scale)
+            return m * b1 + mean * one_b1, v * b2 + (mean * mean) * one_b2
+
+        def compressed_moments():
+            total = self.moment.aggregate((gathered,), local, None, ctx)
+            return total * f32(ctx.scale), v.read_value()
+
+        m_new, v_new = tf.cond(warm, warm_moments, compressed_moments)
+        m.assign(m_new)
+        v.assign(v_new)
+        f1, f2 = self._factors(step)
+        root = tf.cast(tf.sqrt(tf.cast(v_new, tf.float64)), tf.float32)  # correctly rounded, as the oracle's
+        d = (m_new * f1) / (root * f2 + eps)
+        return tf.cast(tf.reshape(d, tf.shape(x)), x.dtype)
+
+    def _factors(self, step):
+        """The bias corrections' factors at ``step`` (``bias_corrections``, float64 rounded once to
+        float32), read from tables made once in Python: f1 until it rounds to 1, f2 until the
+        variance freezes (a traced step cannot call Python's pow, and TF's may round differently)."""
+        if not hasattr(self, "_tables"):
+            import numpy as np
+            f1, s = [], 0
+            while len(f1) < 2 ** 20:
+                value = np.float32(bias_corrections(self.spec, s)[0])
+                f1.append(value)
+                if value == 1.0:
+                    break
+                s += 1
+            f2 = [np.float32(bias_corrections(self.spec, s)[1]) for s in range(int(self.spec["warmup_steps"]))]
+            self._tables = (np.asarray(f1, np.float32), np.asarray(f2, np.float32))
+        f1, f2 = self._tables
+        at = lambda table: tf.gather(tf.constant(table), tf.minimum(step, len(table) - 1))  # noqa: E731
+        return at(f1), at(f2)
