@@ -235,3 +235,20 @@ def test_dgc_under_keras_adam_is_refused():
     spec = parse_spec("dgc:ratio=0.01")
     with pytest.raises(ValueError, match="use 'onebitadam'"):
         compressor_class(spec).adapt_optimizer(spec, tf.keras.optimizers.Adam(0.1).get_config())
+
+
+def test_update_exchanging_spec_is_refused_where_a_gradient_is_expected():
+    """onebitadam's result is Adam's update: no delayed averaging, no DiLoCo outer gradient, no DDP hook
+    without the optimizer it takes over; each refused before any collective (no transport is made)."""
+    import hvdcompress.ddp as ddp
+    import hvdcompress.torch as hvc
+
+    model = torch.nn.Linear(4, 2)
+    for kwargs in ({"delay": 1}, {"sync_every": 2}):
+        with pytest.raises(ValueError, match="delay / sync_every"):
+            hvc.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                     named_parameters=model.named_parameters(), compression="onebitadam", **kwargs)
+    with pytest.raises(ValueError, match="outer gradient"):
+        hvc.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-3), compression="onebitadam", backend="torch")
+    with pytest.raises(ValueError, match="optimizer="):
+        ddp.comm_hook("onebitadam", model=model)

@@ -80,6 +80,9 @@ class CommHookState(SessionFront):
         cls = compressor_class(spec)
         if optimizer is not None:
             spec = cls.adapt_optimizer(spec, optimizer.param_groups)  # DGC / sketch take the momentum over
+        elif cls.returns_update:
+            raise ValueError(f"optimizer: compression '{spec.name}' applies the optimizer's update itself; pass "
+                             "optimizer= (the AdamW stepping the model) to comm_hook")
         elif issubclass(cls, TakesMomentum) and float(spec["momentum"]) > 0.0:
             warnings.warn(f"hvdcompress.ddp: compression '{spec.name}' applies momentum={spec['momentum']} in its "
                           "memory; pass optimizer= to comm_hook so the optimizer's own momentum is taken over (set "

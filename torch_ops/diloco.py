@@ -111,6 +111,9 @@ class DiLoCo:
                 raise ValueError(f"DiLoCo: {which} holds tensors that are not parameters of the model")
         # ValueError here when the spec has no PyTorch implementation
         self.session = ExchangeSession(self.cfg.compression, dict(named), who="hvdcompress.DiLoCo", owner="DiLoCo")
+        if self.session.compressor.returns_update:
+            raise ValueError(f"compression: {self.cfg.compression.name} exchanges an optimizer's update, not the "
+                             "outer gradient DiLoCo averages; use a gradient compressor (e.g. onebit, qsgd, topk)")
         self.inner = inner_optimizer
         self.outer = outer_optimizer if outer_optimizer is not None else torch.optim.SGD(
             self.params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=OUTER_NESTEROV)

@@ -319,6 +319,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     groups = [dict(g) for g in optimizer.param_groups]
     spec = compressor_class(spec).adapt_optimizer(spec, groups)
     compressor = build_compressor(spec)  # the one compressor of this optimizer
+    if compressor.returns_update and (delay != 0 or sync_every != 1):
+        raise ValueError(f"delay / sync_every: {spec.name} exchanges the optimizer's update, which delayed "
+                         f"averaging cannot split into local and delayed terms; accepted: delay=0 and sync_every=1 "
+                         f"(got delay={delay}, sync_every={sync_every})")
     alternatives = resolve_codec_choice(codec_choice, spec, compressor, schedule, tune_steps, delay,
                                         sync_every, elastic=elastic_mode())
     check_revalidate_every(revalidate_every, bool(alternatives))

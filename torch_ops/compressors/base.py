@@ -96,6 +96,12 @@ class Compressor(Registered, ABC):
         step (``state``: its per-parameter state, saved with it). DGC adds the weight decay it took
         over here. Default: nothing."""
 
+    #: True when the exchange's result is the optimizer's update direction rather than an averaged
+    #: gradient (1-bit Adam: the compressor applies Adam's step itself). Such a result cannot be
+    #: split into local and delayed terms (delay / sync_every), be DiLoCo's outer gradient, or be
+    #: handed to an optimizer that was not taken over.
+    returns_update = False
+
     def local_momentum(self) -> Optional[Tuple[float, bool]]:
         """(momentum, nesterov) when the compressor keeps the training's momentum in its memory
         (the wrapped optimizer then runs without): delayed averaging (``torch_ops.delayed``)

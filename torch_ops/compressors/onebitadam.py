@@ -36,6 +36,7 @@ def _f32(value: float) -> torch.Tensor:
 class OneBitAdamCompressor(Compressor):
     name = "onebitadam"
     summed = False
+    returns_update = True
 
     def __init__(self, spec: CompressionSpec):
         super().__init__(spec)
