@@ -141,3 +141,24 @@ def test_checkers_find_what_they_look_for(tmp_path, monkeypatch):
     assert kinds == [("python fragment", False, True, "local"), ("python", True, False, "local"),
                      ("bash", False, False, "local")]
     assert ds.blocks("docs/a.md")[0].code == "x = (\n"
+
+
+RESULTS_LIMIT_BYTES = 5 * 1000 * 1000
+
+
+def test_results_stay_under_five_megabytes():
+    """benchmarks/results/ holds what the docs cite, not raw traces: its tracked files stay under
+    5 MB (summarise a large run, or give the command that regenerates it)."""
+    root = os.path.join(ds.ROOT, "benchmarks", "results")
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "benchmarks/results"], cwd=ds.ROOT, capture_output=True,
+                                check=True).stdout.decode().split("\0")
+        files = [os.path.join(ds.ROOT, f) for f in listed if f]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: every file there
+        files = [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+    sizes = sorted(((os.path.getsize(f), os.path.relpath(f, ds.ROOT)) for f in files if os.path.isfile(f)),
+                   reverse=True)
+    total = sum(s for s, _ in sizes)
+    largest = ", ".join(f"{p} {s / 1e6:.2f} MB" for s, p in sizes[:5])
+    assert total < RESULTS_LIMIT_BYTES, (f"benchmarks/results/ holds {total / 1e6:.2f} MB (limit "
+                                         f"{RESULTS_LIMIT_BYTES / 1e6:.0f} MB); largest: {largest}")
