@@ -162,3 +162,44 @@ def test_results_stay_under_five_megabytes():
     largest = ", ".join(f"{p} {s / 1e6:.2f} MB" for s, p in sizes[:5])
     assert total < RESULTS_LIMIT_BYTES, (f"benchmarks/results/ holds {total / 1e6:.2f} MB (limit "
                                          f"{RESULTS_LIMIT_BYTES / 1e6:.0f} MB); largest: {largest}")
+
+
+def _argument_tables():
+    """``{(page, target): [argument names]}`` of every table that follows an
+    ``<!-- arguments: module.callable -->`` marker in README.md or docs/."""
+    import re
+    out = {}
+    for page in ds.doc_files():
+        with open(os.path.join(ds.ROOT, page), encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        for i, line in enumerate(lines):
+            m = re.match(r"^<!-- arguments: ([\w.]+) -->$", line.strip())
+            if not m:
+                continue
+            names, j = [], i + 1
+            while j < len(lines) and lines[j].startswith("|"):
+                cell = lines[j].split("|")[1].strip()
+                if cell.startswith("`") and cell.endswith("`"):
+                    names.append(cell.strip("`"))
+                j += 1
+            out[(page, m.group(1))] = names
+    return out
+
+
+def test_argument_tables_follow_the_signatures():
+    """The argument tables of DistributedOptimizer, the DDP hook and DiLoCo list exactly the
+    callable's parameters (a new argument needs its row; a removed one loses it)."""
+    import importlib
+    import inspect
+    tables = _argument_tables()
+    targets = {t for _, t in tables}
+    assert {"torch_ops.optimizer.DistributedOptimizer", "torch_ops.ddp_hook.comm_hook",
+            "torch_ops.diloco.DiLoCo"} <= targets, sorted(targets)
+    stale = []
+    for (page, target), names in tables.items():
+        module, _, name = target.rpartition(".")
+        params = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+        missing, extra = [p for p in params if p not in names], [n for n in names if n not in params]
+        if missing or extra or len(set(names)) != len(names):
+            stale.append(f"{page} ({target}): not in the table {missing}, not in the signature {extra}")
+    assert not stale, "argument tables out of step with the code:\n" + "\n".join(stale)

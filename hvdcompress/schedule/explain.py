@@ -97,7 +97,8 @@ class Decisions:
     def lines(self, max_names: int = 2) -> List[str]:
         """A readable table: a heading, one line per group, then the measured candidates."""
         c = self.counts()
-        head = (f"codec choice {self.codec_choice} ({self.basis}): {len(self.groups)} group(s), "
+        basis = "fixed schedule, nothing predicted" if self.basis == "fixed" else self.basis
+        head = (f"codec choice {self.codec_choice} ({basis}): {len(self.groups)} group(s), "
                 f"{c['spec']} sent {self.spec}, {c['fp16']} fp16, {c['dense']} dense")
         out = [head]
         if self.groups and any(s is not None for g in self.groups for _, s in g.predicted):
