@@ -23,11 +23,11 @@ test-full: install
 
 # PyTorch Lightning and Ray Train for real (docs/supported.md): installs the pinned packages into this
 # Python's environment (neither is in requirements/; ray[train] adds about 500 MB), then runs
-# tests/test_integrations.py (the default suite skips it where they are missing).
+# tests/test_integrations.py (the default suite skips it).
 INTEGRATIONS ?= lightning==2.6.6 ray[train]==2.58.0
 test-integrations: install
 	$(PYTHON) -m pip install $(foreach p,$(INTEGRATIONS),"$(p)")
-	$(PYTHON) -m pytest tests/test_integrations.py -q
+	HVDC_INTEGRATION_TESTS=1 $(PYTHON) -m pytest tests/test_integrations.py -q
 
 # Single-process tests only: deselects the tests marked ``multiprocess`` (tests/conftest.py), the
 # ones that launch Horovod/Gloo worker processes.
