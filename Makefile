@@ -3,7 +3,7 @@ PYTHON ?= python3
 NP ?= 2
 COMPRESSION ?= topk:ratio=0.01
 
-.PHONY: install digits test test-full test-fast bench bench-schedules docs
+.PHONY: install digits test test-full test-fast test-integrations bench bench-schedules docs
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install.sh
@@ -20,6 +20,14 @@ test: install
 # The default suite plus the extended tier (tests/conftest.py: costly repeats of covered paths).
 test-full: install
 	HVDC_EXTENDED_TESTS=1 $(PYTHON) -m pytest tests -q -n 2 --dist loadgroup
+
+# PyTorch Lightning and Ray Train for real (docs/supported.md): installs the pinned packages into this
+# Python's environment (neither is in requirements/; ray[train] adds about 500 MB), then runs
+# tests/test_integrations.py (the default suite skips it).
+INTEGRATIONS ?= lightning==2.6.6 ray[train]==2.58.0
+test-integrations: install
+	$(PYTHON) -m pip install $(foreach p,$(INTEGRATIONS),"$(p)")
+	HVDC_INTEGRATION_TESTS=1 $(PYTHON) -m pytest tests/test_integrations.py -q
 
 # Single-process tests only: deselects the tests marked ``multiprocess`` (tests/conftest.py), the
 # ones that launch Horovod/Gloo worker processes.

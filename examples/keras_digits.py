@@ -10,7 +10,13 @@ Each rank trains on its own shard of the training set. The optimizer is wrapped 
 the spec's warm-up schedule, one step down per epoch) and ``CompressionStatsCallback`` (measured
 bytes per step in the Keras logs; add ``--tensorboard DIR`` to see them in TensorBoard). At the end
 rank 0 prints the test accuracy and the bytes each rank put on the wire per step next to dense,
-and every rank checks that all ranks hold identical parameters.
+per group what was sent (``CompressionStatsCallback.decisions()``), and every rank checks that all
+ranks hold identical parameters.
+
+``--checkpoint-dir DIR`` gives every rank its own ``ModelCheckpoint`` (``DIR/rank<r>/``, weights in
+TF format, so with the optimizer's variables and the compression state: residuals differ per
+rank, and a checkpoint of rank 0's alone would hand them to every rank); a rerun with the same
+directory resumes from the last epoch saved.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (DGC takes it over)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensorboard", help="write TensorBoard logs (rank 0) to this directory")
+    p.add_argument("--checkpoint-dir", help="save every epoch, one checkpoint per rank (DIR/rank<r>/); a rerun "
+                   "with the same directory resumes from it")
     p.add_argument("--json", help="write the final figures to this file (rank 0)")
     p.add_argument("--verbose", type=int, default=2, help="Keras fit verbosity on rank 0")
     return p.parse_args(argv)
@@ -76,15 +84,27 @@ def train(args) -> dict:
                                    compression=compression)
     model.compile(optimizer=opt, metrics=["accuracy"],
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    callbacks = [hvc.BroadcastGlobalVariablesCallback(0), hvc.MetricAverageCallback(),
-                 hvc.CompressionStatsCallback()]
+    stats_callback = hvc.CompressionStatsCallback()
+    initial_epoch, callbacks = 0, [hvc.MetricAverageCallback(), stats_callback]
+    if args.checkpoint_dir:
+        own = os.path.join(args.checkpoint_dir, f"rank{rank}")
+        epoch_file = os.path.join(own, "epoch.json")
+        if os.path.exists(epoch_file):  # resume: every rank its own weights, optimizer and compression state
+            model.load_weights(os.path.join(own, "weights"))
+            with open(epoch_file) as f:
+                initial_epoch = json.load(f)["epochs_done"]
+        callbacks += [tf.keras.callbacks.ModelCheckpoint(os.path.join(own, "weights"), save_weights_only=True),
+                      tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: _write_json(
+                          epoch_file, {"epochs_done": epoch + 1}))]
+    if initial_epoch == 0:  # a resumed rank keeps its own state: broadcasting would overwrite its residuals
+        callbacks.insert(0, hvc.BroadcastGlobalVariablesCallback(0))
     if opt.gradient_compression.compressor.has_schedule:
         callbacks.append(hvc.SparsityWarmupCallback())
     if args.tensorboard and rank == 0:
         callbacks.append(tf.keras.callbacks.TensorBoard(args.tensorboard))
     start = time.perf_counter()
     history = model.fit(train_ds, epochs=args.epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-                        verbose=args.verbose if rank == 0 else 0)
+                        verbose=args.verbose if rank == 0 else 0, initial_epoch=initial_epoch)
     elapsed = time.perf_counter() - start
 
     flat = tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
@@ -99,7 +119,13 @@ def train(args) -> dict:
         "steps": stats["steps"], "parameters_identical_across_ranks": identical, "seconds": elapsed,
         "density_per_epoch": history.history.get("density"),
         "bytes_per_step_last_epoch": history.history["wire_bytes_per_step"][-1],
+        "decisions": stats_callback.decisions().as_dict(), "decision_lines": stats_callback.decisions().lines(),
     }
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f)
 
 
 def main(argv=None) -> int:
@@ -113,6 +139,8 @@ def main(argv=None) -> int:
         print(f"last epoch            {result['bytes_per_step_last_epoch']:.0f} bytes/step "
               f"({result['dense_bytes_per_step'] / result['bytes_per_step_last_epoch']:.1f}x smaller)")
         print(f"identical parameters  {result['parameters_identical_across_ranks']}")
+        print("sent per group:")
+        print("\n".join("  " + line for line in result["decision_lines"]))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)

@@ -3,9 +3,16 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_digits.py --compression topk:ratio=0.01
 
 Each rank trains on its own shard of the training set; gradients are compressed with the given
-spec, exchanged with Horovod and averaged. At the end rank 0 prints the test accuracy and the bytes
-each rank put on the wire per step next to what dense allreduce would have sent, and every rank
-checks that all ranks hold identical parameters.
+spec on every group (``--codec-choice off``, this script's default), exchanged with Horovod and
+averaged. At the end rank 0 prints the test accuracy, the bytes each rank put on the wire per step
+next to what dense allreduce would have sent, and per group what was sent with the predicted
+times; every rank checks that all ranks hold identical parameters.
+
+Then (``--probe-steps``, on by default) it shows what the optimizer's default (``codec_choice``
+unset: the measured per-group decision) would send on this link and why: a fresh copy of the model
+trains a few steps with the default until its measured validation has decided, and rank 0 prints
+per group the spec, fp16 or dense it chose, the predicted times, and every candidate's measured
+median step. ``--codec-choice auto`` trains with the decision itself instead.
 """
 
 from __future__ import annotations
@@ -35,9 +42,13 @@ def parse_args(argv=None):
     p.add_argument("--compression", default="none", help="spec, e.g. none, fp16, topk:ratio=0.01")
     p.add_argument("--schedule", default="auto", help="merge schedule: auto (cost model), mgs, mgwfbp, "
                    "layerwise, single, size:<MB>")
-    p.add_argument("--codec-choice", choices=("auto", "off"), default=None,
-                   help="per-group choice of the spec, fp16 or dense (default: the optimizer's, on for a "
-                   "compressing spec under a cost-model schedule)")
+    p.add_argument("--codec-choice", choices=("auto", "off", "default"), default="off",
+                   help="per-group choice of the spec, fp16 or dense while training: off (the spec on every "
+                   "group; this script's default), auto, or default (the optimizer's: on for a compressing "
+                   "spec under a cost-model schedule)")
+    p.add_argument("--probe-steps", type=int, default=200,
+                   help="after training, at most this many steps of a fresh model under the optimizer's default "
+                   "codec choice, to show what it decides on this link (0: skip)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
@@ -58,6 +69,31 @@ def evaluate(model, x, y) -> float:
     return acc
 
 
+def probe_default_choice(args, compression, x_tr, y_tr, size: int):
+    """What the optimizer's default codec choice decides on this link: a fresh model trains under it
+    until its measured validation has kept a plan (at most ``args.probe_steps`` steps); returns its
+    ``Decisions`` (rank 0 prints them), or None when the default is "off" here."""
+    torch.manual_seed(args.seed)
+    model = DigitsCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
+                                   schedule=args.schedule, delay=args.delay, sync_every=args.sync_every)
+    if opt.codec_choice == "off":
+        return None
+    hvc.broadcast_parameters(model.state_dict(), root_rank=0)
+    n = len(x_tr) // args.batch_size
+    for step in range(args.probe_steps):
+        i = step % n
+        opt.zero_grad()
+        F.cross_entropy(model(x_tr[i * args.batch_size:(i + 1) * args.batch_size]),
+                        y_tr[i * args.batch_size:(i + 1) * args.batch_size]).backward()
+        opt.step()
+        plan = opt.plan  # the same on every rank, so every rank stops at the same step
+        if plan is not None and plan.tuning and "candidates" in plan.tuning:
+            break
+    return opt.decisions()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     compression = hvc.parse_spec(args.compression)  # bad specs fail here, on every rank, before any collective
@@ -73,7 +109,7 @@ def main(argv=None) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     opt = hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
                                    schedule=args.schedule, delay=args.delay, sync_every=args.sync_every,
-                                   codec_choice=args.codec_choice)
+                                   codec_choice=None if args.codec_choice == "default" else args.codec_choice)
     hvc.broadcast_parameters(model.state_dict(), root_rank=0)
     hvc.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -104,8 +140,10 @@ def main(argv=None) -> int:
         "schedule": args.schedule, "groups": opt.groups, "codec_choice": opt.codec_choice,
         "delay": args.delay, "sync_every": args.sync_every,
         "predicted_step_seconds": opt.plan.predicted_seconds if opt.plan else None,
-        "last_step_timings": opt.timings,
+        "last_step_timings": opt.timings, "decisions": opt.decisions().as_dict(),
     }
+    default = probe_default_choice(args, compression, x_tr, y_tr, size) if args.probe_steps > 0 else None
+    result["default_decision"] = None if default is None else default.as_dict()
     if rank == 0:
         print(f"compression           {result['compression']}")
         print(f"test accuracy         {result['test_accuracy']:.4f}")
@@ -117,6 +155,13 @@ def main(argv=None) -> int:
         print(f"schedule              {args.schedule} -> {plan.schedule if plan else 'layerwise'}: "
               f"{len(opt.groups)} group(s) of {[len(g) for g in opt.groups]} tensors{predicted}; "
               f"last step {opt.timings['iteration_seconds'] * 1e3:.1f} ms; codec choice {opt.codec_choice}")
+        print("sent per group (trained with):")
+        print("\n".join("  " + line for line in opt.decisions().lines()))
+        if default is not None:
+            print("what the default (codec_choice unset: the measured per-group decision) sends on this link:")
+            print("\n".join("  " + line for line in default.lines()))
+        elif args.probe_steps > 0:
+            print("the default codec choice is off for this spec and schedule: the spec is sent on every group")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)

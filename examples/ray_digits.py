@@ -12,8 +12,10 @@ wraps the model in ``DistributedDataParallel``, and the hook goes on that model 
     model.register_comm_hook(state, hook)
 
 At the end every worker prints a checksum of its parameters and whether all workers hold identical
-parameters; the driver prints what rank 0 reported: test accuracy and bytes sent per step. Exit
-status 1 if the parameters differ across workers.
+parameters; the driver prints what rank 0 reported: test accuracy and bytes sent per step, and the
+checkpoint's files: every worker saves its own (``rank<r>.pt``: model, optimizer and hook state),
+since each rank's residuals are its own; ``resume`` loads a rank's file. Exit status 1 if the
+parameters differ across workers or a rank's file is missing.
 """
 
 from __future__ import annotations
@@ -77,12 +79,21 @@ def train_loop(config: dict) -> None:
                "bytes_per_step": stats["bytes_per_step"], "dense_bytes_per_step": stats["dense_bytes_per_step"],
                "momentum": opt.param_groups[0]["momentum"]}
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = None
-        if rank == 0:  # Ray keeps the metrics reported with a checkpoint: rank 0 saves the model and the hook's state
-            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
-                       os.path.join(tmp, "checkpoint.pt"))
-            checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=checkpoint)
+        # every rank saves its own file: residuals (and the hook's momenta) differ per rank, so rank 0's
+        # alone would hand its residuals to every rank on resume; Ray gathers the files of one report
+        # into one checkpoint directory (and keeps rank 0's metrics)
+        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
+                   os.path.join(tmp, f"rank{rank}.pt"))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def resume(checkpoint_dir: str, rank: int, model, opt, state) -> None:
+    """Load rank ``rank``'s own file of a checkpoint this script wrote into ``model`` (the DDP model),
+    ``opt`` and the hook's ``state`` (built again with ``comm_hook`` first)."""
+    saved = torch.load(os.path.join(checkpoint_dir, f"rank{rank}.pt"))
+    model.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["hook"])
 
 
 def parse_args(argv=None):
@@ -114,14 +125,18 @@ def main(argv=None) -> bool:
     trainer = TorchTrainer(train_loop, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
                            run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="ray_digits_")))
-    m = trainer.fit().metrics
+    result = trainer.fit()
+    m = result.metrics
+    with result.checkpoint.as_directory() as folder:
+        saved = sorted(f for f in os.listdir(folder) if f.startswith("rank"))
     ray.shutdown()
     print(f"compression           {m['spec']}")
     print(f"test accuracy         {m['test_accuracy']:.4f} after {m['steps']} steps ({args.epochs} epochs)")
     print(f"bytes/step per rank   {m['bytes_per_step']:.0f} (dense {m['dense_bytes_per_step']:.0f})")
     print(f"optimizer momentum    {m['momentum']} (DGC takes it over)")
     print(f"identical parameters  {m['identical']}")
-    return bool(m["identical"])
+    print(f"checkpoint            {', '.join(saved)} (one file per rank)")
+    return bool(m["identical"]) and saved == [f"rank{r}.pt" for r in range(args.workers)]
 
 
 if __name__ == "__main__":

@@ -141,3 +141,65 @@ def test_checkers_find_what_they_look_for(tmp_path, monkeypatch):
     assert kinds == [("python fragment", False, True, "local"), ("python", True, False, "local"),
                      ("bash", False, False, "local")]
     assert ds.blocks("docs/a.md")[0].code == "x = (\n"
+
+
+RESULTS_LIMIT_BYTES = 5 * 1000 * 1000
+
+
+def test_results_stay_under_five_megabytes():
+    """benchmarks/results/ holds what the docs cite, not raw traces: its tracked files stay under
+    5 MB (summarise a large run, or give the command that regenerates it)."""
+    root = os.path.join(ds.ROOT, "benchmarks", "results")
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "benchmarks/results"], cwd=ds.ROOT, capture_output=True,
+                                check=True).stdout.decode().split("\0")
+        files = [os.path.join(ds.ROOT, f) for f in listed if f]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: every file there
+        files = [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+    sizes = sorted(((os.path.getsize(f), os.path.relpath(f, ds.ROOT)) for f in files if os.path.isfile(f)),
+                   reverse=True)
+    total = sum(s for s, _ in sizes)
+    largest = ", ".join(f"{p} {s / 1e6:.2f} MB" for s, p in sizes[:5])
+    assert total < RESULTS_LIMIT_BYTES, (f"benchmarks/results/ holds {total / 1e6:.2f} MB (limit "
+                                         f"{RESULTS_LIMIT_BYTES / 1e6:.0f} MB); largest: {largest}")
+
+
+def _argument_tables():
+    """``{(page, target): [argument names]}`` of every table that follows an
+    ``<!-- arguments: module.callable -->`` marker in README.md or docs/."""
+    import re
+    out = {}
+    for page in ds.doc_files():
+        with open(os.path.join(ds.ROOT, page), encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        for i, line in enumerate(lines):
+            m = re.match(r"^<!-- arguments: ([\w.]+) -->$", line.strip())
+            if not m:
+                continue
+            names, j = [], i + 1
+            while j < len(lines) and lines[j].startswith("|"):
+                cell = lines[j].split("|")[1].strip()
+                if cell.startswith("`") and cell.endswith("`"):
+                    names.append(cell.strip("`"))
+                j += 1
+            out[(page, m.group(1))] = names
+    return out
+
+
+def test_argument_tables_follow_the_signatures():
+    """The argument tables of DistributedOptimizer, the DDP hook and DiLoCo list exactly the
+    callable's parameters (a new argument needs its row; a removed one loses it)."""
+    import importlib
+    import inspect
+    tables = _argument_tables()
+    targets = {t for _, t in tables}
+    assert {"torch_ops.optimizer.DistributedOptimizer", "torch_ops.ddp_hook.comm_hook",
+            "torch_ops.diloco.DiLoCo"} <= targets, sorted(targets)
+    stale = []
+    for (page, target), names in tables.items():
+        module, _, name = target.rpartition(".")
+        params = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+        missing, extra = [p for p in params if p not in names], [n for n in names if n not in params]
+        if missing or extra or len(set(names)) != len(names):
+            stale.append(f"{page} ({target}): not in the table {missing}, not in the signature {extra}")
+    assert not stale, "argument tables out of step with the code:\n" + "\n".join(stale)

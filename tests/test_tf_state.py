@@ -172,6 +172,12 @@ def test_stats_callback_writes_the_epoch_figures_into_the_logs():
     assert logs["dense_bytes_per_step"] == 4 * sum(int(np.prod(s)) for s in SHAPES)
     assert logs["compression_ratio"] == logs["dense_bytes_per_step"] / logs["wire_bytes_per_step"]
     assert logs["density"] == 0.05
+    # per group, what was sent: the spec everywhere (TF's codec choice is off by default)
+    n = len(comp.groups)
+    assert (logs["groups_spec"], logs["groups_fp16"], logs["groups_dense"]) == (n, 0, 0)
+    d = cb.decisions()
+    assert d.codec_choice == "off" and [r.kind for r in d.groups] == ["spec"] * n
+    assert "codec choice off" in d.lines()[0]
 
 
 # -- argument checks of the wrappers (no hvd.init(): each must raise before Horovod is needed) ------

@@ -17,6 +17,12 @@ at the same step.
     dense_bytes_per_step   what dense allreduce would have sent
     compression_ratio      dense / wire
     density                the density in effect (ratio-based compressors)
+    groups_spec, groups_fp16, groups_dense
+                           how many groups the latest exchange sent with the spec, fp16, dense
+
+and ``decisions()`` says per group what was sent and the cost model's predicted times
+(``hvdcompress.schedule.explain``). TensorFlow's per-group codec choice is off by default (it is
+not checked by measurement there): every group is sent with the spec unless ``codec_choice="auto"``.
 
 ``DelayedAveragingFlushCallback`` (delayed averaging, ``tf_ops.delayed``) calls the optimizer's
 ``flush()`` before every evaluation (``on_test_begin``: ``evaluate`` and ``fit``'s validation), at the
@@ -131,6 +137,38 @@ class CompressionStatsCallback(tf.keras.callbacks.Callback):
         logs[p + "compression_ratio"] = dense / wire if wire else float("inf")
         if comp.density is not None:
             logs[p + "density"] = comp.density
+        for kind, n in self.decisions().counts().items():
+            logs[p + "groups_" + kind] = n
+
+    def decisions(self):
+        """Per group of the latest traced exchange, what it was sent with and the predicted seconds
+        of each option (``hvdcompress.schedule.explain.Decisions``; ``.lines()`` prints it). Group
+        members are named by the model's trainable variables where the positions match them."""
+        from hvdcompress.schedule.explain import explain_groups
+
+        comp = _compression_of(self, self._given)
+        groups, plan = comp.groups or [], comp.plan
+        variables = list(getattr(self.model, "trainable_variables", None) or [])
+        codec_of = {}
+        if plan is not None and plan.codecs is not None:  # plan groups index present gradients, reversed
+            order = sorted({q for g in groups for q in g}, reverse=True)
+            for pg, codec in zip(plan.groups, plan.codecs):
+                for i in pg:
+                    if i < len(order):
+                        codec_of[order[i]] = codec
+
+        def name(q):
+            return variables[q].name if q < len(variables) else f"gradient {q}"
+
+        def nbytes(q):
+            if q >= len(variables) or variables[q].shape.num_elements() is None:
+                return 0.0
+            return float(variables[q].shape.num_elements() * variables[q].dtype.size)
+
+        return explain_groups([[name(q) for q in g] for g in groups], [sum(nbytes(q) for q in g) for g in groups],
+                              [codec_of.get(g[0]) if g else None for g in groups], comp.compression,
+                              comp.cost_model, None, "auto" if codec_of else "off",
+                              predicted_seconds=None if plan is None else plan.predicted_seconds)
 
 
 class DelayedAveragingFlushCallback(tf.keras.callbacks.Callback):

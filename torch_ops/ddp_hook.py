@@ -41,7 +41,7 @@ format of our ``DistributedOptimizer``'s ``state_dict()["hvdcompress"]``, with t
 saved units the hook exchanges the saved units (a merged group gathered from the bucket, results
 scattered back), so resuming is exact.
 
-Compressors that keep the momentum in their memory (DGC, the count sketch) take the optimizer's
+Compressors that keep the momentum in their memory (DGC, the count sketch, EF-signSGD, 1-bit SGD) take the optimizer's
 momentum over as our optimizer does (``Compressor.adapt_optimizer``): pass ``optimizer=`` and the
 hook sets its momentum to 0 (and moves SGD's weight decay into the compressor's recipe), adds the
 taken-over weight-decay term before each ``optimizer.step()`` (a step pre-hook calling

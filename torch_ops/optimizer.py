@@ -124,6 +124,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The ``CostModel`` the plan was made with (given, cached or profiled), or None."""
         return self.engine.scheduler.cost_model
 
+    def decisions(self):
+        """Per group of the plan in use, what it is sent with (the compressor, fp16 or dense) and
+        the predicted seconds of each option, with the measured validation's candidates where it
+        ran (``hvdcompress.schedule.explain.Decisions``; ``.lines()`` prints it). Local: no
+        collective."""
+        from hvdcompress.schedule.explain import calibrated, explain
+
+        s = self.engine.scheduler
+        order = s.order or list(s.sizes)
+        return explain(s.plan, order, [s.sizes[n] for n in order], s.spec,
+                       calibrated(s.cost_model, s.calibration), s.world, self.codec_choice)
+
     @property
     def stats(self):
         """``hvdcompress.stats.WireStats``: bytes this rank sent per step vs dense, compression time."""
