@@ -11,11 +11,14 @@ Switches: ``HVDCOMPRESS_TRITON=0`` or ``set_triton(False)`` turns the kernels of
 run). ``set_triton(force=True)`` also runs them on CPU tensors, which Triton executes only with
 its interpreter (``TRITON_INTERPRET=1`` set before the kernels are first imported): the tests
 run the real dispatch that way on machines without a GPU.
+
+Triton is imported on first use only (a CUDA tensor, or the forced CPU branch), never at import.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -26,9 +29,13 @@ _available: Optional[bool] = None
 
 
 def available() -> bool:
-    """Whether ``triton`` imports (checked once)."""
+    """Whether ``triton`` imports (checked once). Not in a process that loaded Horovod's
+    TensorFlow ops first: loading Triton's library after them crashes the process (triton 3.9.0,
+    horovod 0.28.1), so the torch ops run there."""
     global _available
     if _available is None:
+        if "triton" not in sys.modules and "horovod.tensorflow" in sys.modules:
+            return False
         try:
             import triton  # noqa: F401
             import triton.language  # noqa: F401

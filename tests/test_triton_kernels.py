@@ -1,0 +1,73 @@
+"""The Triton GPU codecs (``torch_ops/gpu``) on CPU under Triton's interpreter, against the oracle.
+
+The cases (``scenarios/triton_kernels.py``) run in one child process: loading Triton after
+Horovod's TensorFlow ops, which conftest imports, crashes a process. There ``TRITON_INTERPRET=1``
+runs the kernels on CPU tensors and ``set_triton(force=True)`` sends them down the branch CUDA
+tensors take, so each case exercises the compressors' real dispatch: two simulated ranks, two
+steps, payload bytes, results and state bit for bit against the numpy oracle, at 1 and 7
+entries, a partial last block, a merged group whose members split bytes and buckets, all-zero
+gradients, NaN and inf. The switches are checked here, without importing triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from scenarios import triton_kernels
+from torch_ops import gpu
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed (requirements/constraints.txt pins it): "
+                                         "the GPU kernels cannot be tested")
+
+
+@pytest.fixture(scope="module")
+def results(request):
+    ids = [item.callspec.params["case"] for item in request.session.items
+           if item.module.__name__ == __name__ and hasattr(item, "callspec") and "case" in item.callspec.params]
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "scenarios", "triton_kernels.py"), *ids],
+                          cwd=TESTS, env=env, capture_output=True, text=True, timeout=600)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")]
+    if proc.returncode != 0 or not line:
+        pytest.fail(f"the Triton cases' process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line[-1][len("RESULTS "):])
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(triton_kernels.CASES))
+def test_triton_kernels_are_the_oracle(results, case):
+    assert results.get(case) == "ok", f"{case}: {results.get(case)}"
+
+
+def test_switch_off_serves_nothing():
+    gpu.set_triton(False)
+    try:
+        assert not gpu.serves(torch.zeros(4)) and not gpu.enabled()
+    finally:
+        gpu.set_triton(True)
+    assert gpu.enabled()
+    assert not gpu.serves(torch.zeros(4))  # a CPU tensor, not forced
+
+
+def test_forcing_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        gpu.set_triton(True, force=True)
+
+
+def test_environment_switch_turns_the_kernels_off():
+    code = "from torch_ops import gpu; print(gpu.enabled())"
+    env = dict(os.environ, HVDCOMPRESS_TRITON="0", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
