@@ -43,6 +43,7 @@ import torch
 from hvdcompress.sampling import sample_k
 from hvdcompress.native.select import topk_any as shared_topk_any
 
+from ..gpu import select as gpu_select
 from . import cpu_selection
 from .cpu_selection import (NATIVE_DIRECT_BELOW, _ge_numpy, _native_topk_small, _np_positions, _np_topk,
                             _numpy_view, _sample_stride)
@@ -263,6 +264,9 @@ def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
         return _direct(a, k)
     if not a.is_contiguous():
         a = a.contiguous()
+    found = gpu_select.topk(a, k)  # CUDA tensors: the Triton kernels (torch_ops.gpu)
+    if found is not None:
+        return found
     stride = _sample_stride(n)
     sample = a[stride // 2::stride].abs()
     m = sample.numel()
@@ -291,5 +295,8 @@ def add_and_topk(r: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:
     """Error feedback's compensation and selection: r <- r + g in place, then
     ``topk_indices(r, k)``; fused into one pass by ``cpu_selection.add_and_topk`` where the
     compiled kernels serve r and g."""
+    added, found = gpu_select.add_and_topk(r, g, k)  # CUDA tensors: the Triton kernels
+    if added:
+        return topk_indices(r, k) if found is None else found
     found = cpu_selection.add_and_topk(r, g, k)
     return topk_indices(r.add_(g), k) if found is None else found
