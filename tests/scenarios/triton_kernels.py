@@ -60,6 +60,11 @@ def _cases():
                               ("dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256", (60, 50), "nan"),
                               ("dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256", (30, 10), "zeros")]:
         out.append((f"{text}|{shape}|{kind}", text, shape, (), kind, 2))  # zeros: the update served, the selection not
+    # the count sketch: its atomic adds run in the interpreter one program after another, in index order
+    for text, shape, kind in [("sketch:ratio=0.01", (60, 50), "t"), ("sketch:ratio=0.01,rows=3,p2=2", (5000,), "t"),
+                              ("sketch:k=1,rows=4,cols=200", (2000,), "t"), ("sketch:ratio=0.01,rows=1,cols=300", (2000,), "t"),
+                              ("sketch:ratio=0.01,rows=7", (3000,), "nan"), ("sketch:ratio=0.01", (2000,), "zeros")]:
+        out.append((f"{text}|{shape}|{kind}", text, shape, (), kind, 2))
     return out
 
 
@@ -112,7 +117,7 @@ def run_case(case) -> str:
     from scenarios.local_world import run_lockstep
     from torch_ops import gpu
     from torch_ops.compressors import ExchangeContext, build_compressor
-    from torch_ops.gpu import quant, select
+    from torch_ops.gpu import quant, select, sketch
 
     cid, text, shape, members, kind, served = case
     members = tuple(Member(n, s, o) for n, s, o in members)
@@ -123,7 +128,7 @@ def run_case(case) -> str:
     t_states = [{} for _ in range(world)]
     jobs = []
     hooks = [(quant, "plan", lambda got: got is not None), (select, "at_least", lambda got: True),
-             (select, "accumulate_and_select", lambda got: got[0])]
+             (select, "accumulate_and_select", lambda got: got[0]), (sketch, "plan", lambda got: got is not None)]
     saved = [getattr(mod, name) for mod, name, _ in hooks]
 
     def counting(fn, served_by):
@@ -135,7 +140,7 @@ def run_case(case) -> str:
 
     for (mod, name, served_by), fn in zip(hooks, saved):
         setattr(mod, name, counting(fn, served_by))
-    if text.startswith("dgc"):  # DGC's candidates are counted as its update (one per exchange)
+    if text.startswith(("dgc", "sketch")):  # counted as the update (one per exchange), not the candidates
         select.at_least = saved[1]
     total = 0
     gpu.set_triton(kind != "off", force=kind != "off")
@@ -163,7 +168,7 @@ def run_case(case) -> str:
                     mine = t_states[r][name].numpy().reshape(arr.shape)
                     if not np.array_equal(mine, arr, equal_nan=True):
                         return f"{label}: state {name} differs at {np.flatnonzero(mine != arr)[:8].tolist()}"
-        exact = text.split(":")[0] not in ("topk", "dgc")
+        exact = text.split(":")[0] not in ("topk", "dgc", "sketch")
         if (total != served * world) if exact or served == 0 else (total < served * world):
             return f"the Triton kernels served {total} exchanges (of {2 * world}), expected {served * world}"
         return "ok"
