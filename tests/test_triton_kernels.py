@@ -71,3 +71,27 @@ def test_environment_switch_turns_the_kernels_off():
     env = dict(os.environ, HVDCOMPRESS_TRITON="0", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("text", ["qsgd", "topk:ratio=0.01", "dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256",
+                                  "sketch:ratio=0.01"])
+def test_cpu_exchanges_never_load_the_kernels(text):
+    """The branch CUDA tensors take, run on CPU tensors without ``force``: the Triton kernels are
+    not imported (in this process, loading triton after Horovod's TensorFlow ops would crash it)."""
+    from hvdcompress import parse_spec
+    from scenarios.local_world import run_lockstep
+    from torch_ops.compressors import ExchangeContext, build_compressor, native
+
+    comp = build_compressor(parse_spec(text))
+    shape = (80, 60)
+    native.set_torch_only(True)
+    try:
+        state = {}
+        for step in range(2):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(step)).reshape(-1)
+            run_lockstep([comp.exchange(x, ExchangeContext("w", step, 1, 1.0, state, shape, 0, 0))])
+    finally:
+        native.set_torch_only(False)
+    loaded = [m for m in ("torch_ops.gpu.quant_kernels", "torch_ops.gpu.select_kernels",
+                          "torch_ops.gpu.sketch_kernels") if m in sys.modules]
+    assert not loaded, loaded

@@ -60,7 +60,7 @@ def _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG: tl.constexpr, BUCKETED
 @triton.jit
 def _uniform(i, base):
     """hvdcompress.rng.uniform's entry i of the stream whose constant is base (uint32)."""
-    h = i.to(tl.uint32) * GOLDEN + base.to(tl.uint32)
+    h = i.to(tl.uint32) * GOLDEN + tl.cast(base, tl.uint32)
     h = h ^ (h >> 16)
     h = h * M1
     h = h ^ (h >> 15)
@@ -248,7 +248,7 @@ def decode_sum(buf_ptr, sc_ptr, out_ptr, moff_ptr, mfirst_ptr, nm, bucket, n, pa
         for r in range(0, world):
             votes += 2 * _code_at(buf_ptr + r * part, i, valid, nbytes, BITS) - 1
         sgn = tl.where(votes > 0, 1.0, tl.where(votes < 0, -1.0, 0.0))
-        total = sgn * world.to(tl.float32)
+        total = sgn * tl.cast(world, tl.float32)
     else:
         seg = _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG, BUCKETED)
         total = _decoded(buf_ptr + head, sc_ptr, i, seg, valid, nbytes, levels, inv_levels, KIND, BITS)

@@ -134,11 +134,11 @@ def accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_it
                           ) -> Tuple[bool, Optional[torch.Tensor]]:
     """(whether DGC's update was done, the selected indices or None): with None after the
     update, the caller selects from v by the torch ops (the same rule), without updating again."""
-    from . import select_kernels as K
-
     n = v.numel()
     if k <= 0 or v.dim() != 1 or g.dim() != 1 or not _fits(v, g, *(() if momentum is None else (u,))):
         return False, None
+    from . import select_kernels as K
+
     m = torch.tensor(0.0 if momentum is None else momentum, dtype=v.dtype, device=v.device).reshape(1)
     K.dgc_update[(max(1, -(-n // BLOCK)),)](g, v if momentum is None else u, v, m, n, MOMENTUM=momentum is not None,
                                             NESTEROV=bool(nesterov), BLOCK=BLOCK, enable_fp_fusion=False)
