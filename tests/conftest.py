@@ -29,6 +29,21 @@ os.environ.setdefault("HVDCOMPRESS_NATIVE_CACHE",
 EXTENDED = os.environ.get("HVDC_EXTENDED_TESTS", "") == "1"
 
 
+def _load_triton_first():
+    """Load triton (when installed) before Horovod's TensorFlow ops: loading its library after
+    them crashes the process (triton 3.9.0, horovod 0.28.1), and torch imports triton on its own
+    (torch.optim's constructors import torch._dynamo, which looks for it)."""
+    import importlib.util
+    if importlib.util.find_spec("triton") is not None:
+        try:
+            import triton  # noqa: F401
+        except Exception:  # a broken install: the tests that need it skip
+            pass
+
+
+_load_triton_first()
+
+
 def _horovod_missing():
     """None when Horovod (with its Gloo runner, PyTorch and TensorFlow ops) imports, else why not."""
     try:

@@ -6,7 +6,8 @@ runs the kernels on CPU tensors and ``set_triton(force=True)`` sends them down t
 tensors take, so each case exercises the compressors' real dispatch: two simulated ranks, two
 steps, payload bytes, results and state bit for bit against the numpy oracle, at 1 and 7
 entries, a partial last block, a merged group whose members split bytes and buckets, all-zero
-gradients, NaN and inf. The switches are checked here, without importing triton.
+gradients, NaN and inf. A second child compiles every kernel for a GPU (without one). The
+switches are checked here, without importing triton.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 def results(request):
     ids = [item.callspec.params["case"] for item in request.session.items
            if item.module.__name__ == __name__ and hasattr(item, "callspec") and "case" in item.callspec.params]
-    env = dict(os.environ, TRITON_INTERPRET="1",
+    cache = os.path.join(os.environ.get("HVDCOMPRESS_CACHE", TESTS), "triton")  # not the user's ~/.triton
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_CACHE_DIR=cache,
                PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(TESTS, "scenarios", "triton_kernels.py"), *ids],
                           cwd=TESTS, env=env, capture_output=True, text=True, timeout=600)
@@ -48,6 +50,21 @@ def results(request):
 @pytest.mark.parametrize("case", list(triton_kernels.CASES))
 def test_triton_kernels_are_the_oracle(results, case):
     assert results.get(case) == "ok", f"{case}: {results.get(case)}"
+
+
+@needs_triton
+def test_kernels_compile_for_a_gpu(tmp_path):
+    """Every kernel, one variant per algorithm, compiled to an sm_90 binary without a GPU
+    (``scenarios/triton_compile.py``): what only the compiler rejects fails here too."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "scenarios", "triton_compile.py")],
+                          cwd=TESTS, env=env, capture_output=True, text=True, timeout=600)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    bad = {k: v for k, v in json.loads(line[-1][len("RESULTS "):]).items() if v != "ok"}
+    assert not bad, bad
 
 
 def test_switch_off_serves_nothing():

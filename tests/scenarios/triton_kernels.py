@@ -48,21 +48,23 @@ def _cases():
         out.append((f"{text}|torch-ops", text, (37, 11), (), "t", 0))
     out.append(("qsgd|switched-off", "qsgd", (37, 11), (), "off", 0))
     # top-k (>= 4,096 entries: smaller ones take one torch topk): exact, ties toward the lower index
-    for text, shape, kind, served in [("topk:ratio=0.01", (5000,), "t", 2), ("topk:ratio=0.05,residual=false", (6001,), "t", 2),
+    for text, shape, kind, served in [("topk:ratio=0.01", (5000,), "t", 2),
+                                      ("topk:ratio=0.05,residual=false", (6001,), "t", 2),
                                       ("topk:ratio=0.01", (4500,), "nan", 2), ("topk:ratio=0.0002", (5000,), "t", 1),
                                       ("topk:ratio=0.01", (4200,), "zeros", 0)]:
         out.append((f"{text}|{shape[0]}|{kind}", text, shape, (), kind, served))
-    for text, shape, kind in [("dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256", (37, 11), "t"), ("dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256", (50, 100), "t"),
-                              ("dgc:ratio=0.0003,warmup_epochs=0,min_sparse_numel=256", (60, 50), "t"),
-                              ("dgc:ratio=0.02,nesterov=true,warmup_epochs=0,min_sparse_numel=256", (40, 50), "t"),
-                              ("dgc:ratio=0.02,momentum_correction=false,warmup_epochs=0,min_sparse_numel=256", (40, 50), "t"),
-                              ("dgc:ratio=0.02,momentum_masking=false,sample_ratio=0.05,warmup_epochs=0,min_sparse_numel=256", (40, 50), "t"),
-                              ("dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256", (60, 50), "nan"),
-                              ("dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256", (30, 10), "zeros")]:
-        out.append((f"{text}|{shape}|{kind}", text, shape, (), kind, 2))  # zeros: the update served, the selection not
+    dgc = ",warmup_epochs=0,min_sparse_numel=256"  # 2-D tensors: DGC sends 1-D ones dense
+    for text, shape, kind in [("dgc:ratio=0.01", (37, 11), "t"), ("dgc:ratio=0.01", (50, 100), "t"),
+                              ("dgc:ratio=0.0003", (60, 50), "t"), ("dgc:ratio=0.02,nesterov=true", (40, 50), "t"),
+                              ("dgc:ratio=0.02,momentum_correction=false", (40, 50), "t"),
+                              ("dgc:ratio=0.02,momentum_masking=false,sample_ratio=0.05", (40, 50), "t"),
+                              ("dgc:ratio=0.01", (60, 50), "nan"), ("dgc:ratio=0.01", (30, 10), "zeros")]:
+        # zeros: the update is served, the selection left to the torch ops
+        out.append((f"{text + dgc}|{shape}|{kind}", text + dgc, shape, (), kind, 2))
     # the count sketch: its atomic adds run in the interpreter one program after another, in index order
     for text, shape, kind in [("sketch:ratio=0.01", (60, 50), "t"), ("sketch:ratio=0.01,rows=3,p2=2", (5000,), "t"),
-                              ("sketch:k=1,rows=4,cols=200", (2000,), "t"), ("sketch:ratio=0.01,rows=1,cols=300", (2000,), "t"),
+                              ("sketch:k=1,rows=4,cols=200", (2000,), "t"),
+                              ("sketch:ratio=0.01,rows=1,cols=300", (2000,), "t"),
                               ("sketch:ratio=0.01,rows=7", (3000,), "nan"), ("sketch:ratio=0.01", (2000,), "zeros")]:
         out.append((f"{text}|{shape}|{kind}", text, shape, (), kind, 2))
     return out

@@ -14,9 +14,10 @@ search of LOG steps, then ``(i - offset) // bucket`` inside the member.
     codes          pass 2: codes, packed 8 entries at a time, and the residual a - decoded
     decode_sum     every rank's decoded payload summed in rank order, times the average's scale
 
-Every float operation is the oracle's, in its order (launched without FMA contraction;
-float32 divisions correctly rounded by ``div_rn``, float64 ones are on every target). The float64 sums add in another order than numpy's: their float32
-roundings are the oracle's unless a float64 sum lies within float64 rounding of a float32 tie.
+Every float operation is the oracle's, in its order (launched without FMA contraction; float32
+divisions correctly rounded by ``div_rn``, float64 ones are on every target). The float64 sums
+add in another order than numpy's: their float32 roundings are the oracle's unless a float64 sum
+lies within float64 rounding of a float32 tie.
 """
 
 from __future__ import annotations
