@@ -233,6 +233,9 @@ def threshold_indices(a: torch.Tensor, threshold: float) -> torch.Tensor:
     if x is not None:
         return torch.from_numpy(_ge_numpy(x, np.asarray(threshold, dtype=x.dtype))[0])
     t = torch.tensor(threshold, dtype=a.dtype, device=a.device)
+    found = gpu_select.threshold(a, t)  # CUDA tensors: the Triton kernels (torch_ops.gpu)
+    if found is not None:
+        return found
     if a.numel() < DIRECT_BELOW:
         return torch.nonzero(a.abs() >= t).view(-1)
     return _ge_wordwise(a, t)[0]

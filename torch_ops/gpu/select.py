@@ -9,6 +9,8 @@ there (the k-th largest value w: every candidate above w, then the lowest-index 
 w). Otherwise they return None (``add_and_topk``: after the addition, which the caller's torch
 branch then must not repeat -- it runs ``topk_indices`` on r) and the torch ops decide.
 
+``threshold(a, t)``: every |a| >= t, the threshold compressor's selection, in one pass.
+
 ``accumulate_and_select(...)``: DGC's update in one pass (``dgc_update``), then the oracle's
 sampled-threshold rule (``hvdcompress.sampling``) with each threshold's candidates found by
 ``at_least``: the same sample, threshold and adaptation as the torch branch, so the same indices.
@@ -120,6 +122,13 @@ def topk(a: torch.Tensor, k: int) -> Optional[torch.Tensor]:
     if not (0 < k < a.numel()) or a.dim() != 1 or not _fits(a):
         return None
     return _topk(a, k, None)
+
+
+def threshold(a: torch.Tensor, t: torch.Tensor) -> Optional[torch.Tensor]:
+    """Indices (int64, ascending) of every |a| >= t (0-dim, a's dtype) in one pass, or None."""
+    if a.dim() != 1 or not a.is_contiguous() or not _fits(a):
+        return None
+    return at_least(a, t)[0]
 
 
 def add_and_topk(r: torch.Tensor, g: torch.Tensor, k: int) -> Tuple[bool, Optional[torch.Tensor]]:
