@@ -1,17 +1,23 @@
 """Every compressor on a CUDA device: checked against the numpy oracle, then timed against
-``torch.topk`` and one memory pass, in one run.
+``torch.topk`` and one memory pass, on the Triton kernels and on the torch ops, in one run.
 
     python benchmarks/cuda_check.py                      # check + time at 10M and 25M entries
     python benchmarks/cuda_check.py --sizes 1e6 --repeats 3 --json /tmp/cuda_check.json
 
 Check: two simulated ranks (an in-process lockstep: allgather concatenates, allreduce sums in
-rank order) run two steps of each spec on CUDA tensors; every round's payload, the result and the
-state must equal ``hvdcompress.reference`` (bit for bit; PowerSGD's matmuls within 1e-5).
-Time: one rank's exchange (world of one: the collective returns its input) with the device
-synchronised before and after, median of ``--repeats``, next to ``x * 1.0`` (one pass) and
-``torch.topk(x.abs(), k)`` at k = 0.1% of the entries.
+rank order) run two steps of each spec on CUDA tensors, on each branch (the Triton kernels of
+``torch_ops/gpu`` when triton imports, then the torch ops with ``set_triton(False)``); every
+round's payload, the result and the state must equal ``hvdcompress.reference`` (bit for bit;
+PowerSGD's matmuls within 1e-5).
+Time: one rank's exchange (world of one: the collective returns its input, so the time is the
+encode + decode) with the device synchronised before and after, median of ``--repeats``, on
+both branches, in passes: over ``x * 1.0`` (one read + one write of the float32 tensor), and
+against ``torch.topk(x.abs(), k)`` at k = 0.1% of the entries, measured in the same run. The
+targets of issue 40 (item 5) are printed beside each figure. The JSON
+(``benchmarks/results/kernels/`` by default) holds the device name and the torch, CUDA and
+triton versions.
 
-Without a CUDA device it says so and exits with status 0 (nothing to check here).
+Without a CUDA device it says so and exits with status 2 (nothing can be checked or timed).
 """
 
 from __future__ import annotations
@@ -33,10 +39,38 @@ from hvdcompress.reference import simulate  # noqa: E402
 from torch_ops.compressors import ExchangeContext, build_compressor  # noqa: E402
 from torch_ops.collectives import Allreduce  # noqa: E402
 
+from torch_ops import gpu  # noqa: E402
+
 SPECS = ["none", "fp16", "bf16", "topk:ratio=0.001", "randomk:ratio=0.001", "threshold:threshold=1.0",
          "dgc:ratio=0.001", "signsgd", "efsignsgd", "onebit", "terngrad", "qsgd:levels=127,bucket=512",
          "qsgd", "sketch:ratio=0.001", "powersgd:rank=4"]
 KEY = "check.w"
+BRANCHES = ("triton", "torch")
+
+
+def target(spec_text):
+    """(issue 40's target for the spec, in words; a test of a row -> met or not, None: not timed here)."""
+    name = spec_text.split(":")[0]
+    if name in ("none", "fp16", "bf16", "signsgd", "efsignsgd", "onebit"):
+        return "<= 3 passes", lambda row: row["passes"] <= 3
+    if name in ("terngrad", "qsgd"):
+        return "<= 4 passes", lambda row: row["passes"] <= 4
+    if name in ("topk", "dgc", "threshold"):
+        return "<= 6 passes, >= 3x faster than topk", lambda row: row["passes"] <= 6 and row["x_topk"] <= 1 / 3
+    if name == "sketch":
+        return "<= 10 passes", lambda row: row["passes"] <= 10
+    if name == "powersgd":
+        return "within 1.5x of its two matmuls", None
+    return "-", None
+
+
+def use_branch(branch) -> bool:
+    """Switch the Triton kernels on ("triton") or off ("torch"); False when triton is missing."""
+    if branch == "triton":
+        gpu.set_triton(True)
+        return gpu.available()
+    gpu.set_triton(False)
+    return True
 
 
 def lockstep(gens):
@@ -137,25 +171,40 @@ def run_exchange(comp, x, state, step):
             return stop.value
 
 
+def versions():
+    try:
+        import triton
+        tv = triton.__version__
+    except Exception as e:  # ImportError, or a broken install
+        tv = f"not importable ({type(e).__name__})"
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": tv}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--specs", nargs="+", default=SPECS)
     p.add_argument("--sizes", type=float, nargs="+", default=[1e7, 2.5e7])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", default="benchmarks/results/cuda_check.json")
+    p.add_argument("--json", default="benchmarks/results/kernels/cuda_check-triton.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("cuda_check: no CUDA device (torch.cuda.is_available() is False); nothing to check here.")
-        return 0
+        print("cuda_check: needs a CUDA device and torch.cuda.is_available() is False here; nothing was "
+              "checked or timed (the Triton kernels' correctness on CPU: tests/test_triton_kernels.py).",
+              file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    print(f"device: {name}")
+    ver = versions()
+    print(f"device: {name}; torch {ver['torch']}, CUDA {ver['cuda']}, triton {ver['triton']}")
+    branches = [b for b in BRANCHES if use_branch(b)]
     failures, rows = {}, []
-    for s in args.specs:
-        why = check(s, device)
-        print(f"  oracle check {s:30s} {'ok' if why is None else 'FAILED: ' + why}")
-        if why is not None:
-            failures[s] = why
+    for b in branches:
+        use_branch(b)
+        for s in args.specs:
+            why = check(s, device)
+            print(f"  oracle check [{b:6s}] {s:30s} {'ok' if why is None else 'FAILED: ' + why}")
+            if why is not None:
+                failures[f"{b}:{s}"] = why
     gen = torch.Generator(device="cpu").manual_seed(0)
     for size in map(int, args.sizes):
         x = (torch.randn(size, generator=gen) * torch.rand(size, generator=gen)).to(device)
@@ -163,16 +212,23 @@ def main(argv=None) -> int:
         k = max(1, size // 1000)
         topk = timed(lambda: torch.topk(x.abs(), k, sorted=False), args.repeats)
         print(f"\n{size:,} entries: one pass (x * 1.0) {one:.3f} ms, torch.topk(k={k}) {topk:.3f} ms")
-        print(f"{'spec':30s} {'ms':>9s} {'passes':>7s} {'x topk':>7s}")
+        print(f"{'spec':30s} {'branch':>6s} {'ms':>9s} {'passes':>7s} {'x topk':>7s}  target")
         for s in args.specs:
-            comp, state = build_compressor(parse_spec(s)), {}
-            run_exchange(comp, x, state, 0)
-            steps = iter(range(1, 10 ** 6))
-            ms = timed(lambda: run_exchange(comp, x, state, next(steps)), args.repeats)
-            rows.append({"size": size, "spec": s, "ms": ms, "one_pass_ms": one, "topk_ms": topk,
-                         "passes": ms / one, "x_topk": ms / topk})
-            print(f"{s:30s} {ms:9.3f} {ms / one:7.2f} {ms / topk:7.2f}")
-    out = {"device": name, "torch": torch.__version__, "repeats": args.repeats, "failures": failures, "rows": rows,
+            goal, met = target(s)
+            for b in branches:
+                use_branch(b)
+                comp, state = build_compressor(parse_spec(s)), {}
+                run_exchange(comp, x, state, 0)
+                steps = iter(range(1, 10 ** 6))
+                ms = timed(lambda: run_exchange(comp, x, state, next(steps)), args.repeats)
+                row = {"size": size, "spec": s, "branch": b, "ms": ms, "one_pass_ms": one, "topk_ms": topk,
+                       "passes": ms / one, "x_topk": ms / topk, "target": goal}
+                row["met"] = None if met is None else bool(met(row))
+                rows.append(row)
+                verdict = "" if row["met"] is None else ("met" if row["met"] else "NOT met")
+                print(f"{s:30s} {b:>6s} {ms:9.3f} {ms / one:7.2f} {ms / topk:7.2f}  {goal} {verdict}")
+    use_branch("triton")
+    out = {"device": name, **ver, "branches": branches, "repeats": args.repeats, "failures": failures, "rows": rows,
            "command": "python " + " ".join(["benchmarks/cuda_check.py"] + (argv if argv is not None else sys.argv[1:]))}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -112,4 +112,18 @@ fi
 "$PY" -c "import sys; from hvdcompress import native; sys.exit(native.main())" | sed 's/^/[install] /'
 # (horovod_ok above checked the Gloo, PyTorch and TensorFlow builds; `horovodrun --check-build`
 # tells the same in about 20 s)
+# --- 5. triton for the GPU kernels' interpreter tests (tests/test_triton_kernels.py) -------------
+# A CUDA torch brings its own triton. On a CPU machine it goes into a folder of its own, off the
+# interpreter's path: loaded in a process after Horovod's TensorFlow ops (torch.optim loads it
+# through torch._dynamo) it crashes that process; only the kernels' test processes put it on theirs.
+TRITON_VERSION=3.9.0
+if "$PY" -c "import triton" >/dev/null 2>&1; then
+  log "triton $("$PY" -c 'import triton; print(triton.__version__)') on the path (the GPU kernels use it)"
+elif [ -f "$CACHE/triton-$TRITON_VERSION/triton/__init__.py" ]; then
+  log "triton $TRITON_VERSION for the kernels' interpreter tests already in $CACHE/triton-$TRITON_VERSION"
+else
+  log "installing triton $TRITON_VERSION into $CACHE/triton-$TRITON_VERSION (for the kernels' interpreter tests)"
+  "${PIP[@]}" install -q --no-deps --target "$CACHE/triton-$TRITON_VERSION" "triton==$TRITON_VERSION"
+fi
+
 log "done: horovod $HOROVOD_VERSION with Gloo, PyTorch and TensorFlow; hvdcompress from $HERE"

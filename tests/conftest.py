@@ -12,6 +12,10 @@ sys.path.insert(0, os.path.dirname(__file__))  # the ``scenarios`` package
 # Tests never read or write the user's cache (~/.cache/hvdcompress: fitted cost models): one
 # fresh directory per pytest session, inherited by every worker the tests launch. A test that
 # needs its own (monkeypatch.setenv) still sets it.
+# Where scripts/install.sh put triton for the GPU kernels' interpreter tests (tests/test_triton_kernels.py),
+# read from the user's cache before the override below.
+os.environ.setdefault("HVDCOMPRESS_TRITON_PATH", os.path.join(
+    os.environ.get("HVDCOMPRESS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hvdcompress")), "triton-3.9.0"))
 SESSION_CACHE = tempfile.mkdtemp(prefix="hvdcompress-test-cache-")
 os.environ["HVDCOMPRESS_CACHE"] = SESSION_CACHE
 atexit.register(shutil.rmtree, SESSION_CACHE, True)
@@ -27,6 +31,21 @@ os.environ.setdefault("HVDCOMPRESS_NATIVE_CACHE",
 # ``extended``: ones that repeat a path the default suite already covers, at a cost in minutes on
 # a 2-core machine (TensorFlow on 3 workers, a second elastic mode, training to an accuracy).
 EXTENDED = os.environ.get("HVDC_EXTENDED_TESTS", "") == "1"
+
+
+def _load_triton_first():
+    """Load triton (when installed) before Horovod's TensorFlow ops: loading its library after
+    them crashes the process (triton 3.9.0, horovod 0.28.1), and torch imports triton on its own
+    (torch.optim's constructors import torch._dynamo, which looks for it)."""
+    import importlib.util
+    if importlib.util.find_spec("triton") is not None:
+        try:
+            import triton  # noqa: F401
+        except Exception:  # a broken install: the tests that need it skip
+            pass
+
+
+_load_triton_first()
 
 
 def _horovod_missing():

@@ -14,6 +14,7 @@ import torch
 from hvdcompress.native import select as shared
 from hvdcompress.sampling import ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, sample_k, sample_stride
 
+from ..gpu import select as gpu_select
 from . import native
 from .cpu_selection import KERNEL_SUFFIX, np_kth_largest, numpy_view
 from .selection import (CHUNK, DIRECT_BELOW, Blocks, at_least, block_absmax, block_size, empty_indices, scratch,
@@ -87,6 +88,10 @@ def accumulate_and_select(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, mom
         idx = _native_accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_iters, offset)
         if idx is not None:
             return idx
+    updated, idx = gpu_select.accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_iters,
+                                                    offset)  # CUDA tensors: the Triton kernels
+    if updated:
+        return sampled_threshold_select(v, k, sample_ratio, adapt_iters, offset) if idx is None else idx
     if not (g.is_contiguous() and u.is_contiguous() and v.is_contiguous()) or n < DIRECT_BELOW:
         _update(g, u, v, momentum, nesterov)
         return sampled_threshold_select(v, k, sample_ratio, adapt_iters, offset)

@@ -25,6 +25,7 @@ from hvdcompress.packing import bits_for_levels
 from hvdcompress.reference.quantizers import SCALE_BYTES, Layout, column_spans, layout_for
 
 from ..collectives import Allgather
+from ..gpu import quant as gpu_quant
 from . import quant_native
 from .base import OneRoundCompressor, TakesMomentum
 from .packing import pack, uniform, unpack
@@ -105,8 +106,9 @@ class _Packed(OneRoundCompressor):
         return self._decode_buffer(payload[0], like.numel(), ctx).to(like.dtype)
 
     def exchange(self, x, ctx):
-        """The compiled kernels where they serve (``quant_native``: CPU float32), else the torch ops."""
-        job = quant_native.plan(self, x, ctx)
+        """The Triton kernels where they serve (``torch_ops.gpu``: CUDA float32), the compiled ones
+        (``quant_native``: CPU float32), else the torch ops."""
+        job = gpu_quant.plan(self, x, ctx) or quant_native.plan(self, x, ctx)
         if job is None:
             return (yield from super().exchange(x, ctx))
         (gathered,) = yield (Allgather(job.encode(), same_shape=True),)

@@ -44,6 +44,7 @@ from hvdcompress.sampling import sample_k
 from hvdcompress.native.select import topk_any as shared_topk_any
 from hvdcompress.native.select import topk_sample_stride
 
+from ..gpu import select as gpu_select
 from . import cpu_selection
 from .cpu_selection import (NATIVE_DIRECT_BELOW, ge_numpy, native_topk_small, np_positions, np_topk,
                             numpy_view)
@@ -233,6 +234,9 @@ def threshold_indices(a: torch.Tensor, threshold: float) -> torch.Tensor:
     if x is not None:
         return torch.from_numpy(ge_numpy(x, np.asarray(threshold, dtype=x.dtype))[0])
     t = torch.tensor(threshold, dtype=a.dtype, device=a.device)
+    found = gpu_select.threshold(a, t)  # CUDA tensors: the Triton kernels (torch_ops.gpu)
+    if found is not None:
+        return found
     if a.numel() < DIRECT_BELOW:
         return torch.nonzero(a.abs() >= t).view(-1)
     return _ge_wordwise(a, t)[0]
@@ -264,6 +268,9 @@ def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
         return _direct(a, k)
     if not a.is_contiguous():
         a = a.contiguous()
+    found = gpu_select.topk(a, k)  # CUDA tensors: the Triton kernels (torch_ops.gpu)
+    if found is not None:
+        return found
     stride = topk_sample_stride(n)
     sample = a[stride // 2::stride].abs()
     m = sample.numel()
@@ -292,5 +299,8 @@ def add_and_topk(r: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:
     """Error feedback's compensation and selection: r <- r + g in place, then
     ``topk_indices(r, k)``; fused into one pass by ``cpu_selection.add_and_topk`` where the
     compiled kernels serve r and g."""
+    added, found = gpu_select.add_and_topk(r, g, k)  # CUDA tensors: the Triton kernels
+    if added:
+        return topk_indices(r, k) if found is None else found
     found = cpu_selection.add_and_topk(r, g, k)
     return topk_indices(r.add_(g), k) if found is None else found

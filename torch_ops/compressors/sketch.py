@@ -55,6 +55,7 @@ from hvdcompress.reference.sketch import geometry
 from hvdcompress.spec import CompressionSpec
 
 from ..collectives import Allreduce
+from ..gpu import sketch as gpu_sketch
 from . import native
 from .base import Compressor, ExchangeContext, TakesMomentum
 from .selection import scratch, topk_indices
@@ -242,7 +243,8 @@ class SketchCompressor(TakesMomentum, Compressor):
             (total,) = yield (Allreduce(u.clone()),)
             return total.mul_(ctx.scale)
         keys = hashing.row_keys(p["seed"], ctx.key, geo.rows)
-        fast = Native.plan(x, u, v, keys, geo.rows, geo.cols)
+        fast = Native.plan(x, u, v, keys, geo.rows, geo.cols) or \
+            gpu_sketch.plan(x, u, v, keys, geo.rows, geo.cols, topk_indices)  # CUDA tensors: the Triton kernels
         if fast is not None:
             table = fast.update_sketch(x, u, v, self.m)
             (summed,) = yield (Allreduce(table.view(-1)),)

@@ -1,0 +1,170 @@
+"""The quantizers on the Triton kernels: one encode and one decode + sum per exchange.
+
+``plan(comp, x, ctx)`` returns a ``Job`` when the kernels serve the exchange (``torch_ops.gpu.serves``
+the tensor; float32 contiguous 1-D gradient; members that tile it, as ``hvdcompress.native.quant.codec``
+decides for the compiled CPU kernels; not ``onebit:scope=column`` nor TernGrad's shared scale),
+else None and the caller runs the torch ops. ``Job.encode`` writes the payload
+``[float32 scales | packed codes]`` and the new residual (the residual is added inside the
+kernels: ``a = x + r``, read and written in place); ``Job.decode_sum`` turns the gathered
+payloads into their sum in rank order times the average's scale.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from hvdcompress.native.quant import Codec, codec
+from hvdcompress.reference.quantizers import SCALE_BYTES, member_spans
+from hvdcompress.rng import stream_base
+
+from . import serves
+
+BLOCK = 1024  # entries per program of the codes and decode passes (a multiple of 8: whole bytes)
+MAX_CHUNK = 4096  # entries per program of the reduction pass
+FINISH_BLOCK = 128  # partials a segment's finishing program loads at a time
+
+
+def _usable(t: Optional[torch.Tensor], like: torch.Tensor) -> bool:
+    return (t is not None and t.device == like.device and t.dtype == torch.float32 and t.is_contiguous()
+            and not t.is_neg() and not t.requires_grad and t.numel() == like.numel())
+
+
+class Tables:
+    """An exchange layout's index tables on one device: the reduction's work list (chunks that
+    stay inside a segment) and the member table the per-entry passes search."""
+
+    def __init__(self, spans: Tuple[Tuple[int, int], ...], numel: int, bucket: int, segs: np.ndarray, device):
+        lens = segs.astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        longest = int(lens.max()) if lens.size else 1
+        self.chunk = min(MAX_CHUNK, 1 << max(4, (longest - 1).bit_length()))
+        per = -(-lens // self.chunk)
+        seg_of_work = np.repeat(np.arange(lens.size), per)
+        first = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
+        j = np.arange(seg_of_work.size) - first[seg_of_work]
+        wstart = starts[seg_of_work] + j * self.chunk
+        wlen = np.minimum(self.chunk, lens[seg_of_work] - j * self.chunk)
+        moff, mfirst, at = [], [], 0
+        for off, n in spans:
+            if n == 0:
+                continue
+            moff.append(off)
+            mfirst.append(at)
+            at += -(-n // bucket) if bucket else 1
+        self.nwork, self.nseg, self.nm = int(seg_of_work.size), int(lens.size), len(moff)
+        self.log = max(0, (self.nm - 1).bit_length())
+        self.bucket = int(bucket)
+        as_dev = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(device)  # noqa: E731
+        self.wstart, self.wlen = as_dev(wstart, torch.int64), as_dev(wlen, torch.int32)
+        self.pstart, self.count = as_dev(first, torch.int64), as_dev(lens, torch.int64)
+        self.moff, self.mfirst = as_dev(moff or [0], torch.int64), as_dev(mfirst or [0], torch.int64)
+
+
+@lru_cache(maxsize=64)
+def tables(spans, numel: int, bucket: int, device: str, segs_key: bytes) -> Tables:
+    segs = np.frombuffer(segs_key, dtype=np.int64)
+    return Tables(spans, numel, bucket, segs, torch.device(device))
+
+
+class Job:
+    """One exchange on the Triton kernels: ``encode`` then, with the gathered buffer, ``decode_sum``."""
+
+    def __init__(self, layout: Codec, tabs: Tables, x, rin, rout, base: int, ctx, state):
+        self.layout, self.tabs, self.x, self.rin, self.rout = layout, tabs, x, rin, rout
+        self.base, self.ctx, self.state = base, ctx, state
+        self.name, self.part = layout.name, layout.part
+        self.nsc = (self.part - (layout.numel * layout.bits + 7) // 8) // SCALE_BYTES
+        self.head = SCALE_BYTES * self.nsc
+
+    def _levels(self):
+        s = float(self.layout.levels)
+        return s, (float(np.float32(1.0 / s)) if s else 0.0)
+
+    def encode(self) -> torch.Tensor:
+        from . import quant_kernels as K
+
+        lay, tabs, x, n = self.layout, self.tabs, self.x, self.layout.numel
+        out = torch.zeros(self.part, dtype=torch.uint8, device=x.device)
+        if n:
+            scales = out[:self.head].view(torch.float32)
+            packed = out[self.head:]
+            r = self.rin if self.rin is not None else x
+            rout = self.rout if self.rout is not None else x
+            factor = torch.empty(max(tabs.nseg, 1), dtype=torch.float32, device=x.device)
+            levels, inv = self._levels()
+            if lay.kind != K.SIGN.value:
+                width = 3 if lay.kind == K.ONEBIT.value else 1
+                partials = torch.empty(width * tabs.nwork, dtype=torch.float64, device=x.device)
+                K.seg_partials[(tabs.nwork,)](x, r, tabs.wstart, tabs.wlen, partials, KIND=lay.kind,
+                                              HAS_R=self.rin is not None, CHUNK=tabs.chunk, enable_fp_fusion=False)
+                K.seg_finish[(tabs.nseg,)](partials, tabs.pstart, tabs.count, scales, factor, levels, KIND=lay.kind,
+                                           FB=FINISH_BLOCK, enable_fp_fusion=False)
+            K.codes[(cdiv(n, BLOCK),)](
+                x, r, rout, packed, scales if self.head else factor, factor, tabs.moff, tabs.mfirst, tabs.nm,
+                max(tabs.bucket, 1), n, self.part - self.head, self.base, levels, inv, KIND=lay.kind,
+                BITS=lay.bits, HAS_R=self.rin is not None, WRITE_R=self.rout is not None, LOG=tabs.log,
+                BUCKETED=tabs.bucket > 0, BLOCK=BLOCK, enable_fp_fusion=False)
+        if self.rout is not None:
+            self.state["residual"] = self.rout
+        return out
+
+    def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
+        from . import quant_kernels as K
+
+        ctx, lay, tabs, x, n = self.ctx, self.layout, self.tabs, self.x, self.layout.numel
+        world = ctx.world_size
+        gathered = gathered.contiguous().view(-1)
+        if gathered.numel() != world * self.part:
+            raise ValueError(f"{self.name}: gathered {gathered.numel()} bytes, expected {world} x {self.part}")
+        out = ctx.out.view(-1) if _usable(ctx.out, x) else torch.empty(n, dtype=torch.float32, device=x.device)
+        if n == 0:
+            return out
+        if self.head:
+            scales = gathered.view(world, self.part)[:, :self.head].contiguous().view(torch.float32)
+        else:
+            scales = torch.zeros(1, dtype=torch.float32, device=x.device)
+        levels, inv = self._levels()
+        mult = float(np.float32(ctx.scale))
+        K.decode_sum[(cdiv(n, BLOCK),)](
+            gathered, scales, out, tabs.moff, tabs.mfirst, tabs.nm, max(tabs.bucket, 1), n, self.part, self.head,
+            self.nsc, world, levels, inv, mult, KIND=lay.kind, BITS=lay.bits, SCALE=ctx.scale != 1.0, LOG=tabs.log,
+            BUCKETED=tabs.bucket > 0, BLOCK=BLOCK, enable_fp_fusion=False)
+        return out
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan(comp, x: torch.Tensor, ctx) -> Optional[Job]:
+    """A ``Job`` when the Triton kernels serve this exchange of ``comp``, else None."""
+    if not serves(x):
+        return None
+    from ..memory import Memory, ResidualMemory
+
+    params = comp.spec.params
+    if type(comp.memory) not in (Memory, ResidualMemory):
+        return None
+    n = x.numel()
+    if not _usable(x, x) or x.dim() != 1:
+        return None
+    layout = codec(comp.name, params, ctx.members, ctx.shape, n)
+    if layout is None or layout.dims is not None:
+        return None  # scaler sharing (two rounds), members with gaps, onebit per column: the torch ops
+    bucket = int(params.get("bucket", 0))
+    tabs = tables(member_spans(ctx.members, n), n, bucket, str(x.device), layout.segs.astype(np.int64).tobytes())
+    rin = rout = None
+    if params.get("residual", False):
+        r = ctx.state.get("residual")
+        if r is None:
+            rout = torch.empty(n, dtype=torch.float32, device=x.device)
+        elif _usable(r, x) and r.shape == x.shape and r.data_ptr() != x.data_ptr():
+            rin = rout = r
+        else:
+            return None  # the general path checks it (or adds in another dtype)
+    base = stream_base(params["seed"], ctx.step, ctx.key, ctx.rank) if "seed" in params else 0
+    return Job(layout, tabs, x, rin, rout, base, ctx, ctx.state)

@@ -1,0 +1,168 @@
+"""Top-k and DGC's selection on the Triton kernels: a sampled threshold, one compacting pass.
+
+``topk(a, k)`` / ``add_and_topk(r, g, k)``: the exact top-k (ties toward the lower index, NaN
+last: ``hvdcompress.reference.topk_indices``) without a ``torch.topk`` over the tensor. A
+threshold t from a strided sample, a few standard deviations below the estimated k-th largest
+|a|, gives candidates {|a| >= t} in one pass (``at_least``; with error feedback the pass also
+does r <- r + g); when at least k pass, the answer lies among them and the tie rule is applied
+there (the k-th largest value w: every candidate above w, then the lowest-index ones equal to
+w). Otherwise they return None (``add_and_topk``: after the addition, which the caller's torch
+branch then must not repeat -- it runs ``topk_indices`` on r) and the torch ops decide.
+
+``threshold(a, t)``: every |a| >= t, the threshold compressor's selection, in one pass.
+
+``accumulate_and_select(...)``: DGC's update in one pass (``dgc_update``), then the oracle's
+sampled-threshold rule (``hvdcompress.sampling``) with each threshold's candidates found by
+``at_least``: the same sample, threshold and adaptation as the torch branch, so the same indices.
+
+Every function returns None where the kernels do not serve (``torch_ops.gpu.serves``; float32 or
+float64 contiguous tensors), and the caller runs the torch ops.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from hvdcompress.sampling import ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, sample_k, sample_stride
+
+from . import serves
+
+BLOCK = 1024
+SAMPLE = 1 << 14  # top-k's sample: about this many entries, every n // SAMPLE-th
+
+
+def _fits(*ts) -> bool:
+    first = ts[0]
+    return (serves(first) and first.dtype in (torch.float32, torch.float64)
+            and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous() and not t.is_neg()
+                    and t.numel() == first.numel() for t in ts))
+
+
+def at_least(a: torch.Tensor, t: torch.Tensor, g: Optional[torch.Tensor] = None,
+             cap: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """(indices ascending, their |a|, count) of every |a_i| >= t (a 0-dim tensor on a's
+    device); with ``g``, a <- a + g first, in the same pass. With ``cap``, the lists hold at most
+    cap entries (count says how many passed); without, the pass is rerun (without the addition)
+    with room for all when the first guess of room was short."""
+    from . import select_kernels as K
+
+    n = a.numel()
+    room = min(n, cap if cap is not None else 4096)
+    t = t.reshape(1).to(a.dtype)
+    grid = (max(1, -(-n // BLOCK)),)
+    add = g is not None
+    while True:
+        idx = torch.empty(max(room, 1), dtype=torch.int64, device=a.device)
+        mag = torch.empty(max(room, 1), dtype=a.dtype, device=a.device)
+        count = torch.zeros(1, dtype=torch.int64, device=a.device)
+        K.at_least[grid](a, g if add else a, t, idx, mag, count, room, n, ADD=add, BLOCK=BLOCK,
+                         enable_fp_fusion=False)
+        c = int(count.item())
+        if c <= room or cap is not None:
+            break
+        room, add = c, False
+    kept = min(c, room)
+    idx, mag = idx[:kept], mag[:kept]
+    if kept > 1:
+        order = torch.sort(idx).indices
+        idx, mag = idx.index_select(0, order), mag.index_select(0, order)
+    return idx, mag, c
+
+
+def _top_among(idx: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest of ``mag`` (no NaN), ties toward the lower index; idx ascending."""
+    c = idx.numel()
+    if c == k:
+        return idx
+    w = torch.topk(mag, k, sorted=False).values.min()
+    keep = mag > w
+    eq = mag == w
+    need = k - keep.sum()
+    return idx[keep | (eq & (torch.cumsum(eq, 0) <= need))]
+
+
+def _candidate_threshold(sample: torch.Tensor, k: int, n: int, slack: int) -> Optional[torch.Tensor]:
+    m = sample.numel()
+    ks = sample_k(k, m, n)
+    r = ks + int(slack * math.sqrt(ks)) + slack
+    if 8 * r > m:  # a dense selection: a candidate set would be no cheaper than the whole
+        return None
+    return torch.topk(sample, r, sorted=False).values.min()
+
+
+def _topk(a: torch.Tensor, k: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    n = a.numel()
+    stride = max(1, n // SAMPLE)
+    if g is None:
+        sample = a[stride // 2::stride].abs()
+    else:  # the sample of a + g, before the pass adds it
+        sample = (a[stride // 2::stride] + g[stride // 2::stride]).abs()
+    sample = torch.where(torch.isnan(sample), -1.0, sample)  # NaN ranks last (topk would put it first)
+    added = False
+    for slack in (4, 16):
+        t = _candidate_threshold(sample, k, n, slack)
+        if t is None or not bool(t > 0):
+            break
+        idx, mag, c = at_least(a, t, None if added else g, cap=max(4 * k, 4096))
+        added = added or g is not None
+        if c > idx.numel():  # far more candidates than the sample said
+            break
+        if c >= k:
+            return _top_among(idx, mag, k)
+    if g is not None and not added:
+        a.add_(g)
+    return None
+
+
+def topk(a: torch.Tensor, k: int) -> Optional[torch.Tensor]:
+    """The exact top-k indices (int64 ascending) of a 1-D tensor, or None (module doc)."""
+    if not (0 < k < a.numel()) or a.dim() != 1 or not _fits(a):
+        return None
+    return _topk(a, k, None)
+
+
+def threshold(a: torch.Tensor, t: torch.Tensor) -> Optional[torch.Tensor]:
+    """Indices (int64, ascending) of every |a| >= t (0-dim, a's dtype) in one pass, or None."""
+    if a.dim() != 1 or not a.is_contiguous() or not _fits(a):
+        return None
+    return at_least(a, t)[0]
+
+
+def add_and_topk(r: torch.Tensor, g: torch.Tensor, k: int) -> Tuple[bool, Optional[torch.Tensor]]:
+    """(whether r <- r + g was done, the top-k of r or None): with None after the addition, the
+    caller finds the top-k of r by the torch ops, without adding again."""
+    if not (0 < k < r.numel()) or r.dim() != 1 or g.shape != r.shape or not _fits(r, g):
+        return False, None
+    return True, _topk(r, k, g)
+
+
+def accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_iters, offset
+                          ) -> Tuple[bool, Optional[torch.Tensor]]:
+    """(whether DGC's update was done, the selected indices or None): with None after the
+    update, the caller selects from v by the torch ops (the same rule), without updating again."""
+    n = v.numel()
+    if k <= 0 or v.dim() != 1 or g.dim() != 1 or not _fits(v, g, *(() if momentum is None else (u,))):
+        return False, None
+    from . import select_kernels as K
+
+    m = torch.tensor(0.0 if momentum is None else momentum, dtype=v.dtype, device=v.device).reshape(1)
+    K.dgc_update[(max(1, -(-n // BLOCK)),)](g, v if momentum is None else u, v, m, n, MOMENTUM=momentum is not None,
+                                            NESTEROV=bool(nesterov), BLOCK=BLOCK, enable_fp_fusion=False)
+    sample = v[offset::sample_stride(sample_ratio)].abs()
+    ks = sample_k(k, sample.numel(), n)
+    thr = torch.topk(sample, ks, sorted=False).values.min()
+    lower = torch.tensor(LOWER_FACTOR, dtype=v.dtype, device=v.device)
+    idx = None
+    for it in range(adapt_iters + 1):
+        if not bool(thr > 0):  # every entry passes: the torch ops' exact top-k of the whole
+            return True, None
+        idx, mag, c = at_least(v, thr, cap=None)
+        if 10 * c > ACCEPT_HIGH_TENTHS * k:
+            return True, _top_among(idx, mag, k)
+        if 10 * c >= ACCEPT_LOW_TENTHS * k or it == adapt_iters:
+            return True, idx
+        thr = thr * lower
+    return True, idx
