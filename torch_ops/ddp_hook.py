@@ -59,6 +59,7 @@ from hvdcompress.stats import WireStats
 from hvdcompress.warmup import auto_epoch
 
 from . import checkpoint
+from .arguments import check_devices
 from .collectives import PendingExchange, finish_all
 from .compressors import ExchangeContext, TakesMomentum, build_compressor, compressor_class
 from .grouping import Group, join_state, split_state
@@ -77,6 +78,7 @@ class CommHookState:
         spec = resolve(spec)  # a bad spec: ValueError here, on every rank
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model: expected the DDP model (a torch.nn.Module); got {type(model).__name__}")
+        check_devices("model", model.named_parameters())
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer: expected a torch.optim.Optimizer or None; got {type(optimizer).__name__}")
         cls = compressor_class(spec)

@@ -44,6 +44,7 @@ import torch
 
 from hvdcompress.diloco import OUTER_LR, OUTER_MOMENTUM, OUTER_NESTEROV, check_arguments, split_fragments
 
+from .arguments import check_devices
 from .collectives import Communicator, PendingExchange, finish_all
 from .compressors import build_compressor
 from .compressors.base import ExchangeContext
@@ -88,6 +89,7 @@ class DiLoCo:
     def __init__(self, model, inner_optimizer, outer_optimizer=None, sync_every: int = 500, fragments: int = 1,
                  overlap_steps: int = 0, mix: float = 0.0, compression=None, process_set=None, driver=None):
         named = _named(model)
+        check_devices("model", named)
         self.cfg = check_arguments(len(named), sync_every, fragments, overlap_steps, mix, compression)
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise ValueError(f"DiLoCo: inner_optimizer must be a torch.optim.Optimizer; got {inner_optimizer!r}")

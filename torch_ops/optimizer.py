@@ -44,7 +44,7 @@ from hvdcompress.schedule.planner import Plan
 from hvdcompress.spec import CompressionSpec, resolve
 
 from . import checkpoint
-from .arguments import check_arguments, parameter_names
+from .arguments import check_arguments, check_devices, parameter_names
 from .codec_choice import resolve_codec_choice
 from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
@@ -314,6 +314,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     spec = resolve(compression)
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
+    check_devices("optimizer", ((f"param_groups[{i}][{j}]", p) for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])))
     check_tune_steps(tune_steps)
     alternatives = resolve_codec_choice(codec_choice, spec, build_compressor(spec), schedule, tune_steps, delay,
                                         sync_every, elastic=elastic_mode())
