@@ -1,0 +1,62 @@
+"""The device-aware timers (torch_ops.scheduling): which one a device picks, that a CUDA reading
+waits for the device before it reads the clock, and that every CPU timing keeps the host clock."""
+
+import time
+
+import pytest
+import torch
+
+from torch_ops import profiling, scheduling
+from torch_ops.scheduling import CudaTimer, HostTimer, timer_for
+
+
+def test_cpu_work_takes_the_host_clock():
+    for items in ((), (None,), (torch.zeros(3),), ([torch.zeros(1), torch.ones(2)],), ("cpu",),
+                  (torch.device("cpu"),), (torch.zeros(1, device="meta"),), (iter([torch.zeros(1)]),)):
+        t = timer_for(*items)
+        assert type(t) is HostTimer and t.device == torch.device("cpu"), items
+
+
+def test_cuda_devices_pick_the_waiting_timer_on_their_device():
+    # devices and strings need no GPU to be named
+    assert isinstance(timer_for("cuda"), CudaTimer)
+    t = timer_for([torch.zeros(1)], torch.device("cuda", 3))
+    assert isinstance(t, CudaTimer) and t.device == torch.device("cuda", 3)
+    assert timer_for(None, "cpu", "cuda:1").device == torch.device("cuda", 1)
+
+
+def test_a_cuda_reading_waits_for_the_device_first(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+    monkeypatch.setattr(time, "perf_counter", lambda: calls.append(("clock", None)) or 7.0)
+    t = timer_for("cuda:2")
+    assert t.now() == 7.0
+    t.wait()
+    assert calls == [("sync", torch.device("cuda", 2)), ("clock", None), ("sync", torch.device("cuda", 2))]
+
+
+def test_host_timer_never_touches_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronize on the CPU path"))
+    t = HostTimer()
+    a = t.now()
+    t.wait()
+    assert t.now() >= a
+
+
+def test_cpu_profiling_reads_the_host_clock(monkeypatch):
+    """compress / decompress timings and the workload profile on CPU tensors: no device wait."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronize on the CPU path"))
+    assert profiling.compress_seconds("topk:ratio=0.1", 256, repeats=2, warmup=0) > 0
+    assert profiling.decompress_seconds("qsgd", 256, repeats=2, warmup=0) > 0
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    w = profiling.profile_workload(model, lambda: model(torch.randn(3, 4)).sum(), iters=2, warmup=1, average=False)
+    assert len(w.names) == 4
+
+
+def test_scheduler_timer_follows_what_it_measures():
+    s = scheduling.Scheduler("layerwise", __import__("hvdcompress").resolve("none"), None, 1, {"a": 4.0}, 1)
+    assert s.device == torch.device("cpu") and type(s.timer()) is HostTimer
+    g = scheduling.Scheduler("mgs", __import__("hvdcompress").resolve("topk:ratio=0.1"), None, 1, {"a": 4.0}, 1,
+                             device="cuda:1")
+    assert not g.done and isinstance(g.timer(), CudaTimer) and g.timer().device == torch.device("cuda", 1)
+    assert g.restarted(1).device == torch.device("cuda", 1)
