@@ -49,7 +49,7 @@ from .codec_choice import resolve_codec_choice
 from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
-from .scheduling import DEFAULT_TUNE_STEPS, check_revalidate_every, check_tune_steps, now
+from .scheduling import DEFAULT_TUNE_STEPS, check_revalidate_every, check_tune_steps
 from .transport import Average, make_communicator
 
 
@@ -183,10 +183,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         engine.synchronized = False
         if not engine.included:  # outside the process set: the wrapped optimizer's update on the local gradients
             return super(self.__class__, self).step(closure)
-        start = now()
+        start = engine.scheduler.timer().now()
         engine.compressor.before_step(self.param_groups, self.state)  # e.g. DGC's taken-over weight decay
         loss = super(self.__class__, self).step(closure)
-        engine.clock.update = (start, now())
+        engine.clock.update = (start, engine.scheduler.timer().now())
         engine.end_of_step()
         return loss
 
