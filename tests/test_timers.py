@@ -60,3 +60,17 @@ def test_scheduler_timer_follows_what_it_measures():
                              device="cuda:1")
     assert not g.done and isinstance(g.timer(), CudaTimer) and g.timer().device == torch.device("cuda", 1)
     assert g.restarted(1).device == torch.device("cuda", 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without a GPU")
+def test_advise_device_cuda_without_a_gpu_is_a_clear_error(capsys):
+    from hvdcompress.bench import advise
+    with pytest.raises(SystemExit):
+        advise.main(["--profile", "vgg16-v100", "--device", "cuda", "--quick"])
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_bench_memory_pass_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronize on the CPU path"))
+    from hvdcompress.bench.torch_worker import memory_pass_seconds
+    assert memory_pass_seconds(1024, repeats=3) > 0
