@@ -48,3 +48,18 @@ def test_the_front_ends_check_before_any_collective():
                                  named_parameters=model.named_parameters(), backend="torch")
     with pytest.raises(ValueError, match="^model: every tensor must be on one device"):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")
+
+
+@CUDA
+def test_a_model_half_on_the_gpu_is_refused_naming_both_devices():
+    import hvdcompress.ddp
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].cuda()
+    with pytest.raises(ValueError, match=r"model: every tensor must be on one device.*cuda:0: 2 \(0\.weight, "
+                                         r"0\.bias\); cpu: 2 \(1\.weight, 1\.bias\)"):
+        hvdcompress.ddp.comm_hook("topk:ratio=0.5", model=model)
+    model.cuda()
+    assert check_devices("model", model.named_parameters()) == torch.device("cuda", 0)

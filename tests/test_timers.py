@@ -74,3 +74,32 @@ def test_bench_memory_pass_on_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronize on the CPU path"))
     from hvdcompress.bench.torch_worker import memory_pass_seconds
     assert memory_pass_seconds(1024, repeats=3) > 0
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")
+
+
+@CUDA
+def test_the_cuda_timer_times_the_kernel_not_its_launch():
+    """A kernel that spins ~50 ms: the host clock sees its launch (microseconds), the CUDA timer the kernel."""
+    torch.cuda.synchronize()
+    spin = 50_000_000  # clock cycles (about 25-50 ms at 1-2 GHz)
+    host, dev = HostTimer(), timer_for("cuda")
+    t0 = host.now()
+    torch.cuda._sleep(spin)
+    launched = host.now() - t0
+    torch.cuda.synchronize()
+    t0 = dev.now()
+    torch.cuda._sleep(spin)
+    waited = dev.now() - t0
+    assert waited > 0.01 and waited > 20 * launched, (waited, launched)
+
+
+@CUDA
+def test_codecs_and_workload_time_on_the_gpu():
+    assert profiling.compress_seconds("topk:ratio=0.01", 1 << 16, repeats=2, warmup=1, device="cuda") > 0
+    assert profiling.decompress_seconds("qsgd", 1 << 16, repeats=2, warmup=1, device="cuda") > 0
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)).cuda()
+    x = torch.randn(32, 64, device="cuda")
+    w = profiling.profile_workload(model, lambda: model(x).sum(), iters=2, warmup=1, average=False)
+    assert len(w.names) == 4 and w.compute_seconds > 0
