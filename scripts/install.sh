@@ -99,8 +99,9 @@ if sys.argv[2] == "1":
 PYCHECK
 }
 
-FRAMEWORKS="torch$([ "$WITH_TF" = 1 ] && echo ', tensorflow')"
-BUILT="gloo$([ "$WITH_NCCL" = 1 ] && echo ', nccl')"
+FRAMEWORKS=torch; BUILT=gloo
+if [ "$WITH_TF" = 1 ]; then FRAMEWORKS="torch, tensorflow"; fi
+if [ "$WITH_NCCL" = 1 ]; then BUILT="gloo, nccl"; fi
 if horovod_ok; then
   log "horovod $HOROVOD_VERSION ($BUILT; $FRAMEWORKS) already installed"
 else
@@ -166,4 +167,6 @@ fi
 "$PY" -c "import sys; from hvdcompress import native; sys.exit(native.main())" | sed 's/^/[install] /'
 # (horovod_ok above checked the Gloo, PyTorch and TensorFlow builds; `horovodrun --check-build`
 # tells the same in about 20 s)
-log "done: torch $TORCH_PIN ($([ -n "$TORCH_CUDA" ] && echo "CUDA $TORCH_CUDA" || echo CPU)); horovod $HOROVOD_VERSION with $BUILT for $FRAMEWORKS; hvdcompress from $HERE"
+TORCH_BUILD=CPU
+if [ -n "$TORCH_CUDA" ]; then TORCH_BUILD="CUDA $TORCH_CUDA"; fi
+log "done: torch $TORCH_PIN ($TORCH_BUILD); horovod $HOROVOD_VERSION with $BUILT for $FRAMEWORKS; hvdcompress from $HERE"
