@@ -12,7 +12,8 @@ every outer sync) and every exchange, logged with each rank's input and state, e
 oracle's replay (``hvdcompress.reference.simulate``): bit for bit, PowerSGD within 1e-4.
 
 Gloo and CUDA tensors: before the runs each rank tries every collective the front ends issue
-(all_reduce, all_gather_into_tensor, all_gather, all_to_all_single, broadcast) on a CUDA tensor.
+(all_reduce, all_gather_single or all_gather_into_tensor, all_gather, all_to_all_single,
+broadcast) on a CUDA tensor.
 A collective Gloo refuses is then staged through pinned host memory (copied there, run on the CPU,
 copied back, synchronously) for every caller in the process, and the JSON says which
 (``gloo_staged``): what a user of Gloo with CUDA tensors would need to do for that collective.
@@ -53,7 +54,7 @@ SPECS = ("none", "fp16", "bf16", "topk:ratio=0.1", "randomk:ratio=0.1", "thresho
          "sketch:ratio=0.1,cols_ratio=0.3,min_sketch_numel=64", "signsgd", "efsignsgd", "onebit",
          "terngrad", "qsgd:levels=3,bucket=64", "powersgd:rank=2", "sparseloco:ratio=0.1")
 FRONT_ENDS = ("hook", "opt", "diloco")
-PROBED = ("all_reduce", "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast")
+PROBED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast")
 TOLERANCE = {"powersgd": 1e-4}  # Gram-Schmidt amplifies last-bit differences of the matmuls
 
 
@@ -117,12 +118,15 @@ def probe_gloo(device) -> dict:
     x = torch.ones(4, device=device)
     tries = {
         "all_reduce": lambda: dist.all_reduce(x.clone()),
+        "all_gather_single": lambda: dist.all_gather_single(x.new_empty(4 * world), x.clone()),
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(x.new_empty(4 * world), x.clone()),
         "all_gather": lambda: dist.all_gather([torch.empty_like(x) for _ in range(world)], x.clone()),
         "all_to_all_single": lambda: dist.all_to_all_single(x.new_empty(4), x.clone()),
         "broadcast": lambda: dist.broadcast(x.clone(), 0),
     }
     for name in PROBED:
+        if not hasattr(dist, name):  # all_gather_single: newer torch versions only
+            continue
         try:
             tries[name]()
             if x.is_cuda:
@@ -169,8 +173,7 @@ def stage_through_host(names) -> None:
             return Done() if async_op else None
         return call
 
-    writes = {"all_reduce": (0,), "all_gather_into_tensor": (0,), "all_gather": (0,), "all_to_all_single": (0,),
-              "broadcast": (0,)}
+    writes = {name: (0,) for name in PROBED}  # each writes its first argument
     for name in names:
         setattr(dist, name, staged(getattr(dist, name), writes[name]))
 
