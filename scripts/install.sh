@@ -102,21 +102,18 @@ PYCHECK
 FRAMEWORKS=torch; BUILT=gloo
 if [ "$WITH_TF" = 1 ]; then FRAMEWORKS="torch, tensorflow"; fi
 if [ "$WITH_NCCL" = 1 ]; then BUILT="gloo, nccl"; fi
-if horovod_ok; then
-  log "horovod $HOROVOD_VERSION ($BUILT; $FRAMEWORKS) already installed"
-else
-  WHEEL=$(ls "$CACHE"/$WHEEL_DIR/horovod-$HOROVOD_VERSION-*.whl 2>/dev/null | head -n1 || true)
-  if [ -z "$WHEEL" ]; then
-    log "building horovod $HOROVOD_VERSION from source (about 15 minutes on 2 cores; cached afterwards)"
-    command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
-    cmake_major=$(cmake --version | head -n1 | sed -E 's/[^0-9]*([0-9]+).*/\1/')
-    if [ "$cmake_major" != "3" ]; then
-      log "cmake on PATH is not 3.x; allowing gloo's old cmake_minimum_required"
-      export CMAKE_POLICY_VERSION_MINIMUM=3.5
-    fi
-    SHIM="$CACHE/cxx17"
-    mkdir -p "$SHIM"
-    cat > "$SHIM/g++" <<'SH'
+
+build_wheel() {  # builds the Horovod wheel of this plan into $CACHE/$WHEEL_DIR; sets WHEEL
+  log "building horovod $HOROVOD_VERSION from source (about 15 minutes on 2 cores; cached afterwards)"
+  command -v cmake >/dev/null || { apt-get update -qq && apt-get install -y -qq cmake; }
+  cmake_major=$(cmake --version | head -n1 | sed -E 's/[^0-9]*([0-9]+).*/\1/')
+  if [ "$cmake_major" != "3" ]; then
+    log "cmake on PATH is not 3.x; allowing gloo's old cmake_minimum_required"
+    export CMAKE_POLICY_VERSION_MINIMUM=3.5
+  fi
+  SHIM="$CACHE/cxx17"
+  mkdir -p "$SHIM"
+  cat > "$SHIM/g++" <<'SH'
 #!/usr/bin/env bash
 # Horovod 0.28.1 asks for C++11/14; torch >= 2.1 and TF 2.18 headers need C++17.
 args=()
@@ -126,30 +123,45 @@ for a in "$@"; do
 done
 exec /usr/bin/g++ "${args[@]}"
 SH
-    chmod +x "$SHIM/g++"
-    SRC=$(mktemp -d)
-    trap 'rm -rf "$SRC"' EXIT
-    "${PIP[@]}" download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$SRC"
-    mkdir -p "$CACHE/$WHEEL_DIR"
-    BUILD_ENV=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1
-               HOROVOD_CPU_OPERATIONS=gloo)
-    if [ "$WITH_TF" = 1 ]; then BUILD_ENV+=(HOROVOD_WITH_TENSORFLOW=1); else BUILD_ENV+=(HOROVOD_WITHOUT_TENSORFLOW=1); fi
-    if [ "$WITH_NCCL" = 1 ]; then
-      NVCC=$("$PY" -c "import sys; sys.path.insert(0, '$HERE/scripts'); import install_plan; print(install_plan.find_nvcc())")
-      BUILD_ENV+=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_CUDA_HOME=$(dirname "$(dirname "$NVCC")")" HOROVOD_NCCL_LINK=SHARED)
-      # NCCL from the nvidia-nccl wheel that came with the CUDA torch, where there is one
-      NCCL_HOME=$("$PY" -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null || true)
-      if [ -n "$NCCL_HOME" ]; then BUILD_ENV+=("HOROVOD_NCCL_HOME=$NCCL_HOME"); fi
-      log "building with ${BUILD_ENV[*]}"
-    fi
-    env CXX="$SHIM/g++" CC=/usr/bin/gcc "${BUILD_ENV[@]}" MAKEFLAGS="-j$(nproc)" TF_USE_LEGACY_KERAS=1 \
-      "${PIP[@]}" wheel --no-build-isolation --no-deps -v "$SRC"/horovod-$HOROVOD_VERSION.tar.gz \
-        -w "$CACHE/$WHEEL_DIR" > "$CACHE/horovod-build.log" 2>&1 || {
-          log "horovod build failed; last lines of $CACHE/horovod-build.log:"; tail -n 40 "$CACHE/horovod-build.log"; exit 1; }
-    WHEEL=$(ls "$CACHE"/$WHEEL_DIR/horovod-$HOROVOD_VERSION-*.whl | head -n1)
+  chmod +x "$SHIM/g++"
+  SRC=$(mktemp -d)
+  trap 'rm -rf "$SRC"' EXIT
+  "${PIP[@]}" download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$SRC"
+  mkdir -p "$CACHE/$WHEEL_DIR"
+  BUILD_ENV=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1
+             HOROVOD_CPU_OPERATIONS=gloo)
+  if [ "$WITH_TF" = 1 ]; then BUILD_ENV+=(HOROVOD_WITH_TENSORFLOW=1); else BUILD_ENV+=(HOROVOD_WITHOUT_TENSORFLOW=1); fi
+  if [ "$WITH_NCCL" = 1 ]; then
+    NVCC=$("$PY" -c "import sys; sys.path.insert(0, '$HERE/scripts'); import install_plan; print(install_plan.find_nvcc())")
+    BUILD_ENV+=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_CUDA_HOME=$(dirname "$(dirname "$NVCC")")" HOROVOD_NCCL_LINK=SHARED)
+    # NCCL from the nvidia-nccl wheel that came with the CUDA torch, where there is one
+    NCCL_HOME=$("$PY" -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null || true)
+    if [ -n "$NCCL_HOME" ]; then BUILD_ENV+=("HOROVOD_NCCL_HOME=$NCCL_HOME"); fi
+    log "building with ${BUILD_ENV[*]}"
   fi
+  env CXX="$SHIM/g++" CC=/usr/bin/gcc "${BUILD_ENV[@]}" MAKEFLAGS="-j$(nproc)" TF_USE_LEGACY_KERAS=1 \
+    "${PIP[@]}" wheel --no-build-isolation --no-deps -v "$SRC"/horovod-$HOROVOD_VERSION.tar.gz \
+      -w "$CACHE/$WHEEL_DIR" > "$CACHE/horovod-build.log" 2>&1 || {
+        log "horovod build failed; last lines of $CACHE/horovod-build.log:"; tail -n 40 "$CACHE/horovod-build.log"; exit 1; }
+  WHEEL=$(ls "$CACHE"/$WHEEL_DIR/horovod-$HOROVOD_VERSION-*.whl | head -n1)
+}
+
+if horovod_ok; then
+  log "horovod $HOROVOD_VERSION ($BUILT; $FRAMEWORKS) already installed"
+else
+  WHEEL=$(ls "$CACHE"/$WHEEL_DIR/horovod-$HOROVOD_VERSION-*.whl 2>/dev/null | head -n1 || true)
+  CACHED=1
+  if [ -z "$WHEEL" ]; then CACHED=0; build_wheel; fi
   log "installing $WHEEL"
   "${PIP[@]}" install -c "$CONSTRAINTS" --force-reinstall --no-deps "$WHEEL"
+  if ! horovod_ok && [ "$CACHED" = 1 ]; then
+    # a wheel cached by an earlier install, compiled against another torch or TensorFlow build
+    log "the cached $WHEEL does not import with this torch/TensorFlow: building it again"
+    rm -f "$WHEEL"
+    build_wheel
+    log "installing $WHEEL"
+    "${PIP[@]}" install -c "$CONSTRAINTS" --force-reinstall --no-deps "$WHEEL"
+  fi
   horovod_ok || { log "horovod installed but does not import with $BUILT ($FRAMEWORKS)"; exit 1; }
 fi
 
