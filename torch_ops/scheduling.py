@@ -234,12 +234,14 @@ class Scheduler:
         return named
 
     def timer(self) -> "HostTimer":
-        """The timer this step's clock readings take: while steps are measured (profiling, measured
-        validation, the drift watch) the gradients' device's (``timer_for``: on CUDA it waits for the
-        queued kernels, so the readings time them, not their launches); once the plan is settled
-        and nothing watches it, the host clock, so a run is not slowed by the waits. On the CPU
-        both are the host clock."""
-        return self._device_timer if self._watch is not None or not self.done else HOST_TIMER
+        """The timer this step's clock readings take: while the plan is being made (profiling,
+        measured validation) the gradients' device's (``timer_for``: on CUDA it waits for the queued
+        kernels, so the per-layer readings time them, not their launches); once the plan is
+        settled, the host clock, so a run is not slowed by a wait in every gradient hook. The drift
+        watch then compares whole steps, end to end, which the host clock times once the host
+        waits for the device each step (the exchange's synchronize does). On the CPU both are
+        the host clock."""
+        return HOST_TIMER if self.done else self._device_timer
 
     @property
     def done(self) -> bool:
