@@ -103,3 +103,38 @@ def test_codecs_and_workload_time_on_the_gpu():
     x = torch.randn(32, 64, device="cuda")
     w = profiling.profile_workload(model, lambda: model(x).sum(), iters=2, warmup=1, average=False)
     assert len(w.names) == 4 and w.compute_seconds > 0
+
+
+class _OneRank:
+    """A communicator of one rank (what load_or_profile asks of one)."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+    def broadcast_object(self, obj, name, root=0):
+        return obj
+
+    def allgather_object(self, obj, name):
+        return [obj]
+
+
+@pytest.mark.parametrize("cached_on, asked, reprofiled", [("cpu", None, False), ("cuda", None, True),
+                                                         ("cpu", "cuda:0", True), ("cuda", "cuda:1", False)])
+def test_the_cache_serves_a_model_only_to_the_device_type_it_was_timed_on(monkeypatch, cached_on, asked, reprofiled):
+    from dataclasses import replace
+    from hvdcompress.schedule.costmodel import CostModel
+    model = CostModel.from_link(1, 10.0, 1e-5)
+    model = replace(model, meta={"device": "cuda"} if cached_on == "cuda" else {})
+    monkeypatch.setattr(CostModel, "cached", classmethod(lambda cls, world, names: model))
+    calls = []
+    monkeypatch.setattr(profiling, "profile_cost_model", lambda specs, **kw: calls.append(kw["device"]) or "fresh")
+    monkeypatch.setattr(profiling, "with_fits", lambda m, specs, **kw: calls.append(("fits", kw["device"])) or m)
+    got = profiling.load_or_profile(["none"], comm=_OneRank(), device=asked, save=False)
+    want_device = torch.device(asked or "cpu")
+    if reprofiled:
+        assert got == "fresh" and calls == [want_device]
+    else:
+        assert isinstance(got, CostModel) and calls == [("fits", want_device)]
