@@ -3,7 +3,7 @@ PYTHON ?= python3
 NP ?= 2
 COMPRESSION ?= topk:ratio=0.01
 
-.PHONY: install digits test test-full test-fast test-integrations bench bench-schedules docs
+.PHONY: install digits test test-full test-fast test-integrations bench bench-schedules docs gpu-check
 
 install:
 	PYTHON=$(PYTHON) bash scripts/install.sh
@@ -53,3 +53,9 @@ bench-schedules: install
 # (tests/test_docs.py fails while they are stale).
 docs:
 	$(PYTHON) -m hvdcompress.docs_tables
+
+# The GPU checks of docs/gpu.md in one run (a machine with a CUDA device and torch; no install needed,
+# about 9 minutes): CUDA tests, benchmarks/cuda_check.py, benchmarks/gpu_e2e.py, advise --device cuda.
+# Writes under $(OUT) (the device tool sets OUT; default a new temporary folder).
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -2,14 +2,16 @@
 
     torchrun --nproc_per_node 2 examples/ddp_digits.py --compression dgc:ratio=0.01
 
-No Horovod: torchrun starts the processes, ``torch.distributed`` (Gloo on CPU, NCCL with
-``--dist-backend nccl`` on GPUs) carries the collectives, and two lines hand DDP's gradient
+No Horovod: torchrun starts the processes, ``torch.distributed`` (Gloo on CPU; NCCL on GPUs, the
+default where CUDA is available) carries the collectives, and two lines hand DDP's gradient
 buckets to an hvdcompress compressor::
 
     state, hook = hvdcompress.ddp.comm_hook(spec, model=ddp_model, optimizer=opt)
     ddp_model.register_comm_hook(state, hook)
 
-Each rank trains on its own shard. At the end rank 0 prints the test accuracy and the bytes each
+Where CUDA is available every rank is pinned to its own GPU (``LOCAL_RANK``, which torchrun sets:
+``torch.cuda.set_device``) before the process group is made, and with NCCL the model and data live
+there: ``torchrun --nproc_per_node 8 examples/ddp_digits.py`` trains on 8 GPUs. Each rank trains on its own shard. At the end rank 0 prints the test accuracy and the bytes each
 rank put on the wire per step next to what DDP's dense allreduce sends, and every rank checks that
 all ranks hold identical parameters (exit status 1 if not).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -41,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dist-backend", default="gloo", help="torch.distributed backend: gloo, nccl")
+    p.add_argument("--dist-backend", default=None,
+                   help="torch.distributed backend: gloo, nccl (default: nccl where CUDA is available, else gloo)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
     p.add_argument("--json", help="write the final figures to this file (rank 0)")
     return p.parse_args(argv)
@@ -59,11 +63,15 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     spec = parse_spec(args.compression)  # a bad spec fails here, on every rank, before any collective
     torch.set_num_threads(1)  # ranks share the machine's cores
+    if torch.cuda.is_available():  # every rank on its own GPU (torchrun sets LOCAL_RANK), before NCCL starts
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(args.dist_backend)  # torchrun's environment: rank, world size, master
+        backend = args.dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend)  # torchrun's environment: rank, world size, master
     rank, size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if args.dist_backend == "nccl" else torch.device("cpu")
+    nccl = str(dist.get_backend()) == "nccl"  # NCCL moves CUDA tensors only; Gloo: the CPU
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     d = load_digits(args.seed)
     x_tr, y_tr = torch.from_numpy(d.x_train).to(device), torch.from_numpy(d.y_train).to(device)

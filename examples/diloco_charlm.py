@@ -49,9 +49,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     hvc.init()
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if torch.cuda.is_available():  # every rank on its own GPU (Horovod built with NCCL: make install does it)
+        torch.cuda.set_device(hvc.local_rank())
+        device = torch.device("cuda", hvc.local_rank())
     torch.manual_seed(0)
     text = load_stdlib_text()
-    model = CharTransformer(width=args.width, layers=args.layers, context=args.context)
+    model = CharTransformer(width=args.width, layers=args.layers, context=args.context).to(device)
     hvc.broadcast_parameters(model.state_dict(), root_rank=0)  # identical start: the first theta_global
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     opt = hvc.DiLoCo(model, inner, sync_every=args.sync_every, fragments=args.fragments,
@@ -59,7 +63,7 @@ def main(argv=None) -> int:
     batches = char_batches(text.train, args.batch_size, args.context, seed=1000 * (hvc.rank() + 1))
     start = time.perf_counter()
     for step in range(args.steps):
-        x, y = next(batches)
+        x, y = (t.to(device) for t in next(batches))
         opt.zero_grad()
         loss = model.loss(x, y)
         loss.backward()
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     rows = hvc.allgather(flat[None], name="check")
     assert all(torch.equal(rows[0], r) for r in rows), "replicas differ after flush()"
-    figures = {"held_out_loss": char_eval_loss(model, text.test, args.context, windows=256),
+    figures = {"held_out_loss": char_eval_loss(model.cpu(), text.test, args.context, windows=256),
                "bytes_per_step": opt.bytes_sent / args.steps, "seconds": seconds, "workers": hvc.size(),
                "corpus": text.source, "config": vars(args)}
     if hvc.rank() == 0:

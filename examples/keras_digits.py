@@ -71,6 +71,10 @@ def train(args) -> dict:
     compression = hvc.parse_spec(args.compression)  # bad specs fail here, on every rank, before any collective
     hvc.init()
     rank, size = hvc.rank(), hvc.size()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:  # every rank on its own GPU, before TensorFlow touches one
+        tf.config.experimental.set_memory_growth(gpus[hvc.local_rank()], True)
+        tf.config.set_visible_devices(gpus[hvc.local_rank()], "GPU")
     data = load_digits(args.seed)
     to_nhwc = (0, 2, 3, 1)
     x_tr, y_tr = data.x_train.transpose(to_nhwc)[rank::size], data.y_train[rank::size]

@@ -92,7 +92,9 @@ class DigitsModule(L.LightningModule):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compression", default="dgc:ratio=0.01", help="spec, e.g. none, topk:ratio=0.01, dgc:ratio=0.01")
-    p.add_argument("--devices", type=int, default=2, help="CPU processes")
+    p.add_argument("--devices", type=int, default=2, help="processes: CPU ones, or GPUs with --accelerator gpu")
+    p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu",
+                   help="gpu: Lightning pins each rank to its own GPU (LOCAL_RANK) and uses NCCL")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
@@ -110,7 +112,7 @@ def main(argv=None) -> bool:
                        batch_size=args.batch_size, shuffle=True)  # Lightning adds a DistributedSampler
     module = DigitsModule(args.lr, args.momentum)
     compressed = CompressedDDP(args.compression)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=DDPStrategy(), max_epochs=args.epochs,
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=DDPStrategy(), max_epochs=args.epochs,
                         callbacks=[compressed], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, train)
@@ -120,12 +122,13 @@ def main(argv=None) -> bool:
     rows = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(rows, flat)
     identical = all(torch.equal(rows[0], r) for r in rows)
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    digest = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]
     print(f"rank {rank}: parameter sha256 {digest}, identical across {size} ranks: {identical}", flush=True)
     if rank == 0:
         module.eval()
         with torch.no_grad():
-            acc = (module(torch.from_numpy(d.x_test)).argmax(1) == torch.from_numpy(d.y_test)).float().mean().item()
+            x_test = torch.from_numpy(d.x_test).to(module.device)
+            acc = (module(x_test).argmax(1).cpu() == torch.from_numpy(d.y_test)).float().mean().item()
         stats = compressed.state.stats.as_dict()
         print(f"compression           {compressed.state.spec}")
         print(f"test accuracy         {acc:.4f} after {trainer.global_step} steps ({args.epochs} epochs)")

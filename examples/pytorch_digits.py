@@ -100,12 +100,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # ranks share the machine's cores
     hvc.init()
     rank, size = hvc.rank(), hvc.size()
+    device = torch.device("cpu")
+    if torch.cuda.is_available():  # every rank on its own GPU (Horovod built with NCCL: make install does it)
+        torch.cuda.set_device(hvc.local_rank())
+        device = torch.device("cuda", hvc.local_rank())
 
-    (x_tr, y_tr), (x_te, y_te) = load_data(args.seed)
+    (x_tr, y_tr), (x_te, y_te) = (tuple(t.to(device) for t in pair) for pair in load_data(args.seed))
     steps_per_epoch = len(x_tr) // size // args.batch_size  # the same on every rank
     x_tr, y_tr = x_tr[rank::size], y_tr[rank::size]
     torch.manual_seed(args.seed)
-    model = DigitsCNN()
+    model = DigitsCNN().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     opt = hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
                                    schedule=args.schedule, delay=args.delay, sync_every=args.sync_every,
@@ -117,7 +121,7 @@ def main(argv=None) -> int:
     bar = tqdm(range(args.epochs), desc=f"{compression}", disable=rank != 0 or args.no_progress, file=sys.stdout)
     start = time.perf_counter()
     for epoch in bar:
-        perm = torch.randperm(len(x_tr), generator=gen)
+        perm = torch.randperm(len(x_tr), generator=gen).to(device)
         opt.set_epoch(epoch)  # drives warm-up schedules (DGC); harmless for the others
         for i in range(steps_per_epoch):
             idx = perm[i * args.batch_size:(i + 1) * args.batch_size]

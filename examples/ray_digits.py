@@ -11,6 +11,8 @@ wraps the model in ``DistributedDataParallel``, and the hook goes on that model 
     state, hook = hvdcompress.ddp.comm_hook("dgc:ratio=0.01", model=model, optimizer=opt)
     model.register_comm_hook(state, hook)
 
+With ``--use-gpu`` Ray gives every worker its own GPU (and an NCCL process group);
+``prepare_model`` moves the model to it (``ray.train.torch.get_device()``), and the data follows.
 At the end every worker prints a checksum of its parameters and whether all workers hold identical
 parameters; the driver prints what rank 0 reported: test accuracy and bytes sent per step, and the
 checkpoint's files: every worker saves its own (``rank<r>.pt``: model, optimizer and hook state),
@@ -43,8 +45,9 @@ def train_loop(config: dict) -> None:
     torch.set_num_threads(1)  # workers share the machine's cores
     ctx = ray.train.get_context()
     rank, size = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()  # this worker's GPU under use_gpu, else the CPU
     d = load_digits(config["seed"])
-    x_tr, y_tr = torch.from_numpy(d.x_train), torch.from_numpy(d.y_train)
+    x_tr, y_tr = torch.from_numpy(d.x_train).to(device), torch.from_numpy(d.y_train).to(device)
     steps_per_epoch = len(x_tr) // size // config["batch_size"]  # the same on every rank
     x_tr, y_tr = x_tr[rank::size], y_tr[rank::size]
 
@@ -58,7 +61,7 @@ def train_loop(config: dict) -> None:
     bs = config["batch_size"]
     for epoch in range(config["epochs"]):
         state.set_epoch(epoch)  # DGC's sparsity warm-up follows the epochs
-        perm = torch.randperm(len(x_tr), generator=gen)
+        perm = torch.randperm(len(x_tr), generator=gen).to(device)
         for i in range(steps_per_epoch):
             idx = perm[i * bs:(i + 1) * bs]
             opt.zero_grad()
@@ -69,11 +72,12 @@ def train_loop(config: dict) -> None:
     rows = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(rows, flat)
     identical = all(torch.equal(rows[0], r) for r in rows)
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    digest = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]
     print(f"rank {rank}: parameter sha256 {digest}, identical across {size} ranks: {identical}", flush=True)
     model.eval()
     with torch.no_grad():
-        acc = (model(torch.from_numpy(d.x_test)).argmax(1) == torch.from_numpy(d.y_test)).float().mean().item()
+        acc = (model(torch.from_numpy(d.x_test).to(device)).argmax(1).cpu() == torch.from_numpy(d.y_test)
+               ).float().mean().item()
     stats = state.stats.as_dict()
     metrics = {"test_accuracy": acc, "identical": identical, "steps": state.step, "spec": str(state.spec),
                "bytes_per_step": stats["bytes_per_step"], "dense_bytes_per_step": stats["dense_bytes_per_step"],
@@ -99,7 +103,8 @@ def resume(checkpoint_dir: str, rank: int, model, opt, state) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compression", default="dgc:ratio=0.01", help="spec, e.g. none, topk:ratio=0.01, dgc:ratio=0.01")
-    p.add_argument("--workers", type=int, default=2, help="CPU workers")
+    p.add_argument("--workers", type=int, default=2, help="workers (CPU processes; GPUs with --use-gpu)")
+    p.add_argument("--use-gpu", action="store_true", help="one GPU per worker (Ray pins them; NCCL)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
@@ -123,7 +128,7 @@ def main(argv=None) -> bool:
     config = {"compression": args.compression, "epochs": args.epochs, "batch_size": args.batch_size,
               "lr": args.lr, "momentum": args.momentum, "seed": args.seed}
     trainer = TorchTrainer(train_loop, train_loop_config=config,
-                           scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
+                           scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu),
                            run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="ray_digits_")))
     result = trainer.fit()
     m = result.metrics

@@ -63,6 +63,10 @@ def main(argv=None) -> int:
         spec = hvc.CompressionSpec("dgc", dict(spec.params, momentum=args.momentum))
     hvc.init()
     rank, size = hvc.rank(), hvc.size()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:  # every rank on its own GPU, before TensorFlow touches one
+        tf.config.experimental.set_memory_growth(gpus[hvc.local_rank()], True)
+        tf.config.set_visible_devices(gpus[hvc.local_rank()], "GPU")
 
     data = load_mnist1d()
     x_tr, y_tr = data.x_train.transpose(0, 2, 1)[rank::size], data.y_train[rank::size]

@@ -92,3 +92,21 @@ def parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
                                  f"{tuple(p.shape)} that is not in named_parameters)")
             names[p] = by_id[id(p)]
     return names
+
+
+def check_devices(parameter: str, tensors) -> torch.device:
+    """The one device ``tensors`` (tensors, or ``(name, tensor)`` pairs) are on: a compressed exchange
+    merges them into buffers on one device, so a model spread over several devices (or left partly on
+    the CPU after ``.to(device)`` missed a module) is a ValueError naming ``parameter`` and every
+    device found, with a few tensors of each. Raised before any collective; it looks at this rank's
+    tensors only, so ranks that run the same code raise together. No tensors: the CPU."""
+    found: Dict[str, list] = {}
+    for i, item in enumerate(tensors):
+        name, t = item if isinstance(item, tuple) else (f"#{i}", item)
+        found.setdefault(str(t.device), []).append(name)
+    if len(found) > 1:
+        listed = "; ".join(f"{dev}: {len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                           for dev, names in found.items())
+        raise ValueError(f"{parameter}: every tensor must be on one device (move the model with .to(device) "
+                         f"before wrapping it); found {len(found)} devices: {listed}")
+    return torch.device(next(iter(found))) if found else torch.device("cpu")

@@ -57,6 +57,7 @@ import torch
 
 from hvdcompress.spec import LAYERWISE, resolve
 
+from .arguments import check_devices
 from .compressors import TakesMomentum, compressor_class
 from .grouping import Group
 from .session import ExchangeSession, SessionFront, exchange_name
@@ -75,6 +76,7 @@ class CommHookState(SessionFront):
         spec = resolve(spec)  # a bad spec: ValueError here, on every rank
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model: expected the DDP model (a torch.nn.Module); got {type(model).__name__}")
+        check_devices("model", model.named_parameters())
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer: expected a torch.optim.Optimizer or None; got {type(optimizer).__name__}")
         cls = compressor_class(spec)

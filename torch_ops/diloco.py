@@ -46,6 +46,7 @@ import torch
 
 from hvdcompress.diloco import OUTER_LR, OUTER_MOMENTUM, OUTER_NESTEROV, check_arguments, split_fragments
 
+from .arguments import check_devices
 from .nonfinite import check_state_finite
 from .session import ExchangeSession, exchange_name
 from .transport import make_transport
@@ -94,6 +95,7 @@ class DiLoCo:
                  overlap_steps: int = 0, mix: float = 0.0, compression=None, process_set=None, driver=None,
                  backend: str = "horovod"):
         named = _named(model)
+        check_devices("model", named)
         self.cfg = check_arguments(len(named), sync_every, fragments, overlap_steps, mix, compression)
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise ValueError(f"DiLoCo: inner_optimizer must be a torch.optim.Optimizer; got {inner_optimizer!r}")

@@ -43,7 +43,7 @@ from .collectives import PendingExchange, PendingQueue
 from .delayed import DelayedAveraging, average_over_ranks
 from .grouping import FlatBuffers, Group, make_groups, scatter
 from .policy import SyncPolicy, Synchronous
-from .scheduling import Scheduler, StepClock, now
+from .scheduling import Scheduler, StepClock
 from .session import ExchangeSession, SessionFront, exchange_name
 from .sparse_grads import sparse_exchange, split_out
 
@@ -86,7 +86,8 @@ class Engine(SessionFront):
         self.sparse_as_dense = sparse_as_dense
         self.scheduler = Scheduler(schedule, spec, cost_model, profile_steps,
                                    {n: float(p.numel() * p.element_size()) for n, p in self.by_name.items()},
-                                   self.world, transport, tune_steps, alternatives, revalidate_every)
+                                   self.world, transport, tune_steps, alternatives, revalidate_every,
+                                   device=self.params[0].device if self.params else None)
         # the local gradient in result units: x1 for Average, xN for Sum
         self.policy = make_policy(delay, sync_every, self.prescale * self.scale * self.world,
                                   self.compressor.local_momentum())
@@ -131,7 +132,7 @@ class Engine(SessionFront):
     # -- a step ------------------------------------------------------------------------------------
     def gradient_ready(self, p: torch.Tensor) -> None:
         """The gradient hook: count the pass; launch the group when its last gradient is final."""
-        entered = now()
+        entered = self.scheduler.timer().now()
         if self._passes_left[p] == 0:
             raise AssertionError("Gradients were computed more than backward_passes_per_step times "
                                  "before call to step(). Increase backward_passes_per_step to "
@@ -142,7 +143,7 @@ class Engine(SessionFront):
             self._waiting[gi] -= 1
             if self._waiting[gi] == 0 and self.policy.exchanges_at(self.step):
                 self.launch(gi)
-            self.clock.hooks.append((self.name_of[p], entered, now()))
+            self.clock.hooks.append((self.name_of[p], entered, self.scheduler.timer().now()))
 
     def launch(self, gi: int) -> None:
         """Compress group ``gi`` and start its exchange (due when the policy says)."""
@@ -197,7 +198,7 @@ class Engine(SessionFront):
         if not self.included:  # outside the process set: the local gradients stay
             self.synchronized = True
             return
-        start = now()
+        start = self.scheduler.timer().now()
         step = self.step
         exchanging = self.policy.exchanges_at(step)
         launched = {gi for s, gi in self.pending.keys() if s == step}
@@ -210,18 +211,18 @@ class Engine(SessionFront):
                 self.launch(gi)
         with torch.no_grad():
             pending = self.pending.finish(step)
-            scattered = now()
+            scattered = self.scheduler.timer().now()
             self.policy.write_back(self, step, pending, exchanging)
             for name in self._sparse_now:  # sparse_as_dense: the average is given back sparse, as Horovod does
                 p = self.by_name[name]
                 if not p.grad.is_sparse:
                     p.grad = p.grad.to_sparse()
-        self.clock.finish = now() - scattered + sum(ex.compute_seconds - ex.first_seconds
+        self.clock.finish = self.scheduler.timer().now() - scattered + sum(ex.compute_seconds - ex.first_seconds
                                                     for ex in pending.values())
         self.session.end_step(pending.values(), sum(p.numel() * p.element_size() for p in self.params))
         self._new_step()
         self.synchronized = True
-        self.clock.sync = (start, now())
+        self.clock.sync = (start, self.scheduler.timer().now())
 
     def _new_step(self) -> None:
         self._passes_left = {p: self.passes for p in self.params}
@@ -237,7 +238,7 @@ class Engine(SessionFront):
             with torch.no_grad():
                 self.policy.complete_in_flight(self)  # delayed exchanges finish under the groups they began in
             self.regroup(groups)
-        self.clock = StepClock(now())
+        self.clock = StepClock(self.scheduler.timer().now())
 
     def flush(self, optimizer, wrapped_step: Callable[[], None]) -> None:
         """Make the replicas identical (the policy's flush; nothing to do when synchronous, or on a

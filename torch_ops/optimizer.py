@@ -44,12 +44,12 @@ from hvdcompress.schedule.planner import Plan
 from hvdcompress.spec import CompressionSpec, resolve
 
 from . import checkpoint
-from .arguments import check_arguments, parameter_names
+from .arguments import check_arguments, check_devices, parameter_names
 from .codec_choice import resolve_codec_choice
 from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
-from .scheduling import DEFAULT_TUNE_STEPS, check_revalidate_every, check_tune_steps, now
+from .scheduling import DEFAULT_TUNE_STEPS, check_revalidate_every, check_tune_steps
 from .transport import Average, make_transport
 
 
@@ -192,10 +192,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         engine.synchronized = False
         if not engine.included:  # outside the process set: the wrapped optimizer's update on the local gradients
             return super(self.__class__, self).step(closure)
-        start = now()
+        start = engine.scheduler.timer().now()
         engine.compressor.before_step(self.param_groups, self.state)  # e.g. DGC's taken-over weight decay
         loss = super(self.__class__, self).step(closure)
-        engine.clock.update = (start, now())
+        engine.clock.update = (start, engine.scheduler.timer().now())
         engine.end_of_step()
         return loss
 
@@ -325,6 +325,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     spec = resolve(compression)
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
+    check_devices("optimizer", ((f"param_groups[{i}][{j}]", p) for i, g in enumerate(optimizer.param_groups)
+                                for j, p in enumerate(g["params"])))
     check_tune_steps(tune_steps)
     # e.g. DGC takes the momentum over (checked on every rank, before any collective), on copies of
     # the groups: they are written into the wrapped optimizer once nothing can fail any more

@@ -16,6 +16,12 @@
     profile_cost_model(specs)        all of the first two, fitted into a ``CostModel`` and cached
     load_or_profile(specs)           the cached model for this world and host set, else profile
 
+Where the work runs on a CUDA device (``device=`` of the codec timings, the model's parameters in
+``profile_workload``) every reading waits for the device first (``scheduling.timer_for``: a
+``CudaTimer``), so kernels are timed, not their launches; on the CPU the host clock is read as it
+always was. A cost model whose codecs were timed on a CUDA device says so in its meta
+(``"device"``); ``load_or_profile`` uses a cached model only for the device type it was timed on.
+
 Every rank ends with the *same* numbers: times are averaged over ranks with an allreduce, and the
 parameter order of rank 0 is broadcast, so every rank builds the same plan (a plan that differed
 between ranks would pair different collectives). Call these on every rank.
@@ -40,6 +46,7 @@ from hvdcompress.schedule.planner import Workload
 from hvdcompress.spec import resolve
 
 from .compressors import ExchangeContext, build_compressor
+from .scheduling import HostTimer, timer_for
 
 DEFAULT_COMM_BYTES = tuple(4 << (2 * i) for i in range(5, 12))    # 4 KiB .. 16 MiB, x4 steps
 DEFAULT_COMPRESS_ELEMENTS = tuple(1 << i for i in range(10, 23, 2))  # 1 Ki .. 4 Mi floats
@@ -68,8 +75,12 @@ def _rank_mean(values: Sequence[float], name: str, comm=None) -> List[float]:
     return _comm(comm).allreduce_(t, name, average=True).tolist()
 
 
+def _device(device) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
 def _median_seconds(fn: Callable[[], None], repeats: int, warmup: int,
-                    before: Optional[Callable[[], None]] = None) -> float:
+                    before: Optional[Callable[[], None]] = None, timer: HostTimer = HostTimer()) -> float:
     for _ in range(warmup):
         if before:
             before()
@@ -78,9 +89,9 @@ def _median_seconds(fn: Callable[[], None], repeats: int, warmup: int,
     for _ in range(repeats):
         if before:
             before()
-        start = time.perf_counter()
+        start = timer.now()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(timer.now() - start)
     return statistics.median(times)
 
 
@@ -127,12 +138,14 @@ def _context(numel: int, world_size: int) -> ExchangeContext:
     return ctx
 
 
-def compress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, warmup: int = 1) -> float:
-    """Median seconds of one compress step of ``spec`` on ``numel`` random float32 entries: the
-    exchange generator run up to its first round of collectives (then abandoned)."""
+def compress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, warmup: int = 1,
+                     device=None) -> float:
+    """Median seconds of one compress step of ``spec`` on ``numel`` random float32 entries on
+    ``device`` (default the CPU): the exchange generator run up to its first round of collectives
+    (then abandoned)."""
     comp = build_compressor(resolve(spec))
     gen = torch.Generator().manual_seed(numel)
-    x = torch.randn(numel, generator=gen)
+    x = torch.randn(numel, generator=gen).to(_device(device))
     ctx = _context(numel, world_size)
 
     def call():
@@ -144,7 +157,7 @@ def compress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, wa
         exchange.close()
 
     with torch.no_grad():
-        return _median_seconds(call, repeats, warmup)
+        return _median_seconds(call, repeats, warmup, timer=timer_for(x))
 
 
 def _local_results(requests, world_size: int):
@@ -154,16 +167,18 @@ def _local_results(requests, world_size: int):
                  for r in requests)
 
 
-def decompress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, warmup: int = 1) -> float:
+def decompress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, warmup: int = 1,
+                       device=None) -> float:
     """Median seconds of what follows the collectives of ``spec``'s exchange on ``numel`` random
-    float32 entries -- decompression, aggregation, scaling, later rounds' own code -- plus the copy
-    of the result into a gradient (the optimizer's scatter), with every rank's payload taken equal
-    to this one's. The collectives themselves are not timed."""
+    float32 entries on ``device`` (default the CPU) -- decompression, aggregation, scaling, later
+    rounds' own code -- plus the copy of the result into a gradient (the optimizer's scatter), with
+    every rank's payload taken equal to this one's. The collectives themselves are not timed."""
     comp = build_compressor(resolve(spec))
     gen = torch.Generator().manual_seed(numel)
-    x = torch.randn(numel, generator=gen)
-    grad = torch.empty(numel)
+    x = torch.randn(numel, generator=gen).to(_device(device))
+    grad = torch.empty(numel, device=x.device)
     ctx = _context(numel, world_size)
+    timer = timer_for(x)
     times = []
     with torch.no_grad():
         for i in range(warmup + repeats):
@@ -171,24 +186,24 @@ def decompress_seconds(spec, numel: int, world_size: int = 1, repeats: int = 5, 
             requests, elapsed = next(exchange), 0.0
             while True:
                 results = _local_results(requests, world_size)
-                start = time.perf_counter()
+                start = timer.now()
                 try:
                     requests = exchange.send(results)
                 except StopIteration as stop:
                     grad.copy_(stop.value)
-                    elapsed += time.perf_counter() - start
+                    elapsed += timer.now() - start
                     break
-                elapsed += time.perf_counter() - start
+                elapsed += timer.now() - start
             if i >= warmup:
                 times.append(elapsed)
     return statistics.median(times)
 
 
 def time_decompression(spec, sizes: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
-                       warmup: int = 1, average: bool = True, comm=None) -> List[Tuple[int, float]]:
-    """[(elements, median seconds)] of ``decompress_seconds``; averaged over ranks if ``average``."""
+                       warmup: int = 1, average: bool = True, comm=None, device=None) -> List[Tuple[int, float]]:
+    """[(elements, median seconds)] of ``decompress_seconds`` on ``device``; averaged over ranks if ``average``."""
     world = _comm(comm).size() if average else 1
-    secs = [decompress_seconds(spec, int(d), world, repeats, warmup) for d in sizes]
+    secs = [decompress_seconds(spec, int(d), world, repeats, warmup, device) for d in sizes]
     if average:
         secs = _rank_mean(secs, f"hvc.profile.decompress.{resolve(spec)}", comm)
     return list(zip((int(d) for d in sizes), secs))
@@ -263,11 +278,11 @@ def time_burst(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None)
 
 
 def time_compression(spec, sizes: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
-                     warmup: int = 1, average: bool = True, comm=None) -> List[Tuple[int, float]]:
-    """[(elements, median seconds)] of ``spec``'s compress step; averaged over ranks if ``average``
-    (needs Horovod), else this process's own times."""
+                     warmup: int = 1, average: bool = True, comm=None, device=None) -> List[Tuple[int, float]]:
+    """[(elements, median seconds)] of ``spec``'s compress step on ``device``; averaged over ranks
+    if ``average`` (needs Horovod), else this process's own times."""
     world = _comm(comm).size() if average else 1
-    secs = [compress_seconds(spec, int(d), world, repeats, warmup) for d in sizes]
+    secs = [compress_seconds(spec, int(d), world, repeats, warmup, device) for d in sizes]
     if average:
         secs = _rank_mean(secs, f"hvc.profile.compress.{resolve(spec)}", comm)
     return list(zip((int(d) for d in sizes), secs))
@@ -282,10 +297,12 @@ def profile_workload(model: torch.nn.Module, closure: Callable[[], torch.Tensor]
     start of backward) to the i-th, medians over ``iters`` runs after ``warmup``; the order of
     the hooks is the backward order. ``optimizer.step()``, if given, is timed as the update.
     Parameters that get no gradient come last with t_b = 0. With ``average`` (Horovod running),
-    times are averaged over ranks and rank 0's order is used everywhere."""
+    times are averaged over ranks and rank 0's order is used everywhere. On a CUDA model every
+    reading waits for the device (``scheduling.CudaTimer``)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    timer = timer_for(p for _, p in named)
     stamps: Dict[str, float] = {}
-    hooks = [p.register_post_accumulate_grad_hook(lambda _p, n=n: stamps.__setitem__(n, time.perf_counter()))
+    hooks = [p.register_post_accumulate_grad_hook(lambda _p, n=n: stamps.__setitem__(n, timer.now()))
              for n, p in named]
     runs: List[Tuple[List[str], Dict[str, float], float, float]] = []
     try:
@@ -293,14 +310,14 @@ def profile_workload(model: torch.nn.Module, closure: Callable[[], torch.Tensor]
             for _, p in named:
                 p.grad = None
             stamps.clear()
-            t0 = time.perf_counter()
+            t0 = timer.now()
             loss = closure()
-            t1 = time.perf_counter()
+            t1 = timer.now()
             loss.backward()
-            t2 = time.perf_counter()
+            t2 = timer.now()
             if optimizer is not None:
                 optimizer.step()
-            t3 = time.perf_counter()
+            t3 = timer.now()
             order = sorted(stamps, key=stamps.get)
             gaps, prev = {}, t1
             for n in order:
@@ -338,24 +355,27 @@ def _host_leader(names: Sequence[str], comm) -> bool:
 
 def profile_cost_model(specs: Iterable = ("none",), comm_bytes: Sequence[int] = DEFAULT_COMM_BYTES,
                        compress_elements: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
-                       save: bool = True, path: Optional[str] = None, comm=None) -> CostModel:
-    """Time the collectives and every spec's compression, fit a ``CostModel`` (identical on all
-    ranks) and, with ``save``, write it to the cache (the first rank of each host) and to ``path``
-    (rank 0 of the process set)."""
+                       save: bool = True, path: Optional[str] = None, comm=None, device=None) -> CostModel:
+    """Time the collectives and every spec's compression (on ``device``, default the CPU), fit a
+    ``CostModel`` (identical on all ranks) and, with ``save``, write it to the cache (the first rank
+    of each host) and to ``path`` (rank 0 of the process set)."""
     com = _comm(comm)
     specs = [resolve(s) for s in specs]
     started = time.perf_counter()
     kinds = ("allreduce", "allgather") + (("allreduce_half",) if any(sums_half(s) for s in specs) else ())
     comm = time_collectives(kinds, sizes_bytes=comm_bytes, repeats=repeats, comm=com)
     launch = time_launch(comm=com)
-    compress = {str(resolve(s)): time_compression(s, compress_elements, repeats, comm=com) for s in specs}
-    decompress = {str(resolve(s)): time_decompression(s, compress_elements, repeats, comm=com) for s in specs}
+    compress = {str(resolve(s)): time_compression(s, compress_elements, repeats, comm=com, device=device)
+                for s in specs}
+    decompress = {str(resolve(s)): time_decompression(s, compress_elements, repeats, comm=com, device=device)
+                  for s in specs}
     elapsed = _rank_mean([time.perf_counter() - started], "hvc.profile.elapsed", com)[0]
     meta = {"source": "torch_ops.profiling", "torch": torch.__version__,
             **com.versions(), "profile_seconds": round(elapsed, 3),
             "samples": {"allreduce": comm["allreduce"], "allgather": comm["allgather"], "compress": compress,
                         "decompress": decompress, **({"allreduce_half": comm["allreduce_half"]}
-                                                     if "allreduce_half" in comm else {})}}
+                                                     if "allreduce_half" in comm else {})},
+            **({"device": _device(device).type} if _device(device).type != "cpu" else {})}
     names = hosts(com)
     model = fit_cost_model(com.size(), comm["allreduce"], comm["allgather"], compress, names,
                            meta=json.loads(json.dumps(meta)),  # as it reads back from the cache
@@ -387,28 +407,31 @@ def load_or_profile(specs: Iterable = ("none",), max_bytes: Optional[float] = No
     ``transport=True``: a cached model also gets the transport terms it lacks (``with_fits``)."""
     comm = _comm(kwargs.pop("comm", None))
     transport = bool(kwargs.pop("transport", False))
+    device = _device(kwargs.pop("device", None))
     specs = [resolve(s) for s in specs]
     names = hosts(comm)
     cached = None
     if comm.rank() == 0:
         model = CostModel.cached(comm.size(), names)
+        if model is not None and model.meta.get("device", "cpu") != device.type:
+            model = None  # its codecs were timed on another kind of device
         cached = model.to_dict() if model is not None else None
     cached = comm.broadcast_object(cached, "hvc.profile.cached")
     if cached is None:
         kwargs.setdefault("comm_bytes", comm_sizes_up_to(max_bytes))
-        return profile_cost_model(specs, comm=comm, **kwargs)
+        return profile_cost_model(specs, comm=comm, device=device, **kwargs)
     model = CostModel.from_dict(cached)
     completed = with_fits(model, specs, comm=comm, compress_elements=kwargs.get("compress_elements"),
-                          comm_bytes=comm_sizes_up_to(max_bytes), transport=transport)
+                          comm_bytes=comm_sizes_up_to(max_bytes), transport=transport, device=device)
     if completed is not model and kwargs.get("save", True) and _host_leader(names, comm):
         completed.save()
     return completed
 
 
 def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=None,
-              comm_bytes: Optional[Sequence[int]] = None, transport: bool = False) -> CostModel:
+              comm_bytes: Optional[Sequence[int]] = None, transport: bool = False, device=None) -> CostModel:
     """``model`` with a compression and decompression fit for every spec of ``specs``: the missing
-    ones are timed on this machine and added (``model`` itself when none is missing). With
+    ones are timed on this machine (on ``device``, default the CPU) and added (``model`` itself when none is missing). With
     ``transport``, also the transport terms a model fitted before them lacks: the fp16 allreduce
     fit if a spec sums halves (timed at ``comm_bytes``); and the start-ups of a training step
     (``time_sequence``, ``time_burst``) are recorded in its meta (``step_start_ups``), not set:
@@ -434,6 +457,6 @@ def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=No
     sizes = compress_elements or DEFAULT_COMPRESS_ELEMENTS
     for s in missing:
         for table, timer in ((compress, time_compression), (decompress, time_decompression)):
-            samples = timer(s, sizes, comm=comm)
+            samples = timer(s, sizes, comm=comm, device=device)
             table[str(s)] = fit_compute([d for d, _ in samples], [t for _, t in samples])
     return replace(model, compress=compress, decompress=decompress)

@@ -76,6 +76,7 @@ import time
 from dataclasses import replace
 
 import numpy as np
+import torch
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from hvdcompress.contract import LAYERWISE
@@ -156,7 +157,7 @@ class Scheduler:
 
     def __init__(self, schedule, spec: CompressionSpec, cost_model: Optional[CostModel], profile_steps: int,
                  sizes_bytes: Dict[str, float], world_size: int, comm=None, tune_steps: int = 0,
-                 alternatives: Sequence[str] = (), revalidate_every: Optional[int] = None):
+                 alternatives: Sequence[str] = (), revalidate_every: Optional[int] = None, device=None):
         self.comm = comm  # the optimizer's Communicator: every collective here runs on its process set
         # specs a group may be sent with instead of ``spec`` (torch_ops.codec_choice); the plan picks
         self.alternatives = tuple(alternatives)
@@ -173,6 +174,9 @@ class Scheduler:
         self.profile_steps = check_profile_steps(profile_steps)
         self.sizes = dict(sizes_bytes)
         self.world = world_size
+        # where the gradients are: the codecs of a cost model profiled here are timed there
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._device_timer = timer_for(self.device)
         if isinstance(self.schedule, list):
             from .grouping import make_groups
             make_groups(self.schedule, {n: (1,) for n in self.sizes})  # names checked now, on every rank
@@ -193,7 +197,7 @@ class Scheduler:
         return Scheduler(self.schedule if isinstance(self.schedule, list) else self.text, self.spec,
                          self.cost_model if self.world == world_size else None, self.profile_steps, self.sizes,
                          world_size, self.comm, alternatives=self.alternatives,
-                         revalidate_every=self.revalidate_every)
+                         revalidate_every=self.revalidate_every, device=self.device)
 
     @property
     def text(self) -> str:
@@ -228,6 +232,16 @@ class Scheduler:
         self._codec_list = [None if codecs is None or codecs[k] == own else codecs[k] for k in range(len(named))]
         self._codecs = {tuple(n): c for n, c in zip(named, self._codec_list) if c is not None}
         return named
+
+    def timer(self) -> "HostTimer":
+        """The timer this step's clock readings take: while the plan is being made (profiling,
+        measured validation) the gradients' device's (``timer_for``: on CUDA it waits for the queued
+        kernels, so the per-layer readings time them, not their launches); once the plan is
+        settled, the host clock, so a run is not slowed by a wait in every gradient hook. The drift
+        watch then compares whole steps, end to end, which the host clock times once the host
+        waits for the device each step (the exchange's synchronize does). On the CPU both are
+        the host clock."""
+        return HOST_TIMER if self.done else self._device_timer
 
     @property
     def done(self) -> bool:
@@ -329,10 +343,11 @@ class Scheduler:
         if model is None:
             from .profiling import load_or_profile
             model = self.cost_model = load_or_profile([self.spec, *self.alternatives], max_bytes=sum(self.sizes.values()),
-                                                      comm=self._comm())
+                                                      comm=self._comm(), device=self.device)
         elif self.alternatives:  # a model given by the caller: time the alternatives it has no fit for
             from .profiling import with_fits
-            model = self.cost_model = with_fits(model, [self.spec, *self.alternatives], comm=self._comm())
+            model = self.cost_model = with_fits(model, [self.spec, *self.alternatives], comm=self._comm(),
+                                                device=self.device)
         calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
         plan, candidates = _broadcast_result(self._comm(), lambda: self._model_plan(calibrated), "hvc.plan.model")
         note = ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
@@ -638,4 +653,60 @@ def _broadcast_result(comm, fn, name: str):
 
 
 def now() -> float:
+    """The host clock (``HostTimer.now``)."""
     return time.perf_counter()
+
+
+class HostTimer:
+    """Clock readings for work on the CPU: a CPU tensor's work is done when the call that does it
+    returns, so the host clock is the measurement (what every timing here read before devices)."""
+
+    device = torch.device("cpu")
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def wait(self) -> None:
+        """Wait for the work queued so far (nothing is queued on the CPU)."""
+
+
+class CudaTimer(HostTimer):
+    """Clock readings for work on a CUDA device: kernels run after the call that queued them
+    returns, so a host timestamp alone times the launch, not the kernel. Each reading first waits
+    for the work queued on the device (``torch.cuda.synchronize``), which makes a reading cost a
+    device round trip and keeps the host from running ahead: use it where the time is measured
+    (profiling, the scheduler's measured steps, benchmarks), not on every step of a run."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def now(self) -> float:
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def wait(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+HOST_TIMER = HostTimer()
+
+
+def timer_for(*items) -> HostTimer:
+    """The timer for the device the work runs on: ``items`` are tensors, devices, device strings
+    or iterables of tensors; the first CUDA one found picks a ``CudaTimer`` on its device, else
+    the ``HostTimer``."""
+    stack = list(items)
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            device = item.device
+        elif isinstance(item, (str, torch.device)):
+            device = torch.device(item)
+        elif item is None:
+            continue
+        else:
+            stack[:0] = list(item)
+            continue
+        if device.type == "cuda":
+            return CudaTimer(device)
+    return HostTimer()

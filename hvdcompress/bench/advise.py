@@ -135,13 +135,14 @@ def default_input_shape(name: str) -> Tuple[int, ...]:
 
 
 def workload_from_model(name: str, input_shape: Optional[Sequence[int]] = None, iters: int = 3,
-                        scale: float = 1.0, average: bool = False) -> Workload:
+                        scale: float = 1.0, average: bool = False, device=None) -> Workload:
     """A bench model (``hvdcompress.bench.torch_models``), ``emulated:<profile>`` (the emulated-GPU
     model the bench runs, tensors ``scale`` times smaller) or ``module:function``: its forward,
     backward per parameter and update timed here (``torch_ops.profiling.profile_workload``), on
     random inputs of ``input_shape`` (default: ``default_input_shape``). Measured rather than read
     from a profile, so an emulated layer's real overhead is in it too. ``average``: under Horovod,
-    every rank measures at once and the times are averaged over ranks (as they would train)."""
+    every rank measures at once and the times are averaged over ranks (as they would train).
+    ``device``: where the model runs (default the CPU; on CUDA every reading waits for the device)."""
     import torch
     from torch_ops.profiling import profile_workload
     from .torch_models import MODELS, build
@@ -153,6 +154,8 @@ def workload_from_model(name: str, input_shape: Optional[Sequence[int]] = None, 
         model = _user_model(name)
     shape = tuple(int(d) for d in (input_shape or default_input_shape(name)))
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    if device is not None:
+        model, x = model.to(device), x.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
     def closure():
@@ -163,8 +166,9 @@ def workload_from_model(name: str, input_shape: Optional[Sequence[int]] = None, 
 
 
 # --- the costs ------------------------------------------------------------------------------------
-def compression_fits(specs: Sequence, max_elements: int, quick: bool = False) -> Dict[str, object]:
-    """Compression-time fits measured on this CPU, sizes up to the largest tensor (at least 4 sizes)."""
+def compression_fits(specs: Sequence, max_elements: int, quick: bool = False, device=None) -> Dict[str, object]:
+    """Compression-time fits measured on this CPU (or on ``device``, waiting for it), sizes up to
+    the largest tensor (at least 4 sizes)."""
     from torch_ops.profiling import time_compression
     top = max(1 << 12, int(max_elements))
     sizes = sorted({int(x) for x in np.geomspace(1 << 10, min(top, 1 << (18 if quick else 22)), 3 if quick else 5)})
@@ -173,7 +177,7 @@ def compression_fits(specs: Sequence, max_elements: int, quick: bool = False) ->
         s = resolve(s)
         if s.name == "none":
             continue
-        samples = time_compression(s, sizes, repeats=2 if quick else 3, warmup=1, average=False)
+        samples = time_compression(s, sizes, repeats=2 if quick else 3, warmup=1, average=False, device=device)
         fits[str(s)] = fit_compute([d for d, _ in samples], [t for _, t in samples])
     return fits
 
@@ -217,7 +221,7 @@ REFERENCE_STEPS = 4  # timed steps of the reference run (after one untimed)
 
 
 def reference_steps(model_name: str, input_shape: Optional[Sequence[int]] = None, scale: float = 1.0,
-                    steps: int = REFERENCE_STEPS, warmup: int = 1) -> dict:
+                    steps: int = REFERENCE_STEPS, warmup: int = 1, device=None) -> dict:
     """A few real training steps of the model under Horovod (call on every rank), with the real
     ``DistributedOptimizer`` sending the dense gradient as one group (``schedule="single"``: its one
     exchange starts when backward is done, so it slows no backward): what every step costs on the
@@ -228,27 +232,33 @@ def reference_steps(model_name: str, input_shape: Optional[Sequence[int]] = None
       while ``profile_workload`` averages the ranks' times.
     - ``hook_seconds``: the optimizer's gradient hooks (per step, maximum over ranks; median):
       per tensor, Python and a copy into its group's buffer, which the cost model has no fit for.
+
+    ``device``: where the model runs (default the CPU); on CUDA the readings wait for the device.
     """
     import torch
     import horovod.torch as hvd
     from torch_ops.optimizer import DistributedOptimizer
+    from torch_ops.scheduling import timer_for
     from .torch_models import MODELS, build
     model = build(model_name, scale=scale) if model_name.startswith(EMULATED) or model_name in MODELS \
         else _user_model(model_name)
     shape = tuple(int(d) for d in (input_shape or default_input_shape(model_name)))
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    if device is not None:
+        model, x = model.to(device), x.to(device)
+    timer = timer_for(x)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                named_parameters=[(f"hvc.advise.ref.{n}", p) for n, p in model.named_parameters()],
                                schedule="single", tune_steps=0)
     mine = []
     hvd.barrier()
     for it in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0 = timer.now()
         opt.zero_grad()
         loss = model(x).float().pow(2).mean()
-        t1 = time.perf_counter()
+        t1 = timer.now()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = timer.now()
         opt.step()
         timings = opt.timings
         hooks = float(timings.get("hook_seconds") or 0.0)
@@ -295,22 +305,24 @@ class Measured:
 
 def measure_job(model_name: str, specs: Sequence, input_shape: Optional[Sequence[int]] = None,
                 scale: float = 1.0, quick: bool = False, fitted: Optional[CostModel] = None,
-                cached: bool = True, max_comm_bytes: Optional[float] = None, reference: bool = True) -> Measured:
+                cached: bool = True, max_comm_bytes: Optional[float] = None, reference: bool = True,
+                device=None) -> Measured:
     """advise's measurement under Horovod (call on every rank; ``hvd.init()`` done): the model's
     workload timed with every rank running (times averaged over ranks), compression timed on this
     CPU at its tensor sizes for every spec (and the auto choice's alternatives), and the live
     transport's fitted model (``measured_link``; collectives up to ``max_comm_bytes``, default the
     whole gradient). With ``reference``, the workload is then calibrated to a few real training
     steps (``reference_steps``, ``calibrated_workload``): the slowest rank's compute and the
-    optimizer's hooks. What ``advise --measure-link`` and ``hvdcompress bench --advise`` predict from."""
-    workload = workload_from_model(model_name, input_shape, scale=scale, average=True)
+    optimizer's hooks. What ``advise --measure-link`` and ``hvdcompress bench --advise`` predict from.
+    ``device``: where compute and codecs are timed (default the CPU)."""
+    workload = workload_from_model(model_name, input_shape, scale=scale, average=True, device=device)
     every = every_spec(specs)
-    fits = compression_fits(every, max(workload.sizes_bytes) / 4, quick)
+    fits = compression_fits(every, max(workload.sizes_bytes) / 4, quick, device)
     model = measured_link(every, fits, max_bytes=max_comm_bytes or sum(workload.sizes_bytes), fitted=fitted,
                           cached=cached)
     if not reference:
         return Measured(workload, fits, model)
-    ref = reference_steps(model_name, input_shape, scale)
+    ref = reference_steps(model_name, input_shape, scale, device=device)
     return Measured(calibrated_workload(workload, model, ref), fits, model, ref, workload)
 
 
@@ -466,6 +478,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
     ap.add_argument("--spec", action="append", help="a candidate spec (repeatable; default: a built-in list)")
     ap.add_argument("--auto-spec", help="the compressor codec_choice=auto decides for (default: the fastest compressing candidate)")
     ap.add_argument("--quick", action="store_true", help="fewer compression timings (seconds, less accurate)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where --model's compute and the codecs are timed (cuda: each rank's own GPU, "
+                         "readings that wait for the device; default cpu)")
     ap.add_argument("--json", help="write everything here")
     ap.add_argument("--plot", help="PNG of predicted step time against link rate, crossovers marked")
     args = ap.parse_args(argv)
@@ -482,25 +497,37 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
         ap.error(str(e))
     if args.workers < 2 or not (args.gbps > 0 and args.latency_us >= 0 and args.scale >= 1):
         ap.error("--workers must be >= 2, --gbps > 0, --latency-us >= 0, --emulated-scale >= 1")
-    rank, compute_only = 0, None
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); accepted "
+                     "here: --device cpu")
+    rank, compute_only, device = 0, None, None
     if args.measure_link:
         import horovod.torch as hvd
         hvd.init()
         rank = hvd.rank()
+    if args.device == "cuda":
+        local = hvd.local_rank() if args.measure_link else torch.cuda.current_device()
+        torch.cuda.set_device(local)  # every rank on its own GPU
+        device = f"cuda:{local}"
     scaled = f" (tensors / {args.scale:g})" if args.scale != 1 else ""
     if args.profile:
         workload = workload_from_profile(args.profile, args.scale)
         what = f"profile {args.profile}{scaled} (nominal times, ASSUMED)"
     else:
-        workload = workload_from_model(args.model, args.input_shape, scale=args.scale, average=args.measure_link)
+        workload = workload_from_model(args.model, args.input_shape, scale=args.scale, average=args.measure_link,
+                                       device=device)
         what = f"model {args.model}{scaled} (forward, backward, update MEASURED on this machine)"
+    if device is not None:
+        what += f"; compute and codecs timed on {device} ({torch.cuda.get_device_name(device)})"
     every = every_spec(specs, auto_spec)
-    fits = compression_fits(every, max(workload.sizes_bytes) / 4, args.quick)
+    fits = compression_fits(every, max(workload.sizes_bytes) / 4, args.quick, device)
     if args.measure_link:
         model = measured_link(every, fits, max_bytes=sum(workload.sizes_bytes))
         link = f"measured transport (MEASURED), {model.world_size} workers"
         if args.model:  # the workload as training steps run it: the slowest rank, the optimizer's hooks
-            ref = reference_steps(args.model, args.input_shape, args.scale)
+            ref = reference_steps(args.model, args.input_shape, args.scale, device=device)
             workload, compute_only = calibrated_workload(workload, model, ref), ref["compute_seconds"]
             what += "; calibrated to real training steps (slowest rank, optimizer hooks)"
         workers, latency, gbps = model.world_size, None, None

@@ -39,7 +39,9 @@ Per phase it records each timed step's time, the optimizer's own accounting over
 step time) and the medians of the optimizer's per-step timings (``opt.timings``) and, when ``iface`` is set, the
 interface's byte counters (``/sys/class/net/<iface>/statistics``) around each timed step, so the
 bytes that really crossed the link can be compared with the payload. The rank writes its figures
-as JSON to ``out``. Plain SGD without momentum is used everywhere, so the compressors that keep
+as JSON to ``out``. With ``device`` "cuda" every rank's model and batch are on its own GPU
+(``cuda:<local rank>``) and every step time waits for the device (``torch_ops.scheduling.timer_for``);
+on the CPU (the default) the host clock is read as before. Plain SGD without momentum is used everywhere, so the compressors that keep
 momentum themselves (DGC) fit too; only the time of a step matters here, not what it learns.
 """
 
@@ -56,6 +58,7 @@ import torch.nn.functional as F
 
 from torch_ops.collectives import Communicator
 from torch_ops.optimizer import DistributedOptimizer
+from torch_ops.scheduling import timer_for
 
 from . import schedules
 from .injected_latency import LatencyDriver
@@ -63,7 +66,7 @@ from .torch_models import build, count_parameters, synthetic_batch
 from .worker_common import COMPUTE_ONLY, check_identical, digest, load_config, read_counters, timed_rounds
 
 OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3,
-            "emulated_scale": 1.0, "trace_steps": 0, "tune_steps": 3, "advise": False}
+            "emulated_scale": 1.0, "trace_steps": 0, "tune_steps": 3, "advise": False, "device": "cpu"}
 MAX_EXTRA_WARMUP = 500  # warm-up steps added for a measured validation to finish
 TIMING_KEYS = ("backward_seconds", "hook_seconds", "synchronize_seconds", "update_seconds")
 
@@ -75,8 +78,10 @@ class Phase:
                  cost_model=None):
         self.spec = spec
         self.schedule = schedule
-        self.model = build(cfg["model"], seed=cfg["seed"], scale=cfg["emulated_scale"])
-        self.x, self.y = synthetic_batch(cfg["batch"], seed=cfg["seed"] + 1000 * (1 + rank))
+        device = torch.device(cfg["device"])
+        self.model = build(cfg["model"], seed=cfg["seed"], scale=cfg["emulated_scale"]).to(device)
+        self.x, self.y = (t.to(device) for t in synthetic_batch(cfg["batch"], seed=cfg["seed"] + 1000 * (1 + rank)))
+        self.timer = timer_for(device)  # the host clock on the CPU; waits for the device on CUDA
         opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
         if spec is not None:
             latency_s = cfg["latency_ms"] / 1000.0
@@ -111,16 +116,16 @@ class Phase:
     def digest(self) -> str:
         """The parameters' sha256 after the exchanges in flight are applied (``flush``)."""
         self.opt.flush()
-        return digest(p.detach().numpy() for p in self.model.parameters())
+        return digest(p.detach().cpu().numpy() for p in self.model.parameters())
 
     def step(self) -> float:
-        start = time.perf_counter()
+        start = self.timer.now()
         self.opt.zero_grad()
         loss = F.cross_entropy(self.model(self.x), self.y)
-        self.last_forward = time.perf_counter() - start
+        self.last_forward = self.timer.now() - start
         loss.backward()
         self.opt.step()
-        return time.perf_counter() - start
+        return self.timer.now() - start
 
     def trace_step(self) -> None:
         """One untimed step with the driver tracing: per tensor the gradient hook's entry and exit,
@@ -128,14 +133,14 @@ class Phase:
         update -- seconds from the first hook (the predicted timeline's time 0)."""
         driver = self.opt.engine.transport
         driver.start_trace()
-        start = time.perf_counter()
+        start = self.timer.now()
         self.opt.zero_grad()
         loss = F.cross_entropy(self.model(self.x), self.y)
-        bwd = time.perf_counter()
+        bwd = self.timer.now()
         loss.backward()
         clock = self.opt.engine.clock  # this step's readings (bench side: read, never changed)
         self.opt.step()
-        end = time.perf_counter()
+        end = self.timer.now()
         rounds = driver.stop_trace()
         t0 = clock.hooks[0][1] if clock.hooks else bwd
         rel = lambda t: None if t is None else t - t0  # noqa: E731
@@ -267,7 +272,7 @@ def advise_for(cfg: dict, hvd, fitted=None) -> Optional[dict]:
     started = time.perf_counter()
     m = advise.measure_job(cfg["model"], cfg["specs"], input_shape=(cfg["batch"], *INPUT_SHAPE),
                            scale=cfg["emulated_scale"], fitted=fitted, cached=False,
-                           max_comm_bytes=cfg["profile_max_mib"] * (1 << 20))
+                           max_comm_bytes=cfg["profile_max_mib"] * (1 << 20), device=cfg["device"])
     out = {"compute_seconds": m.compute_only_seconds, "workload": m.workload.to_dict(),
            "link": m.model.to_dict(), "seconds": time.perf_counter() - started, "predicted": {},
            "reference": m.reference, "isolated_workload": m.isolated.to_dict() if m.isolated is not None else None}
@@ -353,16 +358,18 @@ def advise_summary(advice: Optional[dict]) -> Optional[dict]:
     return dict(advice, predicted=rows)
 
 
-def memory_pass_seconds(numel: int, repeats: int = 7) -> float:
+def memory_pass_seconds(numel: int, repeats: int = 7, device="cpu") -> float:
     """One pass over a gradient-sized fp32 buffer -- ``r.add_(g)``: one read of g, one read and
-    write of r (error feedback's a = g + r) -- median of ``repeats``, on this worker's threads."""
-    g, r = torch.ones(numel), torch.zeros(numel)
+    write of r (error feedback's a = g + r) -- median of ``repeats``, on this worker's threads
+    (or on ``device``, waiting for it)."""
+    g, r = torch.ones(numel, device=device), torch.zeros(numel, device=device)
     r.add_(g)  # pages touched once before timing
+    timer = timer_for(g)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = timer.now()
         r.add_(g)
-        times.append(time.perf_counter() - t0)
+        times.append(timer.now() - t0)
     return statistics.median(times)
 
 
@@ -378,8 +385,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     import horovod.torch as hvd
 
     hvd.init()
+    if cfg["device"] == "cuda":  # every rank on its own GPU
+        torch.cuda.set_device(hvd.local_rank())
+        cfg["device"] = f"cuda:{hvd.local_rank()}"
     params, tensors = count_parameters(build(cfg["model"], seed=cfg["seed"], scale=cfg["emulated_scale"]))
-    pass_s = memory_pass_seconds(params)
+    pass_s = memory_pass_seconds(params, device=cfg["device"])
     figures, cost_model, advice = run(cfg, hvd)
     if hvd.rank() == 0:
         for phase in figures:
