@@ -306,7 +306,7 @@ def guarded(fn, *args, **kwargs):
 def gloo_worker(rank, world, init, device_kind, args, out_dir):
     import torch
     import torch.distributed as dist
-    from torch_ops.scheduling import timer_for
+    from torch_ops.timing import timer_for
     device = "cuda:0" if device_kind == "cuda" else "cpu"  # 2 ranks sharing one GPU
     if device_kind == "cuda":
         torch.cuda.set_device(0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torch_ops import profiling, scheduling
-from torch_ops.scheduling import CudaTimer, HostTimer, timer_for
+from torch_ops.timing import CudaTimer, HostTimer, timer_for
 
 
 def test_cpu_work_takes_the_host_clock():

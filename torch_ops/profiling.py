@@ -17,7 +17,7 @@
     load_or_profile(specs)           the cached model for this world and host set, else profile
 
 Where the work runs on a CUDA device (``device=`` of the codec timings, the model's parameters in
-``profile_workload``) every reading waits for the device first (``scheduling.timer_for``: a
+``profile_workload``) every reading waits for the device first (``timing.timer_for``: a
 ``CudaTimer``), so kernels are timed, not their launches; on the CPU the host clock is read as it
 always was. A cost model whose codecs were timed on a CUDA device says so in its meta
 (``"device"``); ``load_or_profile`` uses a cached model only for the device type it was timed on.
@@ -46,7 +46,7 @@ from hvdcompress.schedule.planner import Workload
 from hvdcompress.spec import resolve
 
 from .compressors import ExchangeContext, build_compressor
-from .scheduling import HostTimer, timer_for
+from .timing import HostTimer, timer_for
 
 DEFAULT_COMM_BYTES = tuple(4 << (2 * i) for i in range(5, 12))    # 4 KiB .. 16 MiB, x4 steps
 DEFAULT_COMPRESS_ELEMENTS = tuple(1 << i for i in range(10, 23, 2))  # 1 Ki .. 4 Mi floats
@@ -298,7 +298,7 @@ def profile_workload(model: torch.nn.Module, closure: Callable[[], torch.Tensor]
     the hooks is the backward order. ``optimizer.step()``, if given, is timed as the update.
     Parameters that get no gradient come last with t_b = 0. With ``average`` (Horovod running),
     times are averaged over ranks and rank 0's order is used everywhere. On a CUDA model every
-    reading waits for the device (``scheduling.CudaTimer``)."""
+    reading waits for the device (``timing.CudaTimer``)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     timer = timer_for(p for _, p in named)
     stamps: Dict[str, float] = {}

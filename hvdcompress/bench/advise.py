@@ -238,7 +238,7 @@ def reference_steps(model_name: str, input_shape: Optional[Sequence[int]] = None
     import torch
     import horovod.torch as hvd
     from torch_ops.optimizer import DistributedOptimizer
-    from torch_ops.scheduling import timer_for
+    from torch_ops.timing import timer_for
     from .torch_models import MODELS, build
     model = build(model_name, scale=scale) if model_name.startswith(EMULATED) or model_name in MODELS \
         else _user_model(model_name)

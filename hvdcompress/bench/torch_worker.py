@@ -40,7 +40,7 @@ step time) and the medians of the optimizer's per-step timings (``opt.timings``)
 interface's byte counters (``/sys/class/net/<iface>/statistics``) around each timed step, so the
 bytes that really crossed the link can be compared with the payload. The rank writes its figures
 as JSON to ``out``. With ``device`` "cuda" every rank's model and batch are on its own GPU
-(``cuda:<local rank>``) and every step time waits for the device (``torch_ops.scheduling.timer_for``);
+(``cuda:<local rank>``) and every step time waits for the device (``torch_ops.timing.timer_for``);
 on the CPU (the default) the host clock is read as before. Plain SGD without momentum is used everywhere, so the compressors that keep
 momentum themselves (DGC) fit too; only the time of a step matters here, not what it learns.
 """
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from torch_ops.collectives import Communicator
 from torch_ops.optimizer import DistributedOptimizer
-from torch_ops.scheduling import timer_for
+from torch_ops.timing import timer_for
 
 from . import schedules
 from .injected_latency import LatencyDriver
