@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def two():
     from scenarios.fsdp import launch
-    return launch(2, ["every_spec", "nonfinite", "checkpoint", "refusals"])
+    return launch(2, ["every_spec", "nonfinite", "checkpoint", "refusals", "mixed_precision"])
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,18 @@ def test_nonfinite_is_never_hidden(two):
     for run in runs:
         assert run["finite"] == [(False, True)]  # NaN gradient shards on every rank, finite state
         assert all(np.isfinite(v).all() for v in run["full"][-1].values())  # the steps after train on
+
+
+@pytest.mark.multiprocess
+def test_lower_precision_reduce_dtype(two):
+    """fp16 (pre-divided, SUM) and bf16 (AVG) reduce dtypes: replicas identical and finite."""
+    runs = part(two, "mixed_precision")
+    for dtype, op in (("torch.float16", "SUM"), ("torch.bfloat16", "AVG")):
+        assert op in runs[0][dtype]["ops"][0]
+        for step, full in enumerate(runs[0][dtype]["full"]):
+            for name, value in full.items():
+                assert np.isfinite(value).all()
+                np.testing.assert_array_equal(runs[1][dtype]["full"][step][name], value)
 
 
 @pytest.mark.multiprocess

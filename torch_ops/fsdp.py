@@ -94,6 +94,8 @@ class CompressedReduceScatter:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        """The reduce-scatter, completed before returning (so no ``Work`` handle, also when
+        ``async_op`` is asked: FSDP2 itself calls it synchronously in its reduce-scatter stream)."""
         self.front.reduce_scatter(self.prefix, output_tensor, input_tensor, group, op)
         return None
 
@@ -199,7 +201,7 @@ class FSDPCompression(SessionFront):
                 own_gen = gen
             else:
                 gen.close()  # its state is settled; only rank j decodes chunk j
-        bad = torch.tensor([float(count_nonfinite(input))], dtype=torch.float32)
+        bad = torch.tensor([float(count_nonfinite(input))], dtype=torch.float32, device=input.device)
         answers, nbytes = self._route(requests, bad, exchange_name("fsdp", prefix, step))
         flagged = float(answers[-1][0]) > 0
         try:
@@ -239,7 +241,8 @@ class FSDPCompression(SessionFront):
         varying = [i for i, q in enumerate(requests[rank]) if isinstance(q, Allgather) and not q.same_shape]
         counts = None
         if varying:  # sizes first: rank j learns how many entries each rank sends it
-            sizes = torch.tensor([flat[j][i].numel() for j in range(world) for i in varying], dtype=torch.int64)
+            sizes = torch.tensor([flat[j][i].numel() for j in range(world) for i in varying], dtype=torch.int64,
+                                 device=bad.device)
             (got,) = transport.wait(transport.launch((Alltoall(sizes, (len(varying),) * world),), f"{name}.sizes"))
             counts = got.view(world, len(varying))
         launches = []

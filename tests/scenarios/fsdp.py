@@ -32,14 +32,15 @@ CKPT_TOPK = ("topk:ratio=0.2", "full")
 SAVE_AT, TOTAL = 2, 5
 
 
-def _model(world_mesh, seed=0):
+def _model(world_mesh, seed=0, reduce_dtype=None):
     import torch
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(7, 11), torch.nn.Tanh(), torch.nn.Linear(11, 5))
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=world_mesh)
-    fully_shard(model, mesh=world_mesh)
+        fully_shard(layer, mesh=world_mesh, mp_policy=policy)
+    fully_shard(model, mesh=world_mesh, mp_policy=policy)
     return model
 
 
@@ -57,14 +58,20 @@ def _full(model):
     return {n: p.full_tensor().detach().clone().numpy() for n, p in model.named_parameters()}
 
 
+def _numpy(t):
+    import torch
+    t = t.detach().clone()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def _recording(front, log):
     inner = front.reduce_scatter
 
     def record(prefix, output, input, group, op):
         step = front.session.step
-        seen = input.detach().clone().numpy()
+        seen = _numpy(input)
         inner(prefix, output, input, group, op)
-        log.append({"prefix": prefix, "step": step, "input": seen, "output": output.detach().clone().numpy(),
+        log.append({"prefix": prefix, "step": step, "input": seen, "output": _numpy(output),
                     "op": str(op), "layout": front.layout(prefix)})
     front.reduce_scatter = record
 
@@ -100,6 +107,18 @@ def every_spec(mesh) -> dict:
     for spec, residual in CONFIGS:
         got = _train(mesh, spec, residual, STEPS)
         out[f"{spec}|{residual}"] = {k: got[k] for k in ("log", "full")}
+    return out
+
+
+def mixed_precision(mesh) -> dict:
+    """Gradients reduced in fp16 (FSDP pre-divides and asks for SUM) and bf16 (AVG)."""
+    import torch
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        got = _train(mesh, "qsgd:levels=7,bucket=16", "full", 3, model=_model(mesh, reduce_dtype=dtype))
+        out[str(dtype)] = {"full": got["full"], "ops": sorted({c["op"] for c in got["log"]}),
+                           "dtypes": sorted({str(c["input"].dtype) for c in got["log"]
+                                             if hasattr(c["input"], "dtype")})}
     return out
 
 
