@@ -173,6 +173,16 @@ def refusals(mesh) -> dict:
     return out
 
 
+def example(mesh) -> dict:
+    """examples/fsdp_charlm.py, 3 steps of a tiny model, in this process group."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "examples"))
+    import fsdp_charlm
+    args = fsdp_charlm.parse_args(["--steps", "3", "--width", "32", "--layers", "1", "--context", "16",
+                                   "--compression", "qsgd:levels=7,bucket=128", "--residual", "int8"])
+    return fsdp_charlm.train(args)
+
+
 def _worker(rank, world, port, names, out_dir):
     sys.modules["horovod"] = None  # any import of Horovod on these paths fails
     import warnings
