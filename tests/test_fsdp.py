@@ -125,6 +125,8 @@ def test_refused_on_every_rank_before_any_collective(world_size, two, three):
         assert "keeps its accumulator" in got["dgc|none"]
         assert "levels" in got["qsgd:levels=999|None"]
         assert "no module of the model is sharded" in got["unsharded"]
+        assert "only a 1-D device mesh" in got["hsdp"]
+        assert "only parameters sharded on dim 0" in got["dim1"] and "'0.weight'" in got["dim1"]
 
 
 # -- single process: the oracle's own rules -------------------------------------------------------

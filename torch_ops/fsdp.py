@@ -100,6 +100,13 @@ class CompressedReduceScatter:
         return None
 
 
+def _on_dim0(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor sharded on its dim 0 over a 1-D mesh (FSDP2's default)."""
+    from torch.distributed.tensor import Shard
+    placements = tuple(getattr(p, "placements", ()))
+    return len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0
+
+
 def _sharded_modules(model: torch.nn.Module):
     """(name, module, own parameters as (name, parameter)) of every module ``fully_shard`` was
     applied to: a module's own parameters are those no sharded module below it holds (FSDP2's
@@ -142,6 +149,11 @@ class FSDPCompression(SessionFront):
         if mesh.ndim != 1:
             raise ValueError(f"hvdcompress.fsdp.compress: only a 1-D device mesh (FSDP) is supported; this model "
                              f"is sharded on a {mesh.ndim}-D mesh (HSDP / two-level layouts are not supported)")
+        other = [(n, p) for _, _, own in modules for n, p in own if not _on_dim0(p)]
+        if other:
+            name, p = other[0]
+            raise ValueError(f"hvdcompress.fsdp.compress: only parameters sharded on dim 0 (FSDP2's default) are "
+                             f"supported; '{name}' is placed {tuple(getattr(p, 'placements', ()))}")
         self.residual = residual
         self.group = mesh.get_group()
         transport = make_transport("torch", self.group)

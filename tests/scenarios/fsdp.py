@@ -167,6 +167,21 @@ def refusals(mesh) -> dict:
         out["unsharded"] = "accepted"
     except ValueError as e:
         out["unsharded"] = str(e)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    hsdp = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
+    layouts = {"hsdp": dict(mesh=hsdp),
+               "dim1": dict(mesh=mesh, shard_placement_fn=lambda p: Shard(1)
+                            if p.dim() == 2 else None)}
+    for name, kw in layouts.items():
+        m = torch.nn.Sequential(torch.nn.Linear(6, 6))
+        fully_shard(m, **kw)
+        try:
+            hvdcompress.fsdp.compress(m, "qsgd")
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
     t = torch.ones(1)
     dist.all_reduce(t)
     out["after"] = float(t)
