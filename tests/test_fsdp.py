@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def two():
     from scenarios.fsdp import launch
-    return launch(2, ["every_spec", "nonfinite", "checkpoint", "refusals", "mixed_precision", "example"])
+    return launch(2, ["every_spec", "nonfinite", "checkpoint", "refusals", "mixed_precision", "example",
+                      "torch_only"])
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,16 @@ def test_every_spec_equals_the_oracle(world_size, two, three):
             for name, value in runs[0]["full"][step].items():
                 for run in runs[1:]:
                     np.testing.assert_array_equal(run["full"][step][name], value, err_msg=f"{spec} {name}")
+
+
+@pytest.mark.multiprocess
+def test_torch_ops_branch_equals_the_oracle(two):
+    """The compressors' torch-ops branch (the one CUDA tensors take) through the reduce-scatter."""
+    from scenarios.fsdp import TORCH_ONLY
+    results = part(two, "torch_only")
+    for spec, residual in TORCH_ONLY:
+        runs = [r[f"{spec}|{residual}"] for r in results]
+        assert replay([run["log"] for run in runs], spec, residual, 2) == 6
 
 
 @pytest.mark.multiprocess

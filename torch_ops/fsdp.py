@@ -29,7 +29,7 @@ compression state is zeroed.
 Error feedback and sharding's memory budget (``residual=``): a rank's compression error is made on
 what it sends, i.e. on every chunk of the flat gradient, so its residual is as large as the
 unsharded gradient: "full" keeps it in fp32, "int8" between steps in 8 bits with one fp32 scale per
-256 entries (LoCo's low-precision error buffer), "none" keeps none (unbiased quantizers such as
+256 entries (an 8-bit error buffer as LoCo keeps one), "none" keeps none (unbiased quantizers such as
 qsgd and terngrad need none). docs/fsdp.md has the bytes per parameter of each.
 """
 

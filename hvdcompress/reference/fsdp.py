@@ -105,8 +105,8 @@ def chunk_layout(params: Sequence[Tuple[str, Tuple[int, ...]]], world: int):
 
 
 def int8_encode(t: np.ndarray, block: int = INT8_BLOCK) -> Tuple[np.ndarray, np.ndarray]:
-    """An 8-bit residual (LoCo's low-precision error buffer): per block of ``block`` entries the
-    scale s = max|t| / 127 (fp32) and codes round(t / s) in [-127, 127] (round half to even)."""
+    """An 8-bit residual (an error buffer in 8 bits, as LoCo keeps one): per block of ``block``
+    entries the scale s = max|t| / 127 (fp32) and codes round(t / s) in [-127, 127] (half to even)."""
     t = np.asarray(t, dtype=np.float32).reshape(-1)
     n = t.size
     blocks = -(-n // block)

@@ -122,6 +122,24 @@ def mixed_precision(mesh) -> dict:
     return out
 
 
+TORCH_ONLY = [("qsgd:levels=3,bucket=16", "int8"), ("terngrad:bucket=16", None), ("topk:ratio=0.2", None),
+              ("dgc:ratio=0.2,warmup_epochs=0,momentum=0.5,min_sparse_numel=16", None)]
+
+
+def torch_only(mesh) -> dict:
+    """The branch a GPU tensor takes (torch ops, no compiled kernels, no numpy views), on CPU."""
+    from hvdcompress import native
+    native.set_torch_only(True)
+    try:
+        out = {}
+        for spec, residual in TORCH_ONLY:
+            got = _train(mesh, spec, residual, 3)
+            out[f"{spec}|{residual}"] = {k: got[k] for k in ("log", "full")}
+        return out
+    finally:
+        native.set_torch_only(False)
+
+
 def nonfinite(mesh) -> dict:
     got = _train(mesh, "topk:ratio=0.2", "full", 3, nan_at=1)
     return {k: got[k] for k in ("log", "full", "finite")}
