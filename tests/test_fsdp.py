@@ -190,3 +190,12 @@ def test_state_table_in_docs():
     with open(os.path.join(ROOT, "docs", "fsdp.md")) as f:
         doc = f.read()
     assert state_table() in doc, state_table()
+
+
+def test_chunk_layout_follows_fsdp_padding():
+    from hvdcompress.reference.fsdp import chunk_layout
+    shape, members, numel = chunk_layout([("w", (11, 7)), ("b", (11,))], 3)  # 11 rows -> 4 per rank
+    assert [(m.name, m.shape, m.offset) for m in members] == [("w", (4, 7), 0), ("b", (4,), 28)]
+    assert (shape, numel) == ((1, 32), 32)
+    assert chunk_layout([("b", (5,)), ("c", (3,))], 2)[0] == (5,)  # all 1-D: one 1-D chunk
+    assert chunk_layout([("w", (4, 3))], 2)[0] == (2, 3)  # one member: its piece's shape
