@@ -161,6 +161,8 @@ def test_oracle_nonfinite_rule():
 def test_refusal_names_the_spec():
     assert refusal("qsgd") is None and refusal("topk") is None and refusal("dgc") is None
     assert "'powersgd'" in refusal("powersgd")
+    import toy_algorithm.reference_toy  # noqa: F401  (declares "toysign": two rounds, named by no rule)
+    assert "'toysign' cannot be a reduce-scatter: it exchanges in 2 rounds" in refusal("toysign")
     with pytest.raises(ValueError, match="'powersgd' cannot be a reduce-scatter"):
         reduce_scatter("powersgd", [np.ones(4, np.float32)] * 2, names=shard_names("m", 2))
 

@@ -48,6 +48,11 @@ def refusal(spec) -> Optional[str]:
     if spec.name == "dgc" and not spec["momentum_correction"]:
         return ("compression 'dgc' with momentum_correction=false cannot be a reduce-scatter: its momentum is "
                 "applied to the exchanged average, which only the chunk's owner sees (use momentum_correction=true)")
+    wire = spec.info.wire
+    rounds = len(wire(spec.params, np.array([4096.0]), 4, 2, 1.0)) if wire is not None else 1
+    if rounds > 1:  # any other algorithm declared with more than one round
+        return (f"compression '{spec.name}' cannot be a reduce-scatter: it exchanges in {rounds} rounds, and a "
+                "reduce-scatter carries one round whose payloads the chunk's owner decodes alone")
     return None
 
 
