@@ -292,13 +292,17 @@ class FSDPCompression(SessionFront):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's compression state and clock (``torch_ops.checkpoint``'s saved form)."""
+        """This rank's compression state and clock (``torch_ops.checkpoint``'s saved form, and the
+        residual mode)."""
         if self._seen:
             self._close_step()
-        return self.session.pack()
+        return dict(self.session.pack(), residual=self.residual)
 
     def load_state_dict(self, saved: dict) -> None:
         """Restore ``state_dict()`` (ValueError, before anything is loaded, if it does not fit)."""
+        if isinstance(saved, dict) and saved.get("residual", self.residual) != self.residual:
+            raise ValueError(f"load_state_dict: the checkpoint was saved with residual={saved['residual']!r}, this "
+                             f"reduce-scatter keeps residual={self.residual!r}")
         checked = saved
         if self.residual == "int8":  # the session checks the fp32 form; the 8-bit form is what is kept
             checked = dict(saved, state={n: _expand({k: t.clone() for k, t in st.items()})

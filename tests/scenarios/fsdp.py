@@ -154,6 +154,8 @@ def checkpoint(mesh) -> dict:
         first = _train(mesh, spec, residual, SAVE_AT, record=False)
         saved = {"model": {k: v.detach().clone() for k, v in first["model"].state_dict().items()},
                  "hvc": first["front"].state_dict()}
+        if (spec, residual) == CKPT:
+            saved_int8 = saved["hvc"]
         model = _model(mesh, seed=123)  # other weights: all come from the checkpoint
         model.load_state_dict(saved["model"])
         front = hvdcompress.fsdp.compress(model, spec, residual=residual)
@@ -161,6 +163,12 @@ def checkpoint(mesh) -> dict:
         rest = _train(mesh, spec, residual, TOTAL - SAVE_AT, start=SAVE_AT, model=model, front=front, record=False)
         out[f"{spec}|{residual}"] = {"whole": whole["full"][-1], "resumed": rest["full"][-1],
                                      "step": front.step, "keys": sorted(saved["hvc"]["state"])}
+    other = hvdcompress.fsdp.compress(_model(mesh), CKPT[0], residual="full")
+    try:
+        other.load_state_dict(saved_int8)
+        out["mode_mismatch"] = "accepted"
+    except ValueError as e:
+        out["mode_mismatch"] = str(e)
     return out
 
 
