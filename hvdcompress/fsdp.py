@@ -1,0 +1,12 @@
+"""``hvdcompress.fsdp``: any of our compressors that fit a reduce-scatter, in FSDP2, in one line::
+
+    fully_shard(block) for each block; fully_shard(model)        # as usual
+    fsdp = hvdcompress.fsdp.compress(model, "qsgd:levels=7,bucket=128")
+
+Launched with ``torchrun``; Horovod is not needed. ``torch_ops.fsdp`` says how chunks travel, where
+state lives and what ``residual=`` costs; docs/fsdp.md has the recipe and what is supported.
+"""
+
+from torch_ops.fsdp import CompressedReduceScatter, FSDPCompression, compress
+
+__all__ = ["CompressedReduceScatter", "FSDPCompression", "compress"]

@@ -1,0 +1,335 @@
+"""Our compressors inside FSDP2 (``torch.distributed.fsdp.fully_shard``): a compressing reduce-scatter.
+
+    model = fully_shard(...)                       # as usual, on a 1-D device mesh
+    fsdp = hvdcompress.fsdp.compress(model, "qsgd:levels=7,bucket=128")
+
+FSDP2 reduce-scatters each sharded module's gradients once per backward: every rank hands over a
+flat input of W equal chunks (chunk j: the gradient entries rank j owns, padded), and rank j keeps
+the sum of the ranks' chunks j. ``compress`` installs a ``ReduceScatter`` (FSDP2's
+``set_custom_reduce_scatter``) on every sharded module of the model that does this through a
+compressor (the numpy reference ``hvdcompress.reference.fsdp`` defines the result):
+
+* every rank encodes each chunk j with its state for that chunk (residual, ...), named
+  ``<module>#shard<j>``: chunk j is the compressor's exchange of that name, and its state is kept
+  per name by the front end's ``ExchangeSession`` (``torch_ops.session``), as every front end's;
+* the payloads travel by all-to-all (``Alltoall`` requests on a ``TorchDistCommunicator``: gloo and
+  NCCL both have ``all_to_all_single``; payloads of varying size send their sizes first): rank j
+  receives the payloads of chunk j only;
+* rank j decodes them and sums them in rank order: the result is the compressor's all-reduce of
+  chunk j, written into FSDP's output shard; ``op`` is honoured (SUM: the sum; AVG: times 1/W;
+  FSDP's pre- and post-division happen around the call as without us).
+
+Only compressors with one round of payloads that a chunk's owner can decode alone, and with their
+state settled before the payload leaves, fit (``hvdcompress.reference.fsdp.refusal``: PowerSGD and
+the sketch are refused, on every rank, before any collective). The non-finite rule of the other
+front ends holds (``torch_ops.nonfinite``): one 4-byte flag per reduce-scatter, summed with the
+payloads; when any rank's gradient held a NaN or inf, every rank's shard is NaN and non-finite
+compression state is zeroed.
+
+Error feedback and sharding's memory budget (``residual=``): a rank's compression error is made on
+what it sends, i.e. on every chunk of the flat gradient, so its residual is as large as the
+unsharded gradient: "full" keeps it in fp32, "int8" between steps in 8 bits with one fp32 scale per
+256 entries (an 8-bit error buffer as LoCo keeps one), "none" keeps none (unbiased quantizers such as
+qsgd and terngrad need none). docs/fsdp.md has the bytes per parameter of each.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hvdcompress.contract import Allgather, Allreduce, Alltoall, Flag
+from hvdcompress.reference.fsdp import INT8_BLOCK, chunk_layout, refusal, shard_names, with_residual
+from hvdcompress.spec import resolve
+
+from .compressors import ExchangeContext
+from .nonfinite import count_nonfinite
+from .session import ExchangeSession, SessionFront, exchange_name
+from .transport import make_transport
+
+try:  # FSDP2's public names (torch >= 2.6)
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - an older torch
+    FSDPModule = None
+
+
+def int8_encode(t: torch.Tensor, block: int = INT8_BLOCK):
+    """(int8 codes, fp32 scale per ``block`` entries): the oracle's ``int8_encode`` in torch ops."""
+    t = t.detach().reshape(-1).to(torch.float32)
+    n = t.numel()
+    blocks = -(-n // block)
+    padded = t.new_zeros(blocks * block)
+    padded[:n] = t
+    amax = padded.view(blocks, block).abs().amax(dim=1) if n else padded.new_zeros(0)
+    scales = amax / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(padded.view(blocks, block) / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes.reshape(-1)[:n].clone(), scales
+
+
+def int8_decode(codes: torch.Tensor, scales: torch.Tensor, block: int = INT8_BLOCK) -> torch.Tensor:
+    n = codes.numel()
+    return codes.to(torch.float32) * scales.repeat_interleave(block)[:n]
+
+
+class _Sent:
+    """What one reduce-scatter put on the wire (the session's ``end_step`` counts these)."""
+
+    __slots__ = ("bytes_sent", "compute_seconds")
+
+    def __init__(self, nbytes: int, seconds: float):
+        self.bytes_sent, self.compute_seconds = nbytes, seconds
+
+
+class CompressedReduceScatter:
+    """FSDP2's ``ReduceScatter`` comm (``allocate`` + ``__call__``) of one sharded module."""
+
+    def __init__(self, front: "FSDPCompression", prefix: str):
+        self.front, self.prefix = front, prefix
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        """The reduce-scatter, completed before returning (so no ``Work`` handle, also when
+        ``async_op`` is asked: FSDP2 itself calls it synchronously in its reduce-scatter stream)."""
+        self.front.reduce_scatter(self.prefix, output_tensor, input_tensor, group, op)
+        return None
+
+
+def _on_dim0(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor sharded on its dim 0 over a 1-D mesh (FSDP2's default)."""
+    from torch.distributed.tensor import Shard
+    placements = tuple(getattr(p, "placements", ()))
+    return len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0
+
+
+def _sharded_modules(model: torch.nn.Module):
+    """(name, module, own parameters as (name, parameter)) of every module ``fully_shard`` was
+    applied to: a module's own parameters are those no sharded module below it holds (FSDP2's
+    rule), in registration order (the order of FSDP2's reduce-scatter input)."""
+    found = [(name, m) for name, m in model.named_modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+    out = []
+    for name, m in found:
+        below = set()
+        for sub_name, sub in m.named_modules():
+            if sub is not m and isinstance(sub, FSDPModule):
+                below.update(id(p) for p in sub.parameters())
+        own = [(f"{name}.{n}" if name else n, p) for n, p in m.named_parameters() if id(p) not in below]
+        out.append((name or "<root>", m, own))
+    return out
+
+
+class FSDPCompression(SessionFront):
+    """The compressing reduce-scatter of a model sharded by ``fully_shard`` (module doc).
+
+    ``stats``, ``step``, ``spec`` come from the session; ``state_dict()`` / ``load_state_dict()``
+    save and restore this rank's compression state and clock (each rank its own)."""
+
+    def __init__(self, model: torch.nn.Module, compression, *, residual: Optional[str] = None):
+        spec = with_residual(resolve(compression), residual)  # ValueError, every rank, no collective yet
+        why = refusal(spec)
+        if why:
+            raise ValueError(why)
+        if FSDPModule is None:
+            raise ValueError("hvdcompress.fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)")
+        modules = _sharded_modules(model)
+        if not modules:
+            raise ValueError("hvdcompress.fsdp.compress: no module of the model is sharded; call "
+                             "fully_shard(module) on its blocks and on the model first")
+        meshes = {id(p.device_mesh): p.device_mesh for _, _, own in modules for _, p in own
+                  if hasattr(p, "device_mesh")}
+        if len(meshes) != 1:
+            raise ValueError(f"hvdcompress.fsdp.compress: the sharded parameters must live on one device mesh; "
+                             f"found {len(meshes)}")
+        mesh = next(iter(meshes.values()))
+        if mesh.ndim != 1:
+            raise ValueError(f"hvdcompress.fsdp.compress: only a 1-D device mesh (FSDP) is supported; this model "
+                             f"is sharded on a {mesh.ndim}-D mesh (HSDP / two-level layouts are not supported)")
+        other = [(n, p) for _, _, own in modules for n, p in own if not _on_dim0(p)]
+        if other:
+            name, p = other[0]
+            raise ValueError(f"hvdcompress.fsdp.compress: only parameters sharded on dim 0 (FSDP2's default) are "
+                             f"supported; '{name}' is placed {tuple(getattr(p, 'placements', ()))}")
+        self.residual = residual
+        self.group = mesh.get_group()
+        transport = make_transport("torch", self.group)
+        self.world, self.rank = transport.size(), transport.rank()
+        self._names: Dict[str, List[str]] = {}
+        self._layout: Dict[str, tuple] = {}
+        params = {}
+        for prefix, module, own in modules:
+            if not own:
+                continue
+            shape, members, numel = chunk_layout([(n, tuple(p.shape)) for n, p in own], self.world)
+            self._names[prefix] = shard_names(prefix, self.world)
+            self._layout[prefix] = (shape, members, numel)
+            device = own[0][1].device
+            for name in self._names[prefix]:
+                params[name] = torch.zeros((), device=device).expand(numel)  # size and device, no memory
+            module.set_custom_reduce_scatter(CompressedReduceScatter(self, prefix))
+        self.session = ExchangeSession(spec, params, transport, who="hvdcompress.fsdp", owner="fsdp")
+        self._seen: List[str] = []  # modules reduce-scattered in the current step
+        self._sent: List[_Sent] = []
+        self._dense = 0
+
+    # -- FSDP's call -------------------------------------------------------------------------------
+    def reduce_scatter(self, prefix: str, output: torch.Tensor, input: torch.Tensor, group, op) -> None:
+        world, rank = self.world, self.rank
+        if group.size() != world:
+            raise RuntimeError(f"hvdcompress.fsdp: module '{prefix}' reduce-scatters over {group.size()} ranks; "
+                               f"compress() was set up for {world}")
+        shape, members, size = self._layout[prefix]
+        if input.numel() != world * size or output.numel() != size:
+            raise RuntimeError(f"hvdcompress.fsdp: module '{prefix}' reduce-scatters {input.numel()} entries; "
+                               f"expected {world} x {size} (a parameter sharded on another dim?)")
+        if op == dist.ReduceOp.SUM:
+            scale = 1.0
+        elif op == dist.ReduceOp.AVG:
+            scale = 1.0 / world
+        else:
+            raise ValueError(f"hvdcompress.fsdp: reduce op {op!r} is not supported (SUM or AVG; a custom "
+                             "gradient divide factor makes FSDP ask for PREMUL_SUM)")
+        if prefix in self._seen:
+            self._close_step()
+        self._seen.append(prefix)
+        session, names = self.session, self._names[prefix]
+        started = time.perf_counter()
+        x = input.detach().reshape(world, size)
+        epoch, step = session.current_epoch(), session.step
+        own_gen, requests, states = None, [], []
+        for j, name in enumerate(names):
+            state = session.state_for((name,))
+            if self.residual == "int8":
+                _expand(state)
+            states.append(state)
+            ctx = ExchangeContext(name, step, world, scale, state, shape, epoch, rank, members)
+            gen = session.compressor.exchange(x[j], ctx)
+            requests.append(tuple(next(gen)))
+            if j == rank:
+                own_gen = gen
+            else:
+                gen.close()  # its state is settled; only rank j decodes chunk j
+        bad = torch.tensor([float(count_nonfinite(input))], dtype=torch.float32, device=input.device)
+        answers, nbytes = self._route(requests, bad, exchange_name("fsdp", prefix, step))
+        flagged = float(answers[-1][0]) > 0
+        try:
+            own_gen.send(tuple(answers[:-1]))
+        except StopIteration as stop:
+            result = stop.value
+        else:
+            raise RuntimeError(f"hvdcompress.fsdp: compression '{session.spec.name}' asked for a second round")
+        if flagged:
+            result = torch.full_like(result, float("nan"))
+            for state in states:
+                for t in state.values():
+                    if torch.is_tensor(t) and t.is_floating_point():
+                        t.masked_fill_(~torch.isfinite(t), 0.0)
+        if self.residual == "int8":
+            for state in states:
+                _compact(state)
+        output.copy_(result.reshape(output.shape))
+        self._sent.append(_Sent(nbytes, time.perf_counter() - started))
+        self._dense += input.numel() * input.element_size() * (world - 1) // world
+        if len(self._seen) == len(self._names):
+            self._close_step()
+
+    def _route(self, requests: List[tuple], bad: torch.Tensor, name: str):
+        """Each rank's request i for chunk j goes to rank j (one ``Alltoall`` per request); returns
+        the answers of this rank's chunk (as the all-reduce of that chunk would give them) with the
+        summed non-finite flag last, and the payload bytes sent to other ranks."""
+        world, rank = self.world, self.rank
+        transport = self.session.transport
+        kinds = [type(q) for q in requests[0]]
+        if any(type(q) not in (Allreduce, Allgather) or isinstance(q, Flag) for q in requests[0]) or \
+                any([type(q) for q in reqs] != kinds for reqs in requests):
+            raise RuntimeError(f"hvdcompress.fsdp: compression '{self.session.spec.name}' yielded requests a "
+                               "reduce-scatter cannot carry")
+        flat = [[q.tensor.contiguous().reshape(-1) for q in reqs] for reqs in requests]  # [dest][i]
+        nbytes = sum(t.numel() * t.element_size() for j, ts in enumerate(flat) if j != rank for t in ts)
+        varying = [i for i, q in enumerate(requests[rank]) if isinstance(q, Allgather) and not q.same_shape]
+        counts = None
+        if varying:  # sizes first: rank j learns how many entries each rank sends it
+            sizes = torch.tensor([flat[j][i].numel() for j in range(world) for i in varying], dtype=torch.int64,
+                                 device=bad.device)
+            (got,) = transport.wait(transport.launch((Alltoall(sizes, (len(varying),) * world),), f"{name}.sizes"))
+            counts = got.view(world, len(varying))
+        launches = []
+        for i in range(len(kinds)):
+            pieces = [flat[j][i] for j in range(world)]
+            launches.append(Alltoall(torch.cat(pieces), tuple(p.numel() for p in pieces)))
+        with transport.batch():
+            handles = transport.launch(tuple(launches) + (Flag(bad),), name)
+        got = transport.wait(handles)
+        answers = []
+        for i, req in enumerate(requests[rank]):
+            mine = req.tensor
+            if counts is not None and i in varying:
+                split = [int(c) for c in counts[:, varying.index(i)]]
+            else:
+                split = [mine.numel()] * world
+            parts = torch.split(got[i].reshape(-1), split)
+            if isinstance(req, Allreduce):
+                total = parts[0].clone()
+                for p in parts[1:]:  # rank order, as the oracle sums
+                    total += p
+                answers.append(total.view(mine.shape))
+            else:
+                answers.append(torch.cat(parts).view(-1, *mine.shape[1:]) if mine.dim() > 1 else torch.cat(parts))
+        answers.append(got[-1])
+        return answers, nbytes
+
+    def _close_step(self) -> None:
+        self.session.end_step(self._sent, self._dense)
+        self._seen, self._sent, self._dense = [], [], 0
+
+    def layout(self, prefix: str) -> tuple:
+        """(shape, members, numel) of each chunk of the sharded module ``prefix`` (``chunk_layout``)."""
+        return self._layout[prefix]
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's compression state and clock (``torch_ops.checkpoint``'s saved form, and the
+        residual mode)."""
+        if self._seen:
+            self._close_step()
+        return dict(self.session.pack(), residual=self.residual)
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Restore ``state_dict()`` (ValueError, before anything is loaded, if it does not fit)."""
+        if isinstance(saved, dict) and saved.get("residual", self.residual) != self.residual:
+            raise ValueError(f"load_state_dict: the checkpoint was saved with residual={saved['residual']!r}, this "
+                             f"reduce-scatter keeps residual={self.residual!r}")
+        checked = saved
+        if self.residual == "int8":  # the session checks the fp32 form; the 8-bit form is what is kept
+            checked = dict(saved, state={n: _expand({k: t.clone() for k, t in st.items()})
+                                         for n, st in saved.get("state", {}).items()})
+        self.session.check(checked)
+        self.session.load(saved)
+        self._seen, self._sent, self._dense = [], [], 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Warm-ups (DGC) follow the caller's epochs (see ``ExchangeSession.set_epoch``)."""
+        self.session.set_epoch(epoch)
+
+
+def _compact(state: dict) -> None:
+    """The at-rest form of a state under residual='int8': its residual in 8 bits (in place)."""
+    if "residual" in state:
+        codes, scales = int8_encode(state.pop("residual"))
+        state["residual_q8"], state["residual_scale"] = codes, scales
+
+
+def _expand(state: dict) -> dict:
+    if "residual_q8" in state:
+        state["residual"] = int8_decode(state.pop("residual_q8"), state.pop("residual_scale"))
+    return state
+
+
+def compress(model: torch.nn.Module, compression, *, residual: Optional[str] = None) -> FSDPCompression:
+    """Install a compressing reduce-scatter on every module of ``model`` that ``fully_shard`` sharded
+    (module doc); returns the front end (``stats``, ``state_dict``, ``load_state_dict``)."""
+    return FSDPCompression(model, compression, residual=residual)
