@@ -22,7 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join(ROOT, "hvdcompress")
 # children of hvdcompress/ that stand above the backends (.importlinter says so too)
-ABOVE_THE_CORE = {"torch.py", "keras.py", "tensorflow.py", "ddp.py", "cli.py", "bench"}
+ABOVE_THE_CORE = {"torch.py", "keras.py", "tensorflow.py", "ddp.py", "fsdp.py", "cli.py", "bench"}
 FRAMEWORKS_AND_BACKENDS = ("torch", "tensorflow", "tf_keras", "keras", "horovod", "torch_ops", "tf_ops")
 LOADERS = {"import_module", "__import__", "find_spec", "discover", "reload"}
 # the one loader that takes a name it is given: discovery imports the calling package's own folder
