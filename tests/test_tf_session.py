@@ -6,6 +6,7 @@ Real multi-rank runs of the same code are the TF scenario tests (tests/test_tf_*
 import tempfile
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import hvdcompress.tensorflow as hvc
@@ -82,3 +83,25 @@ def test_the_communicator_implements_every_method_of_the_transport_protocol():
     wanted = {n for n in vars(Transport) if not n.startswith("_")} | set(Transport.__annotations__)
     missing = [n for n in sorted(wanted) if not hasattr(Communicator, n) and n != "process_set"]
     assert missing == []
+
+
+@pytest.fixture(scope="module")
+def workers():
+    from scenarios import shared_tf_launch
+    return shared_tf_launch.results("test_tf_session")
+
+
+@pytest.mark.multiprocess
+def test_the_communicator_carries_the_transport_protocol_on_two_workers(workers):
+    for rank, out in enumerate(workers):
+        assert out["who"] == [rank, 2, True, ["horovod"]]
+        assert out["poll"] is True
+        assert out["round"] == [[3.0, 6.0], [0.0, 1.0, 1.0], [float(rank), 10.0 + rank]]
+        assert out["run"] == [[1.0]]
+        assert out["average"] == [0.5, 4.0]
+        assert out["allgather"] == [[0, 0], [1, 1]]
+        assert out["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert out["broadcast"] == "from 1"
+        assert out["transport"] == "Communicator"
+    # top-k 0.5 of g * (rank + 1): both ranks send 8.0 * r and -4.0 * r; the average of the sums
+    assert workers[0]["exchange"] == workers[1]["exchange"] == [0.0, -6.0, 0.0, 12.0]
