@@ -99,6 +99,10 @@ class Transport(Protocol):
     blocking    ``allreduce_(t, name, average)`` in place, ``allgather(t, name)``, ``barrier()``,
                 ``allgather_object(obj, name)`` (every rank's, rank order),
                 ``broadcast_object(obj, name, root)`` -- for planning, profiling and checkpoints
+
+    A graph-mode transport (TensorFlow's ``tf_ops.collectives.Communicator``: a round is ops of a
+    traced function, completed by its executor) implements all of it, its handles being the round's
+    output tensors: ``launch`` builds the ops, ``wait`` returns their outputs, ``poll`` is True.
     """
 
     process_set: Any

@@ -23,7 +23,8 @@ threshold sparsifier's payload size is only known when the step runs).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -68,9 +69,11 @@ def summed_gather(t, rank: int, allreduce) -> tf.Tensor:
 
 class Communicator:
     """Turns requests into ``horovod.tensorflow`` collectives on one process set: the one object
-    every collective of a ``GradientCompression`` goes through (as ``torch_ops.collectives``'s
-    ``Communicator``; in graph mode a round is a set of graph ops rather than async handles, so
-    this one has ``run`` where the PyTorch one has ``launch``/``poll``/``wait``).
+    every collective of a TF front end goes through, a ``hvdcompress.contract.Transport`` as
+    ``torch_ops.collectives``'s ``Communicator`` is. In graph mode a round is a set of graph ops
+    rather than async handles (the protocol's docstring says what that means): ``launch`` builds
+    the round's ops and its handles are their output tensors, ``wait`` returns them, ``poll`` is
+    always True, ``batch`` changes nothing (Horovod fuses); ``run`` is launch-then-wait.
 
     ``name`` prefixes every op: Horovod matches collectives across ranks by name, and every rank
     traces the same code, so every rank names the same operation the same way.
@@ -82,11 +85,41 @@ class Communicator:
         self._hvd = hvd
         self.process_set = process_set if process_set is not None else hvd.global_process_set
 
+    # -- who ---------------------------------------------------------------------------------------
+    def rank(self) -> int:
+        return int(self.process_set.rank())
+
     def size(self) -> int:
         from hvdcompress.schedule.groups import process_set_size
         return process_set_size(self.process_set)
 
+    def included(self) -> bool:
+        return bool(self.process_set.included())
+
+    def versions(self) -> Dict[str, str]:
+        """The transport's name and version (recorded with profiled cost models)."""
+        import horovod
+        return {"horovod": horovod.__version__}
+
+    # -- rounds (the exchanges) ----------------------------------------------------------------------
     def run(self, requests: Sequence[Request], name: str) -> Tuple[tf.Tensor, ...]:
+        """One round, built and returned: ``wait(launch(requests, name))``."""
+        return self.wait(self.launch(requests, name))
+
+    def wait(self, handles: Sequence[tf.Tensor]) -> Tuple[tf.Tensor, ...]:
+        """The round's results (graph mode: the ops' outputs, which the executor completes)."""
+        return tuple(handles)
+
+    def poll(self, handles: Sequence[tf.Tensor]) -> bool:
+        """Always True: a TF round has no handle to wait on outside the graph that runs it."""
+        return True
+
+    def batch(self):
+        """A no-op context: Horovod's background cycle fuses the collectives submitted together."""
+        return contextlib.nullcontext()
+
+    def launch(self, requests: Sequence[Request], name: str) -> List[tf.Tensor]:
+        """Build one round's collectives (named ``<name>.<i>``); returns their outputs, in request order."""
         hvd = self._hvd
         out = []
         pair = any(isinstance(r, Allgather) and r.same_shape for r in requests) and self.size() == 2
@@ -106,7 +139,33 @@ class Communicator:
                 out.append(received[0] if isinstance(received, tuple) else received)
             else:
                 raise TypeError(f"exchange yielded {req!r}; expected Allreduce, Allgather or Alltoall requests")
-        return tuple(out)
+        return out
+
+    # -- blocking collectives (planning, checkpoints) ---------------------------------------------------
+    def allreduce_(self, t, name: str, average: bool = False) -> tf.Tensor:
+        """The sum (or average) of every rank's ``t``: a new tensor, or assigned into ``t`` when it
+        is a ``tf.Variable`` (the protocol's in place)."""
+        hvd = self._hvd
+        out = hvd.allreduce(tf.convert_to_tensor(t), op=hvd.Average if average else hvd.Sum, name=name,
+                            process_set=self.process_set)
+        if isinstance(t, tf.Variable):
+            t.assign(out)
+        return out
+
+    def allgather(self, t, name: str) -> tf.Tensor:
+        return self._hvd.allgather(tf.convert_to_tensor(t), name=name, process_set=self.process_set)
+
+    def barrier(self) -> None:
+        """Returns once every rank of the set called it (an allreduce of one value)."""
+        self.allreduce_(tf.constant(0, tf.int32), name="hvc.barrier")
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every rank's ``obj``, in rank order (Horovod's pickled allgather on the process set)."""
+        return list(self._hvd.allgather_object(obj, name=name, process_set=self.process_set))
+
+    def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
+        """``obj`` of the rank with index ``root`` in the process set, on every rank of the set."""
+        return self.allgather_object(obj if self.rank() == root else None, name)[root]
 
 
 def run_exchanges(gens: Sequence[Exchange], names: Sequence[str], driver) -> Tuple[List[tf.Tensor], tf.Tensor]:

@@ -35,8 +35,11 @@ greedy rule's partition knows no such limit) the plan sends it on groups of one 
 merges the groups it sends with fp16 or dense, whose working state carries the members'
 residuals (``slots.group_slot_names``) while each ``q`` stays in its slot.
 
-``exchange`` builds, for every group, the compressor's exchange generator and drives them all
-(``tf_ops.collectives.run_exchanges``). Called eagerly, it runs the exchange as a ``tf.function``
+It is the TF optimizer path's adapter over an ``ExchangeSession`` (``tf_ops.session``: the
+compressor, starting and running exchanges, the slots, the clock, stats): it adds the groups
+(``tf_ops.grouping``) and the sync policy (``tf_ops.policy``, which sees it as a ``PolicyHost``).
+``exchange`` starts, for every group, the compressor's exchange on the session and drives them
+all (``tf_ops.collectives.run_exchanges``). Called eagerly, it runs the exchange as a ``tf.function``
 (traced once per gradient signature) so the collectives are issued together, as Horovod does.
 The bytes handed to the collectives and the dense size are counted per step (``stats``).
 """
@@ -53,15 +56,13 @@ from hvdcompress.schedule.planner import Schedule
 from hvdcompress.spec import CompressionSpec, resolve
 from hvdcompress.stats import WireStats
 
-from .collectives import Communicator, run_exchanges
-from .codec_choice import check_codec_choice, fallback_exchange
-from .compressors import ExchangeContext, build_compressor
-from .nonfinite import RestoreMarker, guard
-from .slots import ensure_slots, group_state, step_density
+from .codec_choice import check_codec_choice
+from .compressors import build_compressor
 from .delayed import DelayedAveraging, check_delay, check_sync_every
 from .policy import Synchronous
 from .grouping import (Group, cached_cost_model, check_cost_model, check_plannable, check_schedule, flatten, make_groups,
-                       needs_cost_model, schedule_text, split, split_state)
+                       needs_cost_model, schedule_text, split)
+from .session import ExchangeSession, Untracked, exchange_name, rank_in
 
 
 class _Local:
@@ -69,30 +70,23 @@ class _Local:
 
     def __init__(self):
         self.functions: Dict[tuple, tf.types.experimental.GenericFunction] = {}
-        self.drivers: Dict[int, object] = {}
         self.plans: Dict[tuple, tuple] = {}  # gradient signature -> (groups, planner Plan or None)
-        self.scratch: Dict[tuple, tf.Variable] = {}  # merged groups' working state (not checkpointed)
         self.last: Optional[tuple] = None  # (groups, plan) of the latest traced exchange
         self.last_args: Optional[tuple] = None  # the latest exchange's (world, scale, prescale, process set)
-        self.warned_epoch = False
-        with tf.init_scope():
-            def counter(name):
-                return tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
-
-            self.steps = counter("stats_steps")
-            self.last_bytes, self.total_bytes = counter("stats_last_bytes"), counter("stats_total_bytes")
-            self.last_dense, self.total_dense = counter("stats_last_dense"), counter("stats_total_dense")
 
 
-def _rank_in(process_set) -> int:
-    """This process's index in ``process_set`` (0 without Horovod: lockstep tests set no set)."""
-    try:
-        import horovod.tensorflow as hvd
-        if not hvd.is_initialized():
-            return 0
-        return int((process_set if process_set is not None else hvd.global_process_set).rank())
-    except (ImportError, ValueError):
-        return 0
+class _Host:
+    """What a sync policy may use of one call's exchange (``tf_ops.policy.PolicyHost``)."""
+
+    def __init__(self, owner: "GradientCompression", world_size: int, scale: float, prescale: float, process_set):
+        self._owner = owner
+        self._args = (world_size, scale, prescale, process_set)
+        self.factor = prescale * scale * world_size
+        self.process_set = process_set
+        self.name = f"{owner.name}.flush"
+
+    def exchange(self, grads):
+        return self._owner.exchange_now(grads, *self._args)
 
 
 class GradientCompression(tf.Module):
@@ -148,6 +142,7 @@ class GradientCompression(tf.Module):
         if model is not None:
             check_plannable(sched, model, spec, alternatives)
         super().__init__(name=name)
+        self._session = Untracked(ExchangeSession(spec, compressor=compressor, transport=driver, prefix=name))
         self._spec = spec
         self._compressor = compressor
         self._schedule = sched
@@ -155,23 +150,24 @@ class GradientCompression(tf.Module):
         self._alternatives = alternatives  # specs a group may be sent with instead (tf_ops.codec_choice)
         self._driver = driver
         self._local = _Local()
-        with tf.init_scope():
-            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-            self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
-            self.spec_text = tf.Variable(str(spec), dtype=tf.string, trainable=False, name="spec")
-            # set_epoch() called: the warm-up follows it; else it counts epochs of warmup_epoch_steps
-            self.epoch_set = tf.Variable(False, trainable=False, name="epoch_set")
-            self._density = (tf.Variable(self._compressor.scheduled_density(0), dtype=tf.float64,
-                                         trainable=False, name="density")
-                             if self._compressor.has_density else None)
-        self.slots: List[Dict[str, tf.Variable]] = []
-        self._restored = RestoreMarker()  # a restore makes the next exchange check the state is finite
+        session = self.session
+        session.make_clock()
+        # tracked here, under the names the saved format has always used (tf_ops.session)
+        self.step, self.epoch, self.spec_text = session.step, session.epoch, session.spec_text
+        self.epoch_set, self._density = session.epoch_set, session.density
+        self.slots: List[Dict[str, tf.Variable]] = []  # the session creates and reads them
+        self._restored = session.restored
         # the sync policy (tf_ops.policy), chosen once: the plain exchange, or delayed averaging with
         # its state (tf_ops.delayed; tracked, so checkpoints hold it)
         self.policy = (DelayedAveraging(delay, sync_every, momentum=self._compressor.local_momentum())
                        if delay > 0 or sync_every > 1 else Synchronous())
 
     # -- what users read and set -------------------------------------------------------------
+    @property
+    def session(self) -> ExchangeSession:
+        """The exchange session (``tf_ops.session``) this object is the adapter of."""
+        return self._session.value
+
     @property
     def compression(self) -> CompressionSpec:
         return self._spec
@@ -244,10 +240,10 @@ class GradientCompression(tf.Module):
         args = self._local.last_args
         if not self.policy.active or args is None:
             return []
-        world_size, scale, prescale, process_set = args
+        process_set = args[3]
 
         def pending():
-            return self.policy.pending(lambda gs: self._exchange_now(gs, *args), prescale * scale * world_size)
+            return self.policy.pending(_Host(self, *args))
         if not tf.executing_eagerly():
             return pending()
         fn = self._local.functions.get(("flush",) + args[:3] + (id(process_set),))
@@ -265,9 +261,8 @@ class GradientCompression(tf.Module):
         if self._local.last_args is None:
             return
         corrections = self.flush_corrections()
-        self.policy.finish_flush(corrections, variables, optimizer,
-                                 apply_gradients if apply_gradients is not None else optimizer.apply_gradients,
-                                 self._local.last_args[3], f"{self.name}.flush")
+        self.policy.finish_flush(_Host(self, *self._local.last_args), corrections, variables, optimizer,
+                                 apply_gradients if apply_gradients is not None else optimizer.apply_gradients)
 
     @property
     def density(self) -> Optional[float]:
@@ -285,26 +280,20 @@ class GradientCompression(tf.Module):
     def set_epoch(self, epoch: int) -> None:
         """Record the epoch that starts; compressors with a warm-up in their spec (DGC) take their
         density from it. Call it on every rank at the start of each epoch (0-based)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"set_epoch: epoch must be an int >= 0; got {epoch!r}")
-        self.epoch.assign(epoch)
-        self.epoch_set.assign(True)
-        if self._density is not None and self._compressor.has_schedule:
-            self._density.assign(self._compressor.scheduled_density(epoch))
+        self.session.set_epoch(epoch)
 
     @property
     def stats(self) -> WireStats:
         """Bytes this rank handed to the collectives, per step and in total, next to dense."""
-        loc = self._local
-        return WireStats(steps=int(loc.steps.numpy()), last_bytes=int(loc.last_bytes.numpy()),
-                         last_dense_bytes=int(loc.last_dense.numpy()),
-                         total_bytes=int(loc.total_bytes.numpy()),
-                         total_dense_bytes=int(loc.total_dense.numpy()))
+        return self.session.stats
 
     def reset_stats(self) -> None:
-        for v in (self._local.steps, self._local.last_bytes, self._local.total_bytes,
-                  self._local.last_dense, self._local.total_dense):
-            v.assign(0)
+        self.session.reset_stats()
+
+    def add_sent(self, sent, dense_bytes) -> None:
+        """Count exchanges run beside this object's (the sparse gradients' allgathers) in ``stats``:
+        ``sent`` bytes handed to the collectives, ``dense_bytes`` uncompressed, added to the step's."""
+        self.session.add(sent, dense_bytes)
 
     # -- the exchange ----------------------------------------------------------------------------
     # Not converted by autograph (its control flow is explicit): autograph would wrap every Python call
@@ -333,14 +322,6 @@ class GradientCompression(tf.Module):
             fn = self._local.functions[key] = tf.function(traced, autograph=False)
         return fn(grads)
 
-    def _driver_for(self, process_set):
-        if self._driver is not None:
-            return self._driver
-        drv = self._local.drivers.get(id(process_set))
-        if drv is None:
-            drv = self._local.drivers[id(process_set)] = Communicator(process_set)
-        return drv
-
     def _groups(self, grads, world_size: int, process_set) -> List[Group]:
         signature = (world_size, tuple(None if g is None else (tuple(g.shape), g.dtype.name) for g in grads))
         found = self._local.plans.get(signature)
@@ -365,75 +346,43 @@ class GradientCompression(tf.Module):
             if g is not None and not g.shape.is_fully_defined():
                 raise ValueError(f"gradient {i} has shape {tuple(g.shape)}, not fully known when traced; "
                                  "compressed exchange needs static shapes")
+        session = self.session
         groups = self._groups(grads, world_size, process_set)
-        ensure_slots(self._compressor, self.slots, grads, groups, self.name)
-        check = [tf.debugging.assert_equal(
-            self.spec_text, str(self._spec),
-            message=f"compression state was saved with another compression spec; this object uses "
-                    f"'{self._spec}' (restore a checkpoint made with the same spec)")]
-        restored = self._restored.pending.read_value()
-        step = self.step.read_value()
-        density = self._step_density(step)
-        rank = _rank_in(process_set)
+        session.ensure_slots(self.slots, grads, groups)
+        check = session.check_spec()
+        restored = session.restored.pending.read_value()
+        step = session.step.read_value()
+        density = session.step_density(step)
+        rank = rank_in(process_set)
         gens, names, states = [], [], []
         for group in groups:
             with tf.control_dependencies(check):
                 x = flatten([grads[i] for i in group.positions])
             if prescale != 1.0:
                 x = x * tf.cast(prescale, x.dtype)
-            state = group_state(self._compressor, self.slots, self._local.scratch, group, self.name)
-            ctx = ExchangeContext(group.key, step, world_size, scale, state, group.shape, 0, rank, group.layout,
-                                  density=density)
+            state = session.group_state(self.slots, group)
             where = f"gradient {group.positions[0]}" if len(group.positions) == 1 else \
                 f"gradients {', '.join(map(str, group.positions))}"
             if group.codec is None and len(group.positions) > 1 and self._compressor.merge == LAYERWISE:
                 raise AssertionError(f"hvdcompress: '{self._spec}' never merges, yet group {group.key} holds "
                                      f"{len(group.positions)} gradients")
-            exchange = (self._compressor.exchange(x, ctx) if group.codec is None else
-                        fallback_exchange(self._compressor, group.codec, x, ctx))  # the plan's choice
-            gens.append(guard(exchange, x, state, restored, where))  # non-finite never hidden
-            names.append(f"{self.name}.{group.op_name}")
+            gens.append(session.start(x, key=group.key, step=step, world_size=world_size, scale=scale, state=state,
+                                      shape=group.shape, rank=rank, members=group.layout, density=density,
+                                      codec=group.codec, restored=restored, where=where))  # codec: the plan's
+            names.append(exchange_name(self.name, group.op_name))
             states.append(state)
-        return PendingExchange(self, grads, groups, states, gens, names)
-
-    def _step_density(self, step):
-        """The density of this exchange (``slots.step_density``); None without a ratio."""
-        if self._density is None:
-            return None
-        warned, density = step_density(self._compressor, self._spec, self._density, self.epoch_set, step,
-                                       self._local.warned_epoch)
-        self._local.warned_epoch = warned
-        return density
+        return PendingExchange(self.slots, session, grads, groups, states, gens, names)
 
     def _exchange(self, grads, world_size, scale, prescale, process_set):
-        return self.policy.step(grads, lambda gs: self._exchange_now(gs, world_size, scale, prescale, process_set),
-                                prescale * scale * world_size)
+        return self.policy.step(_Host(self, world_size, scale, prescale, process_set), grads)
 
-    def _exchange_now(self, grads, world_size, scale, prescale, process_set):
+    def exchange_now(self, grads, world_size, scale, prescale, process_set) -> List[Optional[tf.Tensor]]:
+        """The synchronous compressed exchange of ``grads`` (what a sync policy's host exchanges with):
+        started, run on the session's transport and finished."""
         pending = self.start_exchange(grads, world_size=world_size, scale=scale, prescale=prescale,
                                       process_set=process_set)
-        results, sent = run_exchanges(pending.generators, pending.names, self._driver_for(process_set))
+        results, sent = self.session.run(pending.generators, pending.names, process_set)
         return pending.finish(results, sent)
-
-    def _finish(self, pending: "PendingExchange", results, sent) -> List[Optional[tf.Tensor]]:
-        grads = pending.grads
-        out: List[Optional[tf.Tensor]] = [None] * len(grads)
-        dense_bytes = 0
-        for group, state, r in zip(pending.groups, pending.states, results):
-            for i, t in zip(group.positions, split(r, group)):
-                out[i] = tf.cast(t, grads[i].dtype)
-                dense_bytes += grads[i].shape.num_elements() * grads[i].dtype.size
-            if len(group.positions) > 1:
-                split_state(group, [self.slots[i] for i in group.positions], state)
-        self._restored.done([r for r in results if r is not None])
-        self.step.assign_add(1)
-        loc = self._local
-        loc.steps.assign_add(1)
-        loc.last_bytes.assign(sent)
-        loc.total_bytes.assign_add(sent)
-        loc.last_dense.assign(dense_bytes)
-        loc.total_dense.assign_add(dense_bytes)
-        return out
 
     def __repr__(self) -> str:
         return f"GradientCompression('{self._spec}', name={self.name!r}, schedule={self.schedule!r})"
@@ -442,13 +391,26 @@ class GradientCompression(tf.Module):
 class PendingExchange:
     """What ``GradientCompression.start_exchange`` returns (see there)."""
 
-    def __init__(self, owner: GradientCompression, grads, groups, states, generators, names):
-        self._owner = owner
+    def __init__(self, slots, session: ExchangeSession, grads, groups, states, generators, names):
+        self._slots, self._session = slots, session
         self.grads, self.groups, self.states = grads, groups, states
         self.generators, self.names = generators, names
 
     def finish(self, results: Sequence[tf.Tensor], sent) -> List[Optional[tf.Tensor]]:
         """``results``: each generator's return value, in order; ``sent``: bytes this rank handed
-        to the collectives (int or int64 tensor). Returns the gradients (None stays None)."""
-        return self._owner._finish(self, results, sent)
+        to the collectives (int or int64 tensor). Returns the gradients (None stays None): the
+        groups' results split back per position, merged groups' state saved into the slots, the
+        exchange counted on the session's clock and stats."""
+        grads, session = self.grads, self._session
+        out: List[Optional[tf.Tensor]] = [None] * len(grads)
+        dense_bytes = 0
+        for group, state, r in zip(self.groups, self.states, results):
+            for i, t in zip(group.positions, split(r, group)):
+                out[i] = tf.cast(t, grads[i].dtype)
+                dense_bytes += grads[i].shape.num_elements() * grads[i].dtype.size
+            session.save_group_state(self._slots, group, state)
+        session.restored.done([r for r in results if r is not None])
+        session.step.assign_add(1)
+        session.count(sent, dense_bytes)
+        return out
 

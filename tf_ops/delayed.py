@@ -68,7 +68,7 @@ import tensorflow as tf
 
 from hvdcompress.delay import check_delay, check_sync_every
 
-from .policy import Exchange, SyncPolicy
+from .policy import PolicyHost, SyncPolicy
 
 
 class DelayedAveraging(tf.Module, SyncPolicy):
@@ -128,10 +128,10 @@ class DelayedAveraging(tf.Module, SyncPolicy):
     # Control flow here is explicit (tf.cond); not converting by autograph saves seconds of tracing,
     # and the exchange path below runs without autograph (every compressor is written for that).
     @tf.autograph.experimental.do_not_convert
-    def step(self, grads: Sequence[Optional[tf.Tensor]], exchange: Exchange, factor: float
-             ) -> List[Optional[tf.Tensor]]:
+    def step(self, host: PolicyHost, grads: Sequence[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
         """One training step: returns ``g * f + correction due now`` per gradient (None stays
-        None). ``exchange`` is the synchronous compressed exchange of a list of gradients."""
+        None), f being ``host.factor``; ``host.exchange`` is the synchronous compressed exchange."""
+        exchange, factor = host.exchange, host.factor
         grads = list(grads)
         self._ensure(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -184,10 +184,11 @@ class DelayedAveraging(tf.Module, SyncPolicy):
         return out
 
     @tf.autograph.experimental.do_not_convert
-    def pending(self, exchange: Exchange, factor: float) -> List[Optional[tf.Tensor]]:
+    def pending(self, host: PolicyHost) -> List[Optional[tf.Tensor]]:
         """Flush: exchange what temporal sparsity accumulated (if anything), and return every
         correction not yet applied, summed per position (None where no gradient was seen); the
         ring and the accumulators are cleared."""
+        exchange, factor = host.exchange, host.factor
         n = max(len(self.ring), len(self.acc))
         present = [i for i in range(n) if (self.ring[i] is not None or self.acc[i] is not None)]
         out: List[Optional[tf.Tensor]] = [None] * n
@@ -221,10 +222,10 @@ class DelayedAveraging(tf.Module, SyncPolicy):
             out[i] = sums[i]
         return out
 
-    def finish_flush(self, corrections, variables, optimizer, apply_gradients, process_set, name) -> None:
+    def finish_flush(self, host, corrections, variables, optimizer, apply_gradients) -> None:
         """Apply the corrections as one more optimizer step, then average the variables and the
         optimizer's state over the ranks (``apply_and_average``)."""
-        apply_and_average(corrections, variables, optimizer, apply_gradients, process_set, name)
+        apply_and_average(corrections, variables, optimizer, apply_gradients, host.process_set, host.name)
 
 
 def optimizer_slot_variables(optimizer) -> List[tf.Variable]:

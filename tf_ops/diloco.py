@@ -6,8 +6,10 @@ inner optimizer: call ``step()`` after every inner step (eagerly, outside ``tf.f
 ``DiLoCoCallback`` does that for ``model.fit`` (after every training batch) and flushes at the end
 of training. Inner steps exchange nothing; a fragment's pseudo-gradients ``Delta_i =
 theta_global - theta_i`` (global MINUS local) are compressed with the spec (error feedback on the
-pseudo-gradient where the spec has it) and exchanged through ``tf_ops.collectives.Communicator``
-with the non-finite guard (a NaN or inf on any rank makes the result NaN on every rank).
+pseudo-gradient where the spec has it) and exchanged on an ``ExchangeSession`` (``tf_ops.session``:
+the compressor, the non-finite guard -- a NaN or inf on any rank makes the result NaN on every
+rank --, the transport, Horovod's ``tf_ops.collectives.Communicator`` unless one is given); this
+module is the adapter that turns inner steps into outer rounds.
 
 The outer optimizer is SGD with momentum (default lr 0.7, momentum 0.9, Nesterov), written out:
 ``buf = m * buf + g`` (buf starts at 0), ``d = g + m * buf`` (Nesterov) or ``buf``, ``theta +=
@@ -31,9 +33,7 @@ import tensorflow as tf
 
 from hvdcompress.diloco import OUTER_LR, OUTER_MOMENTUM, OUTER_NESTEROV, check_arguments, split_fragments
 
-from .collectives import run_exchanges
-from .compressors import ExchangeContext, build_compressor
-from .nonfinite import guard
+from .session import ExchangeSession, Untracked, exchange_name
 
 
 class DiLoCo(tf.Module):
@@ -59,29 +59,38 @@ class DiLoCo(tf.Module):
         tags = list(names) if names is not None else [""] * len(variables)
         self.names = [f"v{i}" + ("." + "".join(c if c.isalnum() else "_" for c in str(n)) if n else "")
                       for i, n in enumerate(tags)]
-        self.compressor = build_compressor(self.cfg.compression)
+        self._session = Untracked(ExchangeSession(self.cfg.compression, transport=driver, prefix="hvc.diloco"))
+        self.compressor = self.session.compressor
         self.fragments = split_fragments([int(v.shape.num_elements()) for v in variables], self.cfg.fragments)
         self.lr, self.momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
-        self._process_set, self._driver = process_set, driver
+        self._process_set = process_set
         with tf.init_scope():
             self.global_params = [tf.Variable(v, trainable=False, name=f"global_{i}") for i, v in enumerate(variables)]
             self.momentum_buffers = [tf.Variable(tf.zeros_like(v), trainable=False, name=f"outer_momentum_{i}")
                                      for i, v in enumerate(variables)]
             self.pending = [tf.Variable(tf.zeros_like(v), trainable=False, name=f"in_flight_{i}")
                             for i, v in enumerate(variables)]
-            self.comp_state = [self.compressor.new_state(tuple(v.shape), v.dtype) for v in variables]
-            self.t = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-            self.rounds = tf.Variable([0] * self.cfg.fragments, dtype=tf.int64, trainable=False, name="rounds")
+            self.comp_state = [self.session.new_state(tuple(v.shape), v.dtype) for v in variables]
+            self.t = self.session.counter("step")
+            self.rounds = self.session.counter("rounds", [0] * self.cfg.fragments)
             self.in_flight = tf.Variable([-1, -1], dtype=tf.int64, trainable=False, name="in_flight")  # fragment, due
             self.bytes_sent = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_sent")
             self._started = tf.Variable(False, trainable=False, name="started")
 
     @property
+    def session(self) -> ExchangeSession:
+        """The exchange session (``tf_ops.session``) this outer loop is the adapter of."""
+        return self._session.value
+
+    @property
     def driver(self):
-        if self._driver is None:
-            from .collectives import Communicator
-            self._driver = Communicator(self._process_set)
-        return self._driver
+        """The transport the pseudo-gradients travel on."""
+        return self.session.transport(self._process_set)
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start()`` took the variables as ``theta_global`` (saved with the checkpoint)."""
+        return bool(self._started.numpy())
 
     def _world(self) -> int:
         from hvdcompress.schedule.groups import process_set_size
@@ -101,7 +110,7 @@ class DiLoCo(tf.Module):
 
     def step(self) -> None:
         """After an inner step: launch and/or apply the fragment the schedule names (module doc)."""
-        if not bool(self._started.numpy()):
+        if not self.started:
             raise RuntimeError("DiLoCo.step: call start() before the first inner step (or use DiLoCoCallback)")
         t = int(self.t.assign_add(1).numpy())
         p = self.cfg.launched_at(t)
@@ -128,15 +137,15 @@ class DiLoCo(tf.Module):
     def _launch(self, p: int, due: int) -> None:
         world = self._world()
         rnd = int(self.rounds.numpy()[p])
+        session, rank = self.session, self._rank()
         gens, names = [], []
         for i in self.fragments[p]:
             delta = tf.reshape(self.global_params[i] - self._vars[i], [-1])
-            ctx = ExchangeContext(self.names[i], rnd, world, 1.0 / world, self.comp_state[i],
-                                  tuple(self._vars[i].shape), 0, self._rank())
-            gens.append(guard(self.compressor.exchange(delta, ctx), delta, self.comp_state[i],
-                              where=f"'{self.names[i]}'"))
-            names.append(f"hvc.diloco.{self.names[i]}.s{rnd}")
-        results, sent = run_exchanges(gens, names, self.driver)
+            gens.append(session.start(delta, key=self.names[i], step=rnd, world_size=world, scale=1.0 / world,
+                                      state=self.comp_state[i], shape=tuple(self._vars[i].shape), rank=rank,
+                                      where=f"'{self.names[i]}'"))
+            names.append(exchange_name(session.prefix, self.names[i], f"s{rnd}"))
+        results, sent = session.run(gens, names, self._process_set)
         for i, res in zip(self.fragments[p], results):
             self.pending[i].assign(tf.reshape(tf.cast(res, self.pending[i].dtype), self.pending[i].shape))
         self.bytes_sent.assign_add(sent)
@@ -180,7 +189,7 @@ class DiLoCoCallback(tf.keras.callbacks.Callback):
         if self.diloco is None:
             variables = self.model.trainable_variables
             self.diloco = DiLoCo(variables, names=[v.name for v in variables], **self._kwargs)
-        if not bool(self.diloco._started.numpy()):
+        if not self.diloco.started:
             self.diloco.start()
 
     def on_train_batch_end(self, batch, logs=None):

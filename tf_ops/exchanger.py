@@ -140,12 +140,7 @@ class Exchanger:
         gens = [sparse_exchange(g, self.world_size, self.average) for g in grads]
         names = [f"{self.compression.name}.sparse.{i}" for i in positions]
         results, sent = run_exchanges(gens, names, self._communicator)
-        loc = self.compression._local  # the counters ``GradientCompression.stats`` reads
-        dense = sum(dense_bytes(g) for g in grads)
-        loc.last_bytes.assign_add(sent)
-        loc.total_bytes.assign_add(sent)
-        loc.last_dense.assign_add(dense)
-        loc.total_dense.assign_add(dense)
+        self.compression.add_sent(sent, sum(dense_bytes(g) for g in grads))
         return results
 
     def check_model(self, grads, variables=None) -> None:

@@ -1,12 +1,16 @@
 """Sync policies of the TensorFlow exchange: what a step hands the optimizer, and how to flush.
 
-``GradientCompression`` (``tf_ops.compression``) owns the compressor, the groups and the exchange;
+``GradientCompression`` (``tf_ops.compression``) runs the groups and the exchange on its session;
 its policy, chosen once at construction, answers the questions that differ between modes, and the
 owner never branches on which policy it has:
 
-    step(grads, exchange, factor)      the gradients of this step, given the synchronous exchange
-    pending(exchange, factor)          the corrections not yet applied (flush), per position
-    finish_flush(...)                  apply those and make the replicas identical
+    step(host, grads)                  the gradients of this step
+    pending(host)                      the corrections not yet applied (flush), per position
+    finish_flush(host, ...)            apply those and make the replicas identical
+
+A policy sees the exchange only through ``PolicyHost``, the few things it may use (as on PyTorch,
+``torch_ops.policy.PolicyHost``; TF's host is one call's exchange, since TF collectives complete
+within the step that issues them).
 
 plus ``delay`` / ``every`` (the mode's parameters), ``active`` (replicas may differ between
 flushes, so there is state to flush and the mode cannot follow an elastic reset) and
@@ -20,11 +24,22 @@ delayed averaging and temporal sparsity) is the other implementation, as on PyTo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence
 
 import tensorflow as tf
 
 Exchange = Callable[[List[Optional[tf.Tensor]]], List[Optional[tf.Tensor]]]
+
+
+class PolicyHost(Protocol):
+    """What a sync policy may use of the exchange that runs it."""
+
+    factor: float  # puts a local gradient in the result's units (prescale * scale * world size)
+    process_set: Any  # the Horovod process set the replicas are averaged over (None: the global one)
+    name: str  # prefix of the flush's collectives
+
+    def exchange(self, grads: List[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
+        """The synchronous compressed exchange of a list of gradients (None stays None)."""
 
 
 class SyncPolicy(ABC):
@@ -36,19 +51,17 @@ class SyncPolicy(ABC):
     sparse_exchanges = True
 
     @abstractmethod
-    def step(self, grads: Sequence[Optional[tf.Tensor]], exchange: Exchange, factor: float
-             ) -> List[Optional[tf.Tensor]]:
-        """This step's gradients (None stays None). ``exchange`` is the synchronous compressed
-        exchange of a list of gradients; ``factor`` puts a local gradient in the result's units."""
+    def step(self, host: PolicyHost, grads: Sequence[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
+        """This step's gradients (None stays None), exchanged through ``host``."""
 
     @abstractmethod
-    def pending(self, exchange: Exchange, factor: float) -> List[Optional[tf.Tensor]]:
+    def pending(self, host: PolicyHost) -> List[Optional[tf.Tensor]]:
         """The corrections not yet applied, summed per gradient position (None where none), and
         forgotten; [] when there are none by construction."""
 
     @abstractmethod
-    def finish_flush(self, corrections: Sequence[Optional[tf.Tensor]], variables, optimizer,
-                     apply_gradients, process_set, name: str) -> None:
+    def finish_flush(self, host: PolicyHost, corrections: Sequence[Optional[tf.Tensor]], variables, optimizer,
+                     apply_gradients) -> None:
         """Apply ``pending``'s corrections and make every rank's variables identical."""
 
 
@@ -56,14 +69,14 @@ class Synchronous(SyncPolicy):
     """Every step exchanges every gradient, and the exchanged averages are the step's gradients:
     replicas are identical after every step, so there is nothing to flush."""
 
-    def step(self, grads, exchange, factor):
-        return exchange(list(grads))
+    def step(self, host, grads):
+        return host.exchange(list(grads))
 
-    def pending(self, exchange, factor):
+    def pending(self, host):
         return []
 
-    def finish_flush(self, corrections, variables, optimizer, apply_gradients, process_set, name) -> None:
+    def finish_flush(self, host, corrections, variables, optimizer, apply_gradients) -> None:
         """Nothing to apply: replicas are identical after every step."""
 
 
-__all__ = ["Exchange", "SyncPolicy", "Synchronous"]
+__all__ = ["Exchange", "PolicyHost", "SyncPolicy", "Synchronous"]
