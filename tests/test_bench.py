@@ -357,6 +357,7 @@ def test_loopback_run_with_advise_predicts_every_phase(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended  # advise on loopback is run by test_loopback_run_with_advise_predicts_every_phase
 def test_loopback_run_with_advise_without_profile_fits_its_own_link(tmp_path):
     """--advise --no-profile: the launch fits no cost model for its phases, so advise fits the link
     itself (not cached) and still predicts every phase; the phases' plans carry no prediction."""

@@ -16,7 +16,7 @@ def _ok(name, world=2):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.extended)])  # 3: a repeat at one more rank
 def test_unrolled_identity_for_plain_sgd(world):
     results = _ok("unrolled", world)
     lr, n = np.float32(0.1), 7

@@ -66,6 +66,7 @@ def test_triton_kernels_are_the_oracle(results, case):
     assert results.get(case) == "ok", f"{case}: {results.get(case)}"
 
 
+@pytest.mark.extended  # the compiler for sm_90: the interpreter cases above prove the results
 @needs_triton
 def test_kernels_compile_for_a_gpu(tmp_path):
     """Every kernel, one variant per algorithm, compiled to an sm_90 binary without a GPU
