@@ -12,7 +12,7 @@ current fits). Runs of an emulated model that saved no tensor shapes get them fr
 profile (``saved_shapes``; ``--no-shapes`` leaves them out), so wire costs that depend on the
 shape (PowerSGD's P and Q) are charged by it.
 
-    python benchmarks/advise_replay.py benchmarks/results/scheduler/codec-choice/codec-choice-{resnet50,vgg16}{,-dense}.json
+    python benchmarks/advise_replay.py benchmarks/results/scheduler/codec-choice/codec-choice-{resnet50,vgg16}{,-dense}.json.gz
     python benchmarks/advise_replay.py FILES --recorded     # also the prediction the launch recorded
 
 Per cell it prints the measured step, the replayed prediction and its error (predicted / measured
@@ -23,6 +23,7 @@ prediction.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -62,7 +63,7 @@ def replay_rows(path: str, patch: Optional[Callable[[CostModel], CostModel]] = N
     """Per measured phase of ``path`` (a bench JSON written with ``--advise``): model, link, spec,
     schedule entry, measured step, the launch's recorded prediction and the replayed one.
     ``shapes``: the tensors' shapes where the run saved none (``saved_shapes``)."""
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:  # stored runs are gzipped
         data = json.load(f)
     by_link = launches(data)
     if not by_link:

@@ -29,6 +29,7 @@ models exist at the rates the launches ran.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -72,7 +73,7 @@ def _rows(paths):
     files' meta per model."""
     out, advised, meta = {}, {}, {}
     for path in paths:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:  # stored runs are gzipped
             data = json.load(f)
         model = data["meta"].get("model")
         meta[model] = data["meta"]
