@@ -42,17 +42,17 @@ step() {  # step NAME SECONDS COMMAND...: run it with a timeout, log its output 
 #    TensorFlow are absent there, so only the modules that need neither are collected)
 CUDA_TESTS=(tests/test_devices.py tests/test_timers.py tests/test_light_install.py tests/test_install_plan.py)
 for f in tests/test_*cuda*.py tests/test_*triton*.py tests/test_*fused*.py; do [ -e "$f" ] && CUDA_TESTS+=("$f"); done
-step pytest 120 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
+step pytest 90 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
 
 # 2. every compressor on CUDA against the oracle, then timed (10M and 25M entries)
-step cuda_check 180 "$PY" benchmarks/cuda_check.py --sizes 1e7 2.5e7 --repeats 5 --json "$OUT/cuda_check.json"
+step cuda_check 150 "$PY" benchmarks/cuda_check.py --sizes 1e7 2.5e7 --repeats 5 --json "$OUT/cuda_check.json"
 
 # 3. end to end: 2 Gloo ranks sharing the GPU, every spec through the DDP hook, the optimizer and
 #    DiLoCo, oracle replay, step time against plain DDP; NCCL with world size 1
-step gpu_e2e 200 "$PY" benchmarks/gpu_e2e.py --device cuda --steps 3 --timing-steps 10 --out "$OUT/gpu_e2e.json"
+step gpu_e2e 180 "$PY" benchmarks/gpu_e2e.py --device cuda --steps 3 --timing-steps 10 --out "$OUT/gpu_e2e.json"
 
 # 4. advise timing compute and codecs on the GPU (the timers that wait for the device)
-step advise_cuda 50 "$PY" -m hvdcompress.bench.advise --model mlp --device cuda --quick --json "$OUT/advise_cuda.json"
+step advise_cuda 45 "$PY" -m hvdcompress.bench.advise --model mlp --device cuda --quick --json "$OUT/advise_cuda.json"
 
 printf '\n=== summary\n' | tee -a "$LOG"
 for name in pytest cuda_check gpu_e2e advise_cuda; do
