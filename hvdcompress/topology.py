@@ -1,0 +1,131 @@
+"""Where the ranks sit: nodes of ``local_size`` ranks joined by slower links than the ranks inside a node.
+
+A two-level exchange (reduce inside a node over its fast links, compress across nodes, gather back
+inside) and a sharded model's hybrid layout (shard inside a node, replicate across nodes) both need
+the same few facts, and they are the same for every framework and launcher, so they live here as
+plain data: which node a rank is on, which ranks share its node, which ranks share its position on
+the other nodes, and how a flat tensor splits into one contiguous slice per local rank.
+
+Launchers number ranks node by node (``horovodrun -H a:4,b:4`` and ``torchrun --nproc_per_node 4``
+give node ``n`` the ranks ``n*L .. n*L+L-1``), which is the layout assumed here: a rank's node is
+``rank // local_size``. Every node holds the same number of ranks.
+
+    topo = Topology(world=8, local_size=4)      # 2 nodes of 4
+    topo.local_group(5)   -> (4, 5, 6, 7)       # ranks on rank 5's node
+    topo.cross_group(5)   -> (1, 5)             # rank 5's peers on the other nodes
+    slices(10, 4)         -> ((0, 3), (3, 6), (6, 8), (8, 10))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Tuple
+
+ENV_KEYS = ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``world`` ranks on ``world // local_size`` nodes of ``local_size`` ranks each."""
+
+    world: int
+    local_size: int
+
+    def __post_init__(self):
+        if not isinstance(self.world, int) or self.world < 1:
+            raise ValueError(f"topology: world must be an integer >= 1, got {self.world!r}")
+        if not isinstance(self.local_size, int) or not 1 <= self.local_size <= self.world:
+            raise ValueError(f"topology: local_size must be an integer in [1, world={self.world}], "
+                             f"got {self.local_size!r}")
+        if self.world % self.local_size:
+            raise ValueError(f"topology: world={self.world} is not a whole number of nodes of "
+                             f"local_size={self.local_size} ranks (every node must hold the same number)")
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.local_size
+
+    @property
+    def flat(self) -> bool:
+        """True when there is only one level: one node, or one rank per node."""
+        return self.nodes == 1 or self.local_size == 1
+
+    def _check(self, rank: int) -> int:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"topology: rank must be in [0, {self.world - 1}], got {rank!r}")
+        return rank
+
+    def node_of(self, rank: int) -> int:
+        return self._check(rank) // self.local_size
+
+    def local_rank(self, rank: int) -> int:
+        return self._check(rank) % self.local_size
+
+    def local_group(self, rank: int) -> Tuple[int, ...]:
+        """The ranks on ``rank``'s node, in rank order (``rank`` included)."""
+        first = self.node_of(rank) * self.local_size
+        return tuple(range(first, first + self.local_size))
+
+    def cross_group(self, rank: int) -> Tuple[int, ...]:
+        """The ranks at ``rank``'s local position on every node, in node order (``rank`` included)."""
+        return tuple(range(self.local_rank(rank), self.world, self.local_size))
+
+    def local_groups(self) -> Tuple[Tuple[int, ...], ...]:
+        """Every node's ranks, node by node (the groups a transport creates once, on every rank)."""
+        return tuple(self.local_group(n * self.local_size) for n in range(self.nodes))
+
+    def cross_groups(self) -> Tuple[Tuple[int, ...], ...]:
+        """Every local position's ranks across the nodes, position by position."""
+        return tuple(self.cross_group(r) for r in range(self.local_size))
+
+    def __str__(self) -> str:
+        return f"{self.nodes}x{self.local_size}"
+
+
+def parse_topology(text: str, world: int) -> Topology:
+    """``"NxL"`` (N nodes of L ranks) or ``"L"`` (ranks per node) for a world of ``world`` ranks."""
+    raw = str(text).strip().lower()
+    try:
+        if "x" in raw:
+            nodes, local = (int(p) for p in raw.split("x"))
+            if nodes * local != world:
+                raise ValueError(f"topology={text!r}: {nodes} nodes x {local} ranks is {nodes * local} ranks, "
+                                 f"but the world has {world}")
+            return Topology(world, local)
+        return Topology(world, int(raw))
+    except ValueError as e:
+        if str(e).startswith("topology"):
+            raise
+        raise ValueError(f"topology={text!r}: expected 'NxL' (nodes x ranks per node) or 'L' (ranks per node), "
+                         f"e.g. '2x4' or '4'") from None
+
+
+def topology_from_env(world: int, env: Optional[Mapping[str, str]] = None) -> Topology:
+    """The topology the launcher states (torchrun's ``LOCAL_WORLD_SIZE``, Horovod's
+    ``HOROVOD_LOCAL_SIZE``, Open MPI's local size); flat (one node) when none is set."""
+    import os
+    env = os.environ if env is None else env
+    for key in ENV_KEYS:
+        if env.get(key):
+            try:
+                local = int(env[key])
+            except ValueError:
+                raise ValueError(f"topology: {key}={env[key]!r} is not an integer") from None
+            return Topology(world, local)
+    return Topology(world, world)
+
+
+def slices(numel: int, parts: int) -> Tuple[Tuple[int, int], ...]:
+    """``parts`` contiguous ``(start, stop)`` slices covering ``range(numel)``, sizes differing by at
+    most one (the first ``numel % parts`` one longer): one per local rank in a reduce-scatter."""
+    if parts < 1:
+        raise ValueError(f"slices: parts must be >= 1, got {parts!r}")
+    if numel < 0:
+        raise ValueError(f"slices: numel must be >= 0, got {numel!r}")
+    base, extra = divmod(numel, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return tuple(out)
