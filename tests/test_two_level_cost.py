@@ -210,3 +210,29 @@ def test_two_level_projection_rows_and_command(tmp_path):
     result = json.loads(out.read_text())
     assert result["two_level"]["local_size"] == 8 and len(result["rows"]) == 2 * 2 * 5
     assert "ASSUMED" in result["note"] or "PREDICTION" in result["note"]
+
+
+def test_projection_script_renders_the_stored_tables(tmp_path):
+    """benchmarks/two_level_projection.py: the stored JSON holds its command and inputs, and its
+    tables render again from it (what docs/scaling.md shows)."""
+    import importlib.util
+    import json
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("two_level_projection", os.path.join(
+        root, "benchmarks", "two_level_projection.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    stored = os.path.join(root, "benchmarks", "results", "scaling", "two-level-resnet50.json")
+    result = json.load(open(stored))
+    assert result["command"].startswith("python benchmarks/two_level_projection.py") and result["assumed"]
+    assert os.path.getsize(stored) < 50_000
+    rows = mod.rows_of(result)
+    assert {r["workers"] for r in rows} >= {16, 128, 1024} and all(r["step_seconds"] > 0 for r in rows)
+    md = tmp_path / "t.md"
+    assert mod.main(["--render", stored, "--md", str(md)]) == 0
+    text = md.read_text()
+    assert "| 1 Gbit/s | two-level dgc:ratio=0.001 (dense inside) |" in text and "1024 GPUs" in text
+    with open(os.path.join(root, "docs", "scaling.md")) as f:
+        page = f.read()
+    assert mod.markdown(result, 128).split("\n", 2)[2].strip() in page  # the page shows the stored table
