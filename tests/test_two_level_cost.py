@@ -29,6 +29,8 @@ def test_gtopk_rounds_grow_as_log_of_the_world():
     assert [gtopk_rounds(p) for p in (1, 2, 3, 4, 5, 6, 8, 16, 1024)] == [0, 1, 3, 2, 4, 4, 3, 4, 10]
     k8 = 8e3  # k = 1000 indices and values
     assert gtopk_wire_bytes(k8, 1024) == 10 * k8 < ring_wire_bytes("allgather", k8, 1024) / 100
+    # not a power of two: the fold into a partner (received) or the result handed back (sent), once
+    assert [gtopk_wire_bytes(k8, p) / k8 for p in (1, 2, 3, 6, 8)] == [0, 1, 2, 3, 3]
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="world must be an integer >= 1"):
             gtopk_rounds(bad)

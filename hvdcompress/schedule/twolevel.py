@@ -35,9 +35,9 @@ L cross groups running at once already holds the sharing: give it with ``nics_pe
 
 Sparse aggregation (``aggregate="gtopk"``, for top-k and DGC): in place of the allgather of every
 rank's (indices, values), a global top-k by recursive doubling (gTop-k, Shi et al., ICDCS 2019,
-arXiv:1901.04359): ``gtopk_rounds(W)`` pairwise rounds in each of which a rank sends and receives
-one selection of k indices and k values, merges and keeps the top k. Bytes per worker grow as
-O(k log W) instead of the allgather's O(k W). A round is charged one hop of the model's ring
+arXiv:1901.04359): ``gtopk_rounds(W)`` pairwise rounds in each of which a rank sends or receives
+one selection of k indices and k values, merges and keeps the top k; the busiest rank sends
+``gtopk_wire_bytes``, O(k log W) instead of the allgather's O(k W). A round is charged one hop of the model's ring
 (``hop_fit``); the merge and re-selection of 2k entries is not charged.
 
 Bytes (``Hops.intra_bytes`` / ``inter_bytes``): what one worker sends per exchange over each link
@@ -90,9 +90,13 @@ def gtopk_rounds(world: int) -> int:
 
 
 def gtopk_wire_bytes(payload_bytes, world: int):
-    """Bytes one worker sends (and receives) in a gTop-k exchange whose selection is
-    ``payload_bytes`` (k indices + k values; array ok) on ``world`` ranks."""
-    return gtopk_rounds(world) * np.asarray(payload_bytes, dtype=float)
+    """The most bytes one worker sends (or receives) in a gTop-k exchange whose selection is
+    ``payload_bytes`` (k indices + k values; array ok) on ``world`` ranks: one selection per
+    pairwise round, log2 p of them, plus the fold (received) or unfold (sent) where world is not a
+    power of two: O(k log P)."""
+    rounds_taken = gtopk_rounds(world)
+    return (rounds_taken - 1 if rounds_taken and world & (world - 1) else rounds_taken) * \
+        np.asarray(payload_bytes, dtype=float)
 
 
 def hop_fit(model: CostModel) -> LinearFit:
