@@ -238,3 +238,22 @@ def test_projection_script_renders_the_stored_tables(tmp_path):
     with open(os.path.join(root, "docs", "scaling.md")) as f:
         page = f.read()
     assert mod.markdown(result, 128).split("\n", 2)[2].strip() in page  # the page shows the stored table
+
+
+def test_a_route_plans_with_the_codec_choice_and_the_closing_skew():
+    """A ``RouteCostModel`` goes where a ``CostModel`` goes: ``make_plan`` with alternatives
+    chooses the spec across per group on that route; the flat model's exchange skew lengthens
+    the closing exchange by skew x (encode + both hops)."""
+    sizes, t_b = [4e3, 4e6, 4e7], [1e-3, 2e-3, 4e-3]
+    m = model(inter=1.0)
+    view = m.for_route(Route(TWO_LEVEL))
+    plan = make_plan("auto", sizes, t_b, view, DGC, alternatives=("fp16", "none"))
+    assert len(plan.codecs) == len(plan.groups) and plan.predicted_seconds > 0
+    alone = make_plan("auto", sizes, t_b, view, DGC)
+    assert plan.predicted_seconds <= alone.predicted_seconds * (1 + 1e-9)
+    skewed = TwoLevelCostModel(m.topology, m.flat.with_skew(0.5), m.intra, m.inter)
+    v = skewed.for_route(Route(TWO_LEVEL))
+    b = np.array([4e7])
+    assert v.closing_seconds(DGC, b) == pytest.approx(0.5 * (v.exchange_seconds(DGC, b) + v.group_cpu_seconds(DGC, b)))
+    assert not view.closing_seconds(DGC, b).any()
+    assert v.tensor_comm_seconds(DGC, (1000, 10000)) == pytest.approx(float(v.exchange_seconds(DGC, 4e7)))
