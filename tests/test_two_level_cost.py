@@ -257,3 +257,32 @@ def test_a_route_plans_with_the_codec_choice_and_the_closing_skew():
     assert v.closing_seconds(DGC, b) == pytest.approx(0.5 * (v.exchange_seconds(DGC, b) + v.group_cpu_seconds(DGC, b)))
     assert not view.closing_seconds(DGC, b).any()
     assert v.tensor_comm_seconds(DGC, (1000, 10000)) == pytest.approx(float(v.exchange_seconds(DGC, 4e7)))
+
+
+def test_measured_two_level_steps_are_compared_with_their_prediction(tmp_path, capsys):
+    import json
+    w = scaling.synthetic_workload(6, 20.0, 40.0, 20.0)
+    base = CostModel.from_link(2, 1.0, 50e-6, FITS)
+    kw = dict(local_size=2, intra_gbps=1e4, intra_latency_s=5e-6)
+    want = scaling.predict_route(w, TwoLevelCostModel.from_model(base, Topology(4, 2), 1e4, 5e-6, 0.1),
+                                 DGC, Route(TWO_LEVEL))["step_seconds"]
+    rows = scaling.compare_two_level([{"workers": 4, "layout": "two-level spec", "compression": DGC,
+                                       "seconds": want * 1.1, "gbps": 0.1},
+                                      {"workers": 4, "layout": "hierarchical dense", "seconds": 1.0}], w, base, **kw)
+    assert rows[0]["rel_error"] == pytest.approx(1 / 1.1 - 1) and rows[0]["nodes"] == 2
+    assert rows[1]["label"] == "hierarchical dense"
+    for record, msg in (({"workers": 4, "layout": "tree", "seconds": 1.0}, "layout must be one of"),
+                        ({"workers": 4, "layout": "flat spec", "seconds": 1.0}, "needs its compression"),
+                        ({"workers": 4, "seconds": 1.0}, "lacks layout")):
+        with pytest.raises(ValueError, match=msg):
+            scaling.compare_two_level([record], w, base, **kw)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps([{"workers": 4, "layout": "two-level spec", "compression": DGC, "seconds": want,
+                                 "gbps": 0.1}]))
+    assert scaling.main(["--link", "1,50", "--synthetic", "6,20,40,20", "--compression", DGC, "--gpus-per-node", "2",
+                         "--intra-gbps", "1e4", "--intra-latency-us", "5", "--workers", "4", "--no-choice",
+                         "--codec-fit", f"{DGC}=linear,5e-11,9e-4", "--measured", str(path),
+                         "--out", str(tmp_path / "o.json")]) == 0
+    out = capsys.readouterr().out
+    assert "measured 4 workers (2x2) two-level dgc:ratio=0.001 (dense inside)" in out and "within 15%" in out
+    assert "(+0.0%)" in out

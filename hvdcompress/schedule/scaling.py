@@ -31,7 +31,10 @@ spec (dense inside; ``hvdcompress.schedule.twolevel``), with ``--gtopk`` both wi
 across (top-k, DGC), and the planner's choice of route and spec per group; each with bytes per
 worker per step on each link class. ``--codec-fit SPEC=FORM,A,B`` and ``--codec-times FILE`` (a
 ``benchmarks/cuda_check.py`` JSON: a linear fit per spec over its sizes) give compression times
-where the model has none::
+where the model has none. ``--measured`` with two levels takes records of measured steps
+(``compare_two_level``: workers, layout, compression, seconds, and the inter-node rate, ranks per
+node and intra rate where they differ) and prints each prediction's error and whether all are
+within 15%::
 
     python -m hvdcompress.schedule.scaling --link 1,50 --workload w.json --gpus-per-node 8 \\
         --intra-gbps 2400 --gbps 1,10,100 --workers 16,128,1024 --compression dgc:ratio=0.001 --gtopk \\
@@ -236,13 +239,46 @@ def two_level_sweep(workload: Workload, cost_model: CostModel, specs: Iterable, 
     return rows
 
 
+LAYOUT_ROUTES = {"flat dense": Route(), "hierarchical dense": HIERARCHICAL, "flat spec": Route(),
+                 "two-level spec": Route(TWO_LEVEL), "two-level spec (fp16 inside)": Route(TWO_LEVEL, "fp16"),
+                 "flat spec, gtopk": Route(FLAT, aggregate=GTOPK), "two-level spec, gtopk": Route(TWO_LEVEL, aggregate=GTOPK)}
+
+
+def compare_two_level(measured: Sequence[dict], workload: Workload, cost_model: CostModel, *, local_size: int,
+                      intra_gbps: float, intra_latency_s: float, latency_s: Optional[float] = None,
+                      nics_per_node: int = 1, overlap: str = "shared") -> List[dict]:
+    """Prediction vs measurement on two levels. Each record: workers, layout (a key of
+    ``LAYOUT_ROUTES``), compression (the spec; dense for the dense layouts), seconds (measured
+    step), optionally gbps (the inter-node rate; None: the model's), local_size and intra_gbps
+    (default: the sweep's)."""
+    rows = []
+    for m in measured:
+        missing = {"workers", "layout", "seconds"} - set(m)
+        if missing:
+            raise ValueError(f"measured record {m!r} lacks {', '.join(sorted(missing))}")
+        if m["layout"] not in LAYOUT_ROUTES:
+            raise ValueError(f"measured record {m!r}: layout must be one of {', '.join(LAYOUT_ROUTES)}")
+        local = int(m.get("local_size", local_size))
+        topo = Topology(int(m["workers"]), local)
+        model = TwoLevelCostModel.from_model(cost_model, topo, float(m.get("intra_gbps", intra_gbps)),
+                                             intra_latency_s, m.get("gbps"), latency_s, nics_per_node)
+        spec = "none" if m["layout"].endswith("dense") else m.get("compression")
+        if spec is None:
+            raise ValueError(f"measured record {m!r}: layout {m['layout']!r} needs its compression")
+        row = predict_route(workload, model, spec, LAYOUT_ROUTES[m["layout"]], overlap=overlap)
+        row.update(layout=m["layout"], gbps=m.get("gbps"), measured_seconds=float(m["seconds"]),
+                   rel_error=row["step_seconds"] / float(m["seconds"]) - 1.0)
+        rows.append(row)
+    return rows
+
+
 def codec_fits(pairs: Sequence[str] = (), times_path: Optional[str] = None, branch: str = "triton") -> dict:
     """Compression-time fits: ``SPEC=FORM,A,B`` strings (``ComputeFit``: a*f(d) + b), and from a
     ``benchmarks/cuda_check.py`` JSON (rows of size, spec, branch, ms) a linear fit per spec over
     the sizes timed on ``branch``."""
     fits = {}
     for text in pairs:
-        spec, eq, rest = text.partition("=")
+        spec, eq, rest = text.rpartition("=")  # a spec may hold "=" itself
         parts = rest.split(",")
         if not eq or len(parts) != 3:
             raise ValueError(f"--codec-fit: expected SPEC=FORM,A,B (e.g. qsgd=linear,3e-11,1e-4); got {text!r}")
@@ -345,7 +381,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "default: the fitted transport")
     ap.add_argument("--latency-us", type=float, default=None, help="per-hop latency in place of the fitted one")
     ap.add_argument("--overlap", default="shared", choices=("shared", "parallel"))
-    ap.add_argument("--measured", help="JSON list of {workers, compression, schedule, seconds[, gbps]}")
+    ap.add_argument("--measured", help="JSON list of {workers, compression, schedule, seconds[, gbps]}; two levels: "
+                    "{workers, layout, compression, seconds[, gbps, local_size, intra_gbps]} (compare_two_level)")
     ap.add_argument("--bench", help="a `hvdcompress bench` JSON: cost model, workload and measured step times "
                     "of one launch (module doc)")
     ap.add_argument("--bench-launch", type=int, default=0, help="which launch of --bench (0-based)")
@@ -428,6 +465,10 @@ def _main_two_level(args, model: CostModel, workload: Workload) -> int:
                                intra_gbps=args.intra_gbps, intra_latency_s=args.intra_latency_us * 1e-6,
                                latency_s=latency, nics_per_node=args.nics_per_node, gtopk=args.gtopk,
                                choice=not args.no_choice, overlap=args.overlap)
+        measured = compare_two_level(_load_json(args.measured) if args.measured else [], workload, model,
+                                     local_size=args.gpus_per_node, intra_gbps=args.intra_gbps,
+                                     intra_latency_s=args.intra_latency_us * 1e-6, latency_s=latency,
+                                     nics_per_node=args.nics_per_node, overlap=args.overlap)
     except ValueError as e:
         raise SystemExit(f"simulate: {e}") from None
     result = {"note": TWO_LEVEL_NOTE,
@@ -439,10 +480,16 @@ def _main_two_level(args, model: CostModel, workload: Workload) -> int:
               "two_level": {"local_size": args.gpus_per_node, "intra_gbps": args.intra_gbps,
                             "intra_latency_us": args.intra_latency_us, "nics_per_node": args.nics_per_node,
                             "inter_latency_us": args.latency_us},
-              "overlap": args.overlap, "rows": rows}
+              "overlap": args.overlap, "rows": rows, "measured": measured}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=None, separators=(",", ":"))
     print_two_level(rows)
+    for m in measured:
+        print(f"measured {m['workers']} workers ({m['nodes']}x{m['local_size']}) {m['label']}: "
+              f"{m['measured_seconds'] * 1e3:.2f} ms, predicted {m['step_seconds'] * 1e3:.2f} ms ({m['rel_error']:+.1%})")
+    if measured:
+        worst = max(abs(m["rel_error"]) for m in measured)
+        print(f"worst error {worst:.1%}: {'within' if worst <= 0.15 else 'NOT within'} 15%")
     print(f"wrote {args.out}")
     if args.plot:
         plot([dict(r, compression=r["label"], schedule="auto", plan="auto") for r in rows], args.plot,
