@@ -241,7 +241,8 @@ def two_level_sweep(workload: Workload, cost_model: CostModel, specs: Iterable, 
 
 LAYOUT_ROUTES = {"flat dense": Route(), "hierarchical dense": HIERARCHICAL, "flat spec": Route(),
                  "two-level spec": Route(TWO_LEVEL), "two-level spec (fp16 inside)": Route(TWO_LEVEL, "fp16"),
-                 "flat spec, gtopk": Route(FLAT, aggregate=GTOPK), "two-level spec, gtopk": Route(TWO_LEVEL, aggregate=GTOPK)}
+                 "flat spec, gtopk": Route(FLAT, aggregate=GTOPK),
+                 "two-level spec, gtopk": Route(TWO_LEVEL, aggregate=GTOPK)}
 
 
 def compare_two_level(measured: Sequence[dict], workload: Workload, cost_model: CostModel, *, local_size: int,
@@ -486,7 +487,8 @@ def _main_two_level(args, model: CostModel, workload: Workload) -> int:
     print_two_level(rows)
     for m in measured:
         print(f"measured {m['workers']} workers ({m['nodes']}x{m['local_size']}) {m['label']}: "
-              f"{m['measured_seconds'] * 1e3:.2f} ms, predicted {m['step_seconds'] * 1e3:.2f} ms ({m['rel_error']:+.1%})")
+              f"{m['measured_seconds'] * 1e3:.2f} ms, predicted {m['step_seconds'] * 1e3:.2f} ms "
+              f"({m['rel_error']:+.1%})")
     if measured:
         worst = max(abs(m["rel_error"]) for m in measured)
         print(f"worst error {worst:.1%}: {'within' if worst <= 0.15 else 'NOT within'} 15%")
