@@ -201,3 +201,45 @@ def test_replay_recomputes_advise_from_the_saved_launch(tmp_path):
     with pytest.raises(ValueError, match="no advise measurements"):
         mod.replay_rows(str(f))
     assert mod.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_two_link_classes_add_per_hop_columns_and_route_choices(profile_file, tmp_path, capsys):
+    """``--nodes --gpus-per-node --intra-gbps --inter-gbps``: the flat table as with ``--workers N*L
+    --gbps inter``, then per spec the best two-level route, its hops and the bytes a node sends
+    across, and the route per group the planner would choose."""
+    from hvdcompress.schedule.twolevel import TwoLevelCostModel
+    common = ["--profile", profile_file, "--quick", "--spec", "none", "--spec", "topk:ratio=0.01"]
+    out = tmp_path / "two.json"
+    assert advise.main(common + ["--nodes", "4", "--gpus-per-node", "4", "--intra-gbps", "400", "--inter-gbps", "0.1",
+                                 "--gtopk", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "two levels: 4 nodes x 4 ranks" in text and "best two-level route" in text and "two-level choice" in text
+    result = json.loads(out.read_text())
+    two = result["two_level"]
+    assert two["topology"] == "4x4" and [r["label"] for r in two["rows"]] == ["none", "topk:ratio=0.01"]
+    flat = {r["label"]: r["step_seconds"] for r in result["rows"]}
+    for r in two["rows"]:
+        assert r["flat_step_seconds"] == flat[r["label"]]  # the flat table is today's prediction at 16 workers
+    topk = two["rows"][1]
+    assert topk["route"].startswith("two-level topk") and topk["step_seconds"] < topk["flat_step_seconds"]
+    assert topk["inter_bytes_per_node"] < topk["flat_inter_bytes_per_node"] / 2
+    assert two["rows"][0]["route"].startswith("hierarchical dense")
+    choice = two["choice"]
+    assert sum(choice["counts"].values()) == len(choice["decisions"]) and choice["step_seconds"] > 0
+    # the same flat table as --workers 16 --gbps 0.1 (fits timed anew: compare the dense row, no codec)
+    assert advise.main(common + ["--workers", "16", "--gbps", "0.1", "--json", str(tmp_path / "flat.json")]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "flat.json").read_text())["rows"][0]["step_seconds"] == flat["none"]
+    model = TwoLevelCostModel.from_links(4, 4, 400.0, 0.1, compress=FITS)
+    w = advise.workload_from_profile(profile_file)
+    row = advise.two_level_row(w, model, "topk:ratio=0.01", gtopk=True)
+    assert row["step_seconds"] <= advise.predict(w, model.flat, "topk:ratio=0.01")["step_seconds"]
+    for argv, msg in ((["--nodes", "4"], "go together"),
+                      (["--nodes", "4", "--gpus-per-node", "4", "--intra-gbps", "400", "--workers", "8"],
+                       "--workers 8 is not --nodes x --gpus-per-node = 16"),
+                      (["--nodes", "4", "--gpus-per-node", "4", "--intra-gbps", "0"], "--intra-gbps > 0"),
+                      (["--nodes", "4", "--gpus-per-node", "4", "--intra-gbps", "400", "--measure-link"],
+                       "--measure-link measures one link")):
+        with pytest.raises(SystemExit) as e:
+            advise.main(common + argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv

@@ -40,9 +40,18 @@ chosen compressing spec (each group: the spec, fp16 or dense). ``--json`` writes
 the workers run this measurement on the live link and the table sets advise's predicted step
 beside the measured one.
 
+Two link classes (``--nodes N --gpus-per-node L --intra-gbps X --inter-gbps Y``, ASSUMED links):
+the main table is the flat exchange of N*L workers over the inter-node link (as ``--workers N*L
+--gbps Y``); a second table gives, per spec, the best two-level route (dense or fp16 reduce-scatter
+inside a node, the spec across on 1/L of the gradient, allgather inside; spec none: Horovod's
+hierarchical allreduce), its time on each hop and the bytes a node sends across, flat against
+two-level; then the route and spec the planner would choose per group
+(``hvdcompress.schedule.twolevel``). A node's ranks share ``--nics-per-node`` NICs for the cross hop.
+
     hvdcompress advise --profile vgg16-v100 --workers 4 --gbps 1 --plot advise.png --json advise.json
     hvdcompress advise --model vgg --gbps 0.1 --quick
     hvdcompress advise --model emulated:resnet50-v100 --emulated-scale 32 --gbps 1
+    hvdcompress advise --profile resnet50-v100 --nodes 16 --gpus-per-node 8 --intra-gbps 2400 --inter-gbps 10
     horovodrun -np 4 hvdcompress advise --model mypkg.models:build --input-shape 32,3,224,224 --measure-link
 """
 
@@ -62,6 +71,8 @@ import numpy as np
 from hvdcompress.schedule.costmodel import ComputeFit, CostModel, fit_compute, payload
 from hvdcompress.schedule.groups import check_mergeable
 from hvdcompress.schedule.planner import Workload
+from hvdcompress.schedule.twolevel import (GTOPK, GTOPK_SPECS, INSIDE, TWO_LEVEL, Candidate, Route, TwoLevelCostModel,
+                                           candidates, plan_routes, step_bytes)
 from hvdcompress.spec import resolve
 
 CANDIDATES = ("none", "fp16", "topk:ratio=0.01", "dgc:ratio=0.001", "powersgd:rank=4", "signsgd", "efsignsgd",
@@ -446,6 +457,49 @@ def plot(path: str, swept: dict, cross: Sequence[dict], title: str) -> None:
     plt.close(fig)
 
 
+# --- two link classes -------------------------------------------------------------------------------
+def two_level_row(workload: Workload, model: TwoLevelCostModel, spec, gtopk: bool = False) -> dict:
+    """The fastest two-level route for ``spec`` (dense or fp16 inside; with ``gtopk``, for top-k and
+    DGC, also a global top-k across), planned as ``predict`` plans the flat one; its busy time per
+    hop (the sum over its groups) and bytes: per worker inside, per node across, and the flat
+    plan's bytes across for comparison."""
+    spec = resolve(spec)
+    aggregates = ["gather"] + ([GTOPK] if gtopk and spec.name in GTOPK_SPECS else [])
+    best = None
+    for agg in aggregates:
+        for inside in INSIDE:
+            route = Route(TWO_LEVEL, inside, agg)
+            row = predict(workload, model.for_route(route), spec)
+            if best is None or row["step_seconds"] < best[1]["step_seconds"]:
+                best = (route, row)
+    route, row = best
+    groups = row["plan_groups"]
+    b = np.array([sum(workload.sizes_bytes[i] for i in g) for g in groups], dtype=float)
+    intra, inter, _, _ = model.comm(route, spec, b)
+    sent = step_bytes(model, groups, workload.sizes_bytes, [Candidate(route, spec)] * len(groups))
+    flat = predict(workload, model.flat, spec)
+    flat_sent = step_bytes(model, flat["plan_groups"], workload.sizes_bytes, [Candidate(Route(), spec)] * len(
+        flat["plan_groups"]))
+    return {"spec": str(spec), "label": label(spec), "route": Candidate(route, spec).label, **route.as_dict(),
+            "step_seconds": row["step_seconds"], "flat_step_seconds": flat["step_seconds"],
+            "schedule": row["schedule"], "groups": row["groups"],
+            "intra_seconds": float(np.sum(intra)), "inter_seconds": float(np.sum(inter)),
+            "intra_bytes_per_worker": sent["intra"], "inter_bytes_per_node": sent["inter_per_node"],
+            "flat_inter_bytes_per_node": flat_sent["inter_per_node"]}
+
+
+def two_level_choice(workload: Workload, model: TwoLevelCostModel, spec, gtopk: bool = False) -> dict:
+    """The route and spec per group the planner chooses (``twolevel.plan_routes``), per group."""
+    found = plan_routes(workload.sizes_bytes, workload.t_b, model, spec,
+                        candidates(spec, model.topology, gtopk=gtopk), forward_seconds=workload.forward_seconds,
+                        update_seconds=workload.update_seconds)
+    groups = [{"tensors": [workload.names[i] for i in g], "bytes": float(sum(workload.sizes_bytes[i] for i in g)),
+               "route": c.label, "spec": str(c.spec), **c.route.as_dict()} for g, c in zip(found.groups, found.choices)]
+    return {"spec": str(resolve(spec)), "label": label(spec), "step_seconds": found.predicted_seconds,
+            "counts": found.counts(), "decisions": groups,
+            **{k: v for k, v in step_bytes(model, found.groups, workload.sizes_bytes, found.choices).items()}}
+
+
 def _ints(text: str) -> List[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -469,7 +523,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
     ap.add_argument("--emulated-scale", "--scale", dest="scale", type=float, default=1.0,
                     help="--profile or --model emulated:<profile>: tensors this many times smaller (as the "
                          "bench's --emulated-scale)")
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=None, help="default 4; with --nodes: nodes x gpus per node")
     ap.add_argument("--gbps", type=float, default=1.0, help="ASSUMED link: an ideal ring of this rate (Gbit/s)")
     ap.add_argument("--latency-us", type=float, default=50.0, help="ASSUMED link's per-hop latency (microseconds)")
     ap.add_argument("--measure-link", action="store_true",
@@ -481,6 +535,16 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where --model's compute and the codecs are timed (cuda: each rank's own GPU, "
                          "readings that wait for the device; default cpu)")
+    two = ap.add_argument_group("two link classes (ASSUMED links; module doc)")
+    two.add_argument("--nodes", type=int, default=None, help="nodes (with --gpus-per-node)")
+    two.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (with --nodes)")
+    two.add_argument("--intra-gbps", type=float, default=None, help="link inside a node (Gbit/s)")
+    two.add_argument("--inter-gbps", type=float, default=None, help="link between nodes (Gbit/s; default --gbps)")
+    two.add_argument("--intra-latency-us", type=float, default=2.0, help="per-hop latency inside a node")
+    two.add_argument("--inter-latency-us", type=float, default=None,
+                     help="per-hop latency between nodes (default --latency-us)")
+    two.add_argument("--nics-per-node", type=int, default=1, help="NICs a node's ranks share across (default 1)")
+    two.add_argument("--gtopk", action="store_true", help="also a global top-k across for top-k and DGC")
     ap.add_argument("--json", help="write everything here")
     ap.add_argument("--plot", help="PNG of predicted step time against link rate, crossovers marked")
     args = ap.parse_args(argv)
@@ -495,6 +559,27 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
                              f"got --model {args.model}")
     except ValueError as e:
         ap.error(str(e))
+    two_level = any(v is not None for v in (args.nodes, args.gpus_per_node, args.intra_gbps, args.inter_gbps,
+                                             args.inter_latency_us)) or args.gtopk or args.nics_per_node != 1
+    if two_level:
+        if args.nodes is None or args.gpus_per_node is None or args.intra_gbps is None:
+            ap.error("two link classes: --nodes, --gpus-per-node and --intra-gbps go together (with --inter-gbps, "
+                     "default --gbps)")
+        if args.measure_link:
+            ap.error("--nodes/--gpus-per-node: the link classes are ASSUMED (--intra-gbps, --inter-gbps); "
+                     "--measure-link measures one link")
+        if args.nodes < 1 or args.gpus_per_node < 1 or args.nics_per_node < 1 or not args.intra_gbps > 0 \
+                or args.intra_latency_us < 0:
+            ap.error("--nodes, --gpus-per-node and --nics-per-node must be >= 1, --intra-gbps > 0, "
+                     "--intra-latency-us >= 0")
+        if args.workers is not None and args.workers != args.nodes * args.gpus_per_node:
+            ap.error(f"--workers {args.workers} is not --nodes x --gpus-per-node = {args.nodes * args.gpus_per_node}")
+        args.workers = args.nodes * args.gpus_per_node
+        args.gbps = args.inter_gbps if args.inter_gbps is not None else args.gbps
+        if args.inter_latency_us is not None:
+            args.latency_us = args.inter_latency_us
+    if args.workers is None:
+        args.workers = 4
     if args.workers < 2 or not (args.gbps > 0 and args.latency_us >= 0 and args.scale >= 1):
         ap.error("--workers must be >= 2, --gbps > 0, --latency-us >= 0, --emulated-scale >= 1")
     if args.device == "cuda":
@@ -567,6 +652,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
             first = g["tensors"][0] + (f" .. {g['tensors'][-1]}" if len(g["tensors"]) > 1 else "")
             print(f"  {g['label']:<34} {g['bytes'] / 1e6:9.3f} MB  {first} ({len(g['tensors'])} tensors)")
         result["auto"] = dict(auto, decisions=groups)
+    if two_level:
+        result["two_level"] = _print_two_level(args, workload, fits, specs, auto_spec)
     if gbps is not None and auto_spec is not None:
         cross = crossovers(workload, fits, workers, latency, auto_spec)
         for c in cross:
@@ -583,6 +670,37 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "hvdcompress advise")
             json.dump(result, f, indent=1)
         print(f"json: {args.json}")
     return 0
+
+
+def _print_two_level(args, workload: Workload, fits, specs, auto_spec) -> dict:
+    """advise's two-level table and the per-group route choice (module doc); returns them."""
+    model = TwoLevelCostModel.from_links(args.nodes, args.gpus_per_node, args.intra_gbps, args.gbps,
+                                         args.intra_latency_us * 1e-6, args.latency_us * 1e-6, args.nics_per_node,
+                                         fits)
+    t = model.topology
+    print(f"two levels: {t.nodes} nodes x {t.local_size} ranks; inside {args.intra_gbps:g} Gbit/s + "
+          f"{args.intra_latency_us:g} us, across {args.gbps:g} Gbit/s + {args.latency_us:g} us per hop, "
+          f"{args.nics_per_node} NIC(s) per node shared by its ranks (ASSUMED). The table above is flat.")
+    rows = [two_level_row(workload, model, s, args.gtopk) for s in specs]
+    print(f"{'spec':<26} {'flat ms':>9} {'2-level ms':>10} {'best two-level route':<52} {'intra ms':>9} "
+          f"{'inter ms':>9} {'intra MB/w':>10} {'across MB/node flat':>19} {'2-level':>9}")
+    for r in rows:
+        print(f"{r['label'][:26]:<26} {r['flat_step_seconds'] * 1e3:9.1f} {r['step_seconds'] * 1e3:10.1f} "
+              f"{r['route'][:52]:<52} {r['intra_seconds'] * 1e3:9.2f} {r['inter_seconds'] * 1e3:9.2f} "
+              f"{r['intra_bytes_per_worker'] / 1e6:10.2f} {r['flat_inter_bytes_per_node'] / 1e6:19.3f} "
+              f"{r['inter_bytes_per_node'] / 1e6:9.3f}")
+    out = {"topology": str(t), "intra_gbps": args.intra_gbps, "intra_latency_us": args.intra_latency_us,
+           "inter_gbps": args.gbps, "inter_latency_us": args.latency_us, "nics_per_node": args.nics_per_node,
+           "rows": rows}
+    if auto_spec is not None:
+        choice = two_level_choice(workload, model, auto_spec, args.gtopk)
+        print(f"two-level choice with {label(auto_spec)}: {choice['step_seconds'] * 1e3:.1f} ms; groups by route: "
+              + ", ".join(f"{k} {n}" for k, n in choice["counts"].items()))
+        for g in choice["decisions"]:
+            first = g["tensors"][0] + (f" .. {g['tensors'][-1]}" if len(g["tensors"]) > 1 else "")
+            print(f"  {g['route'][:52]:<52} {g['bytes'] / 1e6:9.3f} MB  {first} ({len(g['tensors'])} tensors)")
+        out["choice"] = choice
+    return out
 
 
 if __name__ == "__main__":

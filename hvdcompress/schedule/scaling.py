@@ -22,6 +22,23 @@ With ``--bench`` the cost model fitted on the emulated link of one launch of ``h
 (``--bench-launch``), the workload profiled by that launch's first phase that has one, and every
 step time measured in that launch are used: the error of the model is shown on exactly the
 configurations that were measured, next to its predictions for 16..1024 workers.
+
+Two levels (``--gpus-per-node L --intra-gbps X``): the workers are nodes of L ranks whose links
+inside a node run at X Gbit/s (an ideal ring, ``--intra-latency-us``) and whose links between nodes
+are the model's (or ``--gbps``); ``two_level_sweep`` predicts, per worker count and inter-node rate,
+flat dense, hierarchical dense (Horovod's hierarchical allreduce), and per spec flat spec, two-level
+spec (dense inside; ``hvdcompress.schedule.twolevel``), with ``--gtopk`` both with a global top-k
+across (top-k, DGC), and the planner's choice of route and spec per group; each with bytes per
+worker per step on each link class. ``--codec-fit SPEC=FORM,A,B`` and ``--codec-times FILE`` (a
+``benchmarks/cuda_check.py`` JSON: a linear fit per spec over its sizes) give compression times
+where the model has none. ``--measured`` with two levels takes records of measured steps
+(``compare_two_level``: workers, layout, compression, seconds, and the inter-node rate, ranks per
+node and intra rate where they differ) and prints each prediction's error and whether all are
+within 15%::
+
+    python -m hvdcompress.schedule.scaling --link 1,50 --workload w.json --gpus-per-node 8 \\
+        --intra-gbps 2400 --gbps 1,10,100 --workers 16,128,1024 --compression dgc:ratio=0.001 --gtopk \\
+        --codec-times benchmarks/results/kernels/cuda_check-h200-ede7fe8.json --out two-level.json
 """
 
 from __future__ import annotations
@@ -30,18 +47,25 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from .costmodel import CostModel
+from .costmodel import ComputeFit, CostModel, fit_compute
 from .planner import Workload, parse_schedule
+from .twolevel import (FLAT, GATHER, GTOPK, GTOPK_SPECS, HIERARCHICAL, TWO_LEVEL, Candidate, Route, TwoLevelCostModel,
+                       candidates, label, plan_routes, spec_label, step_bytes)
 from ..spec import resolve
+from ..topology import Topology
 
 NOTE = ("PREDICTIONS from the fitted cost model (alpha-beta collectives scaled to N workers by ring "
         "formulas, profiled compression and backward times), not measurements")
 DEFAULT_WORKERS = (16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_SCHEDULES = ("layerwise", "single", "size:64", "auto")
+TWO_LEVEL_NOTE = ("PREDICTIONS of the two-level cost model (hvdcompress.schedule.twolevel: ring collectives per "
+                  "link class, the cross-node link shared by a node's ranks), not measurements; the links, the "
+                  "NICs per node and any codec times not measured are ASSUMED")
 
 
 def synthetic_workload(tensors: int, total_mb: float, backward_ms: float, forward_ms: float,
@@ -143,6 +167,146 @@ def plot(rows: Sequence[dict], path: str, measured: Sequence[dict] = (), title: 
     plt.close(fig)
 
 
+# --- two levels ------------------------------------------------------------------------------------
+def predict_route(workload: Workload, model: TwoLevelCostModel, spec, route: Route, schedule="auto",
+                  overlap: str = "shared") -> dict:
+    """One fixed route: the planner's plan (``schedule``) and predicted step, bytes per link class."""
+    spec = resolve(spec)
+    plan = workload.plan(schedule, model.for_route(route), spec, overlap=overlap)
+    sent = step_bytes(model, plan.groups, workload.sizes_bytes, [Candidate(route, spec)] * len(plan.groups))
+    return _route_row(workload, model, label(route, spec), str(spec), plan.predicted_seconds, len(plan.groups),
+                      sent, route=route.as_dict(), plan=plan.schedule)
+
+
+def predict_choice_row(workload: Workload, model: TwoLevelCostModel, spec, gtopk: bool = False,
+                       overlap: str = "shared") -> dict:
+    """The planner's choice of route and spec per group (``twolevel.plan_routes``)."""
+    spec = resolve(spec)
+    found = plan_routes(workload.sizes_bytes, workload.t_b, model, spec, candidates(spec, model.topology, gtopk=gtopk),
+                        overlap, workload.forward_seconds, workload.update_seconds)
+    sent = step_bytes(model, found.groups, workload.sizes_bytes, found.choices)
+    return _route_row(workload, model, f"choice {spec_label(spec)}", str(spec), found.predicted_seconds,
+                      len(found.groups), sent, counts=found.counts())
+
+
+def _route_row(workload, model, text, spec, step, groups, sent, **extra) -> dict:
+    t = model.topology
+    compute = workload.compute_seconds
+    return {"workers": t.world, "nodes": t.nodes, "local_size": t.local_size, "label": text, "compression": spec,
+            "step_seconds": step, "compute_seconds": compute, "exposed_seconds": step - compute,
+            "efficiency": compute / step, "speedup": t.world * compute / step, "groups": groups,
+            "bytes_per_worker": {"intra": sent["intra"], "inter": sent["inter"]},
+            "inter_bytes_per_node": sent["inter_per_node"], **extra}
+
+
+def two_level_sweep(workload: Workload, cost_model: CostModel, specs: Iterable, *, local_size: int,
+                    workers: Iterable[int] = DEFAULT_WORKERS, gbps: Iterable[Optional[float]] = (None,),
+                    intra_gbps: float, intra_latency_s: float, latency_s: Optional[float] = None,
+                    nics_per_node: int = 1, gtopk: bool = False, choice: bool = True,
+                    overlap: str = "shared") -> List[dict]:
+    """Per worker count (a multiple of ``local_size``) and inter-node rate: flat dense, hierarchical
+    dense, and per spec flat spec and two-level spec (dense inside), with ``gtopk`` also both with a
+    global top-k across (top-k, DGC), and with ``choice`` the planner's route and spec per group.
+    ``cost_model`` is the inter-node link (carried by ring scaling as ``model_at``); the intra-node
+    link an ideal ring of ``intra_gbps`` and ``intra_latency_s``. Rows: ``layout`` names the kind."""
+    workers = [int(n) for n in workers]
+    bad = [n for n in workers if n % local_size or n < local_size]
+    if bad:
+        raise ValueError(f"workers: every count must be a multiple of --gpus-per-node={local_size}; got {bad}")
+    specs = [resolve(s) for s in specs]
+    rows = []
+    for g in gbps:
+        for n in workers:
+            model = TwoLevelCostModel.from_model(cost_model, Topology(n, local_size), intra_gbps, intra_latency_s,
+                                                 g, latency_s, nics_per_node)
+
+            def add(row, layout):
+                rows.append(dict(row, layout=layout, gbps=g, intra_gbps=intra_gbps, nics_per_node=nics_per_node))
+            add(predict_route(workload, model, "none", Route(), overlap=overlap), "flat dense")
+            add(predict_route(workload, model, "none", HIERARCHICAL, overlap=overlap), "hierarchical dense")
+            for spec in specs:
+                if spec.name == "none":
+                    continue
+                aggregates = [GATHER] + ([GTOPK] if gtopk and spec.name in GTOPK_SPECS else [])
+                for agg in aggregates:
+                    tail = "" if agg == GATHER else ", gtopk"
+                    add(predict_route(workload, model, spec, Route(FLAT, aggregate=agg), overlap=overlap),
+                        "flat spec" + tail)
+                    add(predict_route(workload, model, spec, Route(TWO_LEVEL, aggregate=agg), overlap=overlap),
+                        "two-level spec" + tail)
+                if choice:
+                    add(predict_choice_row(workload, model, spec, gtopk, overlap), "choice")
+    return rows
+
+
+LAYOUT_ROUTES = {"flat dense": Route(), "hierarchical dense": HIERARCHICAL, "flat spec": Route(),
+                 "two-level spec": Route(TWO_LEVEL), "two-level spec (fp16 inside)": Route(TWO_LEVEL, "fp16"),
+                 "flat spec, gtopk": Route(FLAT, aggregate=GTOPK),
+                 "two-level spec, gtopk": Route(TWO_LEVEL, aggregate=GTOPK)}
+
+
+def compare_two_level(measured: Sequence[dict], workload: Workload, cost_model: CostModel, *, local_size: int,
+                      intra_gbps: float, intra_latency_s: float, latency_s: Optional[float] = None,
+                      nics_per_node: int = 1, overlap: str = "shared") -> List[dict]:
+    """Prediction vs measurement on two levels. Each record: workers, layout (a key of
+    ``LAYOUT_ROUTES``), compression (the spec; dense for the dense layouts), seconds (measured
+    step), optionally gbps (the inter-node rate; None: the model's), local_size and intra_gbps
+    (default: the sweep's)."""
+    rows = []
+    for m in measured:
+        missing = {"workers", "layout", "seconds"} - set(m)
+        if missing:
+            raise ValueError(f"measured record {m!r} lacks {', '.join(sorted(missing))}")
+        if m["layout"] not in LAYOUT_ROUTES:
+            raise ValueError(f"measured record {m!r}: layout must be one of {', '.join(LAYOUT_ROUTES)}")
+        local = int(m.get("local_size", local_size))
+        topo = Topology(int(m["workers"]), local)
+        model = TwoLevelCostModel.from_model(cost_model, topo, float(m.get("intra_gbps", intra_gbps)),
+                                             intra_latency_s, m.get("gbps"), latency_s, nics_per_node)
+        spec = "none" if m["layout"].endswith("dense") else m.get("compression")
+        if spec is None:
+            raise ValueError(f"measured record {m!r}: layout {m['layout']!r} needs its compression")
+        row = predict_route(workload, model, spec, LAYOUT_ROUTES[m["layout"]], overlap=overlap)
+        row.update(layout=m["layout"], gbps=m.get("gbps"), measured_seconds=float(m["seconds"]),
+                   rel_error=row["step_seconds"] / float(m["seconds"]) - 1.0)
+        rows.append(row)
+    return rows
+
+
+def codec_fits(pairs: Sequence[str] = (), times_path: Optional[str] = None, branch: str = "triton") -> dict:
+    """Compression-time fits: ``SPEC=FORM,A,B`` strings (``ComputeFit``: a*f(d) + b), and from a
+    ``benchmarks/cuda_check.py`` JSON (rows of size, spec, branch, ms) a linear fit per spec over
+    the sizes timed on ``branch``."""
+    fits = {}
+    for text in pairs:
+        spec, eq, rest = text.rpartition("=")  # a spec may hold "=" itself
+        parts = rest.split(",")
+        if not eq or len(parts) != 3:
+            raise ValueError(f"--codec-fit: expected SPEC=FORM,A,B (e.g. qsgd=linear,3e-11,1e-4); got {text!r}")
+        try:
+            fits[str(resolve(spec))] = ComputeFit(parts[0], float(parts[1]), float(parts[2]))
+        except ValueError as e:
+            raise ValueError(f"--codec-fit {text!r}: {e}") from None
+    if times_path:
+        by_spec = {}
+        for r in _load_json(times_path)["rows"]:
+            if r.get("branch", branch) == branch:
+                by_spec.setdefault(str(resolve(r["spec"])), []).append((float(r["size"]), float(r["ms"]) / 1e3))
+        for spec, samples in by_spec.items():
+            if spec not in fits and len({d for d, _ in samples}) >= 2:
+                fits[spec] = fit_compute(*zip(*samples), forms=("linear",))
+    return fits
+
+
+def print_two_level(rows: Sequence[dict]) -> None:
+    print(f"# {TWO_LEVEL_NOTE}")
+    print(f"{'gbps':>7} {'workers':>7} {'route':<52} {'step ms':>9} {'eff':>6} {'intra MB':>9} {'inter MB':>9}")
+    for r in rows:
+        g = "fitted" if r["gbps"] is None else f"{r['gbps']:g}"
+        print(f"{g:>7} {r['workers']:>7} {r['label'][:52]:<52} {r['step_seconds'] * 1e3:9.1f} {r['efficiency']:6.3f} "
+              f"{r['bytes_per_worker']['intra'] / 1e6:9.2f} {r['bytes_per_worker']['inter'] / 1e6:9.3f}")
+
+
 def _floats(text: str) -> List[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -218,18 +382,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "default: the fitted transport")
     ap.add_argument("--latency-us", type=float, default=None, help="per-hop latency in place of the fitted one")
     ap.add_argument("--overlap", default="shared", choices=("shared", "parallel"))
-    ap.add_argument("--measured", help="JSON list of {workers, compression, schedule, seconds[, gbps]}")
+    ap.add_argument("--measured", help="JSON list of {workers, compression, schedule, seconds[, gbps]}; two levels: "
+                    "{workers, layout, compression, seconds[, gbps, local_size, intra_gbps]} (compare_two_level)")
     ap.add_argument("--bench", help="a `hvdcompress bench` JSON: cost model, workload and measured step times "
                     "of one launch (module doc)")
     ap.add_argument("--bench-launch", type=int, default=0, help="which launch of --bench (0-based)")
     ap.add_argument("--out", default="simulation.json")
-    ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png; two levels: none unless given)")
+    two = ap.add_argument_group("two levels (module doc)")
+    two.add_argument("--gpus-per-node", type=int, default=None,
+                     help="ranks per node: predict flat and two-level routes (workers must be multiples of it)")
+    two.add_argument("--intra-gbps", type=float, default=None, help="ASSUMED link inside a node (Gbit/s)")
+    two.add_argument("--intra-latency-us", type=float, default=2.0, help="ASSUMED per-hop latency inside a node")
+    two.add_argument("--nics-per-node", type=int, default=1,
+                     help="NICs a node's ranks share for the cross-node hop (ASSUMED; default 1)")
+    two.add_argument("--gtopk", action="store_true", help="also predict a global top-k across (top-k, DGC)")
+    two.add_argument("--no-choice", action="store_true", help="leave out the planner's per-group route choice")
+    two.add_argument("--codec-fit", action="append", default=[], metavar="SPEC=FORM,A,B",
+                     help="a compression-time fit a*f(d)+b (FORM linear or dlogd; repeatable)")
+    two.add_argument("--codec-times", help="a benchmarks/cuda_check.py JSON: linear compression-time fits per spec")
+    two.add_argument("--codec-branch", default="triton", help="which branch of --codec-times (default triton)")
     args = ap.parse_args(argv)
 
     try:
         model, workload = _inputs(args)
+        fits = codec_fits(args.codec_fit, args.codec_times, args.codec_branch)
     except ValueError as e:
         raise SystemExit(f"simulate: {e}") from None
+    if fits:
+        model = replace(model, compress={**model.compress, **fits})
+    if args.gpus_per_node is not None:
+        return _main_two_level(args, model, workload)
     specs = args.compression or (["none"] + [s for s in model.compress if resolve(s).name != "none"])
     schedules = args.schedule or list(DEFAULT_SCHEDULES)
     for s in schedules:
@@ -267,6 +450,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"measured {m['workers']} workers {m['compression']} {m['schedule']}: {m['measured_seconds'] * 1e3:.2f} ms, "
               f"predicted {m['step_seconds'] * 1e3:.2f} ms ({m['rel_error']:+.1%})")
     print(f"wrote {args.out} and {png} (efficiency = compute / predicted step)")
+    return 0
+
+
+def _main_two_level(args, model: CostModel, workload: Workload) -> int:
+    if args.gpus_per_node < 1 or args.intra_gbps is None or not args.intra_gbps > 0 or args.nics_per_node < 1 \
+            or args.intra_latency_us < 0:
+        raise SystemExit("simulate: --gpus-per-node needs an integer >= 1, --intra-gbps > 0, --intra-latency-us >= 0 "
+                         "and --nics-per-node >= 1")
+    specs = args.compression or [s for s in model.compress if resolve(s).name not in ("none", "fp16")]
+    latency = None if args.latency_us is None else args.latency_us * 1e-6
+    try:
+        rows = two_level_sweep(workload, model, specs, local_size=args.gpus_per_node,
+                               workers=[int(n) for n in args.workers], gbps=args.gbps or [None],
+                               intra_gbps=args.intra_gbps, intra_latency_s=args.intra_latency_us * 1e-6,
+                               latency_s=latency, nics_per_node=args.nics_per_node, gtopk=args.gtopk,
+                               choice=not args.no_choice, overlap=args.overlap)
+        measured = compare_two_level(_load_json(args.measured) if args.measured else [], workload, model,
+                                     local_size=args.gpus_per_node, intra_gbps=args.intra_gbps,
+                                     intra_latency_s=args.intra_latency_us * 1e-6, latency_s=latency,
+                                     nics_per_node=args.nics_per_node, overlap=args.overlap)
+    except ValueError as e:
+        raise SystemExit(f"simulate: {e}") from None
+    result = {"note": TWO_LEVEL_NOTE,
+              "cost_model": {"key": model.key, "world_size": model.world_size,
+                             "meta": {k: v for k, v in model.meta.items() if k != "samples"},
+                             "compress": {k: v.to_dict() for k, v in model.compress.items()}},
+              "workload": {"tensors": len(workload.names), "bytes": float(sum(workload.sizes_bytes)),
+                           "compute_seconds": workload.compute_seconds},
+              "two_level": {"local_size": args.gpus_per_node, "intra_gbps": args.intra_gbps,
+                            "intra_latency_us": args.intra_latency_us, "nics_per_node": args.nics_per_node,
+                            "inter_latency_us": args.latency_us},
+              "overlap": args.overlap, "rows": rows, "measured": measured}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=None, separators=(",", ":"))
+    print_two_level(rows)
+    for m in measured:
+        print(f"measured {m['workers']} workers ({m['nodes']}x{m['local_size']}) {m['label']}: "
+              f"{m['measured_seconds'] * 1e3:.2f} ms, predicted {m['step_seconds'] * 1e3:.2f} ms "
+              f"({m['rel_error']:+.1%})")
+    if measured:
+        worst = max(abs(m["rel_error"]) for m in measured)
+        print(f"worst error {worst:.1%}: {'within' if worst <= 0.15 else 'NOT within'} 15%")
+    print(f"wrote {args.out}")
+    if args.plot:
+        plot([dict(r, compression=r["label"], schedule="auto", plan="auto") for r in rows], args.plot,
+             title=f"{args.gpus_per_node} ranks per node, intra {args.intra_gbps:g} Gbit/s (ASSUMED)")
+        print(f"wrote {args.plot}")
     return 0
 
 
