@@ -155,7 +155,8 @@ def resolve_topology(topology, world: int, env: Optional[Mapping[str, str]] = No
             return Topology(world, world)
     if isinstance(topology, Topology):
         if topology.world != world:
-            raise ValueError(f"topology={topology}: a layout of {topology.world} ranks, but the world has {world}")
+            raise ValueError(f"topology={topology}: a layout of {topology.world} ranks, but the world has {world}; "
+                             f"accepted: {FORMS}")
         return topology
     if isinstance(topology, str) and not isinstance(topology, bool):
         if topology.strip().lower() == FLAT:

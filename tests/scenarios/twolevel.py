@@ -72,7 +72,7 @@ class Recorder:
             before = {k: _np(v) for k, v in ctx.state.items()}
             result = yield from orig(transport, make, x, ctx)
             if rec.tag is not None:
-                rec.log.append({"tag": rec.tag, "key": ctx.key, "step": ctx.step, "shape": tuple(ctx.shape),
+                rec.log.append({"tag": rec.tag, "spec": str(make.__self__.spec), "key": ctx.key, "step": ctx.step, "shape": tuple(ctx.shape),
                                 "members": tuple(ctx.members), "scale": ctx.scale, "epoch": ctx.epoch, "x": xin,
                                 "before": before, "result": _np(result),
                                 "after": {k: _np(v) for k, v in ctx.state.items()}})
