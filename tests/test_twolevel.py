@@ -47,6 +47,28 @@ def test_split_layout_rows_of_one_matrix_and_pieces_of_a_group():
     assert [p.numel for p in split_layout(3, (3,), (), 4)] == [1, 1, 1, 0]
 
 
+class _Elsewhere:
+    """A transport of 4 ranks that is not torch.distributed's (Horovod's stands here)."""
+
+    def size(self):
+        return 4
+
+    def included(self):
+        return True
+
+
+def test_check_topology_off_torch_distributed(monkeypatch):
+    """On Horovod an explicit two-level topology is refused, the launcher's is ignored (flat)."""
+    from torch_ops.arguments import check_topology
+    with pytest.raises(ValueError, match="topology='2x2': a two-level exchange runs on torch.distributed only"):
+        check_topology("2x2", _Elsewhere())
+    assert check_topology("flat", _Elsewhere()).flat and check_topology("4", _Elsewhere()).flat
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert check_topology(None, _Elsewhere()).flat
+    with pytest.raises(ValueError, match="accepted"):
+        check_topology("3x3", _Elsewhere())
+
+
 # -- the oracle -----------------------------------------------------------------------------------
 
 def _grads(world, shape, seed=0):
