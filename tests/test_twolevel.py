@@ -105,7 +105,7 @@ def test_oracle_cross_exchange_is_the_spec_on_node_sums():
 
 from scenarios.twolevel import BAD, SPECS, launch  # noqa: E402
 
-NAMES = ["every_spec", "bad_topology", "launcher_default"]
+NAMES = ["every_spec", "nonfinite", "bad_topology", "launcher_default"]
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +202,12 @@ def test_launcher_default_and_flat_opt_out(world):
     results, _ = world
     for got in part(results, "launcher_default"):
         assert got == {"None": "TwoLevelTransport", "flat": "TorchDistCommunicator"}
+
+
+@pytest.mark.multiprocess
+def test_a_non_finite_gradient_on_one_rank_is_nan_on_every_rank(world):
+    results, _ = world
+    for got in part(results, "nonfinite"):
+        assert got[0]["finite"] and got[2]["finite"] and got[1]["all_nan"], got
+        assert all(got[s]["state_finite"] and got[s]["identical"] for s in range(3)), got
+        assert got[2]["state_keys"] == ["residual"]

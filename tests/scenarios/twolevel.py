@@ -190,6 +190,41 @@ def bad_topology(rec, topology) -> dict:
     return out
 
 
+def nonfinite(rec, topology) -> dict:
+    """A NaN in one rank's gradient: NaN in every rank's exchanged gradient, no NaN left in any
+    rank's cross-hop state, and the next step finite and identical again."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    model = _model()
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression="topk:ratio=0.1",
+                                   schedule="single", backend="torch", topology=topology)
+    out = {}
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch(dist.get_rank(), step)
+        if step == 1 and dist.get_rank() == dist.get_world_size() - 1:
+            x[0, 0] = float("nan")  # the gradients are exchanged as backward makes them
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.synchronize()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        state = opt.engine.session.param_state()
+        out[step] = {"all_nan": bool(torch.isnan(grads).all()), "finite": bool(torch.isfinite(grads).all()),
+                     "state_finite": all(bool(torch.isfinite(t).all()) for st in state.values() for t in st.values()),
+                     "state_keys": sorted({k for st in state.values() for k in st})}
+        if step == 1:
+            opt.zero_grad()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            with opt.skip_synchronize():
+                opt.step()
+        out[step]["identical"] = _identical(model)
+    return out
+
+
 def launcher_default(rec, topology) -> dict:
     """topology=None follows LOCAL_WORLD_SIZE (torchrun's); "flat" opts out."""
     import torch
