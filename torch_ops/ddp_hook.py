@@ -27,6 +27,10 @@ allreduces in its background thread), so the hook batches (``TorchDistCommunicat
   the step in one collective), in the model's parameter order, the same on every rank
   (torch.distributed matches collectives by issue order), and completes the futures DDP waits for.
 
+With ``topology=`` naming more than one node of more than one rank (default: the launcher's
+``LOCAL_WORLD_SIZE``), every exchange is two-level (``torch_ops.twolevel``: dense inside a node,
+the compressor across nodes on each rank's part), through the same session.
+
 A fused collective's layout depends only on the units and the parameter order, not on DDP's
 current buckets, so a resumed run adds in the same order as the run it resumes, on any number of
 ranks. The result is the average over the ranks (DDP's default hook averages too).
