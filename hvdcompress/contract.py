@@ -14,6 +14,8 @@ of requests -- and is sent back the tuple of their results; it returns the dense
     Alltoall(t, splits)  rank r receives, in rank order, the splits[r]-th piece of every rank
     Flag(t)              an Allreduce of a control value (the non-finite count): not payload,
                          so the byte counts leave it out
+    Hop(level, r)        request r on one level of a two-level topology (the node's ranks or
+                         the cross-node peers), for a transport of two levels
 
 **Context.** ``ExchangeContext`` is what an exchange may know besides its tensor (one class for
 every backend; fields a backend does not use stay at their defaults).
@@ -70,13 +72,28 @@ class Alltoall:
     splits: Tuple[int, ...]  # rows of ``tensor`` for each rank, in rank order
 
 
-Request = Any  # Allreduce | Allgather | Alltoall | Flag
+@dataclass(frozen=True)
+class Hop:
+    """A request on one level of a two-level topology (``hvdcompress.topology``): ``level`` is
+    ``"local"`` (the ranks of this rank's node) or ``"cross"`` (the ranks at this rank's local
+    position on every node); a transport of two levels sends ``request`` on that level's group.
+    Untagged requests go to the whole world."""
+
+    level: str
+    request: Any
+
+    @property
+    def tensor(self) -> Any:
+        return self.request.tensor
+
+
+Request = Any  # Allreduce | Allgather | Alltoall | Flag | Hop
 Exchange = Generator[Tuple[Request, ...], Tuple[Any, ...], Any]
 
 
 def payload_requests(requests: Sequence[Request]) -> List[Request]:
     """The requests of a round that carry payload (every one but ``Flag``)."""
-    return [r for r in requests if not isinstance(r, Flag)]
+    return [r for r in requests if not isinstance(r.request if isinstance(r, Hop) else r, Flag)]
 
 
 # -- transport --------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 
 @dataclass
@@ -25,11 +25,19 @@ class WireStats:
     last_compute_seconds: float = 0.0
     total_compute_seconds: float = 0.0
     density: Optional[float] = None  # the fraction of entries sent in the last step (ratio-based)
+    # two-level exchanges: payload bytes per hop ("local": inside the node, "cross": between nodes)
+    last_hop_bytes: Dict[str, int] = field(default_factory=dict)
+    total_hop_bytes: Dict[str, int] = field(default_factory=dict)
 
     def record(self, bytes_sent: int, dense_bytes: int, compute_seconds: float = 0.0,
-               density: Optional[float] = None) -> None:
-        """One step: payload bytes, dense bytes, seconds spent compressing/decompressing, and the
-        density the compressor used (None when it has none)."""
+               density: Optional[float] = None, hops: Optional[Dict[str, int]] = None) -> None:
+        """One step: payload bytes, dense bytes, seconds spent compressing/decompressing, the
+        density the compressor used (None when it has none) and, for a two-level exchange, the
+        payload bytes per hop (included in ``bytes_sent``)."""
+        if hops is not None:
+            self.last_hop_bytes = {k: int(v) for k, v in hops.items()}
+            for k, v in self.last_hop_bytes.items():
+                self.total_hop_bytes[k] = self.total_hop_bytes.get(k, 0) + v
         self.steps += 1
         self.density = density
         self.last_bytes, self.last_dense_bytes = int(bytes_sent), int(dense_bytes)
@@ -50,4 +58,6 @@ class WireStats:
                 "last_bytes": self.last_bytes, "last_dense_bytes": self.last_dense_bytes,
                 "total_bytes": self.total_bytes, "total_dense_bytes": self.total_dense_bytes,
                 "ratio": self.ratio, "density": self.density,
-                "compute_seconds_per_step": self.total_compute_seconds / self.steps if self.steps else 0.0}
+                "compute_seconds_per_step": self.total_compute_seconds / self.steps if self.steps else 0.0,
+                **({"hop_bytes_per_step": {k: v / self.steps for k, v in self.total_hop_bytes.items()}}
+                   if self.total_hop_bytes and self.steps else {})}

@@ -110,3 +110,35 @@ def check_devices(parameter: str, tensors) -> torch.device:
         raise ValueError(f"{parameter}: every tensor must be on one device (move the model with .to(device) "
                          f"before wrapping it); found {len(found)} devices: {listed}")
     return torch.device(next(iter(found))) if found else torch.device("cpu")
+
+
+def check_topology(topology, transport, default_flat: bool = False):
+    """The ``topology=`` argument of a front end on ``transport`` -> a ``hvdcompress.topology.Topology``
+    (flat: one level). None takes the launcher's (``LOCAL_WORLD_SIZE`` / ``HOROVOD_LOCAL_SIZE``)
+    where a two-level exchange can run (a torch.distributed transport on the whole job), else flat;
+    anything else is explicit and must be runnable. ValueError naming ``topology`` and the accepted
+    forms, raised by every rank alike before any collective."""
+    from hvdcompress.topology import FORMS, Topology, resolve_topology
+    world = transport.size()
+    if topology is None and (default_flat or not transport.included() or not _whole_job(transport)):
+        return Topology(world, world)
+    topo = resolve_topology(topology, world)
+    if topo.flat:
+        return topo
+    from .dist_collectives import TorchDistCommunicator
+    if not isinstance(transport, TorchDistCommunicator):
+        if topology is None:  # the launcher's layout, on a transport without two levels: flat
+            return Topology(world, world)
+        raise ValueError(f"topology={topology!r}: a two-level exchange runs on torch.distributed only "
+                         f"(backend='torch', or the DDP hook), not on {type(transport).__name__} (Horovod); "
+                         f"accepted here: topology='flat' or None. Forms: {FORMS}")
+    return topo
+
+
+def _whole_job(transport) -> bool:
+    """Whether ``transport`` spans the whole job (the launcher's layout describes its ranks)."""
+    group = getattr(transport, "group", None)
+    if group is None:
+        return True
+    import torch.distributed as dist
+    return transport.size() == dist.get_world_size()

@@ -27,6 +27,10 @@ allreduces in its background thread), so the hook batches (``TorchDistCommunicat
   the step in one collective), in the model's parameter order, the same on every rank
   (torch.distributed matches collectives by issue order), and completes the futures DDP waits for.
 
+With ``topology=`` naming more than one node of more than one rank (default: the launcher's
+``LOCAL_WORLD_SIZE``), every exchange is two-level (``torch_ops.twolevel``: dense inside a node,
+the compressor across nodes on each rank's part), through the same session.
+
 A fused collective's layout depends only on the units and the parameter order, not on DDP's
 current buckets, so a resumed run adds in the same order as the run it resumes, on any number of
 ranks. The result is the average over the ranks (DDP's default hook averages too).
@@ -57,7 +61,7 @@ import torch
 
 from hvdcompress.spec import LAYERWISE, resolve
 
-from .arguments import check_devices
+from .arguments import check_devices, check_topology
 from .compressors import TakesMomentum, compressor_class
 from .grouping import Group
 from .session import ExchangeSession, SessionFront, exchange_name
@@ -72,7 +76,7 @@ class CommHookState(SessionFront):
     argument is checked before any collective, on every rank."""
 
     def __init__(self, spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                 process_group=None):
+                 process_group=None, topology=None):
         spec = resolve(spec)  # a bad spec: ValueError here, on every rank
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model: expected the DDP model (a torch.nn.Module); got {type(model).__name__}")
@@ -99,6 +103,10 @@ class CommHookState(SessionFront):
         self.session = ExchangeSession(spec, params, who="hvdcompress.ddp", owner="state")
         self.layerwise = self.compressor.merge == LAYERWISE
         self._group = process_group if process_group is not None else getattr(model, "process_group", None)
+        self._topology = topology  # resolved with the transport (now, when torch.distributed is up)
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            self.transport  # noqa: B018 -- a bad topology: ValueError here, on every rank
         self._layout: Dict[str, Tuple[str, ...]] = {}  # parameter -> the unit it was last exchanged in
         self._order = {name: i for i, name in enumerate(params)}  # the model's parameter order
         self._buckets: List[Tuple[torch.futures.Future, torch.Tensor, List[Any]]] = []  # this backward pass
@@ -117,7 +125,9 @@ class CommHookState(SessionFront):
         """The ``TorchDistCommunicator`` on the process group (made on first use)."""
         if self.session.transport is None:
             from .dist_collectives import TorchDistCommunicator
-            self.session.transport = TorchDistCommunicator(self._group)
+            from .twolevel import two_level_transport
+            comm = TorchDistCommunicator(self._group)
+            self.session.transport = two_level_transport(comm, check_topology(self._topology, comm))
         return self.session.transport
 
     @property
@@ -255,7 +265,7 @@ def hook(state, bucket):  # no annotations: DDP compares them with real types (p
 
 
 def comm_hook(spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-              process_group=None):
+              process_group=None, topology=None):
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     spec: a compression spec (``"topk:ratio=0.01"``, ``hvdcompress.Compression.dgc(...)``); a bad
@@ -267,6 +277,12 @@ def comm_hook(spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
     process_group: default the DDP model's (``ddp_model.process_group``), else the default group
         (``model`` may then be the unwrapped module, and torch.distributed may be initialized
         after this call, before the first backward: as Lightning's ``DDPStrategy`` needs).
+    topology: None (default): the launcher's (torchrun's ``LOCAL_WORLD_SIZE``), flat on a
+        process group smaller than the job; "flat"; "NxL" (N nodes of L ranks) or "L"; a
+        ``hvdcompress.topology.Topology``. More than one node of more than one rank: every
+        exchange is two-level (``torch_ops.twolevel``: dense inside a node, the compressor
+        across nodes). A bad value raises ValueError here when torch.distributed is initialized,
+        else at the first bucket, on every rank.
     """
-    state = CommHookState(spec, model, optimizer, process_group)
+    state = CommHookState(spec, model, optimizer, process_group, topology)
     return state, hook

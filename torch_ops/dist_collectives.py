@@ -386,3 +386,14 @@ class TorchDistCommunicator:
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         """``obj`` of the rank with index ``root`` in the group, on every rank of the group."""
         return self.allgather_object(obj if self.rank() == root else None, name)[root]
+
+
+def new_subgroups(rank_lists: Sequence[Sequence[int]], group=None) -> List[Any]:
+    """One process group per list of ranks (ranks of ``group``, default the whole world), made by
+    ``torch.distributed.new_group`` in list order: every rank of the job calls it with the same
+    lists (new_group's rule). Returns the groups in list order; a group this rank is not in is
+    torch.distributed's non-member marker."""
+    import torch.distributed as dist
+
+    to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    return [dist.new_group([to_global(r) for r in ranks]) for ranks in rank_lists]

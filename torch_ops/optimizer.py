@@ -44,13 +44,14 @@ from hvdcompress.schedule.planner import Plan
 from hvdcompress.spec import CompressionSpec, resolve
 
 from . import checkpoint
-from .arguments import check_arguments, check_devices, parameter_names
+from .arguments import check_arguments, check_devices, check_topology, parameter_names
 from .codec_choice import resolve_codec_choice
 from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
 from .scheduling import DEFAULT_TUNE_STEPS, check_revalidate_every, check_tune_steps
 from .transport import Average, make_transport
+from .twolevel import two_level_transport
 
 
 # Horovod needs it: ``broadcast_optimizer_state`` calls ``step()`` (an exchange, on the ranks without
@@ -243,7 +244,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          process_set=None, driver=None, schedule="auto", cost_model=None,
                          profile_steps: int = 5, delay: int = 0, sync_every: int = 1,
                          tune_steps: int = DEFAULT_TUNE_STEPS, codec_choice=None, backend: str = "horovod",
-                         revalidate_every=None):
+                         revalidate_every=None, topology=None):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -307,6 +308,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             group beside the choice, so the plan kept is never measurably slower than the
             compressor's own plan. ``opt.codec_choice`` says what was resolved.
 
+    Nodes (``torch_ops.twolevel``, docs/two-level.md):
+        topology: None (default): the launcher's (torchrun's ``LOCAL_WORLD_SIZE``) on
+            backend="torch", flat on Horovod; "flat": one level; "NxL": N nodes of L ranks (ranks
+            numbered node by node), or "L"; a ``hvdcompress.topology.Topology``. Where it has
+            more than one node of more than one rank (backend="torch" only), every exchange is
+            two-level: a dense reduce-scatter inside the node, the compressor across nodes on
+            each rank's part, an allgather inside the node.
+
     Training across high-latency links (``torch_ops.delayed`` states the math):
         delay: steps between launching an exchange and applying its result (int >= 0; 0, the
             default, is synchronous). Each step applies its local term at once (the local
@@ -341,6 +350,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                                         sync_every, elastic=elastic_mode())
     check_revalidate_every(revalidate_every, bool(alternatives))
     transport = make_transport(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
+    transport = two_level_transport(transport, check_topology(topology, transport))  # flat: itself
     if transport.included():  # a rank outside the process set exchanges nothing: its optimizer stays as it is
         for group, adapted in zip(optimizer.param_groups, groups):
             group.update(adapted)

@@ -9,7 +9,8 @@ events (autograd hooks, DDP buckets, outer steps) into calls on one ``ExchangeSe
   checkpoint is taken (``state_for`` / ``param_state``): state never depends on the grouping;
 * the step and epoch clock (``step``, ``set_epoch``, ``current_epoch``: warm-ups);
 * starting an exchange (``start``): its context, the compressor's exchange (or a per-group
-  codec's), the non-finite guard (``torch_ops.nonfinite``), its ``PendingExchange`` on the
+  codec's), made two-level when the transport is (``torch_ops.twolevel``: dense inside a node,
+  that exchange across nodes), the non-finite guard (``torch_ops.nonfinite``), its ``PendingExchange`` on the
   transport, named by ``exchange_name`` (names key Horovod's matching of collectives, so they
   are the same on every rank and unique among the exchanges in flight);
 * the exchanges in flight (``pending``, a ``PendingQueue``);
@@ -138,16 +139,23 @@ class ExchangeSession:
         ctx = ExchangeContext(key, step, world, 1.0 / world if scale is None else scale, state, shape,
                               self.current_epoch() if epoch is None else epoch, self.transport.rank(), members,
                               out=out)
-        exchange = (self.compressor.exchange(x, ctx) if codec is None else
-                    fallback_exchange(self.compressor, codec, x, ctx))
+        if codec is None:
+            make = self.compressor.exchange
+        else:
+            def make(t, c):
+                return fallback_exchange(self.compressor, codec, t, c)
+        compose = getattr(self.transport, "compose", None)  # a two-level transport (torch_ops.twolevel)
+        exchange = make(x, ctx) if compose is None else compose(make, x, ctx)
         return PendingExchange(guard(exchange, x, ctx.state), name, self.transport)
 
     def end_step(self, exchanges: Iterable[PendingExchange], dense_bytes: int) -> None:
         """A step is over: its completed exchanges counted in ``stats`` against ``dense_bytes``
         uncompressed, and the clock moved on."""
         exchanges = list(exchanges)
+        hops = getattr(self.transport, "take_hop_bytes", None)
         self.stats.record(sum(ex.bytes_sent for ex in exchanges), dense_bytes,
-                          sum(ex.compute_seconds for ex in exchanges), self.compressor.density(self.current_epoch()))
+                          sum(ex.compute_seconds for ex in exchanges), self.compressor.density(self.current_epoch()),
+                          hops=hops() if hops is not None else None)
         self.step += 1
 
     def drop_in_flight(self) -> None:

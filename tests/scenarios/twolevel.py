@@ -1,0 +1,309 @@
+"""Worker code for tests/test_twolevel.py: two-level exchanges on real torch.distributed (Gloo)
+processes, nodes emulated on one machine with an explicit ``topology="NxL"``.
+
+``launch(world, local_size, names)`` spawns ``world`` processes once and runs the named scenarios
+in each. Every two-level exchange is logged at its outer level (the flat input, the state before,
+the result and the state after, with its context), so the pytest side replays it through the
+numpy oracle ``hvdcompress.reference.twolevel.simulate_two_level``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+# one of each kind: dense, a sparsifier with error feedback, a quantizer, low rank, DGC
+SPECS = ("none", "topk:ratio=0.1", "qsgd:levels=3,bucket=64", "powersgd:rank=2",
+         "dgc:ratio=0.05,min_sparse_numel=64,warmup_epochs=0,clip_norm=5.0")
+STEPS = 3
+SAVE_AT = 2
+BAD = ("3x3", "5", "0", "2x", "ring", 4.5)
+
+
+def _model():
+    import torch
+    import torch.nn as nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4))
+
+
+def _batch(rank, step):
+    import torch
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 12, generator=g)
+    return x, x[:, :4].argmax(1)
+
+
+def _flat(model):
+    import torch
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _identical(model) -> bool:
+    import torch
+    import torch.distributed as dist
+    flat = _flat(model)
+    rows = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, flat)
+    return all(torch.equal(rows[0], r) for r in rows)
+
+
+def _np(t):
+    return t.detach().numpy().copy()
+
+
+class Recorder:
+    """Wraps ``TwoLevelTransport.compose`` to log every two-level exchange at its outer level."""
+
+    def __init__(self):
+        from torch_ops.twolevel import TwoLevelTransport
+        self.log, self.tag = [], None
+        self._cls, self._orig = TwoLevelTransport, TwoLevelTransport.compose
+        rec, orig = self, self._orig
+
+        def compose(transport, make, x, ctx):
+            xin = _np(x.reshape(-1))
+            before = {k: _np(v) for k, v in ctx.state.items()}
+            result = yield from orig(transport, make, x, ctx)
+            if rec.tag is not None:
+                rec.log.append({"tag": rec.tag, "spec": str(make.__self__.spec), "key": ctx.key, "step": ctx.step, "shape": tuple(ctx.shape),
+                                "members": tuple(ctx.members), "scale": ctx.scale, "epoch": ctx.epoch, "x": xin,
+                                "before": before, "result": _np(result),
+                                "after": {k: _np(v) for k, v in ctx.state.items()}})
+            return result
+
+        TwoLevelTransport.compose = compose
+
+    def restore(self):
+        self._cls.compose = self._orig
+
+
+def _hook_run(spec, topology, steps, first=0, saved=None, rec=None, tag=None):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import hvdcompress.ddp as hddp
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    state, hook = hddp.comm_hook(spec, model=ddp, optimizer=opt, topology=topology)
+    ddp.register_comm_hook(state, hook)
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(saved["hook"])
+    identical, checkpoint = [], None
+    for step in range(first, first + steps):
+        rec.tag = tag
+        opt.zero_grad()
+        x, y = _batch(dist.get_rank(), step)
+        nn.CrossEntropyLoss()(ddp(x), y).backward()
+        opt.step()
+        rec.tag = None
+        identical.append(_identical(model))
+        if step + 1 == SAVE_AT and saved is None:
+            checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                          "hook": copy.deepcopy(state.state_dict())}
+    return model, state, identical, checkpoint
+
+
+def _opt_run(spec, topology, steps, first=0, saved=None, rec=None, tag=None):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    from hvdcompress.spec import LAYERWISE, resolve
+    model = _model()
+    schedule = "layerwise" if resolve(spec).info.merge == LAYERWISE else "single"
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
+                                   named_parameters=model.named_parameters(), compression=spec,
+                                   schedule=schedule, backend="torch", topology=topology)
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    identical, checkpoint = [], None
+    for step in range(first, first + steps):
+        rec.tag = tag
+        opt.zero_grad()
+        x, y = _batch(dist.get_rank(), step)
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        rec.tag = None
+        identical.append(_identical(model))
+        if step + 1 == SAVE_AT and saved is None:
+            checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    return model, opt, identical, checkpoint
+
+
+def every_spec(rec, topology) -> dict:
+    """Each spec through the DDP hook and the optimizer, two-level: identical parameters every step,
+    the exchanges logged for the oracle, a checkpoint after SAVE_AT steps resumed exactly, and the
+    bytes per hop."""
+    import torch
+    out = {}
+    for spec in SPECS:
+        for path, run in (("hook", _hook_run), ("opt", _opt_run)):
+            model, obj, identical, ckpt = run(spec, topology, STEPS, rec=rec, tag=(path, spec))
+            resumed, obj2, ident2, _ = run(spec, topology, STEPS - SAVE_AT, first=SAVE_AT, saved=ckpt, rec=rec,
+                                           tag=(path + "-resumed", spec))
+            out[(path, spec)] = {"identical": identical + ident2,
+                                 "resumed_equal": bool(torch.equal(_flat(model), _flat(resumed))),
+                                 "moved": float((_flat(model) - _flat(_model())).abs().max()),
+                                 "hops": dict(obj.stats.total_hop_bytes), "bytes": obj.stats.total_bytes,
+                                 "two_level": type(obj.session.transport).__name__ if path == "hook" else
+                                 type(obj.engine.transport).__name__}
+    return out
+
+
+def bad_topology(rec, topology) -> dict:
+    """Every bad ``topology=`` is a ValueError on every rank, before any collective (the world's
+    next collective still lines up), from both front ends."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import hvdcompress.ddp as hddp
+    import hvdcompress.torch as hvc
+    out = {}
+    for bad in BAD:
+        for path in ("opt", "hook"):
+            model = _model()
+            try:
+                if path == "opt":
+                    hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters(), compression="topk:ratio=0.1",
+                                             backend="torch", topology=bad)
+                else:
+                    hddp.comm_hook("topk:ratio=0.1", model=nn.parallel.DistributedDataParallel(model),
+                                   topology=bad)
+                out[(path, str(bad))] = "accepted"
+            except ValueError as e:
+                out[(path, str(bad))] = str(e)
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    out["after"] = float(t)
+    return out
+
+
+def nonfinite(rec, topology) -> dict:
+    """A NaN in one rank's gradient: NaN in every rank's exchanged gradient, no NaN left in any
+    rank's cross-hop state, and the next step finite and identical again."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    model = _model()
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression="topk:ratio=0.1",
+                                   schedule="single", backend="torch", topology=topology)
+    out = {}
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch(dist.get_rank(), step)
+        if step == 1 and dist.get_rank() == dist.get_world_size() - 1:
+            x[0, 0] = float("nan")  # the gradients are exchanged as backward makes them
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.synchronize()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        state = opt.engine.session.param_state()
+        out[step] = {"all_nan": bool(torch.isnan(grads).all()), "finite": bool(torch.isfinite(grads).all()),
+                     "state_finite": all(bool(torch.isfinite(t).all()) for st in state.values() for t in st.values()),
+                     "state_keys": sorted({k for st in state.values() for k in st})}
+        if step == 1:
+            opt.zero_grad()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            with opt.skip_synchronize():
+                opt.step()
+        out[step]["identical"] = _identical(model)
+    return out
+
+
+def launcher_default(rec, topology) -> dict:
+    """topology=None follows LOCAL_WORLD_SIZE (torchrun's); "flat" opts out."""
+    import torch
+    import hvdcompress.torch as hvc
+    out = {}
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = topology.split("x")[1]
+    try:
+        for arg in (None, "flat"):
+            model = _model()
+            opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), compression="topk:ratio=0.1",
+                                           backend="torch", topology=arg)
+            out[str(arg)] = type(opt.engine.transport).__name__
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE")
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    return out
+
+
+def _worker(rank, world, port, topology, names, out_dir):
+    sys.modules["horovod"] = None
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    import warnings
+    warnings.simplefilter("ignore")
+    rec = Recorder()
+    out = {"seconds": {}}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            out[name] = globals()[name](rec, topology)
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    rec.restore()
+    out["log"] = rec.log
+    dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, topology: str, names) -> list:
+    """One spawn of ``world`` Gloo processes running ``names`` with ``topology``; every rank's results."""
+    import torch.multiprocessing as mp
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(tests)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([tests, root] + ([saved] if saved else []))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    saved_cache = os.environ.get("HVDCOMPRESS_CACHE")
+    try:
+        with tempfile.TemporaryDirectory(prefix="hvc-twolevel-") as out_dir:
+            os.environ["HVDCOMPRESS_CACHE"] = os.path.join(out_dir, "cache")
+            mp.start_processes(_worker, args=(world, _free_port(), topology, list(names), out_dir), nprocs=world,
+                               start_method="spawn")
+            results = []
+            for r in range(world):
+                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                    results.append(pickle.load(f))
+            return results
+    finally:
+        if saved_cache is None:
+            os.environ.pop("HVDCOMPRESS_CACHE", None)
+        else:
+            os.environ["HVDCOMPRESS_CACHE"] = saved_cache
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved

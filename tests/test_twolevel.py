@@ -1,0 +1,213 @@
+"""Two-level exchanges (dense inside a node, the spec across nodes): the pure layout
+(``hvdcompress.topology``), the numpy oracle (``hvdcompress.reference.twolevel``), and real Gloo
+processes (tests/scenarios/twolevel.py: one spawn per world size, nodes emulated with
+``topology="NxL"``) through the DDP hook and ``DistributedOptimizer(backend="torch")``: every
+exchange equal to the oracle's replay, replicas identical after every step, checkpoints resumed
+exactly, bad topologies refused on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from hvdcompress import parse_spec
+from hvdcompress.contract import Member
+from hvdcompress.reference import simulate
+from hvdcompress.reference.twolevel import simulate_two_level
+from hvdcompress.topology import Topology, resolve_topology, split_layout
+
+
+# -- the layout, pure -----------------------------------------------------------------------------
+
+def test_resolve_topology_forms():
+    assert resolve_topology("2x2", 4) == Topology(4, 2)
+    assert resolve_topology("3", 6) == Topology(6, 3)
+    assert resolve_topology("flat", 4).flat and resolve_topology(None, 4, {}).flat
+    assert resolve_topology(None, 6, {"LOCAL_WORLD_SIZE": "2"}) == Topology(6, 2)
+    assert resolve_topology(None, 6, {"LOCAL_WORLD_SIZE": "4"}).flat  # not whole nodes of this world: flat
+    assert resolve_topology(Topology(4, 2), 4) == Topology(4, 2)
+    for bad in ("3x3", "5", "0", "2x", "ring", 4.5, Topology(6, 2), True):
+        with pytest.raises(ValueError, match="topology") as e:
+            resolve_topology(bad, 4)
+        assert "'NxL'" in str(e.value)
+
+
+def test_split_layout_rows_of_one_matrix_and_pieces_of_a_group():
+    parts = split_layout(24 * 12, (24, 12), (), 2)
+    assert [(p.start, p.stop, p.shape) for p in parts] == [(0, 144, (12, 12)), (144, 288, (12, 12))]
+    members = (Member("a", (3, 4), 0), Member("b", (4,), 12), Member("c", (2, 3), 16))
+    parts = split_layout(22, (1, 22), members, 3)
+    assert [(p.start, p.stop) for p in parts] == [(0, 8), (8, 15), (15, 22)]
+    assert parts[0].members == (Member("a", (2, 4), 0),)  # whole rows
+    assert parts[1].members == (Member("a", (1, 4), 0), Member("b", (3,), 4)) and parts[1].shape == (1, 7)
+    assert parts[2].members == (Member("b", (1,), 0), Member("c", (2, 3), 1))
+    assert [p.numel for p in split_layout(3, (3,), (), 4)] == [1, 1, 1, 0]
+
+
+class _Elsewhere:
+    """A transport of 4 ranks that is not torch.distributed's (Horovod's stands here)."""
+
+    def size(self):
+        return 4
+
+    def included(self):
+        return True
+
+
+def test_check_topology_off_torch_distributed(monkeypatch):
+    """On Horovod an explicit two-level topology is refused, the launcher's is ignored (flat)."""
+    from torch_ops.arguments import check_topology
+    with pytest.raises(ValueError, match="topology='2x2': a two-level exchange runs on torch.distributed only"):
+        check_topology("2x2", _Elsewhere())
+    assert check_topology("flat", _Elsewhere()).flat and check_topology("4", _Elsewhere()).flat
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert check_topology(None, _Elsewhere()).flat
+    with pytest.raises(ValueError, match="accepted"):
+        check_topology("3x3", _Elsewhere())
+
+
+# -- the oracle -----------------------------------------------------------------------------------
+
+def _grads(world, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(world)]
+
+
+@pytest.mark.parametrize("topo", [Topology(4, 2), Topology(6, 2), Topology(6, 3)], ids=str)
+def test_oracle_dense_is_the_mean(topo):
+    g = _grads(topo.world, (6, 5))
+    out, _, sent = simulate_two_level("none", g, topo, key="w", shape=(6, 5))
+    assert np.allclose(out, np.mean(g, axis=0).reshape(-1), rtol=1e-6, atol=1e-6)
+    assert sum(sent["cross"]) == 30 * 4 * topo.nodes  # each node sends its parts once across
+
+
+def test_oracle_cross_exchange_is_the_spec_on_node_sums():
+    """Part l of the result is the flat oracle of the spec over the node sums of part l, its state
+    lands at part l of the flat layout on local rank l only."""
+    topo, spec = Topology(4, 2), parse_spec("topk:ratio=0.2")
+    g = _grads(4, (30,), seed=3)
+    states = [{} for _ in range(4)]
+    out, states, _ = simulate_two_level(spec, g, topo, states, key="k", step=1, shape=(30,))
+    for lr, (a, b) in enumerate([(0, 15), (15, 30)]):
+        sums = [g[n * 2][a:b] + g[n * 2 + 1][a:b] for n in range(2)]
+        want, inner, _ = simulate(spec, sums, None, "k", 1, 0.25, shape=(b - a,), members=(Member("k", (b - a,), 0),))
+        assert np.array_equal(out[a:b], want)
+        for n in range(2):
+            res = states[n * 2 + lr]["residual"]
+            assert res.shape == (30,) and np.array_equal(res[a:b], inner[n]["residual"])
+            assert not res[:a].any() and not res[b:].any()
+
+
+# -- real processes -------------------------------------------------------------------------------
+
+from scenarios.twolevel import BAD, SPECS, launch  # noqa: E402
+
+NAMES = ["every_spec", "nonfinite", "bad_topology", "launcher_default"]
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    return launch(4, "2x2", NAMES)
+
+
+@pytest.fixture(scope="module")
+def three_by_two():
+    return launch(6, "3x2", NAMES)
+
+
+@pytest.fixture(params=["2x2", "3x2"])
+def world(request):
+    return request.getfixturevalue({"2x2": "two_by_two", "3x2": "three_by_two"}[request.param]), request.param
+
+
+def part(results, name):
+    for r in results:
+        assert not (isinstance(r[name], dict) and "error" in r[name]), r[name]["error"]
+    return [r[name] for r in results]
+
+
+def _tolerance(spec, nodes):
+    if spec.name == "powersgd":
+        return 1e-4, 1e-4  # torch's and numpy's matmuls, amplified by Gram-Schmidt
+    if nodes > 2 and spec.name in ("none", "powersgd", "dgc"):  # Gloo's ring adds 3 ranks in its own order
+        return 1e-5, 1e-6
+    return 0.0, 0.0
+
+
+def _same(got, want, tol) -> bool:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if tol == (0.0, 0.0):
+        return np.array_equal(got, want, equal_nan=True)
+    scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+    return np.allclose(got, want, rtol=tol[0], atol=tol[1] * scale, equal_nan=True)
+
+
+@pytest.mark.multiprocess
+def test_replicas_identical_and_resumed_exactly(world):
+    results, layout = world
+    for got in part(results, "every_spec"):
+        assert set(got) == {(path, spec) for spec in SPECS for path in ("hook", "opt")}
+        for key, run in got.items():
+            assert all(run["identical"]) and run["resumed_equal"] and run["moved"] > 0, key
+            assert run["two_level"] == "TwoLevelTransport", key
+            assert run["hops"]["local"] > 0 and run["hops"]["cross"] > 0, key
+            assert run["bytes"] == run["hops"]["local"] + run["hops"]["cross"], key
+            if not key[1].startswith(("none", "powersgd")):
+                assert run["hops"]["cross"] * 4 < run["hops"]["local"], key  # compressed across, dense inside
+
+
+@pytest.mark.multiprocess
+def test_every_exchange_equals_the_two_level_oracle(world):
+    results, layout = world
+    topo = resolve_topology(layout, len(results))
+    logs = [r["log"] for r in results]
+    assert len({len(log) for log in logs}) == 1 and logs[0]
+    seen = set()
+    for entries in zip(*logs):
+        e0 = entries[0]
+        assert all((e["tag"], e["key"], e["step"]) == (e0["tag"], e0["key"], e0["step"]) for e in entries)
+        spec = parse_spec(e0["spec"])
+        states = [copy.deepcopy(e["before"]) for e in entries]
+        want, after, _ = simulate_two_level(spec, [e["x"] for e in entries], topo, states, key=e0["key"],
+                                            step=e0["step"], scale=e0["scale"], shape=e0["shape"],
+                                            epoch=e0["epoch"], members=e0["members"])
+        tol = _tolerance(spec, topo.nodes)
+        for r, e in enumerate(entries):
+            where = (e0["tag"], e0["key"], e0["step"], r)
+            assert np.array_equal(e["result"], e0["result"], equal_nan=True), where
+            assert _same(e["result"], want, tol), where
+            assert sorted(e["after"]) == sorted(after[r]), where
+            for k, v in after[r].items():
+                assert _same(e["after"][k], v, tol), (where, k)
+        seen.add(e0["tag"])
+    assert {t for t in seen if not t[0].endswith("resumed")} == {(p, s) for s in SPECS for p in ("hook", "opt")}
+
+
+@pytest.mark.multiprocess
+def test_bad_topology_refused_on_every_rank_before_any_collective(world):
+    results, _ = world
+    for got in part(results, "bad_topology"):
+        assert got["after"] == float(len(results))  # the next collective still lines up
+        for bad in BAD:
+            for path in ("opt", "hook"):
+                msg = got[(path, str(bad))]
+                assert msg.startswith("topology") and "'NxL'" in msg and "'flat'" in msg, (path, bad, msg)
+
+
+@pytest.mark.multiprocess
+def test_launcher_default_and_flat_opt_out(world):
+    results, _ = world
+    for got in part(results, "launcher_default"):
+        assert got == {"None": "TwoLevelTransport", "flat": "TorchDistCommunicator"}
+
+
+@pytest.mark.multiprocess
+def test_a_non_finite_gradient_on_one_rank_is_nan_on_every_rank(world):
+    results, _ = world
+    for got in part(results, "nonfinite"):
+        assert got[0]["finite"] and got[2]["finite"] and got[1]["all_nan"], got
+        assert all(got[s]["state_finite"] and got[s]["identical"] for s in range(3)), got
+        assert got[2]["state_keys"] == ["residual"]
