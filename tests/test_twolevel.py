@@ -17,7 +17,8 @@ from hvdcompress import parse_spec
 from hvdcompress.contract import Member
 from hvdcompress.reference import simulate
 from hvdcompress.reference.twolevel import simulate_two_level
-from hvdcompress.topology import Topology, resolve_topology, split_layout
+from hvdcompress.schedule.groups import split_layout
+from hvdcompress.topology import Topology, resolve_topology
 
 
 # -- the layout, pure -----------------------------------------------------------------------------

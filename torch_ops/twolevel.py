@@ -3,7 +3,7 @@
 A node's ranks share fast links (NVLink, PCIe, shared memory), nodes share slow ones. Given a
 ``hvdcompress.topology.Topology`` of N nodes of L ranks, one exchange of a flat tensor x is
 
-1. a dense reduce-scatter inside the node: x is cut into L parts (``topology.split_layout``), every
+1. a dense reduce-scatter inside the node: x is cut into L parts (``schedule.groups.split_layout``), every
    rank sends part j to local rank j (one ``Alltoall`` on the node's group) and sums the L pieces it
    receives in local rank order, so local rank l holds its node's sum of part l;
 2. the spec's own exchange generator, unchanged, on that part, over the ranks at local position l
@@ -38,7 +38,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 
 from hvdcompress.contract import Allgather, Alltoall, ExchangeContext, Flag, Hop, payload_requests
-from hvdcompress.topology import Part, Topology, split_layout
+from hvdcompress.schedule.groups import Part, split_layout
+from hvdcompress.topology import Topology
 
 LOCAL, CROSS, WORLD = "local", "cross", "world"
 LEVELS = (WORLD, LOCAL, CROSS)

@@ -4,7 +4,7 @@ P ranks as N nodes of L ranks (``hvdcompress.topology.Topology``; node ``n`` hol
 ``n*L .. n*L+L-1``). One exchange of a flat tensor of ``numel`` elements:
 
 1. **Reduce-scatter inside each node** (dense, exact): the tensor is cut into L contiguous parts
-   (``topology.split_layout``: ``slices(numel, L)``, or blocks of whole rows for one matrix), and
+   (``schedule.groups.split_layout``: ``slices(numel, L)``, or blocks of whole rows for one matrix), and
    local rank l ends with its node's sum of part l, added in local rank order
    ``((g_0 + g_1) + g_2) ...`` in float32.
 2. **The spec's exchange across nodes**: local rank l of every node runs the spec's unchanged
@@ -37,7 +37,8 @@ import numpy as np
 
 from ..contract import Member
 from ..spec import resolve
-from ..topology import Part, Topology, split_layout
+from ..schedule.groups import Part, split_layout
+from ..topology import Topology
 from .oracle import simulate
 
 State = Dict[str, np.ndarray]

@@ -9,7 +9,10 @@ holding a weight matrix is treated as a matrix, its biases included.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
+
+from ..contract import Member
+from ..topology import slices
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -108,3 +111,65 @@ def process_set_size(process_set, timeout_s: float = 30.0) -> int:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+# --- the parts of a two-level exchange ---------------------------------------------------------
+shape_numel = numel  # split_layout's argument ``numel`` shadows the function
+
+@dataclass(frozen=True)
+class Part:
+    """One local rank's part of a flat tensor in a two-level exchange: ``x[start:stop]``, what the
+    compressor is told its shape is, and the members (pieces of the tensor's members) it holds,
+    offsets relative to ``start``."""
+
+    start: int
+    stop: int
+    shape: Tuple[int, ...]
+    members: Tuple[Member, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def _piece(m: Member, start: int, stop: int) -> Optional[Member]:
+    """The part of member ``m`` inside ``[start, stop)`` of the flat tensor (offset relative to
+    ``start``): the member's shape when whole; its rows when cut between rows; else ``(1, n)`` for a
+    piece of a matrix (still a matrix to a shape rule such as DGC's dense 1-D tensors) and ``(n,)``
+    for a piece of a vector."""
+    lo, hi = max(start, m.offset), min(stop, m.offset + m.numel)
+    if hi <= lo:
+        return None
+    n = hi - lo
+    if n == m.numel:
+        shape = tuple(m.shape)
+    elif len(m.shape) >= 2:
+        row = shape_numel(m.shape[1:])
+        aligned = (lo - m.offset) % row == 0 and n % row == 0
+        shape = (n // row,) + tuple(m.shape[1:]) if aligned else (1, n)
+    else:
+        shape = (n,)
+    return Member(m.name, shape, lo - start)
+
+
+def split_layout(numel: int, shape: Tuple[int, ...], members: Tuple[Member, ...], parts: int) -> Tuple[Part, ...]:
+    """The ``parts`` contiguous parts of a flat tensor of ``numel`` elements (told ``shape``, holding
+    ``members``; one member of ``shape`` when empty) that the local ranks of a node own in a
+    two-level exchange, in local rank order. A tensor of one member with 2+ dimensions and at
+    least ``parts`` rows is cut between rows (``slices`` of its rows: each part a block of whole
+    rows, so a low-rank compressor still sees a matrix); anything else by ``slices(numel, parts)``.
+    Each part's shape follows the merged-group rule (``merged_shape``) over its
+    pieces. The same on every rank: a function of sizes only."""
+    shape = tuple(int(d) for d in shape) or (numel,)
+    members = tuple(members) or (Member("", shape, 0),)
+    if len(members) == 1 and len(members[0].shape) >= 2 and members[0].shape[0] >= parts:
+        row = shape_numel(members[0].shape[1:])
+        bounds = tuple((a * row, b * row) for a, b in slices(int(members[0].shape[0]), parts))
+    else:
+        bounds = slices(numel, parts)
+    out = []
+    for start, stop in bounds:
+        pieces = tuple(p for p in (_piece(m, start, stop) for m in members) if p is not None)
+        part_shape = merged_shape([p.shape for p in pieces]) if pieces else (0,)
+        out.append(Part(start, stop, part_shape, pieces))
+    return tuple(out)
