@@ -41,7 +41,7 @@ def count_nonfinite(x: torch.Tensor) -> int:
 
 def guard(gen, x: torch.Tensor, state: Dict[str, torch.Tensor]):
     """Wrap an exchange generator (see the module doc); same results when every rank is finite."""
-    bad = torch.tensor([float(count_nonfinite(x))], dtype=torch.float32)
+    bad = torch.tensor([float(count_nonfinite(x))], dtype=torch.float32, device=x.device)  # NCCL carries CUDA only
     try:
         first = next(gen)
     except StopIteration as stop:  # an exchange without collectives (nothing to guard)
