@@ -37,6 +37,7 @@ from .collectives import PendingExchange, PendingQueue
 from .compressors import ExchangeContext, build_compressor
 from .grouping import join_state, split_state
 from .nonfinite import guard
+from .streams import SideStreams
 
 State = Dict[str, torch.Tensor]
 
@@ -65,6 +66,7 @@ class ExchangeSession:
         self.epoch_set = False  # set_epoch() called: warm-ups follow it, else count steps
         self.stats = WireStats()
         self.pending = PendingQueue()
+        self.streams = SideStreams()  # CUDA exchanges run on a side stream (torch_ops.streams)
         self._who, self._owner = who, owner
         self._warned_epoch = False
         self._groups: Dict[Tuple[str, ...], State] = {}  # state of the groups in use, in their layout
@@ -140,7 +142,8 @@ class ExchangeSession:
                               out=out)
         exchange = (self.compressor.exchange(x, ctx) if codec is None else
                     fallback_exchange(self.compressor, codec, x, ctx))
-        return PendingExchange(guard(exchange, x, ctx.state), name, self.transport)
+        gen, transport = self.streams.route(guard(exchange, x, ctx.state), x, self.transport)
+        return PendingExchange(gen, name, transport)
 
     def end_step(self, exchanges: Iterable[PendingExchange], dense_bytes: int) -> None:
         """A step is over: its completed exchanges counted in ``stats`` against ``dense_bytes``
