@@ -39,10 +39,13 @@ step() {  # step NAME SECONDS COMMAND...: run it with a timeout, log its output 
 } 2>&1 | tee -a "$LOG"
 
 # 1. the CUDA correctness tests (the suite's tests that need a GPU skip elsewhere; Horovod and
-#    TensorFlow are absent there, so only the modules that need neither are collected)
-CUDA_TESTS=(tests/test_devices.py tests/test_timers.py tests/test_light_install.py tests/test_install_plan.py)
+#    TensorFlow are absent there, so only the modules that need neither are collected): devices,
+#    timers, install plan, the side stream (same results, compute stream not held), CPU tensors on
+#    NCCL, the Triton kernels under the machine's Triton interpreter
+CUDA_TESTS=(tests/test_devices.py tests/test_timers.py tests/test_light_install.py tests/test_install_plan.py
+            tests/test_streams.py tests/test_dist_devices.py tests/test_kernel_loops.py)
 for f in tests/test_*cuda*.py tests/test_*triton*.py tests/test_*fused*.py; do [ -e "$f" ] && CUDA_TESTS+=("$f"); done
-step pytest 90 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
+step pytest 150 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
 
 # 2. every compressor on CUDA against the oracle, then timed (10M and 25M entries)
 step cuda_check 150 "$PY" benchmarks/cuda_check.py --sizes 1e7 2.5e7 --repeats 5 --json "$OUT/cuda_check.json"
