@@ -82,3 +82,13 @@ def test_cpu_tensors_on_nccl(groups):
     comm = TorchDistCommunicator(groups)
     assert comm.device().type == "cuda"
     _check(comm)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_the_nonfinite_flag_counts_on_the_tensors_device(device):
+    from torch_ops.nonfinite import count_nonfinite, nonfinite_flag
+    for values in ([1.0, 2.0], [float("nan"), 1.0, float("inf"), -float("inf")], [], [3e38, 3e38]):
+        x = torch.tensor(values, dtype=torch.float32, device=device)
+        flag = nonfinite_flag(x)
+        assert flag.device == x.device and flag.dtype == torch.float32 and flag.shape == (1,)
+        assert float(flag[0]) == count_nonfinite(x.cpu())
