@@ -43,7 +43,7 @@ from torch_ops import gpu  # noqa: E402
 
 SPECS = ["none", "fp16", "bf16", "topk:ratio=0.001", "randomk:ratio=0.001", "threshold:threshold=1.0",
          "dgc:ratio=0.001", "signsgd", "efsignsgd", "onebit", "terngrad", "qsgd:levels=127,bucket=512",
-         "qsgd", "sketch:ratio=0.001", "powersgd:rank=4"]
+         "qsgd", "sketch:ratio=0.001", "powersgd:rank=4", "sparseloco:ratio=0.001"]
 KEY = "check.w"
 BRANCHES = ("triton", "torch")
 

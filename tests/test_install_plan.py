@@ -85,9 +85,27 @@ def test_the_script_on_this_machine(tmp_path):
     assert run.returncode == 0, run.stderr
     keys = dict(line.split("=", 1) for line in run.stdout.splitlines() if not line.startswith("NOTE="))
     assert set(keys) == {"TORCH_ACTION", "TORCH_PIN", "TORCH_CUDA", "WITH_NCCL", "WITH_TF", "WHEEL_DIR"}
+    import importlib.metadata as md
     import torch
-    assert keys["TORCH_ACTION"] == "keep" and keys["TORCH_PIN"] == torch.__version__
-    assert f"torch=={torch.__version__}" in out.read_text().splitlines()
+    from packaging.specifiers import SpecifierSet
+    # the pin is the installed distribution's version, the one pip compares: a CUDA wheel from PyPI
+    # is "2.11.0" there while torch.__version__ says "2.11.0+cu130"
+    assert keys["TORCH_ACTION"] == "keep" and keys["TORCH_PIN"] == md.version("torch")
+    assert f"torch=={md.version('torch')}" in out.read_text().splitlines()
+    assert torch.__version__ in SpecifierSet(f"=={keys['TORCH_PIN']}")  # the torch that imports is the one pinned
+
+
+def test_a_pypi_cuda_wheel_is_pinned_as_pip_sees_it():
+    """PyPI's CUDA torch reports "2.11.0" as its distribution's version and "2.11.0+cu130" as
+    torch.__version__. pip checks an installed distribution against a constraint by the former:
+    "torch==2.11.0" keeps that torch (a public-version pin matches any local build of it), whereas
+    "torch==2.11.0+cu130" would not match the installed "2.11.0" and pip would look for another torch."""
+    from packaging.specifiers import SpecifierSet
+    p = ip.plan(ip.Facts("2.11.0", "13.0", "/usr/local/cuda/bin/nvcc", PINNED, False))
+    assert (p.torch_action, p.torch_pin, p.nccl) == ("keep", "2.11.0", True)
+    assert "torch==2.11.0" in ip.constraints_for(CONSTRAINTS, p).splitlines()
+    assert "2.11.0" in SpecifierSet("==2.11.0") and "2.11.0+cu130" in SpecifierSet("==2.11.0")
+    assert "2.11.0" not in SpecifierSet("==2.11.0+cu130")
 
 
 def test_tf_keras_comes_without_its_dependencies():

@@ -175,7 +175,7 @@ class CommHookState(SessionFront):
         buf = bucket.buffer()
         members = self.members(bucket)
         where = {n: (shape, offset) for n, shape, offset in members}
-        session, transport = self.session, self.transport
+        session, transport = self.session, self.session.streams.transport(self.transport, buf.device)
         step, epoch = session.step, self.epoch
         parts = []
         with torch.no_grad():

@@ -46,7 +46,8 @@ entry falls in the ring's chunks, so on the fusion too), allgather concatenates 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import dataclasses
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,11 +76,22 @@ def _gather_single(dist, out: torch.Tensor, inp: torch.Tensor, group):
     return fn(out, inp, group=group, async_op=True)
 
 
+def carried_device_types(backend: str) -> Optional[FrozenSet[str]]:
+    """The device types a process group's backend moves tensors of, from its name as
+    ``torch.distributed.get_backend`` gives it: NCCL CUDA only, Gloo both, a per-device map
+    (``"cpu:gloo,cuda:nccl"``) its keys; None where unknown (every tensor is passed as it is)."""
+    backend = backend.lower()
+    if ":" in backend:
+        return frozenset(part.split(":", 1)[0].strip() for part in backend.split(",") if ":" in part)
+    return {"nccl": frozenset({"cuda"}), "gloo": frozenset({"cpu", "cuda"}),
+            "mpi": frozenset({"cpu", "cuda"})}.get(backend)
+
+
 class _Op:
     """One request in flight: its data collective (``work``) and how to read its result."""
 
     __slots__ = ("kind", "tensor", "work", "out", "rows", "rest", "sizes", "column", "splits", "recv_splits", "trimmed",
-                 "cast", "summed", "wire", "pending", "fused", "gather")
+                 "cast", "summed", "wire", "pending", "fused", "gather", "home")
 
     def __init__(self, kind: str, tensor: torch.Tensor):
         self.kind, self.tensor = kind, tensor
@@ -98,6 +110,7 @@ class _Op:
         self.pending = False  # launched in a batch not issued yet
         self.fused: Optional[Tuple[torch.Tensor, int]] = None  # allreduce: (flat buffer, offset) when fused
         self.gather: Optional[SummedGather] = None  # allreduce that carries a same-shape gather of two ranks
+        self.home = None  # staged: (the request's own tensor, an allreduce's) when its device is one the group cannot carry
 
 
 # Allreduces launched in one batch (``TorchDistCommunicator.batch``) are fused when each is at most
@@ -154,6 +167,7 @@ class TorchDistCommunicator:
         self._deferred: List[_Op] = []  # gathers / alltoalls whose data stage waits for their sizes
         self._batched: List[_Op] = []  # allreduces / gathers launched in the open batch, not issued yet
         self._depth = 0  # nesting of ``batch()``
+        self._carried = carried_device_types(str(dist.get_backend(group)))
         # collectives issued on the group so far, by kind ("all_reduce", "all_gather", "all_to_all",
         # "barrier"): what tests and benchmarks count per step
         self.collectives: Dict[str, int] = {"all_reduce": 0, "all_gather": 0, "all_to_all": 0, "barrier": 0}
@@ -174,11 +188,21 @@ class TorchDistCommunicator:
     def versions(self) -> Dict[str, str]:
         return {"torch.distributed": str(self._dist.get_backend(self.group)), "torch": torch.__version__}
 
-    def _object_device(self) -> torch.device:
-        """Where object collectives' byte tensors live: NCCL only moves CUDA tensors."""
-        if str(self._dist.get_backend(self.group)) == "nccl":
+    def device(self) -> torch.device:
+        """Where tensors made for this group's collectives belong when no gradient says otherwise
+        (object collectives, control values): the current CUDA device where the backend moves
+        CUDA tensors only (NCCL), else the CPU."""
+        if self._carried is not None and "cpu" not in self._carried and "cuda" in self._carried:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def _staged(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """A copy of ``t`` on ``device()`` when the backend cannot move tensors of ``t``'s device
+        type (a CPU tensor on NCCL: the profiler's and the scheduler's timing tensors), else None.
+        The library makes an exchange's tensors on its gradients' device, so they never pay this."""
+        if self._carried is None or t.device.type in self._carried:
+            return None
+        return t.to(self.device(), copy=True)
 
     # -- async requests (the exchanges) -------------------------------------------------------------
     def launch(self, requests: Sequence[Request], name: str) -> List[_Op]:
@@ -189,6 +213,10 @@ class TorchDistCommunicator:
         ops: List[_Op] = []
         with self.batch():
             for req in requests:
+                home = None
+                staged = self._staged(req.tensor) if torch.is_tensor(req.tensor) else None
+                if staged is not None:
+                    home, req = req.tensor, dataclasses.replace(req, tensor=staged)
                 if isinstance(req, Allreduce):  # Flag included
                     op = _Op("allreduce", req.tensor)
                     wire = req.tensor
@@ -230,6 +258,7 @@ class TorchDistCommunicator:
                     self._deferred.append(op)
                 else:
                     raise TypeError(f"exchange yielded {req!r}; expected Allreduce, Allgather or Alltoall requests")
+                op.home = None if home is None else (home, isinstance(req, Allreduce))
                 ops.append(op)
         return ops
 
@@ -350,6 +379,11 @@ class TorchDistCommunicator:
             if op.cast is not None:
                 dtype, rest = op.cast
                 op.out, op.cast = op.out.view(dtype).reshape((-1,) + rest), None
+            if op.home is not None:  # staged: back where the request's tensor lives
+                home, in_place = op.home
+                # an allreduce's result is its request's tensor
+                op.out = home.copy_(op.out) if in_place else op.out.to(home.device)
+                op.home = None
             out.append(op.out)
         return tuple(out)
 
@@ -361,7 +395,10 @@ class TorchDistCommunicator:
     # -- blocking collectives (scheduler, profiler) ------------------------------------------------
     def allreduce_(self, t: torch.Tensor, name: str, average: bool = False) -> torch.Tensor:
         self._flush()
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self.group)
+        staged = self._staged(t)
+        self._dist.all_reduce(t if staged is None else staged, op=self._dist.ReduceOp.SUM, group=self.group)
+        if staged is not None:
+            t.copy_(staged)
         self._count("all_reduce")
         if average:
             if t.is_floating_point() or t.is_complex():
@@ -380,7 +417,7 @@ class TorchDistCommunicator:
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj``, in rank order (pickled bytes, gathered with their sizes)."""
-        (op,) = self.launch((Allgather(pickled(obj, self._object_device())),), name)
+        (op,) = self.launch((Allgather(pickled(obj, self.device())),), name)
         return unpickled(self.wait((op,))[0], op.rows)
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:

@@ -15,8 +15,9 @@ collectives), and when any rank counted one,
   rest of that step's compensation stays, as it would after any step).
 
 Cost: one read of the gradient (its sum: finite only when every entry is; ``count_nonfinite``
-counts exactly only when it is not) and one 4-byte allreduce per group and step (not counted in
-``opt.stats``, which counts payload).
+counts exactly only when it is not; on CUDA one counting pass on the device, nothing read back:
+``nonfinite_flag``) and one 4-byte allreduce per group and step (not counted in ``opt.stats``,
+which counts payload).
 Checkpoints with non-finite compression state are refused on load (``check_state_finite``).
 """
 
@@ -39,9 +40,19 @@ def count_nonfinite(x: torch.Tensor) -> int:
     return x.numel() - int(torch.isfinite(x).sum())
 
 
+def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    """This rank's count of NaN/inf entries of ``x`` as the guard sends it: one float32 on ``x``'s
+    device (NCCL moves CUDA tensors only). On CUDA it is counted on the device, nothing read back,
+    so the host does not wait for the gradient (the exchange runs on a side stream: torch_ops.streams);
+    elsewhere with ``count_nonfinite``'s finite-sum shortcut."""
+    if x.is_cuda:
+        return torch.isfinite(x).logical_not_().sum().to(torch.float32).reshape(1)
+    return torch.tensor([float(count_nonfinite(x))], dtype=torch.float32, device=x.device)
+
+
 def guard(gen, x: torch.Tensor, state: Dict[str, torch.Tensor]):
     """Wrap an exchange generator (see the module doc); same results when every rank is finite."""
-    bad = torch.tensor([float(count_nonfinite(x))], dtype=torch.float32)
+    bad = nonfinite_flag(x)
     try:
         first = next(gen)
     except StopIteration as stop:  # an exchange without collectives (nothing to guard)

@@ -38,6 +38,7 @@ from .collectives import PendingExchange, PendingQueue
 from .compressors import ExchangeContext, build_compressor
 from .grouping import join_state, split_state
 from .nonfinite import guard
+from .streams import SideStreams
 
 State = Dict[str, torch.Tensor]
 
@@ -66,6 +67,7 @@ class ExchangeSession:
         self.epoch_set = False  # set_epoch() called: warm-ups follow it, else count steps
         self.stats = WireStats()
         self.pending = PendingQueue()
+        self.streams = SideStreams()  # CUDA exchanges run on a side stream (torch_ops.streams)
         self._who, self._owner = who, owner
         self._warned_epoch = False
         self._groups: Dict[Tuple[str, ...], State] = {}  # state of the groups in use, in their layout
@@ -146,7 +148,8 @@ class ExchangeSession:
                 return fallback_exchange(self.compressor, codec, t, c)
         compose = getattr(self.transport, "compose", None)  # a two-level transport (torch_ops.twolevel)
         exchange = make(x, ctx) if compose is None else compose(make, x, ctx)
-        return PendingExchange(guard(exchange, x, ctx.state), name, self.transport)
+        gen, transport = self.streams.route(guard(exchange, x, ctx.state), x, self.transport)
+        return PendingExchange(gen, name, transport)
 
     def end_step(self, exchanges: Iterable[PendingExchange], dense_bytes: int) -> None:
         """A step is over: its completed exchanges counted in ``stats`` against ``dense_bytes``

@@ -20,17 +20,18 @@ def quantize(v: torch.Tensor, bits: int):
     mag = v.abs()
     levels = 2 ** (bits - 1)
     if v.numel() == 0:
-        return torch.zeros(SCALES, dtype=torch.float32), torch.zeros(0, dtype=torch.uint8)
+        return (torch.zeros(SCALES, dtype=torch.float32, device=v.device),
+                torch.zeros(0, dtype=torch.uint8, device=v.device))
     if levels == 1:
-        lo, step = mag.double().mean().float(), torch.zeros((), dtype=torch.float32)
-        j = torch.zeros(v.numel(), dtype=torch.int64)
+        lo, step = mag.double().mean().float(), torch.zeros((), dtype=torch.float32, device=v.device)
+        j = torch.zeros(v.numel(), dtype=torch.int64, device=v.device)
     else:
         lo = mag.min()
         step = (mag.max() - lo) / float(levels - 1)
         if bool(step > 0):
             j = torch.round((mag - lo) / step).clamp_(0, levels - 1).to(torch.int64)
         else:
-            j = torch.zeros(v.numel(), dtype=torch.int64)
+            j = torch.zeros(v.numel(), dtype=torch.int64, device=v.device)
     codes = (2 * j + (v < 0).to(torch.int64)).to(torch.uint8)
     return torch.stack([lo.reshape(()), step.reshape(())]).to(torch.float32), codes
 
@@ -69,7 +70,7 @@ class SparseLoCoCompressor(Compressor):
         packed = torch.cat([scales.view(torch.uint8), pack(codes, p["bits"])])
         indices, buffers = yield (Allgather(idx.to(torch.int32), True), Allgather(packed, True))
         k = idx.numel()
-        out = torch.zeros(n, dtype=torch.float32)
+        out = torch.zeros(n, dtype=torch.float32, device=x.device)
         head = 4 * SCALES
         for rank, buf in enumerate(buffers.view(ctx.world_size, -1)):
             vals = dequantize(buf[:head].clone().view(torch.float32), unpack(buf[head:], p["bits"], k))

@@ -108,11 +108,13 @@ def seg_finish(part_ptr, pstart_ptr, count_ptr, scales_ptr, factor_ptr, levels,
         ps = tl.zeros((FB,), dtype=tl.float64)
         pn = tl.zeros((FB,), dtype=tl.float64)
         ns = tl.zeros((FB,), dtype=tl.float64)
-        for j in range(p0, p1, FB):
+        j = p0
+        while j < p1:
             m = j + offs < p1
             ps += tl.load(part_ptr + 3 * (j + offs), mask=m, other=0.0)
             pn += tl.load(part_ptr + 3 * (j + offs) + 1, mask=m, other=0.0)
             ns += tl.load(part_ptr + 3 * (j + offs) + 2, mask=m, other=0.0)
+            j += FB
         psum = tl.sum(ps, 0)
         pcnt = tl.sum(pn, 0)
         nsum = tl.sum(ns, 0)
@@ -124,17 +126,21 @@ def seg_finish(part_ptr, pstart_ptr, count_ptr, scales_ptr, factor_ptr, levels,
     elif KIND == TERN:
         acc = tl.zeros((FB,), dtype=tl.float64)
         nan = tl.zeros((FB,), dtype=tl.int32)
-        for j in range(p0, p1, FB):
+        j = p0
+        while j < p1:
             v = tl.load(part_ptr + j + offs, mask=j + offs < p1, other=0.0)
             nan += (v != v).to(tl.int32)
             acc = tl.maximum(acc, v)
+            j += FB
         mx = tl.where(tl.sum(nan, 0) > 0, float("nan"), tl.max(acc, 0)).to(tl.float32)
         tl.store(scales_ptr + s, mx)
         tl.store(factor_ptr + s, mx)
     else:
         acc = tl.zeros((FB,), dtype=tl.float64)
-        for j in range(p0, p1, FB):
+        j = p0
+        while j < p1:
             acc += tl.load(part_ptr + j + offs, mask=j + offs < p1, other=0.0)
+            j += FB
         total = tl.sum(acc, 0)
         if KIND == EFSIGN:
             mean = total / tl.load(count_ptr + s).to(tl.float64).to(tl.float32)
@@ -246,16 +252,20 @@ def decode_sum(buf_ptr, sc_ptr, out_ptr, moff_ptr, mfirst_ptr, nm, bucket, n, pa
     nbytes = part - head
     if KIND == SIGN:
         votes = tl.zeros((BLOCK,), dtype=tl.int32)
-        for r in range(0, world):
+        r = 0
+        while r < world:  # a while loop: runtime bounds never pass through int() (Triton 3.6's interpreter)
             votes += 2 * _code_at(buf_ptr + r * part, i, valid, nbytes, BITS) - 1
+            r += 1
         sgn = tl.where(votes > 0, 1.0, tl.where(votes < 0, -1.0, 0.0))
         total = sgn * tl.cast(world, tl.float32)
     else:
         seg = _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG, BUCKETED)
         total = _decoded(buf_ptr + head, sc_ptr, i, seg, valid, nbytes, levels, inv_levels, KIND, BITS)
-        for r in range(1, world):
+        r = 1
+        while r < world:
             total = total + _decoded(buf_ptr + r * part + head, sc_ptr + r * nsc, i, seg, valid, nbytes,
                                      levels, inv_levels, KIND, BITS)
+            r += 1
     if SCALE:
         total = total * mult
     tl.store(out_ptr + i, total, mask=valid)
