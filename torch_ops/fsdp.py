@@ -31,6 +31,19 @@ what it sends, i.e. on every chunk of the flat gradient, so its residual is as l
 unsharded gradient: "full" keeps it in fp32, "int8" between steps in 8 bits with one fp32 scale per
 256 entries (an 8-bit error buffer as LoCo keeps one), "none" keeps none (unbiased quantizers such as
 qsgd and terngrad need none). docs/fsdp.md has the bytes per parameter of each.
+
+The two-level layout (``topology=``, "compress only the slow hop", as ZeRO++'s hpZ and SDP4Bit
+lay it out): the model is sharded inside each node (``fully_shard(m, mesh=hybrid_mesh(topology)
+["shard"])``: 1-D FSDP over the node's ranks), and each shard is all-reduced across the nodes
+through the compressor, the average over the nodes, in FSDP's all-reduce hook
+(``set_all_reduce_hook``: FSDP2's native HSDP runs its own dense ``all_reduce`` over the replicate
+dimension, which no public hook replaces, so a 2-D mesh is refused with this recipe in the
+message). The shard at local position l is the exchange ``<module>#shard<l>`` (a layerwise
+compressor, PowerSGD: one exchange per parameter piece, ``<parameter>#shard<l>``) on the session
+of the cross group (the ranks at position l on every node); its state is the size of the shard
+only. Inside the node the reduce-scatter is FSDP's own (dense) or, with ``inside=``, ours through
+that spec with a session of its own. ``hvdcompress.reference.fsdp.hybrid_reduce_scatter`` is the
+oracle.
 """
 
 from __future__ import annotations
