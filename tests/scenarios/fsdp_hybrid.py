@@ -33,14 +33,15 @@ CKPT = ("qsgd:levels=3,bucket=16", "int8", "topk:ratio=0.3")
 SAVE_AT, TOTAL = 2, 4
 
 
-def _model(shard_mesh, seed=0):
+def _model(shard_mesh, seed=0, reduce_dtype=None):
     import torch
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(7, 11), torch.nn.Tanh(), torch.nn.Linear(11, 5))
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
+        fully_shard(layer, mesh=shard_mesh, mp_policy=policy)
+    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
     return model
 
 
@@ -226,6 +227,30 @@ def async_op(meshes) -> dict:
         out[spec] = {"pending": pending, "done": [w.is_completed() for w in works], "step": front.step,
                      "calls": [dict(c, output=c["output"].numpy().copy()) for c in calls]}
     return out
+
+
+def mixed_precision(meshes) -> dict:
+    """fp16 (FSDP pre-divides inside the node and asks for SUM) and bf16 (AVG) reduce dtypes, dense
+    and 8-bit inside, 4-bit across: all four replicas identical and finite."""
+    import torch
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for inside in (None, "qsgd:levels=127,bucket=16"):
+            got = _train(meshes["shard"], "qsgd:levels=7,bucket=16", "full", inside, 3,
+                         model=_model(meshes["shard"], reduce_dtype=dtype), record=False)
+            out[f"{dtype}|{inside}"] = got["full"]
+    return out
+
+
+def example(meshes) -> dict:
+    """examples/fsdp_charlm.py as 2 nodes x 2, fp16 inside, 4-bit codes across: 3 steps."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "examples"))
+    import fsdp_charlm
+    args = fsdp_charlm.parse_args(["--steps", "3", "--width", "32", "--layers", "1", "--context", "16",
+                                   "--compression", "qsgd:levels=7,bucket=128", "--topology", TOPOLOGY,
+                                   "--inside", "fp16"])
+    return fsdp_charlm.train(args)
 
 
 def _worker(rank, world, port, names, out_dir):
