@@ -109,6 +109,7 @@ def test_bad_layouts_refused_on_every_rank_before_any_collective(four):
     for got in part(four, "refusals"):
         assert got["after"] == 4.0  # no rank was left in a collective
         assert "3 nodes x 1 ranks is 3 ranks, but the world has 4" in got["nodes"]
+        assert "topology=1x4 is one node: nothing crosses nodes" in got["one_node"]
         assert "topology=2x2 shards inside each node" in got["world_mesh"] and "(0, 1, 2, 3)" in got["world_mesh"]
         assert "topology=2x2 shards inside each node" in got["replicate_mesh"]
         assert "inside: compression 'powersgd' cannot be a reduce-scatter" in got["inside_powersgd"]

@@ -200,7 +200,11 @@ class FSDPCompression(SessionFront):
                 why = refusal(inside_spec)
                 if why:
                     raise ValueError(f"inside: {why}")
-            if build_compressor(spec).returns_update:
+            if topo.nodes == 1:
+                raise ValueError(f"topology={topo} is one node: nothing crosses nodes; leave topology= out (the "
+                                 "spec then compresses the reduce-scatter)")
+            across = build_compressor(spec)
+            if across.returns_update:
                 raise ValueError(f"compression '{spec.name}' applies the optimizer's update itself; it cannot be the "
                                  "all-reduce of a sharded gradient across nodes")
         if FSDPModule is None:
@@ -260,7 +264,7 @@ class FSDPCompression(SessionFront):
                 self._scatter = _Hop(ExchangeSession(inside_spec, params, transport, who="hvdcompress.fsdp (inside)",
                                                      owner="fsdp"), False)
             self._local = transport
-            self._across = self._across_hop(spec, topo, modules, residual == "int8")
+            self._across = self._across_hop(across, topo, modules, residual == "int8")
             self.session = self._across.session
         for prefix, module, own in modules:
             if not own:
@@ -282,12 +286,11 @@ class FSDPCompression(SessionFront):
             raise ValueError(f"topology={topo}: {topo.world} ranks, but the world has {world}")
         return topo
 
-    def _across_hop(self, spec, topo: Topology, modules, int8: bool) -> _Hop:
+    def _across_hop(self, compressor, topo: Topology, modules, int8: bool) -> _Hop:
         """The session of the all-reduce across nodes, on this rank's cross group (the groups are
         made here, every rank making all of them in the same order, after every check)."""
         groups = [dist.new_group(list(ranks)) for ranks in topo.cross_groups()]
         position = topo.local_rank(dist.get_rank())
-        compressor = build_compressor(spec)
         layerwise = compressor.merge == LAYERWISE
         self._units: Dict[str, list] = {}
         params = {}
@@ -299,7 +302,8 @@ class FSDPCompression(SessionFront):
             device = own[0][1].device
             for name, start, stop, _, _ in self._units[prefix]:
                 params[name] = torch.zeros((), device=device).expand(stop - start)
-        session = ExchangeSession(spec, params, make_transport("torch", groups[position]), compressor=compressor,
+        session = ExchangeSession(compressor.spec, params, make_transport("torch", groups[position]),
+                                  compressor=compressor,
                                   who="hvdcompress.fsdp (across)", owner="fsdp")
         return _Hop(session, int8)
 

@@ -172,6 +172,7 @@ def refusals(meshes) -> dict:
     out = {}
     cases = {
         "nodes": (meshes["shard"], dict(topology="3x1")),
+        "one_node": (meshes["world"], dict(topology="1x4")),
         "world_mesh": (meshes["world"], dict(topology=TOPOLOGY)),
         "replicate_mesh": (meshes["replicate"], dict(topology=TOPOLOGY)),
         "inside_powersgd": (meshes["shard"], dict(topology=TOPOLOGY, inside="powersgd")),
