@@ -263,9 +263,9 @@ def markdown(rows: List[dict]) -> str:
             target = TARGETS.get(r["config"])
             verdict = "-" if target is None or dloss is None else \
                 f"{'met' if dloss <= target else 'missed'} (<= {target}%)"
+            versus = "1x" if r["config"] == "plain" else f"{ratio:.2f}x fewer" if ratio else "-"
             out.append("| " + " | ".join([
-                r["config"], f"`{r['spec']}`", _fmt(r["residual"]), _fmt(r["bytes_per_step"], ",.0f")
-                if r["bytes_per_step"] is not None else "-", "1x" if r["config"] == "plain" else f"{ratio:.2f}x fewer" if ratio else "-",
+                r["config"], f"`{r['spec']}`", _fmt(r["residual"]), _fmt(r["bytes_per_step"], ",.0f"), versus,
                 _fmt(r["inside_bytes_per_step"], ",.0f") if r["inside_bytes_per_step"] is not None else "-",
                 _fmt(r["link_bytes_per_step"], ",.0f") if r["link_bytes_per_step"] is not None else "-",
                 f"{r['held_out_loss']:.4f}", f"{dloss:+.2f}%" if dloss is not None else "-", verdict,

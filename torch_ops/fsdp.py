@@ -223,7 +223,8 @@ class FSDPCompression(SessionFront):
             raise ValueError(f"hvdcompress.fsdp.compress: only a 1-D device mesh (FSDP) is supported; this model "
                              f"is sharded on a {mesh.ndim}-D mesh (native HSDP, whose all-reduce across the "
                              "replicate dimension FSDP2 runs itself). For the two-level layout shard inside each "
-                             "node, fully_shard(module, mesh=hybrid_mesh(topology)['shard']), and pass topology=")
+                             "node, fully_shard(module, mesh=hvdcompress.fsdp.hybrid_mesh(topology)['shard']), "
+                             "and pass topology=")
         other = [(n, p) for _, _, own in modules for n, p in own if not _on_dim0(p)]
         if other:
             name, p = other[0]
@@ -235,7 +236,7 @@ class FSDPCompression(SessionFront):
             if ranks != node:
                 raise ValueError(f"hvdcompress.fsdp.compress: topology={topo} shards inside each node (ranks {node} "
                                  f"here), but this model is sharded over ranks {ranks}; shard with "
-                                 "fully_shard(module, mesh=hybrid_mesh(topology)['shard'])")
+                                 "fully_shard(module, mesh=hvdcompress.fsdp.hybrid_mesh(topology)['shard'])")
         self.residual = residual
         self.topology = topo
         self.group = mesh.get_group()
@@ -467,8 +468,9 @@ class FSDPCompression(SessionFront):
                 state = session.state_for((name,))
                 if hop.int8:
                     _expand(state)
-                ex = session.start(flat[start:stop], (name,), key=name, step=step, name=exchange_name("fsdp", name, step),
-                                   scale=1.0 / nodes, shape=shape, members=members, epoch=epoch)
+                ex = session.start(flat[start:stop], (name,), key=name, step=step,
+                                   name=exchange_name("fsdp", name, step), scale=1.0 / nodes, shape=shape,
+                                   members=members, epoch=epoch)
                 started.append((ex, start, stop, state))
         finish_all([ex for ex, _, _, _ in started])
         for ex, start, stop, state in started:

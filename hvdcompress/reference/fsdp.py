@@ -217,7 +217,8 @@ def across_units(prefix: str, position: int, shape: Tuple[int, ...], members: Se
     out = []
     for m in members:
         name = f"{m.name}#shard{position}"
-        out.append((name, m.offset, m.offset + int(np.prod(m.shape)), tuple(m.shape), (Member(name, tuple(m.shape), 0),)))
+        piece = tuple(m.shape)
+        out.append((name, m.offset, m.offset + int(np.prod(piece)), piece, (Member(name, piece, 0),)))
     return out
 
 
