@@ -11,8 +11,9 @@ plain FSDP2 and with ``hvdcompress.fsdp.compress`` for each configuration. Per c
   sends, (W-1)/W of the padded flat gradient); with ``--topology`` (plain: native HSDP on the 2-D
   mesh; ours: FSDP inside a node, the spec across), the bytes across nodes (plain: a ring
   all-reduce of the shard, 2(N-1)/N of it) and inside a node apart;
-* on an emulated link, the bytes the busiest rank's interface carried per measured step
-  (``/proc/net/dev``: headers, the all-gathers and this script's timing collectives included);
+* on an emulated link, the bytes the busiest interface carried per measured step in its busier
+  direction (``/proc/net/dev``: headers, the all-gathers and this script's timing collectives
+  included; with ``--topology`` an interface is a node's link, shared by its ranks);
 * step time: the slowest rank's, median over the steps after ``--warmup``;
 * peak memory per rank: on CUDA ``torch.cuda.max_memory_allocated`` (tensors only); on CPU the
   process's resident-set high-water mark (``getrusage`` ``ru_maxrss``: the whole process, Python
@@ -23,7 +24,9 @@ plain FSDP2 and with ``hvdcompress.fsdp.compress`` for each configuration. Per c
 The workers run on the machine's loopback (``--link loopback``) or, with ``--link 1gbit,10gbit``,
 each in a network namespace whose link is limited by ``tbf`` both ways
 (``hvdcompress.bench.netns.EmulatedNetwork``, the benches' emulated network; no latency added;
-needs root): figures from those runs are labelled "emulated". A smoke run (few steps) proves only
+needs root); with ``--topology`` one namespace per node, so the ranks of a node talk over its
+unlimited loopback and only traffic between nodes crosses the limited links. Figures from those
+runs are labelled "emulated". A smoke run (few steps) proves only
 that it runs; the measurement needs a quiet machine. Commands: docs/fsdp.md.
 
     python benchmarks/fsdp_evidence.py --workers 4 --steps 300 --link loopback,1gbit,10gbit \\
@@ -210,16 +213,21 @@ def _free_port() -> int:
 
 
 def launch(cfg: dict, workers: int, link: str) -> dict:
-    """One configuration on ``workers`` processes: on loopback, or each in a namespace whose link
-    ``tbf`` limits to ``link`` (an emulated network)."""
+    """One configuration on ``workers`` processes: on loopback, or in namespaces whose links ``tbf``
+    limits to ``link`` (an emulated network): one namespace per worker, or with a topology one per
+    node, its ranks talking over the namespace's own (unlimited) loopback and to other nodes over
+    the node's limited link, as ranks inside a node and across nodes do."""
     from contextlib import ExitStack
     with tempfile.TemporaryDirectory(prefix="hvc-fsdp-evidence-") as tmp, ExitStack() as stack:
         out = os.path.join(tmp, "result.json")
         prefixes, addr, iface = [[] for _ in range(workers)], "127.0.0.1", "lo"
         if link != "loopback":
             from hvdcompress.bench.netns import EmulatedNetwork, parse_bandwidth
-            net = stack.enter_context(EmulatedNetwork(workers, parse_bandwidth(link), "fsdp"))
-            prefixes, addr, iface = [net.exec_prefix(r) for r in range(workers)], net.addresses[0], net.iface
+            from hvdcompress.topology import parse_topology
+            local = parse_topology(cfg["topology"], workers).local_size if cfg.get("topology") else 1
+            net = stack.enter_context(EmulatedNetwork(workers // local, parse_bandwidth(link), "fsdp"))
+            prefixes = [net.exec_prefix(r // local) for r in range(workers)]
+            addr, iface = net.addresses[0], net.iface
             cfg = dict(cfg, iface=iface)
         port = _free_port()
         procs = []
