@@ -24,8 +24,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..contract import Member
+from ..contract import LAYERWISE, Member
 from ..spec import CompressionSpec, resolve
+from ..topology import Topology
 from .oracle import simulate
 
 State = Dict[str, np.ndarray]
@@ -203,6 +204,104 @@ def state_bytes(spec, world: int, numel: int, residual: Optional[str] = None) ->
                                       members=members)
     held = sum(np.asarray(t).nbytes for per in states[0].values() for t in per.values())
     return held / (size * world)
+
+
+def across_units(prefix: str, position: int, shape: Tuple[int, ...], members: Sequence[Member], layerwise: bool):
+    """The exchanges across nodes of the shard at local position ``position`` of a sharded module
+    (two-level layout): (name, start, stop, shape, members) of each. The shard is one exchange,
+    ``<prefix>#shard<position>``, with the chunk's shape and members; a layerwise compressor
+    (PowerSGD) is never merged, so it exchanges each member's piece alone, ``<member>#shard<position>``."""
+    if not layerwise:
+        numel = sum(int(np.prod(m.shape)) for m in members)
+        return [(f"{prefix}#shard{position}", 0, numel, tuple(shape), tuple(members))]
+    out = []
+    for m in members:
+        name = f"{m.name}#shard{position}"
+        piece = tuple(m.shape)
+        out.append((name, m.offset, m.offset + int(np.prod(piece)), piece, (Member(name, piece, 0),)))
+    return out
+
+
+def _zero_nonfinite(per: State) -> None:
+    for t in per.values():
+        if np.issubdtype(np.asarray(t).dtype, np.floating):
+            t[~np.isfinite(t)] = 0
+
+
+def hybrid_reduce_scatter(spec, inputs: Sequence[np.ndarray], topology: Topology,
+                          states: Optional[List[Dict[str, State]]] = None,
+                          inside_states: Optional[List[Dict[str, State]]] = None, *, prefix: str, step: int = 0,
+                          inside=None, inside_scale: Optional[float] = None, residual: Optional[str] = None,
+                          shape: Optional[Tuple[int, ...]] = None, members: Sequence[Member] = (), epoch: int = 0):
+    """One sharded module's gradient reduction in the two-level layout: shard inside a node,
+    replicate across nodes, compress only the hop across.
+
+    ``inputs[r]``: rank r's flat reduce-scatter input over its node (``topology.local_size`` equal
+    chunks, FSDP's layout). Inside each node, chunk l goes to the node's rank at local position l:
+    summed densely in local rank order (``inside`` None: FSDP's own reduce-scatter) or through the
+    compressor ``inside`` (``reduce_scatter``, with ``inside_states``), times ``inside_scale``
+    (default the node's average, 1/L). When a rank's input held a NaN or inf, all its node's
+    shards are NaN (a 4-byte flag inside the node; ``reduce_scatter`` has its own). Across nodes,
+    the shards at each local position l (one per node, node order) are all-reduced through
+    ``spec`` (``across_units``: ``oracle.simulate``, the average over the nodes, each rank's state
+    ``states[r][name]``) and the result replaces every one of them; the non-finite guard of every
+    exchange holds (NaN result, non-finite state set to 0).
+
+    Returns (outputs, shards, states, inside_states, sent): rank r's final shard, its shard after the
+    inside hop, the states (updated in place) and the payload bytes rank r sent across nodes."""
+    spec = with_residual(spec, residual)
+    inside = resolve(inside) if inside is not None else None
+    if inside is not None and refusal(inside):
+        raise ValueError(refusal(inside))
+    world, local, nodes = topology.world, topology.local_size, topology.nodes
+    flat = [np.asarray(x).reshape(-1) for x in inputs]
+    if len(flat) != world or any(x.size != flat[0].size for x in flat) or flat[0].size % local:
+        raise ValueError("hybrid_reduce_scatter: one input per rank, all of one size, a multiple of local_size")
+    size = flat[0].size // local
+    shape = tuple(shape) if shape is not None else (size,)
+    members = tuple(members) or (Member(prefix, (size,), 0),)
+    scale = 1.0 / local if inside_scale is None else inside_scale
+    states = states if states is not None else [{} for _ in range(world)]
+    inside_states = inside_states if inside_states is not None else [{} for _ in range(world)]
+    shards: List[Optional[np.ndarray]] = [None] * world
+    flagged = [False] * nodes  # dense inside: a node-mate's non-finite input makes the node's shards NaN
+    for node in range(nodes):
+        ranks = topology.local_group(node * local)
+        xs = [flat[r] for r in ranks]
+        if inside is None:
+            for j, r in enumerate(ranks):
+                total = xs[0][j * size:(j + 1) * size].astype(np.float32)
+                for x in xs[1:]:
+                    total = total + x[j * size:(j + 1) * size]
+                shards[r] = (total * np.float32(scale)).astype(np.float32)
+            flagged[node] = any(not np.isfinite(x).all() for x in xs)
+        else:
+            outs, _, _ = reduce_scatter(inside, xs, [inside_states[r] for r in ranks], names=shard_names(prefix, local),
+                                        step=step, scale=scale, shape=shape, members=members, epoch=epoch)
+            for j, r in enumerate(ranks):
+                shards[r] = np.asarray(outs[j], dtype=np.float32).reshape(-1)
+    sent_in = [np.full(size, np.nan, np.float32) if flagged[topology.node_of(r)] else shards[r] for r in range(world)]
+    layerwise = spec.info.merge == LAYERWISE
+    outputs = [s.copy() for s in sent_in]
+    sent = [0] * world
+    for position in range(local):
+        ranks = topology.cross_group(position)
+        for name, start, stop, piece, mem in across_units(prefix, position, shape, members, layerwise):
+            per = [_expand(states[r].setdefault(name, {})) for r in ranks]
+            chunks = [sent_in[r][start:stop] for r in ranks]
+            out, _, wire = simulate(spec, chunks, per, key=name, step=step, scale=1.0 / nodes, shape=piece,
+                                    epoch=epoch, members=mem)
+            out = np.asarray(out).reshape(-1)
+            if any(not np.isfinite(c).all() for c in chunks):
+                out = np.full_like(out, np.nan)
+                for st in per:
+                    _zero_nonfinite(st)
+            for i, (r, st) in enumerate(zip(ranks, per)):
+                outputs[r][start:stop] = out
+                sent[r] += sum(np.asarray(t).nbytes for rnd in wire[i] for t in rnd)
+                if residual == "int8":
+                    _compact(st)
+    return outputs, shards, states, inside_states, sent
 
 
 # the rows of docs/fsdp.md's state table: (spec, residual mode)

@@ -249,8 +249,9 @@ def _worker(rank, world, port, names, out_dir):
         pickle.dump(out, f)
 
 
-def launch(world: int, names) -> list:
-    """One spawn of ``world`` gloo processes running ``names``; every rank's results, rank order."""
+def launch(world: int, names, worker=None) -> list:
+    """One spawn of ``world`` gloo processes running ``names`` (``worker``: default this module's
+    ``_worker``); every rank's results, rank order."""
     import torch.multiprocessing as mp
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     root = os.path.dirname(tests)
@@ -262,7 +263,7 @@ def launch(world: int, names) -> list:
         port = s.getsockname()[1]
     try:
         with tempfile.TemporaryDirectory(prefix="hvc-fsdp-") as out_dir:
-            mp.start_processes(_worker, args=(world, port, list(names), out_dir), nprocs=world, start_method="spawn")
+            mp.start_processes(worker or _worker, args=(world, port, list(names), out_dir), nprocs=world, start_method="spawn")
             results = []
             for r in range(world):
                 with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:

@@ -1,0 +1,339 @@
+"""FSDP2 with compressed gradients against plain FSDP2: the evidence of issue 42 (loss, bytes, memory, time).
+
+The char transformer of docs/across-the-world.md (``hvdcompress.bench.example_models``), every block
+and the model sharded with ``fully_shard``, AdamW, each rank on its own random windows of the
+standard library's source, trained the same number of steps from the same initial weights with
+plain FSDP2 and with ``hvdcompress.fsdp.compress`` for each configuration. Per configuration:
+
+* held-out loss (nats per character, 256 windows of the test text) after the steps, and its
+  distance to plain FSDP2's in percent (issue 42's targets: int8 within 0.5%, 4-bit within 2%);
+* payload bytes each rank sent per step (``fsdp.stats``; plain FSDP2: what a ring reduce-scatter
+  sends, (W-1)/W of the padded flat gradient); with ``--topology`` (plain: native HSDP on the 2-D
+  mesh; ours: FSDP inside a node, the spec across), the bytes across nodes (plain: a ring
+  all-reduce of the shard, 2(N-1)/N of it) and inside a node apart;
+* on an emulated link, the bytes the busiest interface carried per measured step in its busier
+  direction (``/proc/net/dev``: headers, the all-gathers and this script's timing collectives
+  included; with ``--topology`` an interface is a node's link, shared by its ranks);
+* step time: the slowest rank's, median over the steps after ``--warmup``;
+* peak memory per rank: on CUDA ``torch.cuda.max_memory_allocated`` (tensors only); on CPU the
+  process's resident-set high-water mark (``getrusage`` ``ru_maxrss``: the whole process, Python
+  and torch included, so it shows differences, not the tensors alone); and the compression state
+  this rank holds (exact bytes of the session's tensors);
+* whether every rank's gathered parameters are identical at the end.
+
+The workers run on the machine's loopback (``--link loopback``) or, with ``--link 1gbit,10gbit``,
+each in a network namespace whose link is limited by ``tbf`` both ways
+(``hvdcompress.bench.netns.EmulatedNetwork``, the benches' emulated network; no latency added;
+needs root); with ``--topology`` one namespace per node, so the ranks of a node talk over its
+unlimited loopback and only traffic between nodes crosses the limited links. Figures from those
+runs are labelled "emulated". A smoke run (few steps) proves only
+that it runs; the measurement needs a quiet machine. Commands: docs/fsdp.md.
+
+    python benchmarks/fsdp_evidence.py --workers 4 --steps 300 --link loopback,1gbit,10gbit \\
+        --json fsdp_evidence.json --markdown fsdp_evidence.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name -> (spec or "plain", residual mode): plain FSDP2 and every kind of supported spec
+CONFIGS = {
+    "plain": ("plain", None),
+    "int8": ("qsgd:levels=127,bucket=128", "none"),
+    "4bit": ("qsgd:levels=7,bucket=128", "none"),
+    "4bit-ef8": ("qsgd:levels=7,bucket=128", "int8"),
+    "fp16": ("fp16", None),
+    "bf16": ("bf16", None),
+    "topk-full": ("topk:ratio=0.05", "full"),
+    "topk-int8": ("topk:ratio=0.05", "int8"),
+    "topk-none": ("topk:ratio=0.05", "none"),
+}
+TARGETS = {"int8": 0.5, "4bit": 2.0, "4bit-ef8": 2.0}  # loss within this % of plain FSDP2's
+
+
+# -- one rank ------------------------------------------------------------------------------------------
+def _link_bytes(iface: str):
+    """(received, sent) bytes so far on ``iface`` in this network namespace, or None."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == iface and rest:
+                fields = rest.split()
+                return int(fields[0]), int(fields[8])
+    return None
+
+
+def _peak_memory(device) -> Dict[str, object]:
+    import resource
+
+    import torch
+    if device.type == "cuda":
+        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "peak_kind": "cuda max_memory_allocated"}
+    return {"peak_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+            "peak_kind": "process RSS high-water mark (ru_maxrss)"}
+
+
+def _state_bytes(fsdp) -> int:
+    if fsdp is None:
+        return 0
+    sessions = [fsdp.session] + ([fsdp.inside_session] if fsdp.inside_session is not None else [])
+    return sum(t.numel() * t.element_size() for s in sessions for st in s.param_state().values()
+               for t in st.values())
+
+
+def run_config(cfg: dict) -> dict:
+    """One configuration on this rank (torch.distributed initialized); rank 0's figures, with
+    every rank's step times, bytes and memory gathered."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import hvdcompress.fsdp
+    from hvdcompress.bench.example_models import CharTransformer, char_batches, char_eval_loss
+    from hvdcompress.datasets import load_stdlib_text
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(cfg["device"], int(os.environ.get("LOCAL_RANK", 0))) if cfg["device"] == "cuda" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    spec, residual = CONFIGS[cfg["config"]]
+    topology = cfg.get("topology")
+    if topology:  # plain: native HSDP on the 2-D mesh; ours: FSDP inside a node, the hook across
+        hybrid = hvdcompress.fsdp.hybrid_mesh(topology, device.type)
+        mesh, shard_world = (hybrid if spec == "plain" else hybrid["shard"]), hybrid["shard"].size()
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+        shard_world = world
+    torch.manual_seed(cfg["seed"])
+    text = load_stdlib_text()
+    model = CharTransformer(width=cfg["width"], layers=cfg["layers"], context=cfg["context"]).to(device)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fsdp = None
+    if spec != "plain":
+        kw = dict(topology=topology, inside=cfg.get("inside")) if topology else {}
+        fsdp = hvdcompress.fsdp.compress(model, spec, residual=residual, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
+    batches = char_batches(text.train, cfg["batch_size"], cfg["context"], seed=1000 * (rank + 1))
+    times, counted, losses = [], None, []
+    iface = cfg.get("iface")
+    for step in range(cfg["steps"]):
+        x, y = (t.to(device) for t in next(batches))
+        if step == cfg["warmup"] and iface:
+            counted = _link_bytes(iface)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= cfg["warmup"]:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    link = None
+    if counted is not None:
+        now = _link_bytes(iface)
+        measured = cfg["steps"] - cfg["warmup"]
+        link = max(now[0] - counted[0], now[1] - counted[1]) / measured
+    full = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+    rows = [torch.empty_like(full) for _ in range(world)]
+    dist.all_gather(rows, full)
+    numel = sum(p.numel() for p in model.parameters())
+    shard_bytes = sum(-(-p.shape[0] // shard_world) * (p[0].numel() if p.dim() > 1 else 1) * 4
+                      for p in model.parameters())
+    plain_bytes = shard_bytes * (shard_world - 1)  # what a ring reduce-scatter sends per rank and step
+    if topology:  # plain: native HSDP's dense ring all-reduce of the shard across the nodes
+        nodes = world // shard_world
+        plain_bytes, plain_inside = shard_bytes * 2 * (nodes - 1) // nodes, plain_bytes
+    if fsdp is None:
+        sent, inside_sent = plain_bytes, (plain_inside if topology else None)
+    else:
+        sent = fsdp.stats.as_dict()["bytes_per_step"]
+        inside_sent = (fsdp.inside_stats.as_dict()["bytes_per_step"] if fsdp.inside_stats is not None
+                       else plain_inside if topology else None)
+    mine = dict(_peak_memory(device), step_times=times, link_bytes_per_step=link, state_bytes=_state_bytes(fsdp))
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    slowest = [max(ts) for ts in zip(*[e["step_times"] for e in every])] if times else []
+    return {"config": cfg["config"], "spec": spec, "residual": residual, "topology": topology,
+            "inside": cfg.get("inside"), "workers": world, "parameters": numel, "steps": cfg["steps"],
+            "held_out_loss": char_eval_loss(model, text.test, cfg["context"], windows=256),
+            "final_train_loss": statistics.fmean(losses[-10:]),
+            "bytes_per_step": sent, "inside_bytes_per_step": inside_sent, "plain_bytes_per_step": plain_bytes,
+            "median_step_s": statistics.median(slowest) if slowest else None,
+            "link_bytes_per_step": max((e["link_bytes_per_step"] or 0) for e in every) if iface else None,
+            "peak_bytes_per_rank": [e["peak_bytes"] for e in every], "peak_kind": every[0]["peak_kind"],
+            "state_bytes_per_rank": [e["state_bytes"] for e in every],
+            "identical": all(bool(torch.equal(rows[0], r)) for r in rows)}
+
+
+def worker_main(cfg_json: str, out_path: str) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(int(os.environ.get("HVC_THREADS", "1")))
+    cfg = json.loads(cfg_json)
+    dist.init_process_group("nccl" if cfg["device"] == "cuda" else "gloo")
+    try:
+        result = run_config(cfg)
+        if dist.get_rank() == 0:
+            with open(out_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the launcher ----------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: dict, workers: int, link: str) -> dict:
+    """One configuration on ``workers`` processes: on loopback, or in namespaces whose links ``tbf``
+    limits to ``link`` (an emulated network): one namespace per worker, or with a topology one per
+    node, its ranks talking over the namespace's own (unlimited) loopback and to other nodes over
+    the node's limited link, as ranks inside a node and across nodes do."""
+    from contextlib import ExitStack
+    with tempfile.TemporaryDirectory(prefix="hvc-fsdp-evidence-") as tmp, ExitStack() as stack:
+        out = os.path.join(tmp, "result.json")
+        prefixes, addr, iface = [[] for _ in range(workers)], "127.0.0.1", "lo"
+        if link != "loopback":
+            from hvdcompress.bench.netns import EmulatedNetwork, parse_bandwidth
+            from hvdcompress.topology import parse_topology
+            local = parse_topology(cfg["topology"], workers).local_size if cfg.get("topology") else 1
+            net = stack.enter_context(EmulatedNetwork(workers // local, parse_bandwidth(link), "fsdp"))
+            prefixes = [net.exec_prefix(r // local) for r in range(workers)]
+            addr, iface = net.addresses[0], net.iface
+            cfg = dict(cfg, iface=iface)
+        port = _free_port()
+        procs = []
+        for r in range(workers):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(workers), LOCAL_RANK=str(r), MASTER_ADDR=addr,
+                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=iface, OMP_NUM_THREADS="1",
+                       PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+            cmd = prefixes[r] + [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg), out]
+            procs.append(subprocess.Popen(cmd, env=env))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise RuntimeError(f"{cfg['config']}: workers exited with {codes}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _fmt(v, spec: str = ".4g") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def markdown(rows: List[dict]) -> str:
+    """One table per (link, layout): the figures of every configuration next to plain FSDP2's."""
+    out = []
+    for key in dict.fromkeys((r["link"], r["topology"] or "flat", r.get("inside") or "") for r in rows):
+        group = [r for r in rows if (r["link"], r["topology"] or "flat", r.get("inside") or "") == key]
+        plain = next((r for r in group if r["config"] == "plain"), None)
+        link, layout, inside = key
+        out.append(f"\n**{group[0]['workers']} workers, {link}, layout {layout}"
+                   f"{', inside ' + inside if inside else ''}** ({group[0]['parameters']:,} parameters, "
+                   f"{group[0]['steps']} steps; peak memory: {group[0]['peak_kind']})\n")
+        out.append("| config | spec | residual | bytes/step | vs plain | inside bytes/step | link bytes/step | "
+                   "held-out loss | vs plain | target | step ms | peak MiB (max rank) | state KiB | identical |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in group:
+            ratio = (plain["plain_bytes_per_step"] / r["bytes_per_step"]
+                     if plain and r["bytes_per_step"] else None)
+            dloss = (100.0 * (r["held_out_loss"] - plain["held_out_loss"]) / plain["held_out_loss"]
+                     if plain else None)
+            target = TARGETS.get(r["config"])
+            verdict = "-" if target is None or dloss is None else \
+                f"{'met' if dloss <= target else 'missed'} (<= {target}%)"
+            versus = "1x" if r["config"] == "plain" else f"{ratio:.2f}x fewer" if ratio else "-"
+            out.append("| " + " | ".join([
+                r["config"], f"`{r['spec']}`", _fmt(r["residual"]), _fmt(r["bytes_per_step"], ",.0f"), versus,
+                _fmt(r["inside_bytes_per_step"], ",.0f") if r["inside_bytes_per_step"] is not None else "-",
+                _fmt(r["link_bytes_per_step"], ",.0f") if r["link_bytes_per_step"] is not None else "-",
+                f"{r['held_out_loss']:.4f}", f"{dloss:+.2f}%" if dloss is not None else "-", verdict,
+                f"{1e3 * r['median_step_s']:.1f}" if r["median_step_s"] else "-",
+                f"{max(r['peak_bytes_per_rank']) / 2**20:.0f}", f"{max(r['state_bytes_per_rank']) / 1024:.1f}",
+                str(r["identical"])]) + " |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    p.add_argument("--link", default="loopback", help="comma-separated: loopback, 1gbit, 10gbit, ... (emulated: root)")
+    p.add_argument("--topology", default=None, help="e.g. 2x2: the two-level layout (configs are the hop across)")
+    p.add_argument("--inside", default=None, help="with --topology: the spec inside a node (default FSDP's, dense)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=5, help="steps not timed")
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16, help="windows per rank and step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, one GPU per rank")
+    p.add_argument("--json", help="write every row here")
+    p.add_argument("--markdown", help="write the tables here")
+    args = p.parse_args(argv)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    if args.warmup >= args.steps:
+        p.error("--warmup must be below --steps")
+    rows = []
+    for link in [s.strip() for s in args.link.split(",") if s.strip()]:
+        for name in names:
+            cfg = {"config": name, "steps": args.steps, "warmup": args.warmup, "width": args.width,
+                   "layers": args.layers, "context": args.context, "batch_size": args.batch_size, "lr": args.lr,
+                   "seed": args.seed, "device": args.device, "topology": args.topology, "inside": args.inside}
+            started = time.perf_counter()
+            row = launch(cfg, args.workers, link)
+            row["link"] = link if link == "loopback" else f"{link} (tbf, emulated)"
+            row["wall_s"] = round(time.perf_counter() - started, 1)
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("link", "config", "held_out_loss", "bytes_per_step",
+                                                  "median_step_s", "identical")}), flush=True)
+    table = markdown(rows)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv[1:] if argv is None else list(argv), "rows": rows}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2], sys.argv[3])
+    else:
+        raise SystemExit(main())
