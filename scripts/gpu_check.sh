@@ -2,13 +2,16 @@
 # The GPU checks of issue 40 in one run, for a session lent a device (the `device` tool's `run`):
 #   bash scripts/gpu_check.sh            # writes everything under $OUT (default: a new temp folder)
 # Each step has its own timeout and a failing step does not stop the next; the step limits add up
-# to 565 s, so the run ends within a device call (timeout_s=600; about 3 minutes on an H200). It
-# needs no install: the repository root on PYTHONPATH with the machine's CUDA torch (no Horovod, no TensorFlow). Outputs (4 files):
+# to 685 s, but the run took 142 s on an H200 (28 Nov), so give the device call timeout_s=480 and
+# read the summary. It needs no install: the repository root on PYTHONPATH with the machine's CUDA
+# torch (no Horovod, no TensorFlow). Outputs (6 files):
 #   gpu_check.log   every step's output (the CUDA correctness tests' too: the tests that skip without
 #                   a GPU run there), the device and versions first, a summary last
 #   cuda_check.json benchmarks/cuda_check.py: every compressor on CUDA against the oracle, then timed
 #   gpu_e2e.json    benchmarks/gpu_e2e.py: 2 Gloo ranks on one GPU, every spec through the three front ends
 #   advise_cuda.json  hvdcompress advise --device cuda on the bench's MLP (timing that waits for the device)
+#   codec_fits.json benchmarks/codec_fits.py: the codec timings the planner fits, with their samples
+#   fsdp_cuda.json  benchmarks/fsdp_evidence.py on one rank over NCCL (a smoke test, not evidence)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -59,12 +62,19 @@ step advise_cuda 45 "$PY" -m hvdcompress.bench.advise --model mlp --device cuda 
 
 # 5. the Triton kernels under the machine's own Triton interpreter (CPU work, last: the GPU
 #    results above do not wait for it)
+# 5. the codec timings the planner fits on the device, with their samples (benchmarks/codec_fits.py)
+step codec_fits 60 "$PY" benchmarks/codec_fits.py --device cuda --json "$OUT/codec_fits.json"
+
+# 6. FSDP2 on CUDA over NCCL, one rank (a smoke test of the compressing reduce-scatter's CUDA path)
+step fsdp_cuda 60 "$PY" benchmarks/fsdp_evidence.py --workers 1 --device cuda --configs plain,int8,4bit,fp16 \
+  --steps 4 --warmup 1 --json "$OUT/fsdp_cuda.json"
+
 TRITON_TESTS=()
 for f in tests/test_*triton*.py; do [ -e "$f" ] && TRITON_TESTS+=("$f"); done
 step triton_interp 120 "$PY" -m pytest -q -rs -p no:cacheprovider "${TRITON_TESTS[@]}"
 
 printf '\n=== summary\n' | tee -a "$LOG"
-for name in pytest cuda_check gpu_e2e advise_cuda triton_interp; do
+for name in pytest cuda_check gpu_e2e advise_cuda codec_fits fsdp_cuda triton_interp; do
   printf '%-12s %s\n' "$name" "${STATUS[$name]:-not run}" | tee -a "$LOG"
 done
 ls -la "$OUT" | tee -a "$LOG"
