@@ -30,13 +30,12 @@ def variants():
                  "NESTEROV": "constexpr", "BLOCK": "constexpr"}, {"MOMENTUM": True, "NESTEROV": True, "BLOCK": 1024}))
     for kind, bits in ((0, 1), (1, 1), (2, 1), (3, 2), (4, 5), (4, 8)):
         if kind:
-            out.append((f"seg_partials kind={kind}", Q.seg_partials,
-                        {"x_ptr": F32, "r_ptr": F32, "wstart_ptr": I64, "wlen_ptr": I32, "out_ptr": F64,
-                         "KIND": "constexpr", "HAS_R": "constexpr", "CHUNK": "constexpr"},
-                        {"KIND": kind, "HAS_R": True, "CHUNK": 512}))
-            out.append((f"seg_finish kind={kind}", Q.seg_finish,
-                        {"part_ptr": F64, "pstart_ptr": I64, "count_ptr": I64, "scales_ptr": F32, "factor_ptr": F32,
-                         "levels": "fp32", "KIND": "constexpr", "FB": "constexpr"}, {"KIND": kind, "FB": 128}))
+            out.append((f"seg_reduce kind={kind}", Q.seg_reduce,
+                        {"x_ptr": F32, "r_ptr": F32, "wstart_ptr": I64, "wlen_ptr": I32, "wseg_ptr": I64,
+                         "pstart_ptr": I64, "count_ptr": I64, "part_ptr": F64, "done_ptr": I32, "scales_ptr": F32,
+                         "factor_ptr": F32, "levels": "fp32", "KIND": "constexpr", "HAS_R": "constexpr",
+                         "CHUNK": "constexpr", "FB": "constexpr"},
+                        {"KIND": kind, "HAS_R": True, "CHUNK": 512, "FB": 128}))
         out.append((f"codes kind={kind} bits={bits}", Q.codes,
                     {"x_ptr": F32, "r_ptr": F32, "rout_ptr": F32, "out_ptr": U8, "scales_ptr": F32, "factor_ptr": F32,
                      "moff_ptr": I64, "mfirst_ptr": I64, "nm": "constexpr", "bucket": "i32", "n": "i32",
@@ -47,8 +46,8 @@ def variants():
                     {"nm": 1, "base": 1, "KIND": kind, "BITS": bits, "HAS_R": True, "WRITE_R": kind != 0, "LOG": 2,
                      "BUCKETED": True, "BLOCK": 1024}))
         out.append((f"decode_sum kind={kind} bits={bits}", Q.decode_sum,
-                    {"buf_ptr": U8, "sc_ptr": F32, "out_ptr": F32, "moff_ptr": I64, "mfirst_ptr": I64, "nm": "i32",
-                     "bucket": "constexpr", "n": "i32", "part": "i32", "head": "i32", "nsc": "i32",
+                    {"buf_ptr": U8, "out_ptr": F32, "moff_ptr": I64, "mfirst_ptr": I64, "nm": "i32",
+                     "bucket": "constexpr", "n": "i32", "part": "i32", "head": "i32",
                      "world": "constexpr",
                      "levels": "fp32", "inv_levels": "fp32", "mult": "fp32", "KIND": "constexpr", "BITS": "constexpr",
                      "SCALE": "constexpr", "LOG": "constexpr", "BUCKETED": "constexpr", "BLOCK": "constexpr"},

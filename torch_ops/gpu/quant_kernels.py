@@ -6,11 +6,12 @@ member, or the member); the payload is ``[float32 scales | codes packed BITS per
 table (``moff``: each non-empty member's offset, ``mfirst``: its first segment) by a binary
 search of LOG steps, then ``(i - offset) // bucket`` inside the member.
 
-    seg_partials   pass 1: per chunk of a segment (the work list), the float64 partial sums of
+    seg_reduce     pass 1: per chunk of a segment (the work list), the float64 partial sums of
                    the segment's reduction (efsignsgd: sum |a|; onebit: sum and count of the
-                   entries >= 0, sum of the others; qsgd: sum a^2) or its max |a| (terngrad)
-    seg_finish     per segment, its partials in order: the float32 scales into the payload and
-                   the factor pass 2 uses (qsgd: levels / norm)
+                   entries >= 0, sum of the others; qsgd: sum a^2) or its max |a| (terngrad);
+                   the segment's last chunk to finish then sums its partials in order: the
+                   float32 scales into the payload and the factor pass 2 uses (qsgd: levels /
+                   norm). One launch: the finish needs no launch of its own
     codes          pass 2: codes, packed 8 entries at a time, and the residual a - decoded
     decode_sum     every rank's decoded payload summed in rank order, times the average's scale
 
@@ -71,38 +72,9 @@ def _uniform(i, base):
 
 
 @triton.jit
-def seg_partials(x_ptr, r_ptr, wstart_ptr, wlen_ptr, out_ptr,
-                 KIND: tl.constexpr, HAS_R: tl.constexpr, CHUNK: tl.constexpr):
-    w = tl.program_id(0)
-    start = tl.load(wstart_ptr + w)
-    ln = tl.load(wlen_ptr + w)
-    offs = tl.arange(0, CHUNK)
-    m = offs < ln
-    a = _a_at(x_ptr, r_ptr, start + offs, m, HAS_R)
-    if KIND == EFSIGN:
-        tl.store(out_ptr + w, tl.sum(tl.abs(a).to(tl.float64), 0))
-    elif KIND == ONEBIT:
-        a64 = a.to(tl.float64)
-        pos = (a >= 0) & m
-        tl.store(out_ptr + 3 * w, tl.sum(tl.where(pos, a64, 0.0), 0))
-        tl.store(out_ptr + 3 * w + 1, tl.sum(pos.to(tl.float64), 0))
-        tl.store(out_ptr + 3 * w + 2, tl.sum(tl.where(pos, 0.0, a64), 0))
-    elif KIND == TERN:
-        mag = tl.abs(a)
-        nan = tl.sum((mag != mag).to(tl.int32), 0) > 0
-        mx = tl.where(nan, float("nan"), tl.max(mag, 0))
-        tl.store(out_ptr + w, mx.to(tl.float64))
-    else:
-        a64 = a.to(tl.float64)
-        tl.store(out_ptr + w, tl.sum(a64 * a64, 0))
-
-
-@triton.jit
-def seg_finish(part_ptr, pstart_ptr, count_ptr, scales_ptr, factor_ptr, levels,
-               KIND: tl.constexpr, FB: tl.constexpr):
-    s = tl.program_id(0)
-    p0 = tl.load(pstart_ptr + s)
-    p1 = tl.load(pstart_ptr + s + 1)
+def _finish(part_ptr, p0, p1, cnt, s, scales_ptr, factor_ptr, levels, KIND: tl.constexpr, FB: tl.constexpr):
+    """Segment s's partials p0..p1-1 (written by other programs: volatile loads) in order: its
+    float32 scales into the payload and the factor the codes pass uses (qsgd: levels / norm)."""
     offs = tl.arange(0, FB)
     if KIND == ONEBIT:
         ps = tl.zeros((FB,), dtype=tl.float64)
@@ -110,13 +82,13 @@ def seg_finish(part_ptr, pstart_ptr, count_ptr, scales_ptr, factor_ptr, levels,
         ns = tl.zeros((FB,), dtype=tl.float64)
         for j in range(p0, p1, FB):
             m = j + offs < p1
-            ps += tl.load(part_ptr + 3 * (j + offs), mask=m, other=0.0)
-            pn += tl.load(part_ptr + 3 * (j + offs) + 1, mask=m, other=0.0)
-            ns += tl.load(part_ptr + 3 * (j + offs) + 2, mask=m, other=0.0)
+            ps += tl.load(part_ptr + 3 * (j + offs), mask=m, other=0.0, volatile=True)
+            pn += tl.load(part_ptr + 3 * (j + offs) + 1, mask=m, other=0.0, volatile=True)
+            ns += tl.load(part_ptr + 3 * (j + offs) + 2, mask=m, other=0.0, volatile=True)
         psum = tl.sum(ps, 0)
         pcnt = tl.sum(pn, 0)
         nsum = tl.sum(ns, 0)
-        ncnt = tl.load(count_ptr + s).to(tl.float64) - pcnt
+        ncnt = cnt.to(tl.float64) - pcnt
         pos = tl.where(pcnt > 0, psum / tl.maximum(pcnt, 1.0), 0.0).to(tl.float32)
         neg = tl.where(ncnt > 0, nsum / tl.maximum(ncnt, 1.0), 0.0).to(tl.float32)
         tl.store(scales_ptr + 2 * s, pos)
@@ -125,7 +97,7 @@ def seg_finish(part_ptr, pstart_ptr, count_ptr, scales_ptr, factor_ptr, levels,
         acc = tl.zeros((FB,), dtype=tl.float64)
         nan = tl.zeros((FB,), dtype=tl.int32)
         for j in range(p0, p1, FB):
-            v = tl.load(part_ptr + j + offs, mask=j + offs < p1, other=0.0)
+            v = tl.load(part_ptr + j + offs, mask=j + offs < p1, other=0.0, volatile=True)
             nan += (v != v).to(tl.int32)
             acc = tl.maximum(acc, v)
         mx = tl.where(tl.sum(nan, 0) > 0, float("nan"), tl.max(acc, 0)).to(tl.float32)
@@ -134,10 +106,10 @@ def seg_finish(part_ptr, pstart_ptr, count_ptr, scales_ptr, factor_ptr, levels,
     else:
         acc = tl.zeros((FB,), dtype=tl.float64)
         for j in range(p0, p1, FB):
-            acc += tl.load(part_ptr + j + offs, mask=j + offs < p1, other=0.0)
+            acc += tl.load(part_ptr + j + offs, mask=j + offs < p1, other=0.0, volatile=True)
         total = tl.sum(acc, 0)
         if KIND == EFSIGN:
-            mean = total / tl.load(count_ptr + s).to(tl.float64).to(tl.float32)
+            mean = total / cnt.to(tl.float64).to(tl.float32)
             tl.store(scales_ptr + s, mean)
             tl.store(factor_ptr + s, mean)
         else:  # QSGD: the norm, and levels / norm (0 for a zero norm)
@@ -145,6 +117,45 @@ def seg_finish(part_ptr, pstart_ptr, count_ptr, scales_ptr, factor_ptr, levels,
             f = tl.where(v > 0, tl.math.div_rn(levels, tl.where(v > 0, v, 1.0)), 0.0)
             tl.store(scales_ptr + s, v)
             tl.store(factor_ptr + s, f)
+
+
+@triton.jit
+def seg_reduce(x_ptr, r_ptr, wstart_ptr, wlen_ptr, wseg_ptr, pstart_ptr, count_ptr, part_ptr, done_ptr,
+               scales_ptr, factor_ptr, levels,
+               KIND: tl.constexpr, HAS_R: tl.constexpr, CHUNK: tl.constexpr, FB: tl.constexpr):
+    """Pass 1, one launch: each program reduces one chunk of a segment (the work list) into its
+    partials; the segment's last program to finish (a counter per segment, reset by it for the
+    next launch) sums the segment's partials in order (``_finish``)."""
+    w = tl.program_id(0)
+    start = tl.load(wstart_ptr + w)
+    ln = tl.load(wlen_ptr + w)
+    offs = tl.arange(0, CHUNK)
+    m = offs < ln
+    a = _a_at(x_ptr, r_ptr, start + offs, m, HAS_R)
+    if KIND == EFSIGN:
+        tl.store(part_ptr + w, tl.sum(tl.abs(a).to(tl.float64), 0))
+    elif KIND == ONEBIT:
+        a64 = a.to(tl.float64)
+        pos = (a >= 0) & m
+        tl.store(part_ptr + 3 * w, tl.sum(tl.where(pos, a64, 0.0), 0))
+        tl.store(part_ptr + 3 * w + 1, tl.sum(pos.to(tl.float64), 0))
+        tl.store(part_ptr + 3 * w + 2, tl.sum(tl.where(pos, 0.0, a64), 0))
+    elif KIND == TERN:
+        mag = tl.abs(a)
+        nan = tl.sum((mag != mag).to(tl.int32), 0) > 0
+        mx = tl.where(nan, float("nan"), tl.max(mag, 0))
+        tl.store(part_ptr + w, mx.to(tl.float64))
+    else:
+        a64 = a.to(tl.float64)
+        tl.store(part_ptr + w, tl.sum(a64 * a64, 0))
+    tl.debug_barrier()  # every thread's partial stored before the counter says so
+    s = tl.load(wseg_ptr + w)
+    p0 = tl.load(pstart_ptr + s)
+    p1 = tl.load(pstart_ptr + s + 1)
+    seen = tl.atomic_add(done_ptr + s, 1, sem="acq_rel")
+    if seen == p1 - p0 - 1:
+        _finish(part_ptr, p0, p1, tl.load(count_ptr + s), s, scales_ptr, factor_ptr, levels, KIND, FB)
+        tl.atomic_xchg(done_ptr + s, 0)
 
 
 @triton.jit
@@ -216,30 +227,41 @@ def _code_at(buf_ptr, i, valid, nbytes, BITS: tl.constexpr):
 
 
 @triton.jit
-def _decoded(buf_ptr, sc_ptr, i, seg, valid, nbytes, levels, inv_levels, KIND: tl.constexpr, BITS: tl.constexpr):
-    """One rank's decoded value of entry i (its payload's codes at buf_ptr, its scales at sc_ptr)."""
-    code = _code_at(buf_ptr, i, valid, nbytes, BITS)
+def _scale_at(pay_ptr, j, valid):
+    """The float32 scale j at the head of a payload (pay_ptr: its first byte; the payload need
+    not be 4-byte aligned in the gathered buffer, so the scale is read byte by byte)."""
+    at = 4 * j
+    word = tl.load(pay_ptr + at, mask=valid, other=0).to(tl.int32)
+    word = word | (tl.load(pay_ptr + at + 1, mask=valid, other=0).to(tl.int32) << 8)
+    word = word | (tl.load(pay_ptr + at + 2, mask=valid, other=0).to(tl.int32) << 16)
+    word = word | (tl.load(pay_ptr + at + 3, mask=valid, other=0).to(tl.int32) << 24)
+    return word.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decoded(pay_ptr, head, i, seg, valid, nbytes, levels, inv_levels, KIND: tl.constexpr, BITS: tl.constexpr):
+    """One rank's decoded value of entry i (pay_ptr: its payload, scales then codes from byte head)."""
+    code = _code_at(pay_ptr + head, i, valid, nbytes, BITS)
     if KIND == EFSIGN:
-        s = tl.load(sc_ptr + seg, mask=valid, other=0.0)
+        s = _scale_at(pay_ptr, seg, valid)
         d = tl.where(code == 1, s, -s)
     elif KIND == ONEBIT:
-        d = tl.where(code == 1, tl.load(sc_ptr + 2 * seg, mask=valid, other=0.0),
-                     tl.load(sc_ptr + 2 * seg + 1, mask=valid, other=0.0))
+        d = tl.where(code == 1, _scale_at(pay_ptr, 2 * seg, valid), _scale_at(pay_ptr, 2 * seg + 1, valid))
     elif KIND == TERN:
-        s = tl.load(sc_ptr + seg, mask=valid, other=0.0)
+        s = _scale_at(pay_ptr, seg, valid)
         d = tl.where(code == 1, s, tl.where(code == 2, -s, 0.0))
     else:
-        w = tl.load(sc_ptr + seg, mask=valid, other=0.0) * inv_levels
+        w = _scale_at(pay_ptr, seg, valid) * inv_levels
         d = (code.to(tl.float32) - levels) * w
     return d
 
 
 @triton.jit
-def decode_sum(buf_ptr, sc_ptr, out_ptr, moff_ptr, mfirst_ptr, nm, bucket, n, part, head, nsc, world, levels,
+def decode_sum(buf_ptr, out_ptr, moff_ptr, mfirst_ptr, nm, bucket, n, part, head, world, levels,
                inv_levels, mult, KIND: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr, LOG: tl.constexpr,
                BUCKETED: tl.constexpr, BLOCK: tl.constexpr):
     """out = (sum over ranks, in rank order, of each rank's decoded payload) * mult; signsgd: the
-    sign of the vote times world. ``sc_ptr``: the ranks' scales, (world, nsc) float32."""
+    sign of the vote times world. ``buf_ptr``: the gathered payloads, world x part bytes."""
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
@@ -252,10 +274,9 @@ def decode_sum(buf_ptr, sc_ptr, out_ptr, moff_ptr, mfirst_ptr, nm, bucket, n, pa
         total = sgn * tl.cast(world, tl.float32)
     else:
         seg = _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG, BUCKETED)
-        total = _decoded(buf_ptr + head, sc_ptr, i, seg, valid, nbytes, levels, inv_levels, KIND, BITS)
+        total = _decoded(buf_ptr, head, i, seg, valid, nbytes, levels, inv_levels, KIND, BITS)
         for r in range(1, world):
-            total = total + _decoded(buf_ptr + r * part + head, sc_ptr + r * nsc, i, seg, valid, nbytes,
-                                     levels, inv_levels, KIND, BITS)
+            total = total + _decoded(buf_ptr + r * part, head, i, seg, valid, nbytes, levels, inv_levels, KIND, BITS)
     if SCALE:
         total = total * mult
     tl.store(out_ptr + i, total, mask=valid)
