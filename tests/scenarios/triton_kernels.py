@@ -51,7 +51,8 @@ def _cases():
     for text, shape, kind, served in [("topk:ratio=0.01", (5000,), "t", 2),
                                       ("topk:ratio=0.05,residual=false", (6001,), "t", 2),
                                       ("topk:ratio=0.01", (4500,), "nan", 2), ("topk:ratio=0.0002", (5000,), "t", 1),
-                                      ("topk:ratio=0.01", (4200,), "zeros", 0)]:
+                                      ("topk:ratio=0.01", (4200,), "zeros", 0), ("topk:ratio=0.02", (6000,), "ties", 2),
+                                      ("topk:ratio=0.003,residual=false", (40000,), "t", 2)]:
         out.append((f"{text}|{shape[0]}|{kind}", text, shape, (), kind, served))
     for text, shape, kind in [("threshold:threshold=0.5", (37, 11), "t"),
                               ("threshold:threshold=1.5,residual=false", (1030,), "nan"),
@@ -87,6 +88,8 @@ def _grads(text, shape, kind, world=2, steps=2):
             v = np.round(g.standard_t(3, size=shape), 3).astype(np.float32)
             if kind == "zeros":
                 v[...] = 0.0
+            if kind == "ties":  # many equal magnitudes at the k-th largest: the tie rule decides
+                v = np.round(v, 1).astype(np.float32)
             flat = v.reshape(-1)
             flat[:3] = 0.0
             if kind in ("nonfinite", "nan"):  # nan: no inf (the sparsifiers' residual is 0 where
@@ -134,6 +137,7 @@ def run_case(case) -> str:
     t_states = [{} for _ in range(world)]
     jobs = []
     hooks = [(quant, "plan", lambda got: got is not None), (select, "at_least", lambda got: True),
+             (select, "topk", lambda got: got is not None), (select, "add_and_topk", lambda got: got[1] is not None),
              (select, "accumulate_and_select", lambda got: got[0]), (sketch, "plan", lambda got: got is not None)]
     saved = [getattr(mod, name) for mod, name, _ in hooks]
 

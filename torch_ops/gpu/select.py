@@ -41,16 +41,20 @@ def _fits(*ts) -> bool:
                     and t.numel() == first.numel() for t in ts))
 
 
+_room = {}  # per device: the most candidates an uncapped pass has found (its next guess of room)
+
+
 def at_least(a: torch.Tensor, t: torch.Tensor, g: Optional[torch.Tensor] = None,
-             cap: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
+             cap: Optional[int] = None, mags: bool = True) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """(indices ascending, their |a|, count) of every |a_i| >= t (a 0-dim tensor on a's
     device); with ``g``, a <- a + g first, in the same pass. With ``cap``, the lists hold at most
-    cap entries (count says how many passed); without, the pass is rerun (without the addition)
-    with room for all when the first guess of room was short."""
+    cap entries (count says how many passed); without, the room is the most an earlier pass on
+    this device found (at least 4,096), and the pass is rerun (without the addition) with room
+    for all when that was short. ``mags=False``: the |a| list is left unsorted (not needed)."""
     from . import select_kernels as K
 
     n = a.numel()
-    room = min(n, cap if cap is not None else 4096)
+    room = min(n, cap if cap is not None else max(4096, _room.get(a.device, 0)))
     t = t.reshape(1).to(a.dtype)
     grid = (max(1, -(-n // BLOCK)),)
     add = g is not None
@@ -60,13 +64,17 @@ def at_least(a: torch.Tensor, t: torch.Tensor, g: Optional[torch.Tensor] = None,
         count = torch.zeros(1, dtype=torch.int64, device=a.device)
         K.at_least[grid](a, g if add else a, t, idx, mag, count, room, n, ADD=add, BLOCK=BLOCK,
                          enable_fp_fusion=False)
-        c = int(count.item())
+        c = int(count.item())  # the host sync: how many passed (the payload's size)
+        if cap is None and c > _room.get(a.device, 0):
+            _room[a.device] = c
         if c <= room or cap is not None:
             break
         room, add = c, False
     kept = min(c, room)
     idx, mag = idx[:kept], mag[:kept]
     if kept > 1:
+        if not mags:
+            return torch.sort(idx).values, mag, c
         order = torch.sort(idx).indices
         idx, mag = idx.index_select(0, order), mag.index_select(0, order)
     return idx, mag, c
@@ -93,7 +101,76 @@ def _candidate_threshold(sample: torch.Tensor, k: int, n: int, slack: int) -> Op
     return torch.topk(sample, r, sorted=False).values.min()
 
 
+class _Work:
+    """Per-device buffers reused by every selection (kernels on one stream run one after
+    another): the sample, the counter, the candidates' keys (grown to the largest cap asked)."""
+
+    def __init__(self, device):
+        self.sample = torch.empty(2 * SAMPLE + 1, dtype=torch.float32, device=device)
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        self.keys = torch.empty(0, dtype=torch.int64, device=device)
+
+    def keys_for(self, cap: int) -> torch.Tensor:
+        if self.keys.numel() < cap:
+            self.keys = torch.empty(cap, dtype=torch.int64, device=self.count.device)
+        return self.keys
+
+
+_work = {}
+
+
+def _work_on(device) -> _Work:
+    w = _work.get(device)
+    if w is None:
+        w = _work[device] = _Work(device)
+    return w
+
+
+def _topk_keys(a: torch.Tensor, k: int, g: Optional[torch.Tensor]) -> Tuple[bool, Optional[torch.Tensor]]:
+    """Float32 top-k by candidate keys (``at_least_keys``): one sample launch, one ``topk`` of
+    the sample, one compacting launch, one host sync (the candidates' count: whether they hold
+    the answer), then the k largest keys. (whether g was added, the indices or None)."""
+    from . import select_kernels as K
+
+    n = a.numel()
+    stride = max(1, n // SAMPLE)
+    start = stride // 2
+    m = len(range(start, n, stride))
+    w = _work_on(a.device)
+    sample = w.sample[:m]
+    add = g is not None
+    K.sample_abs[(-(-m // BLOCK),)](a, g if add else a, sample, w.count, start, stride, m, ADD=add, BLOCK=BLOCK)
+    added = False
+    ks = sample_k(k, m, n)
+    cap = max(4 * k, 4096)
+    keys = w.keys_for(cap)
+    for slack in (4, 16):
+        r = ks + int(slack * math.sqrt(ks)) + slack
+        if 8 * r > m:  # a dense selection: a candidate set would be no cheaper than the whole
+            break
+        if slack != 4:
+            w.count.zero_()
+        tv = torch.topk(sample, r, sorted=False).values
+        K.at_least_keys[(max(1, -(-n // BLOCK)),)](a, g if add else a, tv, r, keys, w.count, cap, n,
+                                                  ADD=add and not added, BLOCK=BLOCK,
+                                                  TB=max(16, 1 << (r - 1).bit_length()), enable_fp_fusion=False)
+        added = added or add
+        c = int(w.count.item())  # the one host sync: whether the candidates hold the answer
+        if c > cap:  # far more candidates than the sample said (or t <= 0: every entry passed)
+            break
+        if c >= k:
+            top = torch.topk(keys[:c], k, sorted=False).values if c > k else keys[:c]
+            low = torch.sort(torch.bitwise_and(top, 0xFFFFFFFF), descending=True).values
+            return added, 0xFFFFFFFF - low
+    return added, None
+
+
 def _topk(a: torch.Tensor, k: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if a.dtype == torch.float32 and a.numel() < (1 << 31):
+        added, found = _topk_keys(a, k, g)
+        if g is not None and not added:
+            a.add_(g)
+        return found
     n = a.numel()
     stride = max(1, n // SAMPLE)
     if g is None:
@@ -128,7 +205,7 @@ def threshold(a: torch.Tensor, t: torch.Tensor) -> Optional[torch.Tensor]:
     """Indices (int64, ascending) of every |a| >= t (0-dim, a's dtype) in one pass, or None."""
     if a.dim() != 1 or not a.is_contiguous() or not _fits(a):
         return None
-    return at_least(a, t)[0]
+    return at_least(a, t, mags=False)[0]
 
 
 def add_and_topk(r: torch.Tensor, g: torch.Tensor, k: int) -> Tuple[bool, Optional[torch.Tensor]]:
