@@ -44,8 +44,15 @@ def _cases():
     for text in ["signsgd", "efsignsgd", "onebit:scope=tensor,momentum=0.9", "terngrad", "terngrad:bucket=64",
                  "qsgd:bucket=64", "qsgd:levels=2,bucket=0,residual=true"]:
         out.append((f"{text}|nonfinite", text, (1003,), (), "nonfinite", 2))
-    for text in ["onebit", "terngrad:share_scale=true"]:  # left to the torch ops, still the oracle
+    for text in ["terngrad:share_scale=true"]:  # left to the torch ops, still the oracle
         out.append((f"{text}|torch-ops", text, (37, 11), (), "t", 0))
+    # onebit's default scope: a (pos, neg) pair per column; tiles of rows x columns, several
+    # column blocks and row chunks, a 1-D tensor (one column), merged members
+    for text, shape, members, kind in [("onebit", (37, 11), (), "t"), ("onebit", (300, 40), (), "t"),
+                                       ("onebit", (7,), (), "t"), ("onebit", (1030,), (), "t"),
+                                       ("onebit:momentum=0.9", (300, 40), (), "nonfinite"),
+                                       ("onebit", (20, 15), (), "zeros"), ("onebit", (1124,), MERGED, "t")]:
+        out.append((f"{text}|{shape}|columns|{kind}", text, shape, members, kind, 2))
     out.append(("qsgd|switched-off", "qsgd", (37, 11), (), "off", 0))
     # top-k (>= 4,096 entries: smaller ones take one torch topk): exact, ties toward the lower index
     for text, shape, kind, served in [("topk:ratio=0.01", (5000,), "t", 2),

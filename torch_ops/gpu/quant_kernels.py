@@ -13,6 +13,8 @@ search of LOG steps, then ``(i - offset) // bucket`` inside the member.
                    float32 scales into the payload and the factor pass 2 uses (qsgd: levels /
                    norm). One launch: the finish needs no launch of its own
     codes          pass 2: codes, packed 8 entries at a time, and the residual a - decoded
+    col_reduce     onebit:scope=column's pass 1: per tile of a member's rows x columns, the
+                   columns' partials; the column block's last tile writes the columns' scales
     decode_sum     every rank's decoded payload summed in rank order, times the average's scale
 
 Every float operation is the oracle's, in its order (launched without FMA contraction; float32
@@ -46,15 +48,19 @@ def _a_at(x_ptr, r_ptr, idx, m, HAS_R: tl.constexpr):
 
 
 @triton.jit
-def _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG: tl.constexpr, BUCKETED: tl.constexpr):
-    """Each entry's segment: the last member whose offset is <= i, then its bucket."""
+def _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG: tl.constexpr, BUCKETED: tl.constexpr,
+                mcols_ptr=None, COLUMNS: tl.constexpr = False):
+    """Each entry's segment: the last member whose offset is <= i, then its bucket (COLUMNS:
+    its column, the member viewed as (rows, mcols))."""
     lo = tl.zeros(i.shape, dtype=tl.int32)
     for step in tl.static_range(LOG):
         cand = lo + (1 << (LOG - 1 - step))
         off = tl.load(moff_ptr + cand, mask=cand < nm, other=0x7FFFFFFFFFFFFFFF)
         lo = tl.where(off <= i, cand, lo)
     seg = tl.load(mfirst_ptr + lo)
-    if BUCKETED:
+    if COLUMNS:
+        seg = seg + (i - tl.load(moff_ptr + lo)) % tl.load(mcols_ptr + lo)
+    elif BUCKETED:
         seg = seg + (i - tl.load(moff_ptr + lo)) // bucket
     return seg
 
@@ -159,10 +165,60 @@ def seg_reduce(x_ptr, r_ptr, wstart_ptr, wlen_ptr, wseg_ptr, pstart_ptr, count_p
 
 
 @triton.jit
-def codes(x_ptr, r_ptr, rout_ptr, out_ptr, scales_ptr, factor_ptr, moff_ptr, mfirst_ptr, nm, bucket,
+def col_reduce(x_ptr, r_ptr, woff_ptr, wcols_ptr, wcol0_ptr, wrow0_ptr, wrlen_ptr, wcb_ptr,
+               cbw_ptr, cbcol_ptr, cbrows_ptr, part_ptr, done_ptr, scales_ptr,
+               HAS_R: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+    """onebit:scope=column, pass 1 in one launch: each program reduces a tile of RB rows x CB
+    columns of a member (viewed as (rows, cols)) into per-column float64 partials (sum and count
+    of the entries >= 0, sum of the others); the column block's last tile to finish sums the
+    tiles' partials in row order and writes each column's (pos, neg) means into the payload."""
+    w = tl.program_id(0)
+    off = tl.load(woff_ptr + w)
+    cols = tl.load(wcols_ptr + w)
+    col0 = tl.load(wcol0_ptr + w)
+    row0 = tl.load(wrow0_ptr + w)
+    rlen = tl.load(wrlen_ptr + w)
+    rr = tl.arange(0, RB)[:, None]
+    cc = tl.arange(0, CB)[None, :]
+    m = (rr < rlen) & (col0 + cc < cols)
+    idx = off + (row0 + rr).to(tl.int64) * cols + col0 + cc
+    a = _a_at(x_ptr, r_ptr, idx, m, HAS_R)
+    a64 = a.to(tl.float64)
+    pos = (a >= 0) & m
+    ck = tl.arange(0, CB)
+    base = part_ptr + 3 * (w.to(tl.int64) * CB + ck)
+    tl.store(base, tl.sum(tl.where(pos, a64, 0.0), 0))
+    tl.store(base + 1, tl.sum(pos.to(tl.float64), 0))
+    tl.store(base + 2, tl.sum(tl.where(pos, 0.0, a64), 0))
+    tl.debug_barrier()  # every thread's partials stored before the counter says so
+    cb = tl.load(wcb_ptr + w)
+    w0 = tl.load(cbw_ptr + cb)
+    w1 = tl.load(cbw_ptr + cb + 1)
+    seen = tl.atomic_add(done_ptr + cb, 1, sem="acq_rel")
+    if seen == w1 - w0 - 1:
+        ps = tl.zeros((CB,), dtype=tl.float64)
+        pn = tl.zeros((CB,), dtype=tl.float64)
+        ns = tl.zeros((CB,), dtype=tl.float64)
+        for j in range(w0, w1):
+            at = part_ptr + 3 * (j * CB + ck)
+            ps += tl.load(at, volatile=True)
+            pn += tl.load(at + 1, volatile=True)
+            ns += tl.load(at + 2, volatile=True)
+        ncnt = tl.load(cbrows_ptr + cb).to(tl.float64) - pn
+        pmean = tl.where(pn > 0, ps / tl.maximum(pn, 1.0), 0.0).to(tl.float32)
+        nmean = tl.where(ncnt > 0, ns / tl.maximum(ncnt, 1.0), 0.0).to(tl.float32)
+        c = tl.load(cbcol_ptr + cb) + ck
+        live = col0 + ck < cols
+        tl.store(scales_ptr + 2 * c, pmean, mask=live)
+        tl.store(scales_ptr + 2 * c + 1, nmean, mask=live)
+        tl.atomic_xchg(done_ptr + cb, 0)
+
+
+@triton.jit
+def codes(x_ptr, r_ptr, rout_ptr, out_ptr, scales_ptr, factor_ptr, moff_ptr, mfirst_ptr, mcols_ptr, nm, bucket,
           n, nbytes, base, levels, inv_levels,
           KIND: tl.constexpr, BITS: tl.constexpr, HAS_R: tl.constexpr, WRITE_R: tl.constexpr,
-          LOG: tl.constexpr, BUCKETED: tl.constexpr, BLOCK: tl.constexpr):
+          LOG: tl.constexpr, BUCKETED: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
@@ -171,7 +227,7 @@ def codes(x_ptr, r_ptr, rout_ptr, out_ptr, scales_ptr, factor_ptr, moff_ptr, mfi
     if KIND == SIGN:
         code = nonneg.to(tl.int32)
     else:
-        seg = _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG, BUCKETED)
+        seg = _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG, BUCKETED, mcols_ptr, COLUMNS)
         if KIND == EFSIGN:
             sv = tl.load(factor_ptr + seg, mask=valid, other=0.0)
             code = nonneg.to(tl.int32)
@@ -257,9 +313,9 @@ def _decoded(pay_ptr, head, i, seg, valid, nbytes, levels, inv_levels, KIND: tl.
 
 
 @triton.jit
-def decode_sum(buf_ptr, out_ptr, moff_ptr, mfirst_ptr, nm, bucket, n, part, head, world, levels,
+def decode_sum(buf_ptr, out_ptr, moff_ptr, mfirst_ptr, mcols_ptr, nm, bucket, n, part, head, world, levels,
                inv_levels, mult, KIND: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr, LOG: tl.constexpr,
-               BUCKETED: tl.constexpr, BLOCK: tl.constexpr):
+               BUCKETED: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
     """out = (sum over ranks, in rank order, of each rank's decoded payload) * mult; signsgd: the
     sign of the vote times world. ``buf_ptr``: the gathered payloads, world x part bytes."""
     pid = tl.program_id(0)
@@ -273,7 +329,7 @@ def decode_sum(buf_ptr, out_ptr, moff_ptr, mfirst_ptr, nm, bucket, n, part, head
         sgn = tl.where(votes > 0, 1.0, tl.where(votes < 0, -1.0, 0.0))
         total = sgn * tl.cast(world, tl.float32)
     else:
-        seg = _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG, BUCKETED)
+        seg = _segment_of(i, moff_ptr, mfirst_ptr, nm, bucket, LOG, BUCKETED, mcols_ptr, COLUMNS)
         total = _decoded(buf_ptr, head, i, seg, valid, nbytes, levels, inv_levels, KIND, BITS)
         for r in range(1, world):
             total = total + _decoded(buf_ptr + r * part, head, i, seg, valid, nbytes, levels, inv_levels, KIND, BITS)
