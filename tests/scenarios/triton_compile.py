@@ -64,7 +64,8 @@ def variants():
                 {"a_ptr": F32, "g_ptr": F32, "out_ptr": F32, "count_ptr": I64, "start": "i32", "stride": "i32",
                  "m": "i32", "ADD": "constexpr", "BLOCK": "constexpr"}, {"ADD": True, "BLOCK": 1024}))
     out.append(("at_least_keys", S.at_least_keys,
-                {"a_ptr": F32, "g_ptr": F32, "tv_ptr": F32, "nt": "i32", "keys_ptr": I64, "count_ptr": I64,
+                {"a_ptr": F32, "g_ptr": F32, "tv_ptr": F32, "nt": "i32", "lower": "fp32", "times": "i32",
+                 "keys_ptr": I64, "count_ptr": I64,
                  "cap": "i32", "n": "i32", "ADD": "constexpr", "BLOCK": "constexpr", "TB": "constexpr"},
                 {"ADD": True, "BLOCK": 1024, "TB": 64}))
     out.append(("update_sketch R=8", K.update_sketch,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from hvdcompress.sampling import ACCEPT_HIGH_TENTHS, ACCEPT_LOW_TENTHS, LOWER_FACTOR, sample_k, sample_stride
@@ -107,7 +108,7 @@ class _Work:
 
     def __init__(self, device):
         self.sample = torch.empty(2 * SAMPLE + 1, dtype=torch.float32, device=device)
-        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        self.count = torch.zeros(2, dtype=torch.int64, device=device)  # (candidates, whether t > 0)
         self.keys = torch.empty(0, dtype=torch.int64, device=device)
 
     def keys_for(self, cap: int) -> torch.Tensor:
@@ -151,18 +152,24 @@ def _topk_keys(a: torch.Tensor, k: int, g: Optional[torch.Tensor]) -> Tuple[bool
         if slack != 4:
             w.count.zero_()
         tv = torch.topk(sample, r, sorted=False).values
-        K.at_least_keys[(max(1, -(-n // BLOCK)),)](a, g if add else a, tv, r, keys, w.count, cap, n,
+        K.at_least_keys[(max(1, -(-n // BLOCK)),)](a, g if add else a, tv, r, 1.0, 0, keys, w.count, cap, n,
                                                   ADD=add and not added, BLOCK=BLOCK,
                                                   TB=max(16, 1 << (r - 1).bit_length()), enable_fp_fusion=False)
         added = added or add
-        c = int(w.count.item())  # the one host sync: whether the candidates hold the answer
+        c = w.count.tolist()[0]  # the one host sync: whether the candidates hold the answer
         if c > cap:  # far more candidates than the sample said (or t <= 0: every entry passed)
             break
         if c >= k:
-            top = torch.topk(keys[:c], k, sorted=False).values if c > k else keys[:c]
-            low = torch.sort(torch.bitwise_and(top, 0xFFFFFFFF), descending=True).values
-            return added, 0xFFFFFFFF - low
+            return added, _indices_of(keys[:c], k)
     return added, None
+
+
+def _indices_of(keys: torch.Tensor, k: Optional[int] = None) -> torch.Tensor:
+    """The indices (int64, ascending) of the k largest candidate keys (all of them: k None)."""
+    if k is not None and keys.numel() > k:
+        keys = torch.topk(keys, k, sorted=False).values
+    low = torch.sort(torch.bitwise_and(keys, 0xFFFFFFFF), descending=True).values
+    return 0xFFFFFFFF - low
 
 
 def _topk(a: torch.Tensor, k: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -230,6 +237,8 @@ def accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_it
                                             NESTEROV=bool(nesterov), BLOCK=BLOCK, enable_fp_fusion=False)
     sample = v[offset::sample_stride(sample_ratio)].abs()
     ks = sample_k(k, sample.numel(), n)
+    if v.dtype == torch.float32 and n < (1 << 31) and ks <= MAX_TV:
+        return True, _dgc_keys(v, k, torch.topk(sample, ks, sorted=False).values, ks, adapt_iters)
     thr = torch.topk(sample, ks, sorted=False).values.min()
     lower = torch.tensor(LOWER_FACTOR, dtype=v.dtype, device=v.device)
     idx = None
@@ -243,3 +252,36 @@ def accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_it
             return True, idx
         thr = thr * lower
     return True, idx
+
+
+MAX_TV = 4096  # the most sample values the compacting kernel takes the least of
+
+
+def _dgc_keys(v: torch.Tensor, k: int, tv: torch.Tensor, ks: int, adapt_iters: int) -> Optional[torch.Tensor]:
+    """DGC's sampled-threshold rule on float32 v by candidate keys: per adaptation one compacting
+    launch (the threshold, min(tv) * LOWER_FACTOR^it, computed in it) and one host sync (the
+    count, and whether the threshold is > 0: None when not, the torch ops then decide)."""
+    from . import select_kernels as K
+
+    n = v.numel()
+    w = _work_on(v.device)
+    lower = float(np.float32(LOWER_FACTOR))
+    tb = max(16, 1 << (ks - 1).bit_length())
+    for it in range(adapt_iters + 1):
+        room = min(n, max(4096, 2 * k, _room.get(("keys", v.device), 0)))
+        while True:
+            keys = w.keys_for(room)
+            w.count.zero_()
+            K.at_least_keys[(max(1, -(-n // BLOCK)),)](v, v, tv, ks, lower, it, keys, w.count, room, n, ADD=False,
+                                                      BLOCK=BLOCK, TB=tb, enable_fp_fusion=False)
+            c, positive = w.count.tolist()  # the one host sync of this adaptation step
+            if not positive:  # every entry passes: the torch ops' exact top-k of the whole
+                return None
+            if c <= room:
+                break
+            room = _room[("keys", v.device)] = c
+        if 10 * c > ACCEPT_HIGH_TENTHS * k:
+            return _indices_of(keys[:c], k)
+        if 10 * c >= ACCEPT_LOW_TENTHS * k or it == adapt_iters:
+            return _indices_of(keys[:c])
+    return None

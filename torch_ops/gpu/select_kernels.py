@@ -40,15 +40,21 @@ def sample_abs(a_ptr, g_ptr, out_ptr, count_ptr, start, stride, m, ADD: tl.const
 
 
 @triton.jit
-def at_least_keys(a_ptr, g_ptr, tv_ptr, nt, keys_ptr, count_ptr, cap, n,
+def at_least_keys(a_ptr, g_ptr, tv_ptr, nt, lower, times, keys_ptr, count_ptr, cap, n,
                   ADD: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr):
-    """Float32 top-k's candidates: t = min(tv[0:nt]) (the sample's r largest: t is the r-th),
+    """Float32 candidates: t = min(tv[0:nt]) (a sample's r largest: t is the r-th), times
+    ``lower`` ``times`` times (DGC's adaptation, each product rounded as a float32 multiply),
     then every |a_i| >= t compacted as one int64 key (|a_i|'s bits << 32 | 0xFFFFFFFF - i): the
     larger key is the larger |a|, among equal ones the lower index, so the k largest keys are
-    the exact top-k with the oracle's tie rule. With ADD, a <- a + g first, in place."""
+    the exact top-k with the oracle's tie rule. With ADD, a <- a + g first, in place. Program 0
+    writes whether t > 0 into count_ptr[1] (read with the count: one host sync)."""
     pid = tl.program_id(0)
     offs = tl.arange(0, TB)
     t = tl.min(tl.load(tv_ptr + offs, mask=offs < nt, other=float("inf")), 0)
+    for _ in range(times):
+        t = t * lower
+    if pid == 0:
+        tl.store(count_ptr + 1, (t > 0).to(tl.int64))
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
     a = tl.load(a_ptr + i, mask=valid, other=0.0)
