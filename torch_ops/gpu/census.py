@@ -107,13 +107,28 @@ class Census:
 
             self._saved.append((cls, run))
             cls.run = counted
+        tolist = torch.Tensor.tolist
+
+        def counted_tolist(t, _tolist=tolist):  # a copy to the host: no aten op on a CPU tensor
+            if self._paused:
+                return _tolist(t)
+            self.counts["syncs"] += 1
+            self.sync_ops["tolist"] += 1
+            was, self._paused = self._paused, True
+            try:
+                return _tolist(t)
+            finally:
+                self._paused = was
+
+        self._saved.append((torch.Tensor, tolist))
+        torch.Tensor.tolist = counted_tolist
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
-        for cls, run in reversed(self._saved):
-            cls.run = run
+        for cls, fn in reversed(self._saved):
+            setattr(cls, "tolist" if cls is torch.Tensor else "run", fn)
         self._saved.clear()
         return False
 
