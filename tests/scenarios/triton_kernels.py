@@ -79,10 +79,55 @@ def _cases():
                               ("sketch:ratio=0.01,rows=1,cols=300", (2000,), "t"),
                               ("sketch:ratio=0.01,rows=7", (3000,), "nan"), ("sketch:ratio=0.01", (2000,), "zeros")]:
         out.append((f"{text}|{shape}|{kind}", text, shape, (), kind, 2))
+    # what one warm exchange launches (Triton, torch ops) and where it waits (host syncs): the
+    # cost the kernels were built to, counted by torch_ops.gpu.census (world of one, 3 steps)
+    for text, counts in CENSUS.items():
+        out.append((f"census|{text}", text, (64, 100), (), "census", counts))
     return out
 
 
+CENSUS = {"signsgd": (2, 0, 0), "efsignsgd": (3, 0, 0), "onebit": (3, 0, 0), "onebit:scope=tensor": (3, 0, 0),
+          "terngrad": (3, 0, 0), "qsgd:levels=127,bucket=512": (3, 0, 0), "topk:ratio=0.01": (2, 12, 1),
+          "dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256": (2, 14, 1)}
 CASES = {c[0]: c for c in _cases()}
+
+
+def run_census(case) -> str:
+    """"ok", or the census when (Triton launches, torch ops, host syncs) differ from the case's."""
+    import torch
+
+    from hvdcompress import parse_spec
+    from torch_ops import gpu
+    from torch_ops.compressors import ExchangeContext, build_compressor
+    from torch_ops.gpu.census import Census
+
+    def world_of_one(ex):  # each collective returns its input: no op of the test's own is counted
+        reqs = next(ex)
+        while True:
+            try:
+                reqs = ex.send(tuple(q.tensor for q in reqs))
+            except StopIteration:
+                return
+
+    cid, text, shape, _, _, want = case
+    comp = build_compressor(parse_spec(text))
+    gen = torch.Generator().manual_seed(3)
+    state = {}
+    gpu.set_triton(True, force=True)
+    try:
+        for step in range(3):
+            x = torch.randn(shape, generator=gen).reshape(-1)
+            ex = comp.exchange(x, ExchangeContext("layer.w", step, 1, 1.0, state, shape, 0, 0))
+            if step < 2:
+                world_of_one(ex)
+                continue
+            with Census() as c:
+                world_of_one(ex)
+    finally:
+        gpu.set_triton(True, force=False)
+    got = c.summary()
+    have = (got["triton"], got["torch_ops"], got["syncs"])
+    return "ok" if have == tuple(want) else f"(triton, torch ops, syncs) {have}, expected {tuple(want)}: {got}"
 
 
 def _grads(text, shape, kind, world=2, steps=2):
@@ -125,6 +170,8 @@ def _tap(gen, sink):
 
 def run_case(case) -> str:
     """"ok", or what differs from the oracle."""
+    if case[4] == "census":
+        return run_census(case)
     import numpy as np
     import torch
 

@@ -2,11 +2,13 @@
 
 ``plan(comp, x, ctx)`` returns a ``Job`` when the kernels serve the exchange (``torch_ops.gpu.serves``
 the tensor; float32 contiguous 1-D gradient; members that tile it, as ``hvdcompress.native.quant.codec``
-decides for the compiled CPU kernels; not ``onebit:scope=column`` nor TernGrad's shared scale),
-else None and the caller runs the torch ops. ``Job.encode`` writes the payload
-``[float32 scales | packed codes]`` and the new residual (the residual is added inside the
-kernels: ``a = x + r``, read and written in place); ``Job.decode_sum`` turns the gathered
-payloads into their sum in rank order times the average's scale.
+decides for the compiled CPU kernels; not TernGrad's shared scale), else None and the caller
+runs the torch ops. ``Job.encode`` writes the payload ``[float32 scales | packed codes]`` and the
+new residual (the residual is added inside the kernels: ``a = x + r``, read and written in
+place) in two launches (the reduction, then the codes; signsgd: the codes only);
+``Job.decode_sum`` turns the gathered payloads into their sum in rank order times the average's
+scale in one. No host sync, no torch op between the launches: the layout's tables and work
+space are built once per compressor and layout (``_layout_of``).
 """
 
 from __future__ import annotations

@@ -3,17 +3,27 @@
 ``topk(a, k)`` / ``add_and_topk(r, g, k)``: the exact top-k (ties toward the lower index, NaN
 last: ``hvdcompress.reference.topk_indices``) without a ``torch.topk`` over the tensor. A
 threshold t from a strided sample, a few standard deviations below the estimated k-th largest
-|a|, gives candidates {|a| >= t} in one pass (``at_least``; with error feedback the pass also
-does r <- r + g); when at least k pass, the answer lies among them and the tie rule is applied
-there (the k-th largest value w: every candidate above w, then the lowest-index ones equal to
-w). Otherwise they return None (``add_and_topk``: after the addition, which the caller's torch
-branch then must not repeat -- it runs ``topk_indices`` on r) and the torch ops decide.
+|a|, gives candidates {|a| >= t} in one pass; when at least k pass, the answer lies among them.
+For float32 (``_topk_keys``): one launch takes the sample (``sample_abs``, with error feedback
+of r + g), one ``torch.topk`` of the sample gives its r largest, one launch takes their least as
+t and compacts the candidates as int64 keys (|a|'s bits, then the reversed index: the k largest
+keys are the oracle's top-k, ties included; with error feedback the pass also does r <- r + g),
+and one host sync reads their count (whether they hold the answer); then a ``topk`` and a
+``sort`` of the keys give the indices. Float64 takes ``at_least`` and the tie rule on (index,
+|a|) lists. When too few (or far too many) candidates pass they return None (``add_and_topk``:
+after the addition, which the caller's torch branch then must not repeat -- it runs
+``topk_indices`` on r) and the torch ops decide.
 
-``threshold(a, t)``: every |a| >= t, the threshold compressor's selection, in one pass.
+``threshold(a, t)``: every |a| >= t, the threshold compressor's selection, in one pass and one
+host sync (the payload's size is the data's).
 
 ``accumulate_and_select(...)``: DGC's update in one pass (``dgc_update``), then the oracle's
-sampled-threshold rule (``hvdcompress.sampling``) with each threshold's candidates found by
-``at_least``: the same sample, threshold and adaptation as the torch branch, so the same indices.
+sampled-threshold rule (``hvdcompress.sampling``): the same sample, threshold and adaptation as
+the torch branch, so the same indices; float32 by candidate keys, one launch and one host sync
+per adaptation step (the threshold computed in the launch).
+
+Buffers reused across calls (the sample, the counter, the keys) assume the kernels of one device
+run on one stream, one exchange after another (as every front end launches them).
 
 Every function returns None where the kernels do not serve (``torch_ops.gpu.serves``; float32 or
 float64 contiguous tensors), and the caller runs the torch ops.
