@@ -68,6 +68,11 @@ def variants():
                  "keys_ptr": I64, "count_ptr": I64,
                  "cap": "i32", "n": "i32", "ADD": "constexpr", "BLOCK": "constexpr", "TB": "constexpr"},
                 {"ADD": True, "BLOCK": 1024, "TB": 64}))
+    for wire in (True, False):
+        out.append((f"take_zero wire={wire}", S.take_zero,
+                    {"idx_ptr": I64, "v_ptr": F32, "u_ptr": F32, "wire_ptr": "*i32" if wire else F32, "vals_ptr": F32,
+                     "k": "i32", "HAS_U": "constexpr", "WIRE": "constexpr", "BLOCK": "constexpr"},
+                    {"HAS_U": not wire, "WIRE": wire, "BLOCK": 1024}))
     out.append(("update_sketch R=8", K.update_sketch,
                 {"g_ptr": F32, "u_ptr": F32, "v_ptr": F32, "m_ptr": F32, "cells_ptr": F32, "low_ptr": I64,
                  "high_ptr": I64, "n": "i32", "r": "i32", "n_low": "i32", "n_high": "constexpr", "cols2": "i32",

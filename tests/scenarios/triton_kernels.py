@@ -87,8 +87,8 @@ def _cases():
 
 
 CENSUS = {"signsgd": (2, 0, 0), "efsignsgd": (3, 0, 0), "onebit": (3, 0, 0), "onebit:scope=tensor": (3, 0, 0),
-          "terngrad": (3, 0, 0), "qsgd:levels=127,bucket=512": (3, 0, 0), "topk:ratio=0.01": (2, 12, 1),
-          "dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256": (2, 14, 1)}
+          "terngrad": (3, 0, 0), "qsgd:levels=127,bucket=512": (3, 0, 0), "topk:ratio=0.01": (3, 8, 1),
+          "dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256": (3, 11, 1)}
 CASES = {c[0]: c for c in _cases()}
 
 

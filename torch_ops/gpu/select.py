@@ -233,6 +233,25 @@ def add_and_topk(r: torch.Tensor, g: torch.Tensor, k: int) -> Tuple[bool, Option
     return True, _topk(r, k, g)
 
 
+def take(v: torch.Tensor, idx: torch.Tensor, wire_dtype: Optional[torch.dtype] = None,
+         u: Optional[torch.Tensor] = None):
+    """The values v[idx] and then v[idx] <- 0 (u given: u[idx] <- 0 too) in one launch, for
+    distinct int64 indices; with ``wire_dtype``, (indices in that dtype, values). None where the
+    kernels do not serve (the caller's torch ops: ``index_select`` and ``index_fill_``)."""
+    if (v.dim() != 1 or idx.dim() != 1 or idx.dtype != torch.int64 or not idx.is_contiguous()
+            or idx.device != v.device or not _fits(v, *(() if u is None else (u,)))):
+        return None
+    from . import select_kernels as K
+
+    k = idx.numel()
+    vals = torch.empty(k, dtype=v.dtype, device=v.device)
+    wire = None if wire_dtype is None else torch.empty(k, dtype=wire_dtype, device=v.device)
+    if k:
+        K.take_zero[(-(-k // BLOCK),)](idx, v, v if u is None else u, vals if wire is None else wire, vals, k,
+                                       HAS_U=u is not None, WIRE=wire is not None, BLOCK=BLOCK)
+    return vals if wire is None else (wire, vals)
+
+
 def accumulate_and_select(g, u, v, momentum, nesterov, k, sample_ratio, adapt_iters, offset
                           ) -> Tuple[bool, Optional[torch.Tensor]]:
     """(whether DGC's update was done, the selected indices or None): with None after the

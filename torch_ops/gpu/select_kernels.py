@@ -8,6 +8,7 @@
                  compacted into (index, |a|) lists: each program counts its passing entries,
                  reserves their places with one atomic add and writes them in index order;
                  with ADD, first a <- a + g in place (error feedback's compensation, fused)
+    take_zero    the sent values v[idx] (and the wire's indices), then v[idx] <- 0 (and u[idx])
     dgc_update   DGC's state update in one pass: u <- m*u + g; v <- v + u (Nesterov:
                  v <- v + (g + m*u)); without momentum v <- v + g
 
@@ -90,6 +91,24 @@ def at_least(a_ptr, g_ptr, t_ptr, idx_ptr, mag_ptr, count_ptr, cap, n,
         ok = hit & (at < cap)
         tl.store(idx_ptr + at, i, mask=ok)
         tl.store(mag_ptr + at, mag, mask=ok)
+
+
+@triton.jit
+def take_zero(idx_ptr, v_ptr, u_ptr, wire_ptr, vals_ptr, k, HAS_U: tl.constexpr, WIRE: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """The sent values v[idx] (and, with WIRE, the indices in the wire's dtype), then v[idx] <- 0
+    (and u[idx] <- 0): the indices are distinct, so each entry is read and zeroed by one thread."""
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = j < k
+    i = tl.load(idx_ptr + j, mask=valid, other=0)
+    val = tl.load(v_ptr + i, mask=valid, other=0.0)
+    tl.store(vals_ptr + j, val, mask=valid)
+    if WIRE:
+        tl.store(wire_ptr + j, i.to(wire_ptr.dtype.element_ty), mask=valid)
+    tl.store(v_ptr + i, tl.zeros_like(val), mask=valid)
+    if HAS_U:
+        tl.store(u_ptr + i, tl.zeros_like(val), mask=valid)
 
 
 @triton.jit
