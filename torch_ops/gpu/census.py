@@ -29,9 +29,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
-                      "unique_dim", "nonzero_static_no", "argwhere", "masked_scatter_", "repeat_interleave_no_size"})
+                      "unique_dim", "argwhere", "repeat_interleave_no_size"})
 ALLOC_OPS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
-                       "lift_fresh_copy", "_to_copy_host"})
+                       "lift_fresh_copy"})
 FREE_OPS = frozenset({"view", "_unsafe_view", "as_strided", "slice", "select", "expand", "t", "transpose", "permute",
                       "unsqueeze", "squeeze", "alias", "detach", "_reshape_alias", "reshape", "view_as", "unfold",
                       "split", "split_with_sizes", "chunk", "unbind", "diagonal", "narrow", "_neg_view", "_conj",
