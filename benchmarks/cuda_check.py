@@ -13,11 +13,16 @@ Time: one rank's exchange (world of one: the collective returns its input, so th
 encode + decode) with the device synchronised before and after, median of ``--repeats``, on
 both branches, in passes: over ``x * 1.0`` (one read + one write of the float32 tensor), and
 against ``torch.topk(x.abs(), k)`` at k = 0.1% of the entries, measured in the same run. The
-targets of issue 40 (item 5) are printed beside each figure. The JSON
+targets of issue 40 (item 5) are printed beside each figure, with the time until the exchange
+returns to the host (``host ms``: launches and Python, the device not waited for) and the
+launches (Triton kernels + torch ops) and host syncs of one exchange (``torch_ops.gpu.census``;
+``benchmarks/kernel_launches.py`` counts the same on CPU). A spec that fails its check or its
+timing is reported in its row and in ``failures``; the other rows still run. The JSON
 (``benchmarks/results/kernels/`` by default) holds the device name and the torch, CUDA and
 triton versions.
 
-Without a CUDA device it says so and exits with status 2 (nothing can be checked or timed).
+Without a CUDA device it says so and exits with status 2 (nothing can be checked or timed);
+``--device cpu`` is a dry run of the script itself on the torch ops (the figures mean nothing).
 """
 
 from __future__ import annotations
@@ -157,6 +162,34 @@ def timed(fn, repeats):
     return statistics.median(out[1:]) * 1e3
 
 
+def time_spec(s, branch, x, repeats):
+    """One spec on one branch: its timing row (ms: device synchronised before and after, median;
+    host_ms: until the exchange returns, without waiting for the device) and the census of one
+    warm exchange (``torch_ops.gpu.census``: Triton launches, torch ops, host syncs)."""
+    comp, state = build_compressor(parse_spec(s)), {}
+    run_exchange(comp, x, state, 0)
+    steps = iter(range(1, 10 ** 6))
+    ms = timed(lambda: run_exchange(comp, x, state, next(steps)), repeats)
+    host = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run_exchange(comp, x, state, next(steps))
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    row = {"spec": s, "branch": branch, "ms": ms, "host_ms": statistics.median(host) * 1e3}
+    try:
+        from torch_ops.gpu.census import Census
+        with Census() as c:
+            run_exchange(comp, x, state, next(steps))
+        torch.cuda.synchronize()
+        census = c.summary()
+        row["census"] = {k: census[k] for k in ("triton", "torch_ops", "allocs", "syncs", "launches", "sync_ops")}
+    except Exception as e:  # the counts are extra: a failure here leaves the timing
+        row["census"] = {"error": f"{type(e).__name__}: {e}"}
+    return row
+
+
 def run_exchange(comp, x, state, step):
     """One exchange of x viewed as a gradient of shape (numel / 1000, 1000) (a weight matrix: what
     PowerSGD factors and 1-bit SGD's columns see), world of one."""
@@ -180,13 +213,34 @@ def versions():
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": tv}
 
 
+def dry_run(args) -> int:
+    """``--device cpu``: every step of the script on CPU tensors (the Triton kernels off, no
+    device to synchronise), to show it runs; nothing is written."""
+    gpu.set_triton(False)
+    sync, torch.cuda.synchronize = torch.cuda.synchronize, lambda *a, **k: None
+    try:
+        x = torch.randn(int(args.sizes[0]))
+        for s in args.specs:
+            why = check(s, torch.device("cpu"))
+            row = time_spec(s, "torch", x, args.repeats)
+            print(f"  {s:30s} check {'ok' if why is None else why}; {row['ms']:.3f} ms, host {row['host_ms']:.3f} ms,"
+                  f" census {row['census']}")
+    finally:
+        torch.cuda.synchronize = sync
+        gpu.set_triton(True)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--specs", nargs="+", default=SPECS)
     p.add_argument("--sizes", type=float, nargs="+", default=[1e7, 2.5e7])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="benchmarks/results/kernels/cuda_check-triton.json")
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of this script on the torch ops")
     args = p.parse_args(argv)
+    if args.device == "cpu":
+        return dry_run(args)
     if not torch.cuda.is_available():
         print("cuda_check: needs a CUDA device and torch.cuda.is_available() is False here; nothing was "
               "checked or timed (the Triton kernels' correctness on CPU: tests/test_triton_kernels.py).",
@@ -201,32 +255,46 @@ def main(argv=None) -> int:
     for b in branches:
         use_branch(b)
         for s in args.specs:
-            why = check(s, device)
-            print(f"  oracle check [{b:6s}] {s:30s} {'ok' if why is None else 'FAILED: ' + why}")
+            try:
+                why = check(s, device)
+            except Exception as e:  # one spec's failure must not hide the others' rows
+                why = f"raised {type(e).__name__}: {e}"
+            print(f"  oracle check [{b:6s}] {s:30s} {'ok' if why is None else 'FAILED: ' + why}", flush=True)
             if why is not None:
                 failures[f"{b}:{s}"] = why
     gen = torch.Generator(device="cpu").manual_seed(0)
     for size in map(int, args.sizes):
         x = (torch.randn(size, generator=gen) * torch.rand(size, generator=gen)).to(device)
         one = timed(lambda: x * 1.0, args.repeats)
+        if one <= 0.0:
+            one = float("nan")
         k = max(1, size // 1000)
         topk = timed(lambda: torch.topk(x.abs(), k, sorted=False), args.repeats)
         print(f"\n{size:,} entries: one pass (x * 1.0) {one:.3f} ms, torch.topk(k={k}) {topk:.3f} ms")
-        print(f"{'spec':30s} {'branch':>6s} {'ms':>9s} {'passes':>7s} {'x topk':>7s}  target")
+        print(f"{'spec':30s} {'branch':>6s} {'ms':>9s} {'host ms':>8s} {'passes':>7s} {'x topk':>7s} "
+              f"{'launch':>6s} {'syncs':>5s}  target")
         for s in args.specs:
             goal, met = target(s)
             for b in branches:
                 use_branch(b)
-                comp, state = build_compressor(parse_spec(s)), {}
-                run_exchange(comp, x, state, 0)
-                steps = iter(range(1, 10 ** 6))
-                ms = timed(lambda: run_exchange(comp, x, state, next(steps)), args.repeats)
-                row = {"size": size, "spec": s, "branch": b, "ms": ms, "one_pass_ms": one, "topk_ms": topk,
-                       "passes": ms / one, "x_topk": ms / topk, "target": goal}
+                try:
+                    row = time_spec(s, b, x, args.repeats)
+                except Exception as e:  # reported in its row; the other rows still run
+                    torch.cuda.synchronize()
+                    row = {"spec": s, "branch": b, "error": f"{type(e).__name__}: {e}"}
+                    failures[f"time:{size}:{b}:{s}"] = row["error"]
+                    print(f"{s:30s} {b:>6s} FAILED: {row['error']}", flush=True)
+                    rows.append({"size": size, **row})
+                    continue
+                ms = row["ms"]
+                row.update(size=size, one_pass_ms=one, topk_ms=topk, passes=ms / one, x_topk=ms / topk, target=goal)
                 row["met"] = None if met is None else bool(met(row))
                 rows.append(row)
                 verdict = "" if row["met"] is None else ("met" if row["met"] else "NOT met")
-                print(f"{s:30s} {b:>6s} {ms:9.3f} {ms / one:7.2f} {ms / topk:7.2f}  {goal} {verdict}")
+                launches = row.get("census", {}).get("launches", "-")
+                syncs = row.get("census", {}).get("syncs", "-")
+                print(f"{s:30s} {b:>6s} {ms:9.3f} {row['host_ms']:8.3f} {ms / one:7.2f} {ms / topk:7.2f} "
+                      f"{launches!s:>6s} {syncs!s:>5s}  {goal} {verdict}", flush=True)
     use_branch("triton")
     out = {"device": name, **ver, "branches": branches, "repeats": args.repeats, "failures": failures, "rows": rows,
            "command": "python " + " ".join(["benchmarks/cuda_check.py"] + (argv if argv is not None else sys.argv[1:]))}

@@ -44,14 +44,22 @@ def _cases():
     for text in ["signsgd", "efsignsgd", "onebit:scope=tensor,momentum=0.9", "terngrad", "terngrad:bucket=64",
                  "qsgd:bucket=64", "qsgd:levels=2,bucket=0,residual=true"]:
         out.append((f"{text}|nonfinite", text, (1003,), (), "nonfinite", 2))
-    for text in ["onebit", "terngrad:share_scale=true"]:  # left to the torch ops, still the oracle
+    for text in ["terngrad:share_scale=true"]:  # left to the torch ops, still the oracle
         out.append((f"{text}|torch-ops", text, (37, 11), (), "t", 0))
+    # onebit's default scope: a (pos, neg) pair per column; tiles of rows x columns, several
+    # column blocks and row chunks, a 1-D tensor (one column), merged members
+    for text, shape, members, kind in [("onebit", (37, 11), (), "t"), ("onebit", (300, 40), (), "t"),
+                                       ("onebit", (7,), (), "t"), ("onebit", (1030,), (), "t"),
+                                       ("onebit:momentum=0.9", (300, 40), (), "nonfinite"),
+                                       ("onebit", (20, 15), (), "zeros"), ("onebit", (1124,), MERGED, "t")]:
+        out.append((f"{text}|{shape}|columns|{kind}", text, shape, members, kind, 2))
     out.append(("qsgd|switched-off", "qsgd", (37, 11), (), "off", 0))
     # top-k (>= 4,096 entries: smaller ones take one torch topk): exact, ties toward the lower index
     for text, shape, kind, served in [("topk:ratio=0.01", (5000,), "t", 2),
                                       ("topk:ratio=0.05,residual=false", (6001,), "t", 2),
                                       ("topk:ratio=0.01", (4500,), "nan", 2), ("topk:ratio=0.0002", (5000,), "t", 1),
-                                      ("topk:ratio=0.01", (4200,), "zeros", 0)]:
+                                      ("topk:ratio=0.01", (4200,), "zeros", 0), ("topk:ratio=0.02", (6000,), "ties", 2),
+                                      ("topk:ratio=0.003,residual=false", (40000,), "t", 2)]:
         out.append((f"{text}|{shape[0]}|{kind}", text, shape, (), kind, served))
     for text, shape, kind in [("threshold:threshold=0.5", (37, 11), "t"),
                               ("threshold:threshold=1.5,residual=false", (1030,), "nan"),
@@ -71,10 +79,55 @@ def _cases():
                               ("sketch:ratio=0.01,rows=1,cols=300", (2000,), "t"),
                               ("sketch:ratio=0.01,rows=7", (3000,), "nan"), ("sketch:ratio=0.01", (2000,), "zeros")]:
         out.append((f"{text}|{shape}|{kind}", text, shape, (), kind, 2))
+    # what one warm exchange launches (Triton, torch ops) and where it waits (host syncs): the
+    # cost the kernels were built to, counted by torch_ops.gpu.census (world of one, 3 steps)
+    for text, counts in CENSUS.items():
+        out.append((f"census|{text}", text, (64, 100), (), "census", counts))
     return out
 
 
+CENSUS = {"signsgd": (2, 0, 0), "efsignsgd": (3, 0, 0), "onebit": (3, 0, 0), "onebit:scope=tensor": (3, 0, 0),
+          "terngrad": (3, 0, 0), "qsgd:levels=127,bucket=512": (3, 0, 0), "topk:ratio=0.01": (3, 8, 1),
+          "dgc:ratio=0.01,warmup_epochs=0,min_sparse_numel=256": (3, 11, 1)}
 CASES = {c[0]: c for c in _cases()}
+
+
+def run_census(case) -> str:
+    """"ok", or the census when (Triton launches, torch ops, host syncs) differ from the case's."""
+    import torch
+
+    from hvdcompress import parse_spec
+    from torch_ops import gpu
+    from torch_ops.compressors import ExchangeContext, build_compressor
+    from torch_ops.gpu.census import Census
+
+    def world_of_one(ex):  # each collective returns its input: no op of the test's own is counted
+        reqs = next(ex)
+        while True:
+            try:
+                reqs = ex.send(tuple(q.tensor for q in reqs))
+            except StopIteration:
+                return
+
+    cid, text, shape, _, _, want = case
+    comp = build_compressor(parse_spec(text))
+    gen = torch.Generator().manual_seed(3)
+    state = {}
+    gpu.set_triton(True, force=True)
+    try:
+        for step in range(3):
+            x = torch.randn(shape, generator=gen).reshape(-1)
+            ex = comp.exchange(x, ExchangeContext("layer.w", step, 1, 1.0, state, shape, 0, 0))
+            if step < 2:
+                world_of_one(ex)
+                continue
+            with Census() as c:
+                world_of_one(ex)
+    finally:
+        gpu.set_triton(True, force=False)
+    got = c.summary()
+    have = (got["triton"], got["torch_ops"], got["syncs"])
+    return "ok" if have == tuple(want) else f"(triton, torch ops, syncs) {have}, expected {tuple(want)}: {got}"
 
 
 def _grads(text, shape, kind, world=2, steps=2):
@@ -87,6 +140,8 @@ def _grads(text, shape, kind, world=2, steps=2):
             v = np.round(g.standard_t(3, size=shape), 3).astype(np.float32)
             if kind == "zeros":
                 v[...] = 0.0
+            if kind == "ties":  # many equal magnitudes at the k-th largest: the tie rule decides
+                v = np.round(v, 1).astype(np.float32)
             flat = v.reshape(-1)
             flat[:3] = 0.0
             if kind in ("nonfinite", "nan"):  # nan: no inf (the sparsifiers' residual is 0 where
@@ -115,6 +170,8 @@ def _tap(gen, sink):
 
 def run_case(case) -> str:
     """"ok", or what differs from the oracle."""
+    if case[4] == "census":
+        return run_census(case)
     import numpy as np
     import torch
 
@@ -134,6 +191,7 @@ def run_case(case) -> str:
     t_states = [{} for _ in range(world)]
     jobs = []
     hooks = [(quant, "plan", lambda got: got is not None), (select, "at_least", lambda got: True),
+             (select, "topk", lambda got: got is not None), (select, "add_and_topk", lambda got: got[1] is not None),
              (select, "accumulate_and_select", lambda got: got[0]), (sketch, "plan", lambda got: got is not None)]
     saved = [getattr(mod, name) for mod, name, _ in hooks]
 

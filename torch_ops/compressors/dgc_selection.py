@@ -177,6 +177,9 @@ def take_and_zero(v: torch.Tensor, u: Optional[torch.Tensor], idx: torch.Tensor)
                                                         v.numel(), idx.data_ptr(), idx.numel(),
                                                         values.data_ptr()) == idx.numel():
             return values
+    values = gpu_select.take(v, idx, u=u)  # CUDA tensors: one launch (the Triton kernels)
+    if values is not None:
+        return values
     values = v.index_select(0, idx)
     v.index_fill_(0, idx, 0)
     if u is not None:

@@ -25,6 +25,7 @@ from hvdcompress.sampling import index_dtype, random_indices
 from hvdcompress.spec import num_selected
 
 from ..collectives import Allgather
+from ..gpu import select as gpu_select
 from ..memory import ResidualMemory
 from .base import OneRoundCompressor
 from .selection import add_and_topk, threshold_indices, topk_indices
@@ -89,8 +90,12 @@ class TopKCompressor(_GatheredSparse):
         if r is None or r.shape != x.shape or r.dtype != x.dtype:
             return (yield from super().exchange(x, ctx))
         idx = add_and_topk(r, x, num_selected(self.spec["ratio"], r.numel()))
-        payload = (idx.to(_torch_index_dtype(r.numel())), r[idx])
-        self.memory.update(lambda: self.unsent(payload, r, ctx), ctx.state)
+        payload = gpu_select.take(r, idx, _torch_index_dtype(r.numel()))  # CUDA: one launch, r[idx] zeroed
+        if payload is not None:
+            self.memory.update(lambda: r, ctx.state)
+        else:
+            payload = (idx.to(_torch_index_dtype(r.numel())), r[idx])
+            self.memory.update(lambda: self.unsent(payload, r, ctx), ctx.state)
         results = yield (Allgather(payload[0], True), Allgather(payload[1], True))
         return scaled_sum(results[0], results[1], r, ctx.scale, ctx.out)
 

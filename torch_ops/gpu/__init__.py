@@ -5,7 +5,10 @@ kernels do an exchange's encode in one pass over the gradient (two where a per-s
 must finish first) and the decode + sum over ranks in one pass, with the oracle's arithmetic
 (``docs/gpu-kernels.md``):
 
-    quant     the quantizers (signsgd, efsignsgd, onebit:scope=tensor, terngrad, qsgd)
+    quant     the quantizers (signsgd, efsignsgd, onebit, terngrad, qsgd)
+    select    top-k, threshold and DGC's selection
+    sketch    the count sketch
+    census    what an exchange launches and where it waits for the device, counted on the host
 
 Switches: ``HVDCOMPRESS_TRITON=0`` or ``set_triton(False)`` turns the kernels off (the torch ops
 run). ``set_triton(force=True)`` also runs them on CPU tensors, which Triton executes only with

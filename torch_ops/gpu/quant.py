@@ -2,15 +2,18 @@
 
 ``plan(comp, x, ctx)`` returns a ``Job`` when the kernels serve the exchange (``torch_ops.gpu.serves``
 the tensor; float32 contiguous 1-D gradient; members that tile it, as ``hvdcompress.native.quant.codec``
-decides for the compiled CPU kernels; not ``onebit:scope=column`` nor TernGrad's shared scale),
-else None and the caller runs the torch ops. ``Job.encode`` writes the payload
-``[float32 scales | packed codes]`` and the new residual (the residual is added inside the
-kernels: ``a = x + r``, read and written in place); ``Job.decode_sum`` turns the gathered
-payloads into their sum in rank order times the average's scale.
+decides for the compiled CPU kernels; not TernGrad's shared scale), else None and the caller
+runs the torch ops. ``Job.encode`` writes the payload ``[float32 scales | packed codes]`` and the
+new residual (the residual is added inside the kernels: ``a = x + r``, read and written in
+place) in two launches (the reduction, then the codes; signsgd: the codes only);
+``Job.decode_sum`` turns the gathered payloads into their sum in rank order times the average's
+scale in one. No host sync, no torch op between the launches: the layout's tables and work
+space are built once per compressor and layout (``_layout_of``).
 """
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 from typing import Optional, Tuple
 
@@ -37,6 +40,8 @@ class Tables:
     """An exchange layout's index tables on one device: the reduction's work list (chunks that
     stay inside a segment) and the member table the per-entry passes search."""
 
+    columns = False
+
     def __init__(self, spans: Tuple[Tuple[int, int], ...], numel: int, bucket: int, segs: np.ndarray, device):
         lens = segs.astype(np.int64)
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
@@ -60,8 +65,67 @@ class Tables:
         self.bucket = int(bucket)
         as_dev = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(device)  # noqa: E731
         self.wstart, self.wlen = as_dev(wstart, torch.int64), as_dev(wlen, torch.int32)
+        self.wseg = as_dev(seg_of_work, torch.int64)
         self.pstart, self.count = as_dev(first, torch.int64), as_dev(lens, torch.int64)
         self.moff, self.mfirst = as_dev(moff or [0], torch.int64), as_dev(mfirst or [0], torch.int64)
+        self.mcols = self.moff  # (no columns: an unused argument)
+        # the reduction's work space, kept for every exchange of this layout (they run on one
+        # stream, one after another): partials (3 per chunk: onebit's), the segments' counters
+        # (zero between launches: the last chunk of a segment resets its counter), the factors
+        self.partials = torch.empty(max(3 * self.nwork, 1), dtype=torch.float64, device=device)
+        self.done = torch.zeros(max(self.nseg, 1), dtype=torch.int32, device=device)
+        self.factor = torch.empty(max(self.nseg, 1), dtype=torch.float32, device=device)
+
+
+class ColumnTables:
+    """``onebit:scope=column``'s tables on one device: members (rows, cols) tiling the tensor in
+    order; the reduction's work list (tiles of RB rows x CB columns, grouped by column block)
+    and the member table the per-entry passes search (an entry's scale pair: its member's first
+    column plus (i - offset) % cols)."""
+
+    columns = True
+
+    def __init__(self, dims: np.ndarray, numel: int, device):
+        rows_cols = dims.reshape(-1, 2).astype(np.int64)
+        widest = int(rows_cols[:, 1].max()) if rows_cols.size else 1
+        self.cb = max(2, min(32, 1 << max(0, (widest - 1).bit_length())))
+        self.rb = max(16, 4096 // self.cb)
+        work = {k: [] for k in ("off", "cols", "col0", "row0", "rlen", "cb")}
+        cbw, cbcol, cbrows, moff, mfirst, mcols = [], [], [], [], [], []
+        off = cfirst = 0
+        for rows, cols in rows_cols.tolist():
+            moff.append(off)
+            mfirst.append(cfirst)
+            mcols.append(cols)
+            for b in range(-(-cols // self.cb)):
+                cbw.append(len(work["off"]))
+                cbcol.append(cfirst + b * self.cb)
+                cbrows.append(rows)
+                for rc in range(-(-rows // self.rb)):
+                    for k, v in zip(work, (off, cols, b * self.cb, rc * self.rb, min(self.rb, rows - rc * self.rb),
+                                          len(cbw) - 1)):
+                        work[k].append(v)
+            off += rows * cols
+            cfirst += cols
+        cbw.append(len(work["off"]))
+        self.nwork, self.ncb, self.nm = len(work["off"]), len(cbrows), len(moff)
+        self.log = max(0, (self.nm - 1).bit_length())
+        self.bucket = 0
+        as_dev = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(device)  # noqa: E731
+        self.work = {k: as_dev(v or [0], torch.int64) for k, v in work.items()}
+        self.cbw, self.cbcol = as_dev(cbw, torch.int64), as_dev(cbcol or [0], torch.int64)
+        self.cbrows = as_dev(cbrows or [0], torch.int64)
+        self.moff, self.mfirst = as_dev(moff or [0], torch.int64), as_dev(mfirst or [0], torch.int64)
+        self.mcols = as_dev(mcols or [1], torch.int64)
+        # work space kept for every exchange of this layout (one stream: launches in order)
+        self.partials = torch.empty(max(3 * self.nwork * self.cb, 1), dtype=torch.float64, device=device)
+        self.done = torch.zeros(max(self.ncb, 1), dtype=torch.int32, device=device)
+        self.factor = torch.empty(1, dtype=torch.float32, device=device)
+
+
+@lru_cache(maxsize=64)
+def column_tables(numel: int, device: str, dims_key: bytes) -> ColumnTables:
+    return ColumnTables(np.frombuffer(dims_key, dtype=np.int64), numel, torch.device(device))
 
 
 @lru_cache(maxsize=64)
@@ -88,26 +152,29 @@ class Job:
         from . import quant_kernels as K
 
         lay, tabs, x, n = self.layout, self.tabs, self.x, self.layout.numel
-        out = torch.zeros(self.part, dtype=torch.uint8, device=x.device)
+        out = torch.empty(self.part, dtype=torch.uint8, device=x.device)  # every byte is written below
         if n:
-            scales = out[:self.head].view(torch.float32)
+            scales = out[:self.head].view(torch.float32) if self.head else tabs.factor
             packed = out[self.head:]
             r = self.rin if self.rin is not None else x
             rout = self.rout if self.rout is not None else x
-            factor = torch.empty(max(tabs.nseg, 1), dtype=torch.float32, device=x.device)
+            factor = tabs.factor
             levels, inv = self._levels()
-            if lay.kind != K.SIGN.value:
-                width = 3 if lay.kind == K.ONEBIT.value else 1
-                partials = torch.empty(width * tabs.nwork, dtype=torch.float64, device=x.device)
-                K.seg_partials[(tabs.nwork,)](x, r, tabs.wstart, tabs.wlen, partials, KIND=lay.kind,
-                                              HAS_R=self.rin is not None, CHUNK=tabs.chunk, enable_fp_fusion=False)
-                K.seg_finish[(tabs.nseg,)](partials, tabs.pstart, tabs.count, scales, factor, levels, KIND=lay.kind,
-                                           FB=FINISH_BLOCK, enable_fp_fusion=False)
+            if tabs.columns:
+                w = tabs.work
+                K.col_reduce[(tabs.nwork,)](x, r, w["off"], w["cols"], w["col0"], w["row0"], w["rlen"], w["cb"],
+                                            tabs.cbw, tabs.cbcol, tabs.cbrows, tabs.partials, tabs.done, scales,
+                                            HAS_R=self.rin is not None, RB=tabs.rb, CB=tabs.cb, enable_fp_fusion=False)
+            elif lay.kind != K.SIGN.value:
+                K.seg_reduce[(tabs.nwork,)](x, r, tabs.wstart, tabs.wlen, tabs.wseg, tabs.pstart, tabs.count,
+                                            tabs.partials, tabs.done, scales, factor, levels, KIND=lay.kind,
+                                            HAS_R=self.rin is not None, CHUNK=tabs.chunk, FB=FINISH_BLOCK,
+                                            enable_fp_fusion=False)
             K.codes[(cdiv(n, BLOCK),)](
-                x, r, rout, packed, scales if self.head else factor, factor, tabs.moff, tabs.mfirst, tabs.nm,
+                x, r, rout, packed, scales, factor, tabs.moff, tabs.mfirst, tabs.mcols, tabs.nm,
                 max(tabs.bucket, 1), n, self.part - self.head, self.base, levels, inv, KIND=lay.kind,
                 BITS=lay.bits, HAS_R=self.rin is not None, WRITE_R=self.rout is not None, LOG=tabs.log,
-                BUCKETED=tabs.bucket > 0, BLOCK=BLOCK, enable_fp_fusion=False)
+                BUCKETED=tabs.bucket > 0, COLUMNS=tabs.columns, BLOCK=BLOCK, enable_fp_fusion=False)
         if self.rout is not None:
             self.state["residual"] = self.rout
         return out
@@ -123,21 +190,47 @@ class Job:
         out = ctx.out.view(-1) if _usable(ctx.out, x) else torch.empty(n, dtype=torch.float32, device=x.device)
         if n == 0:
             return out
-        if self.head:
-            scales = gathered.view(world, self.part)[:, :self.head].contiguous().view(torch.float32)
-        else:
-            scales = torch.zeros(1, dtype=torch.float32, device=x.device)
         levels, inv = self._levels()
         mult = float(np.float32(ctx.scale))
         K.decode_sum[(cdiv(n, BLOCK),)](
-            gathered, scales, out, tabs.moff, tabs.mfirst, tabs.nm, max(tabs.bucket, 1), n, self.part, self.head,
-            self.nsc, world, levels, inv, mult, KIND=lay.kind, BITS=lay.bits, SCALE=ctx.scale != 1.0, LOG=tabs.log,
-            BUCKETED=tabs.bucket > 0, BLOCK=BLOCK, enable_fp_fusion=False)
+            gathered, out, tabs.moff, tabs.mfirst, tabs.mcols, tabs.nm, max(tabs.bucket, 1), n, self.part, self.head,
+            world, levels, inv, mult, KIND=lay.kind, BITS=lay.bits, SCALE=ctx.scale != 1.0, LOG=tabs.log,
+            BUCKETED=tabs.bucket > 0, COLUMNS=tabs.columns, BLOCK=BLOCK, enable_fp_fusion=False)
         return out
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_layouts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MISS = object()
+
+
+def _layout_of(comp, ctx, n: int, device) -> Optional[Tuple[Codec, Tables]]:
+    """The exchange's ``Codec`` and ``Tables`` (None: the kernels do not serve the layout),
+    found once per compressor and (members, shape, size, device): an exchange of a layout seen
+    before does no planning on the host."""
+    per = _layouts.get(comp)
+    if per is None:
+        per = _layouts[comp] = {}
+    key = (ctx.members, tuple(ctx.shape), n, device)
+    got = per.get(key, _MISS)
+    if got is _MISS:
+        params = comp.spec.params
+        layout = codec(comp.name, params, ctx.members, ctx.shape, n)
+        if layout is None:
+            got = None  # scaler sharing (two rounds), members with gaps: the torch ops
+        elif layout.dims is not None:  # onebit per column
+            got = (layout, column_tables(n, str(device), layout.dims.astype(np.int64).tobytes()))
+        else:
+            bucket = int(params.get("bucket", 0))
+            got = (layout, tables(member_spans(ctx.members, n), n, bucket, str(device),
+                                  layout.segs.astype(np.int64).tobytes()))
+        if len(per) >= 256:
+            per.clear()
+        per[key] = got
+    return got
 
 
 def plan(comp, x: torch.Tensor, ctx) -> Optional[Job]:
@@ -152,11 +245,10 @@ def plan(comp, x: torch.Tensor, ctx) -> Optional[Job]:
     n = x.numel()
     if not _usable(x, x) or x.dim() != 1:
         return None
-    layout = codec(comp.name, params, ctx.members, ctx.shape, n)
-    if layout is None or layout.dims is not None:
-        return None  # scaler sharing (two rounds), members with gaps, onebit per column: the torch ops
-    bucket = int(params.get("bucket", 0))
-    tabs = tables(member_spans(ctx.members, n), n, bucket, str(x.device), layout.segs.astype(np.int64).tobytes())
+    found = _layout_of(comp, ctx, n, x.device)
+    if found is None:
+        return None
+    layout, tabs = found
     rin = rout = None
     if params.get("residual", False):
         r = ctx.state.get("residual")
