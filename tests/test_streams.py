@@ -158,7 +158,7 @@ def _blocked_seconds(spin):
     from torch_ops.collectives import finish_all
     from torch_ops.dist_collectives import TorchDistCommunicator
     from torch_ops.session import ExchangeSession
-    x = torch.randn(1 << 16, device="cuda")
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0)).cuda()  # the same in every call
     session = ExchangeSession(resolve("none"), {"w": x}, TorchDistCommunicator())
     encode = session.compressor.exchange
 

@@ -39,10 +39,32 @@ def triton_dir():
     return folder if os.path.isfile(os.path.join(folder, "triton", "__init__.py")) else None
 
 
+def triton_version(folder):
+    """The version of the triton in ``folder`` ("" when on this interpreter's path), read without importing it."""
+    from importlib import metadata
+    if folder == "":
+        return metadata.version("triton")
+    dists = list(metadata.distributions(path=[folder], name="triton"))
+    return dists[0].version if dists else "0"
+
+
+def _release(version):
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+
+
 TRITON_DIR = triton_dir()
 needs_triton = pytest.mark.skipif(TRITON_DIR is None,
                                   reason="triton is not installed (scripts/install.sh puts triton 3.9.0 in "
                                          "~/.cache/hvdcompress/triton-3.9.0): the GPU kernels cannot be tested")
+# Triton 3.6's interpreter turns a runtime loop bound into a Python int with int() of a one-element
+# array, which numpy 2.5 refuses; the while loops that avoid it crash the same Triton's compiler for
+# sm_90 (both seen on an H200 with triton 3.6.0 and numpy 2.5.2). The kernels keep their range loops
+# (compiled and checked against the oracle on the GPU by benchmarks/cuda_check.py); their
+# interpreter cases run where the interpreter can (triton 3.9, or numpy < 2.5).
+OLD_INTERPRETER = (TRITON_DIR is not None and _release(triton_version(TRITON_DIR)) < (3, 9)
+                   and _release(__import__("numpy").__version__) >= (2, 5))
+interpreter_runs = pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.9's interpreter with numpy >= 2.5 cannot "
+                                      "run a kernel loop with a runtime bound (int() of a one-element array)")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +83,7 @@ def results(request):
 
 
 @needs_triton
+@interpreter_runs
 @pytest.mark.parametrize("case", list(triton_kernels.CASES))
 def test_triton_kernels_are_the_oracle(results, case):
     assert results.get(case) == "ok", f"{case}: {results.get(case)}"

@@ -94,7 +94,7 @@ def char_eval_loss(model, text, context: int, windows: int = 64) -> float:
     data = torch.from_numpy(text.astype(np.int64))
     starts = torch.linspace(0, len(text) - context - 2, windows).long()
     idx = starts[:, None] + torch.arange(context + 1)[None]
-    win = data[idx]
+    win = data[idx].to(next(model.parameters()).device)
     with torch.no_grad():
         return float(model.loss(win[:, :-1], win[:, 1:]))
 
