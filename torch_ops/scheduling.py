@@ -28,8 +28,11 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
   that drifts weighs on every candidate alike. Every rank records its own
   step times (end of the previous step to the end of the update); after the last candidate they
   are gathered, rank 0 keeps the candidate whose median step (slowest rank) is smallest
-  (``hvdcompress.schedule.tuning.select``: within 2% of it, the earliest) and broadcasts it, and every rank
-  regroups at the same step. While candidates run, ``plan`` is the model's plan and ``groups``
+  (``hvdcompress.schedule.tuning.select``: within 2% of it, the earliest; with the codec choice the
+  model's pick unless another gains more than the measured step noise, ``tuning.NOISE_Z``) and
+  broadcasts it, and every rank regroups at the same step. A switch between candidates lays the
+  compression state out for the new groups before the next step's clock starts
+  (``Engine.regroup``), so no measured step pays for the copies. While candidates run, ``plan`` is the model's plan and ``groups``
   the candidate's; afterwards ``plan`` holds the kept groups, their predicted time and
   ``plan.tuning`` (every candidate's groups and median). Compressor state is per parameter, so
   switching plans loses none of it. A checkpoint taken while candidates run saves the progress
@@ -373,12 +376,18 @@ class Scheduler:
         if t.round <= t.tune_steps:  # the candidates take turns, one step each, so a drifting load hits all alike
             return self._use(t.current.groups, t.current.codecs)
         per_rank = self._comm().allgather_object(t.times, "hvc.plan.tune.times")
-        chosen, medians = _broadcast_result(self._comm(), lambda: tuning.select(tuning.step_times(per_rank)),
-                                            "hvc.plan.tune.kept")
+        noise_z = tuning.NOISE_Z if self.alternatives else 0.0  # the choice's long list: the model's pick within noise
+
+        def decide():
+            times = tuning.step_times(per_rank)
+            return tuning.select(times, noise_z=noise_z) + (tuning.step_noise(times),)
+
+        chosen, medians, noise = _broadcast_result(self._comm(), decide, "hvc.plan.tune.kept")
         kept = t.candidates[chosen]
         record = {"candidates": [c.to_dict() for c in t.candidates], "medians_seconds": medians,
                   "kept": chosen, "kept_label": kept.label, "tune_steps": t.tune_steps,
-                  "revalidations": t.drift["count"] if t.drift else 0, "drift": t.drift}
+                  "revalidations": t.drift["count"] if t.drift else 0, "drift": t.drift,
+                  "step_noise": noise, "noise_z": noise_z}
         timeline = None
         if self.workload is not None and self._calibrated is not None:
             timeline = predict_explicit(kept.groups, self.workload, self._calibrated, self.spec, self.world,
