@@ -42,8 +42,8 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
 * re-validation on drift (``revalidate_every`` > 0; by default 100 with a per-group codec choice,
   else off): after a measured validation every rank records its step times; every
   ``revalidate_every`` steps they are gathered (``allgather_object``, at the same step on every
-  rank, as each counts its own steps) and rank 0 takes the median of the slowest rank's step
-  (``tuning.window_median``) and broadcasts what it decided. The first window after a decision
+  rank, as each counts its own steps: the watch's only collective) and every rank takes the
+  median of the slowest rank's step (``tuning.window_median``) from the same gathered times. The first window after a decision
   sets the reference; a later window whose median differs from it by more than
   ``tuning.DRIFT_THRESHOLD`` (25%), slower or faster, runs the measured validation again over the
   same candidates, and its decision starts a new reference. ``plan.tuning`` counts the
@@ -405,23 +405,18 @@ class Scheduler:
 
     def _watch_step(self, clock: StepClock) -> Optional[List[List[str]]]:
         """One step of the drift watch: at the end of every window of ``revalidate_every`` steps,
-        the ranks' step times are gathered and rank 0 decides (``tuning.window_median``,
-        ``tuning.drifted``) and broadcasts: the first window gives the reference; a later one that
-        drifted from it starts the measured validation again (``_revalidate``). The same steps on
-        every rank: each counts its own steps since the last window."""
+        the ranks' step times are gathered (one object collective per window, nothing in the steps
+        between) and every rank decides from the same gathered times (``tuning.window_median``,
+        ``tuning.drifted``: pure, so alike everywhere): the first window gives the reference; a
+        later one that drifted from it starts the measured validation again (``_revalidate``). The
+        same steps on every rank: each counts its own steps since the last window."""
         w = self._watch
         w.times.append(_step_seconds(clock))
         if len(w.times) < self.revalidate_every:
             return None
-        comm = self._comm()
-        per_rank = comm.allgather_object(list(w.times), "hvc.plan.watch.times")
-        reference = w.reference
-
-        def decide():
-            median = tuning.window_median(per_rank)
-            return median, tuning.drifted(median, reference)
-
-        median, drift = _broadcast_result(comm, decide, "hvc.plan.watch.decision")
+        per_rank = self._comm().allgather_object(list(w.times), "hvc.plan.watch.times")
+        median = tuning.window_median(per_rank)
+        drift = tuning.drifted(median, w.reference)
         w.times = []
         if w.reference is None:
             w.reference = median if math.isfinite(median) and median > 0 else None
