@@ -268,6 +268,90 @@ def test_select_ignores_candidates_without_a_measurement():
         tuning.select([])
 
 
+def test_step_noise_pools_each_candidates_pairwise_differences_relative_to_its_median():
+    assert tuning.step_noise([[1.0, 1.0, 1.0], [2.0, 2.0]]) == 0.0
+    assert tuning.step_noise([[1.0], [2.0], [], [float("nan"), 3.0]]) == 0.0  # one step each: nothing to tell
+    pair_median = math.sqrt(2) * 0.6744897501960817  # of |X - Y|, X and Y normal of unit deviation
+    # pairs 0.1, 0.2, 0.1 of a 1.0 median: their median 0.1
+    assert tuning.step_noise([[0.9, 1.0, 1.1]]) == pytest.approx(0.1 / pair_median)
+    # relative: a candidate ten times slower with the same spread is the same noise; the
+    # candidates' differences are not noise (each is compared with itself only)
+    assert tuning.step_noise([[0.9, 1.0, 1.1], [9.0, 10.0, 11.0, None]]) == pytest.approx(0.1 / pair_median)
+    # robust: a step 5x too slow moves two of its candidate's three pairs (the third, 0.2 / 1.1,
+    # is the pooled median), not the estimate's scale
+    assert tuning.step_noise([[0.9, 1.0, 1.1], [1.0, 1.1, 0.9], [0.9, 1.1, 5.0]]) == pytest.approx(
+        0.2 / 1.1 / pair_median)
+
+
+def test_noisy_equal_candidates_do_not_move_the_choice_off_the_model_pick():
+    # the model's pick first, then two other partitions, every step within +-8% of the same time:
+    # the 2% rule alone keeps whichever measured luckiest; within the noise the model's pick stays
+    times = [[1.00, 0.93, 1.08], [0.97, 1.06, 0.91], [1.10, 1.02, 0.95]]
+    assert tuning.select(times)[0] == 1
+    kept, medians = tuning.select(times, noise_z=tuning.NOISE_Z)
+    assert kept == 0 and medians == pytest.approx([1.0, 0.97, 1.02])
+    # a gain far beyond the noise is kept; among the others, the earliest within 2% as before
+    clear = [[1.00, 1.01, 0.99], [0.80, 0.81, 0.79], [0.81, 0.80, 0.80]]
+    assert tuning.select(clear, noise_z=tuning.NOISE_Z)[0] == 1
+    # no noise measured: the tolerance alone, as without noise_z
+    quiet = [[1.015] * 3, [1.0] * 3]
+    assert tuning.select(quiet, noise_z=1.0)[0] == 0 and tuning.select(quiet, tolerance=0.01, noise_z=1.0)[0] == 1
+    assert tuning.select([[1.1], [1.0]], noise_z=1.0)[0] == 1  # one step each: no noise to tell
+    # the model's pick without a measurement is never kept
+    assert tuning.select([[float("nan")], [1.0, 1.1], [1.2, 1.0]], noise_z=1.0)[0] == 1
+    with pytest.raises(ValueError, match="noise_z"):
+        tuning.select(times, noise_z=-1)
+
+
+@pytest.mark.parametrize("truth, keeps_best_old, keeps_best_new", [
+    ([0.96] + [1.0] * 7, (0.0, 0.65), (0.75, 1.0)),  # the model's pick 4% faster than seven other partitions
+    ([1.0] * 5 + [0.75] + [1.0] * 2, (0.98, 1.0), (0.98, 1.0)),  # another 25% faster: found by both
+])
+def test_noise_rule_keeps_the_better_plan_more_often_over_noisy_trials(truth, keeps_best_old, keeps_best_new):
+    """8 candidates (the codec choice's longest list), 3 measured steps each, every step with a
+    6% relative noise: how often each rule keeps the truly fastest candidate over 400 seeded trials."""
+    rng = np.random.default_rng(39)
+    best, trials = int(np.argmin(truth)), 400
+    old = new = 0
+    regret_old = regret_new = 0.0
+    for _ in range(trials):
+        times = [list(t * (1 + 0.06 * rng.standard_normal(3))) for t in truth]
+        a, b = tuning.select(times)[0], tuning.select(times, noise_z=tuning.NOISE_Z)[0]
+        old, new = old + (a == best), new + (b == best)
+        regret_old, regret_new = regret_old + truth[a] / truth[best] - 1, regret_new + truth[b] / truth[best] - 1
+    assert keeps_best_old[0] <= old / trials <= keeps_best_old[1]
+    assert keeps_best_new[0] <= new / trials <= keeps_best_new[1]
+    assert regret_new <= regret_old + 1e-12
+
+
+def test_the_codec_choice_keeps_its_model_pick_within_the_measured_noise():
+    """The scheduler's rule: with the codec choice, the noise rule (the step noise in the record);
+    without it, the 2% rule."""
+    names = [f"p{i}" for i in range(len(SIZES))]
+    sched = _choosing_scheduler("auto", 1.0, tune_steps=3)
+    n = len(sched._tuner.candidates)
+    assert n >= 3
+    # every candidate within +-8% of the same step; candidate 1 measures 3% faster by luck
+    wobble = [[1.00, 0.93, 1.08], [0.97, 1.06, 0.91]] + [[1.10, 1.02, 0.95]] * (n - 2)
+    for rnd in range(1 + sched.tune_steps):
+        for ci in range(n):
+            sched.end_of_step(_clock(0.0, names, 0.1 if rnd == 0 else 0.1 * wobble[ci][rnd - 1]))
+    record = sched.plan.tuning
+    assert record["kept"] == 0 and record["noise_z"] == tuning.NOISE_Z
+    assert record["step_noise"] == pytest.approx(tuning.step_noise([[0.1 * x for x in w] for w in wobble]))
+    assert record["medians_seconds"][1] < record["medians_seconds"][0] / 1.02  # beyond the 2% tolerance
+    sizes = {n_: float(s) for n_, s in zip(names, SIZES)}
+    plain = Scheduler("mgs", _spec(), _model(), 1, sizes, 1, _OneRank(), tune_steps=3)
+    plain.end_of_step(_first_clock(names))
+    plain.end_of_step(_clock(0.0, names, 0.2))
+    m = len(plain._tuner.candidates)
+    wobble = [[1.00, 0.93, 1.08], [0.97, 1.06, 0.91]] + [[1.10, 1.02, 0.95]] * (m - 2)
+    for rnd in range(1 + plain.tune_steps):
+        for ci in range(m):
+            plain.end_of_step(_clock(0.0, names, 0.1 if rnd == 0 else 0.1 * wobble[ci][rnd - 1]))
+    assert plain.plan.tuning["kept"] == 1 and plain.plan.tuning["noise_z"] == 0.0
+
+
 def test_summary_names_every_candidate_and_the_kept_one():
     cands = [tuning.Candidate("mgs", ((0, 1),), 0.3), tuning.Candidate("single", ((0,), (1,)), 0.4)]
     line = tuning.summary(cands, [0.5, 0.25], 1)

@@ -269,7 +269,12 @@ class Engine(SessionFront):
         return self.session.param_state()
 
     def regroup(self, groups: List[List[str]]) -> None:
-        """Exchange ``groups`` (names) from now on; state is carried over per parameter."""
+        """Exchange ``groups`` (names) from now on; state is carried over per parameter.
+
+        The state is laid out for the new groups here, between steps (joined per group, split
+        back from the groups it leaves: copies of every member's state), not at each group's first
+        launch: a step's clock starts after the regroup, so neither a measured validation's step
+        nor the backward pass pays for the switch. Before the first step there is no state yet."""
         if self.pending:
             raise AssertionError("hvdcompress: regrouping while exchanges are in flight")
         if not self.sparse_as_dense:  # parameters with sparse gradients are exchanged alone
@@ -279,6 +284,9 @@ class Engine(SessionFront):
         self.flat.reset()
         self._group_of = {self.by_name[n]: gi for gi, g in enumerate(self.groups) for n in g.names}
         self._waiting = [len(g.names) for g in self.groups]
+        if self.session.step > 0:
+            for group in self.groups:
+                self.session.state_for(group.names)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -28,8 +28,11 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
   that drifts weighs on every candidate alike. Every rank records its own
   step times (end of the previous step to the end of the update); after the last candidate they
   are gathered, rank 0 keeps the candidate whose median step (slowest rank) is smallest
-  (``hvdcompress.schedule.tuning.select``: within 2% of it, the earliest) and broadcasts it, and every rank
-  regroups at the same step. While candidates run, ``plan`` is the model's plan and ``groups``
+  (``hvdcompress.schedule.tuning.select``: within 2% of it, the earliest; with the codec choice the
+  model's pick unless another gains more than the measured step noise, ``tuning.NOISE_Z``) and
+  broadcasts it, and every rank regroups at the same step. A switch between candidates lays the
+  compression state out for the new groups before the next step's clock starts
+  (``Engine.regroup``), so no measured step pays for the copies. While candidates run, ``plan`` is the model's plan and ``groups``
   the candidate's; afterwards ``plan`` holds the kept groups, their predicted time and
   ``plan.tuning`` (every candidate's groups and median). Compressor state is per parameter, so
   switching plans loses none of it. A checkpoint taken while candidates run saves the progress
@@ -39,8 +42,8 @@ names. Groups are consecutive in *backward order*, which only a backward pass sh
 * re-validation on drift (``revalidate_every`` > 0; by default 100 with a per-group codec choice,
   else off): after a measured validation every rank records its step times; every
   ``revalidate_every`` steps they are gathered (``allgather_object``, at the same step on every
-  rank, as each counts its own steps) and rank 0 takes the median of the slowest rank's step
-  (``tuning.window_median``) and broadcasts what it decided. The first window after a decision
+  rank, as each counts its own steps: the watch's only collective) and every rank takes the
+  median of the slowest rank's step (``tuning.window_median``) from the same gathered times. The first window after a decision
   sets the reference; a later window whose median differs from it by more than
   ``tuning.DRIFT_THRESHOLD`` (25%), slower or faster, runs the measured validation again over the
   same candidates, and its decision starts a new reference. ``plan.tuning`` counts the
@@ -373,12 +376,18 @@ class Scheduler:
         if t.round <= t.tune_steps:  # the candidates take turns, one step each, so a drifting load hits all alike
             return self._use(t.current.groups, t.current.codecs)
         per_rank = self._comm().allgather_object(t.times, "hvc.plan.tune.times")
-        chosen, medians = _broadcast_result(self._comm(), lambda: tuning.select(tuning.step_times(per_rank)),
-                                            "hvc.plan.tune.kept")
+        noise_z = tuning.NOISE_Z if self.alternatives else 0.0  # the choice's long list: the model's pick within noise
+
+        def decide():
+            times = tuning.step_times(per_rank)
+            return tuning.select(times, noise_z=noise_z) + (tuning.step_noise(times),)
+
+        chosen, medians, noise = _broadcast_result(self._comm(), decide, "hvc.plan.tune.kept")
         kept = t.candidates[chosen]
         record = {"candidates": [c.to_dict() for c in t.candidates], "medians_seconds": medians,
                   "kept": chosen, "kept_label": kept.label, "tune_steps": t.tune_steps,
-                  "revalidations": t.drift["count"] if t.drift else 0, "drift": t.drift}
+                  "revalidations": t.drift["count"] if t.drift else 0, "drift": t.drift,
+                  "step_noise": noise, "noise_z": noise_z}
         timeline = None
         if self.workload is not None and self._calibrated is not None:
             timeline = predict_explicit(kept.groups, self.workload, self._calibrated, self.spec, self.world,
@@ -396,23 +405,18 @@ class Scheduler:
 
     def _watch_step(self, clock: StepClock) -> Optional[List[List[str]]]:
         """One step of the drift watch: at the end of every window of ``revalidate_every`` steps,
-        the ranks' step times are gathered and rank 0 decides (``tuning.window_median``,
-        ``tuning.drifted``) and broadcasts: the first window gives the reference; a later one that
-        drifted from it starts the measured validation again (``_revalidate``). The same steps on
-        every rank: each counts its own steps since the last window."""
+        the ranks' step times are gathered (one object collective per window, nothing in the steps
+        between) and every rank decides from the same gathered times (``tuning.window_median``,
+        ``tuning.drifted``: pure, so alike everywhere): the first window gives the reference; a
+        later one that drifted from it starts the measured validation again (``_revalidate``). The
+        same steps on every rank: each counts its own steps since the last window."""
         w = self._watch
         w.times.append(_step_seconds(clock))
         if len(w.times) < self.revalidate_every:
             return None
-        comm = self._comm()
-        per_rank = comm.allgather_object(list(w.times), "hvc.plan.watch.times")
-        reference = w.reference
-
-        def decide():
-            median = tuning.window_median(per_rank)
-            return median, tuning.drifted(median, reference)
-
-        median, drift = _broadcast_result(comm, decide, "hvc.plan.watch.decision")
+        per_rank = self._comm().allgather_object(list(w.times), "hvc.plan.watch.times")
+        median = tuning.window_median(per_rank)
+        drift = tuning.drifted(median, w.reference)
         w.times = []
         if w.reference is None:
             w.reference = median if math.isfinite(median) and median > 0 else None

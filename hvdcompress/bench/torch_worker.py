@@ -230,7 +230,8 @@ def plan_figures(opt) -> Optional[dict]:
         out["tuning"] = {"kept_label": t["kept_label"], "kept": t["kept"], "tune_steps": t["tune_steps"],
                          "candidates": [{"label": c["label"], "groups": len(c["groups"]),
                                          "predicted_seconds": c["predicted_seconds"]} for c in t["candidates"]],
-                         "medians_seconds": t["medians_seconds"]}
+                         "medians_seconds": t["medians_seconds"], "step_noise": t.get("step_noise"),
+                         "noise_z": t.get("noise_z")}
     calibration = getattr(getattr(getattr(opt, "engine", None), "scheduler", None), "calibration", None)
     if calibration:
         out["calibration"] = dict(calibration)

@@ -28,6 +28,15 @@ slowest rank's (every rank waits for it); a candidate's time is the median of it
 ``tolerance`` (2%) of it count as ties, and the earliest of them wins, so the model's own plan
 is kept unless another is measurably faster.
 
+A few steps per candidate are noisy, and the more candidates, the likelier one that is not
+faster measures fastest by luck. So ``select(..., noise_z=z)`` keeps the first candidate (the
+cost model's pick) unless the smallest median is below its own by more than ``z`` standard errors
+of the difference of two medians, the step noise measured from the candidates' own steps
+(``step_noise``) -- and by more than ``tolerance`` in any case; only then the earliest within
+``tolerance`` of the smallest median wins, as above. ``noise_z=0`` is the rule above. The
+scheduler passes ``NOISE_Z`` (1) with the per-group codec choice, whose list is the longest (up to
+8 candidates, several the same partition sent with other specs).
+
 With a per-group codec choice (``codec_choice="auto"``) the candidates are the choice's plan,
 then the fixed choices -- the compressor, fp16 and dense, each on every group and on the
 partition the planner makes for that spec alone -- then the compressor on every group of each
@@ -66,6 +75,13 @@ MAX_CANDIDATES = 5
 MAX_CHOICE_CANDIDATES = 1 + MAX_CANDIDATES + 2
 LAYERWISE_WITHIN = 1.5
 TOLERANCE = 0.02
+# with the codec choice (``select``'s noise_z): standard errors of the difference of two medians a
+# candidate must gain over the cost model's pick to be kept instead
+NOISE_Z = 1.0
+# the median of |X - Y| for two independent normal draws of deviation s is sqrt(2) * 0.6745 * s
+_PAIR_MEDIAN = math.sqrt(2.0) * 0.6744897501960817
+# a sample median's standard error is sqrt(pi / 2) * s / sqrt(n) (normal steps, n not tiny)
+_MEDIAN_SE = math.sqrt(math.pi / 2.0)
 # re-validation on drift (``drifted``): the median step of a window against the kept plan's reference
 DRIFT_THRESHOLD = 0.25  # relative change, either way, that re-runs the measured validation
 DEFAULT_REVALIDATE_EVERY = 100  # steps per window with codec_choice="auto" (0 otherwise: off)
@@ -198,21 +214,54 @@ def step_times(per_rank: Sequence[Sequence[Sequence[float]]]) -> List[List[float
     return [[max(float(r[c][s]) for r in per_rank) for s in range(n)] for c, n in enumerate(shape)]
 
 
-def select(times: Sequence[Sequence[float]], tolerance: float = TOLERANCE) -> Tuple[int, List[float]]:
+def _finite(steps) -> List[float]:
+    return [float(x) for x in steps if x is not None and math.isfinite(float(x))]
+
+
+def step_noise(times: Sequence[Sequence[float]]) -> float:
+    """The measured noise of one step's time, relative to the step (an estimate of its standard
+    deviation over its typical value): within every candidate, each pair of its finite steps'
+    absolute difference over the candidate's median step; all pooled, their median over the median
+    of |X - Y| for two normal draws of unit deviation (0.954). Robust to an odd slow step, and
+    blind to the candidates' own differences (steps are compared within a candidate only). 0 when
+    no candidate has two finite steps (one measured step each: no noise can be told)."""
+    pairs = []
+    for t in times:
+        steps = _finite(t)
+        if len(steps) < 2:
+            continue
+        mid = float(np.median(steps))
+        if mid <= 0:
+            continue
+        pairs += [abs(a - b) / mid for i, a in enumerate(steps) for b in steps[i + 1:]]
+    return float(np.median(pairs)) / _PAIR_MEDIAN if pairs else 0.0
+
+
+def select(times: Sequence[Sequence[float]], tolerance: float = TOLERANCE,
+           noise_z: float = 0.0) -> Tuple[int, List[float]]:
     """(index of the candidate to keep, median step time of each). Candidates whose median is
     within ``tolerance`` (relative) of the smallest are ties; the earliest of them is kept.
+    With ``noise_z`` > 0 the first candidate is kept unless the smallest median is below its own
+    by more than ``noise_z`` standard errors of the difference of the two medians (relative, from
+    ``step_noise`` and each one's number of steps), and by more than ``tolerance``: a gain within
+    the measured noise does not move the choice off the cost model's pick (module doc).
     Candidates without a finite measurement are never kept unless none has one (then the first)."""
     if not times:
         raise ValueError("select: no candidates")
     if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < 1):
         raise ValueError(f"tolerance: must be in [0, 1); got {tolerance!r}")
-    medians = []
-    for t in times:
-        finite = [float(x) for x in t if x is not None and math.isfinite(float(x))]
-        medians.append(float(np.median(finite)) if finite else math.inf)
+    if isinstance(noise_z, bool) or not (isinstance(noise_z, (int, float)) and 0 <= noise_z <= 10):
+        raise ValueError(f"noise_z: must be a number in [0, 10] (standard errors; 0: tolerance only); got {noise_z!r}")
+    steps = [_finite(t) for t in times]
+    medians = [float(np.median(s)) if s else math.inf for s in steps]
     best = min(medians)
     if not math.isfinite(best):
         return 0, medians
+    if noise_z > 0 and steps[0]:
+        fastest = medians.index(best)
+        spread = _MEDIAN_SE * step_noise(times) * math.sqrt(1.0 / len(steps[0]) + 1.0 / len(steps[fastest]))
+        if medians[0] <= best * (1.0 + max(tolerance, noise_z * spread)):
+            return 0, medians
     for i, m in enumerate(medians):
         if m <= best * (1.0 + tolerance):
             return i, medians
@@ -273,6 +322,6 @@ def summary(candidates: Sequence[Candidate], medians: Sequence[float], chosen: i
             f"{candidates[chosen].label}")
 
 
-__all__ = ["candidate", "everywhere", "with_fixed_choices", "MAX_CANDIDATES", "MAX_CHOICE_CANDIDATES", "Candidate", "DEFAULT_TUNE_STEPS", "check_tune_steps", "propose", "select", "step_times", "summary",
+__all__ = ["candidate", "everywhere", "with_fixed_choices", "MAX_CANDIDATES", "MAX_CHOICE_CANDIDATES", "Candidate", "DEFAULT_TUNE_STEPS", "check_tune_steps", "propose", "select", "step_noise", "step_times", "summary", "NOISE_Z",
            "check_revalidate_every", "window_median", "drifted", "DRIFT_THRESHOLD", "DEFAULT_REVALIDATE_EVERY",
            "size_label"]
