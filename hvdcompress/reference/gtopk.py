@@ -124,7 +124,7 @@ def _wire(params, d, itemsize, world, density):
 
 register("gtopk", GATHERED, "global top-k (gTop-k): each rank's k = ceil(ratio * numel) largest entries merged "
          "pairwise by recursive doubling, keeping the top k of each sum, so every rank receives O(k log P) "
-         "bytes instead of top-k's O(kP); the result has k entries, what it drops stays in the residuals",
+         "bytes instead of top-k's O(kP); the result has k entries, what it drops stays in the residuals.",
          Param("ratio", float, 0.01, "fraction of entries kept (locally and in the global result)", **RATIO_RANGE),
          residual_param(True), wire=_wire,
          horovod_refusal="it exchanges in log2 P rounds of pairwise swaps with a merge between them, and "

@@ -38,12 +38,17 @@ def pack(indices: torch.Tensor, values: torch.Tensor, index_type: torch.dtype, f
     return torch.cat(cols, dim=1)
 
 
+def _column_bytes(rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes start:stop of every row, flat, in a buffer of their own (aligned for a view as a wider dtype)."""
+    return rows[:, start:stop].clone(memory_format=torch.contiguous_format).reshape(-1)
+
+
 def unpack(rows: torch.Tensor, index_type: torch.dtype, dtype: torch.dtype, flagged: bool):
     """``pack`` 's inverse: (indices as int64, values, flags as bool or None)."""
     ib = torch.empty(0, dtype=index_type).element_size()
     vb = torch.empty(0, dtype=dtype).element_size()
-    idx = rows[:, :ib].reshape(-1).view(index_type).long()
-    vals = rows[:, ib:ib + vb].reshape(-1).view(dtype)
+    idx = _column_bytes(rows, 0, ib).view(index_type).long()
+    vals = _column_bytes(rows, ib, ib + vb).view(dtype)
     flags = rows[:, ib + vb].bool() if flagged else None
     return idx, vals, flags
 
