@@ -226,3 +226,21 @@ def test_optimizer_replicas_identical_checkpoint_resumed_and_the_oracle_replayed
 def test_ddp_hook_keeps_replicas_identical(launched):
     for r in _part(launched, "hook"):
         assert all(r["identical"]) and r["moved"] > 0
+
+
+@pytest.mark.multiprocess
+def test_horovod_transport_carries_the_rounds():
+    """3 Horovod (Gloo) workers, the default transport: replicas identical, exchanges as the oracle's."""
+    from scenarios.launch import run_workers
+    got = run_workers(sc.horovod_optimizer, 3)
+    for r in got:
+        assert all(r["identical"]) and r["moved"] > 0
+    for entries in zip(*[r["log"] for r in got]):
+        e0 = entries[0]
+        states = [copy.deepcopy(e["before"]) for e in entries]
+        want, after, _ = simulate(parse_spec(e0["spec"]), [e["x"] for e in entries], states, key=e0["key"],
+                                  step=e0["step"], scale=e0["scale"], shape=e0["shape"], members=e0["members"])
+        for r, e in enumerate(entries):
+            np.testing.assert_array_equal(e["result"], want)
+            for name, v in after[r].items():
+                np.testing.assert_array_equal(e["after"][name], v)

@@ -164,6 +164,37 @@ def merge(ia: np.ndarray, va: np.ndarray, ib: np.ndarray, vb: np.ndarray, k: int
     return union[keep], vals[keep]
 
 
+def global_topk(indices: np.ndarray, values: np.ndarray, k: int, n: int, ctx):
+    """The rounds of ``plan`` over this rank's k-sparse vector (indices ascending, of an n-entry
+    tensor), as a sub-generator (``yield from``): returns (the global indices, their summed values,
+    the indices of this rank's own entries whose contribution is in them). Any selection that
+    sends k pairs can be aggregated this way (top-k here)."""
+    idx, vals = indices, values
+    mine, folded = indices, None  # folded: the entries of rank p + j still in rank j's set
+    itype = index_dtype(n)
+    world, rank = ctx.world_size, ctx.rank
+    for kind, dest in (plan(world) if world > 1 and k else ()):
+        to = dest[rank]
+        rows = np.zeros((0, row_bytes(kind, values.dtype.itemsize, itype.itemsize)), np.uint8)
+        if to >= 0:
+            rows = pack(idx, vals, itype, np.isin(idx, folded) if kind == UNFOLD else None)
+        splits = tuple(rows.shape[0] if q == to else 0 for q in range(world))
+        (got,) = yield (Alltoall(rows, splits),)
+        if not sources(dest, rank):
+            continue
+        their_idx, their_vals, flags = unpack(got, itype, values.dtype, kind == UNFOLD)
+        if kind == UNFOLD:  # the result, and which of its entries carry my contribution
+            idx, vals, mine = their_idx, their_vals, their_idx[flags]
+            continue
+        if kind == FOLD:
+            folded = their_idx
+        idx, vals = merge(idx, vals, their_idx, their_vals, k)
+        mine = mine[np.isin(mine, idx)]
+        if folded is not None:
+            folded = folded[np.isin(folded, idx)]
+    return idx, vals, mine
+
+
 class GlobalTopKOracle(Oracle):
     name = "gtopk"
 
@@ -174,32 +205,7 @@ class GlobalTopKOracle(Oracle):
         r = ctx.state.get("residual")
         a = x + r if (use_residual and r is not None) else x
         own = topk_indices(a, k).astype(np.int64)
-        idx, vals = own, a[own]
-        mine = own            # my entries whose contribution is still in the set I hold
-        folded = None         # (indices) of the folded-in rank's entries still in it, on rank j < P - p
-        itype = index_dtype(n)
-        world, rank = ctx.world_size, ctx.rank
-        for kind, dest in (plan(world) if world > 1 and k else ()):
-            to = dest[rank]
-            rows = np.zeros((0, row_bytes(kind, a.dtype.itemsize, itype.itemsize)), np.uint8)
-            if to >= 0:
-                flags = np.isin(idx, folded) if kind == UNFOLD else None
-                rows = pack(idx, vals, itype, flags)
-            splits = tuple(rows.shape[0] if q == to else 0 for q in range(world))
-            (got,) = yield (Alltoall(rows, splits),)
-            if not sources(dest, rank):
-                continue
-            their_idx, their_vals, flags = unpack(got, itype, a.dtype, kind == UNFOLD)
-            if kind == UNFOLD:  # the result, and which of its entries carry my contribution
-                idx, vals = their_idx, their_vals
-                mine = their_idx[flags]
-                continue
-            if kind == FOLD:
-                folded = their_idx
-            idx, vals = merge(idx, vals, their_idx, their_vals, k)
-            mine = mine[np.isin(mine, idx)]
-            if folded is not None:
-                folded = folded[np.isin(folded, idx)]
+        idx, vals, mine = yield from global_topk(own, a[own], k, n, ctx)
         if use_residual:
             left = a.copy()
             left[mine] = 0

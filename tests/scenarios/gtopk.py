@@ -228,3 +228,32 @@ def launch(world: int) -> list:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def horovod_optimizer() -> dict:
+    """On Horovod (run by ``scenarios.launch.run_workers``): the optimizer's default transport, the
+    Horovod ``Communicator``, carries the same rounds; replicas compared every step, exchanges logged."""
+    import torch
+    import torch.nn as nn
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    from scenarios.ddp import Recorder
+    hvd.init()
+    rec = Recorder()
+    model = _model()
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compression=SPEC, schedule="layerwise")
+    identical = []
+    try:
+        for step in range(3):
+            rec.tag = "hvd"
+            opt.zero_grad()
+            x, y = _batch(hvd.rank(), step)
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            opt.step()
+            rec.tag = None
+            rows = hvd.allgather(_flat(model)[None], name=f"gtopk.check.{step}")
+            identical.append(all(torch.equal(rows[0], row) for row in rows))
+    finally:
+        rec.restore()
+    return {"identical": identical, "log": rec.log, "moved": float((_flat(model) - _flat(_model())).abs().max())}

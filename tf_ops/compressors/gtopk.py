@@ -57,6 +57,37 @@ def merge(ia, va, ib, vb, k: int):
     return tf.gather(union, keep), tf.gather(vals, keep)
 
 
+def global_topk(indices, values, k: int, n: int, ctx):
+    """The rounds over this rank's k-sparse vector, as a sub-generator (``yield from``): returns
+    (global indices, their summed values, this rank's own indices whose contribution is in them);
+    the oracle's ``global_topk``."""
+    idx, vals = indices, values
+    mine, folded = indices, None
+    itype = tf.int32 if index_dtype(n).itemsize == 4 else tf.int64
+    world, rank = ctx.world_size, int(ctx.rank)
+    for kind, dest in (plan(world) if world > 1 and k else ()):
+        to = dest[rank]
+        if to >= 0:
+            rows = pack(idx, vals, itype, member(idx, folded) if kind == UNFOLD else None)
+        else:
+            rows = tf.zeros([0, row_bytes(kind, values.dtype.size, itype.size)], tf.uint8)
+        splits = tuple(k if q == to else 0 for q in range(world))
+        (got,) = yield (Alltoall(rows, splits),)
+        if not sources(dest, rank):
+            continue
+        their_idx, their_vals, flags = unpack(got, itype, values.dtype, kind == UNFOLD)
+        if kind == UNFOLD:
+            idx, vals, mine = their_idx, their_vals, tf.boolean_mask(their_idx, flags)
+            continue
+        if kind == FOLD:
+            folded = their_idx
+        idx, vals = merge(idx, vals, their_idx, their_vals, k)
+        mine = tf.boolean_mask(mine, member(mine, idx))
+        if folded is not None:
+            folded = tf.boolean_mask(folded, member(folded, idx))
+    return idx, vals, mine
+
+
 class GlobalTopKCompressor(Compressor):
     name = "gtopk"
     summed = False
@@ -84,30 +115,7 @@ class GlobalTopKCompressor(Compressor):
         k = num_selected(self.spec["ratio"], n)
         a = self.memory.compensate(x, ctx.state)
         own = tf.cast(topk_indices(a, k), tf.int64)
-        idx, vals = own, tf.gather(a, own)
-        mine, folded = own, None
-        itype = tf.int32 if index_dtype(n).itemsize == 4 else tf.int64
-        world, rank = ctx.world_size, int(ctx.rank)
-        for kind, dest in (plan(world) if world > 1 and k else ()):
-            to = dest[rank]
-            if to >= 0:
-                rows = pack(idx, vals, itype, member(idx, folded) if kind == UNFOLD else None)
-            else:
-                rows = tf.zeros([0, row_bytes(kind, a.dtype.size, itype.size)], tf.uint8)
-            splits = tuple(k if q == to else 0 for q in range(world))
-            (got,) = yield (Alltoall(rows, splits),)
-            if not sources(dest, rank):
-                continue
-            their_idx, their_vals, flags = unpack(got, itype, a.dtype, kind == UNFOLD)
-            if kind == UNFOLD:
-                idx, vals, mine = their_idx, their_vals, tf.boolean_mask(their_idx, flags)
-                continue
-            if kind == FOLD:
-                folded = their_idx
-            idx, vals = merge(idx, vals, their_idx, their_vals, k)
-            mine = tf.boolean_mask(mine, member(mine, idx))
-            if folded is not None:
-                folded = tf.boolean_mask(folded, member(folded, idx))
+        idx, vals, mine = yield from global_topk(own, tf.gather(a, own), k, n, ctx)
         self.memory.update(lambda: tf.tensor_scatter_nd_update(a, mine[:, None], tf.zeros(tf.shape(mine), a.dtype)),
                            ctx.state)
         total = tf.tensor_scatter_nd_update(tf.zeros([n], a.dtype), idx[:, None], vals)

@@ -64,6 +64,38 @@ def merge(ia: torch.Tensor, va: torch.Tensor, ib: torch.Tensor, vb: torch.Tensor
     return union[keep], vals[keep]
 
 
+def global_topk(indices: torch.Tensor, values: torch.Tensor, k: int, n: int, ctx):
+    """The rounds over this rank's k-sparse vector, as a sub-generator (``yield from``): returns
+    (global indices, their summed values, this rank's own indices whose contribution is in them);
+    the oracle's ``global_topk``."""
+    idx, vals = indices, values
+    mine, folded = indices, None
+    itype = _index_type(n)
+    world, rank = ctx.world_size, ctx.rank
+    for kind, dest in (plan(world) if world > 1 and k else ()):
+        to = dest[rank]
+        if to >= 0:
+            rows = pack(idx, vals, itype, torch.isin(idx, folded) if kind == UNFOLD else None)
+        else:
+            rows = torch.zeros((0, row_bytes(kind, values.element_size(), itype.itemsize)), dtype=torch.uint8,
+                               device=values.device)
+        splits = tuple(rows.shape[0] if q == to else 0 for q in range(world))
+        (got,) = yield (Alltoall(rows, splits),)
+        if not sources(dest, rank):
+            continue
+        their_idx, their_vals, flags = unpack(got.to(values.device), itype, values.dtype, kind == UNFOLD)
+        if kind == UNFOLD:
+            idx, vals, mine = their_idx, their_vals, their_idx[flags]
+            continue
+        if kind == FOLD:
+            folded = their_idx
+        idx, vals = merge(idx, vals, their_idx, their_vals, k)
+        mine = mine[torch.isin(mine, idx)]
+        if folded is not None:
+            folded = folded[torch.isin(folded, idx)]
+    return idx, vals, mine
+
+
 class GlobalTopKCompressor(Compressor):
     name = "gtopk"
     summed = False
@@ -77,36 +109,12 @@ class GlobalTopKCompressor(Compressor):
         k = num_selected(self.spec["ratio"], n)
         a = self.memory.compensate(x, ctx.state)
         own = topk_indices(a, k)
-        idx, vals = own, a[own]
-        own_vals = vals
+        own_vals = a[own]
         use_residual = bool(self.spec["residual"])
         if use_residual:  # the local selection leaves a (in the residual's buffer when a lives there)
             r = a if a is ctx.state.get("residual") else a.clone()
             ctx.state["residual"] = r.index_fill_(0, own, 0)
-        mine, folded = own, None
-        itype = _index_type(n)
-        world, rank = ctx.world_size, ctx.rank
-        for kind, dest in (plan(world) if world > 1 and k else ()):
-            to = dest[rank]
-            if to >= 0:
-                rows = pack(idx, vals, itype, torch.isin(idx, folded) if kind == UNFOLD else None)
-            else:
-                rows = torch.zeros((0, row_bytes(kind, a.element_size(), itype.itemsize)), dtype=torch.uint8,
-                                   device=a.device)
-            splits = tuple(rows.shape[0] if q == to else 0 for q in range(world))
-            (got,) = yield (Alltoall(rows, splits),)
-            if not sources(dest, rank):
-                continue
-            their_idx, their_vals, flags = unpack(got.to(a.device), itype, a.dtype, kind == UNFOLD)
-            if kind == UNFOLD:
-                idx, vals, mine = their_idx, their_vals, their_idx[flags]
-                continue
-            if kind == FOLD:
-                folded = their_idx
-            idx, vals = merge(idx, vals, their_idx, their_vals, k)
-            mine = mine[torch.isin(mine, idx)]
-            if folded is not None:
-                folded = folded[torch.isin(folded, idx)]
+        idx, vals, mine = yield from global_topk(own, own_vals, k, n, ctx)
         if use_residual and mine.numel() != own.numel():  # the merges dropped some: back to the residual
             dropped = ~torch.isin(own, mine)
             ctx.state["residual"][own[dropped]] = own_vals[dropped]
