@@ -47,7 +47,7 @@ def test_plan_pairs_every_rank_and_folds_the_rest(world):
 
 def test_bytes_per_worker_grow_as_k_log_p_against_k_p():
     k = 1000
-    for world in range(2, 1025):
+    for world in list(range(2, 70)) + [127, 128, 129, 255, 256, 257, 1000, 1023, 1024]:
         log = world.bit_length() - 1
         extra = world & (world - 1) != 0
         assert worker_bytes(world, k) == k * PAIR_BYTES * (log + extra), world
