@@ -41,6 +41,7 @@ from hypothesis.extra import numpy as hnp
 
 from hvdcompress.reference import oracle_for, simulate
 from hvdcompress.reference.dgc import dgc_density, is_dense as dgc_is_dense
+from hvdcompress.reference.gtopk import sent_bytes
 from hvdcompress.reference.powersgd import is_compressed, matrix_shape
 from hvdcompress.reference.quantizers import payload_bytes
 from hvdcompress.sampling import ACCEPT_HIGH_TENTHS
@@ -85,13 +86,14 @@ VARIANTS = {
                    "sparseloco:ratio=0.2,bits=3,residual=false"],
     # step 0 is the dense warm-up, step 1 the 1-bit moment
     "onebitadam": ["onebitadam:warmup_steps=1", "onebitadam:warmup_steps=1,scope=column,beta1=0.5"],
+    "gtopk": ["gtopk:ratio=0.1", "gtopk:ratio=1.0", "gtopk:ratio=0.3,residual=false"],
 }
 TEST_ONLY = {"toysign"}  # tests/toy_algorithm: the contract's worked example, not a library algorithm
 NAMES = sorted(set(REGISTRY) - TEST_ONLY)
 SPECS = [text for name in NAMES for text in VARIANTS.get(name, [name])]
 # the conservation checks below follow a = g + r; with momentum inside a = v + r (v the velocity)
 RESIDUAL_SPECS = [t for t in SPECS if parse_spec(t).params.get("residual") and not parse_spec(t).params.get("momentum")]
-EXACT_FEEDBACK = {"topk", "randomk", "threshold", "fp16", "bf16"}  # a - D(C(a)) is exact in float32
+EXACT_FEEDBACK = {"topk", "gtopk", "randomk", "threshold", "fp16", "bf16"}  # a - D(C(a)) is exact in float32
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "float64": torch.float64}
@@ -279,6 +281,9 @@ def _check_wire(spec, shape, world, nbytes, itemsize, label, step=0, declared=Tr
             assert nbytes == payload_bytes("onebit", spec.params, d, shape=shape), (label, nbytes)
             if spec["scope"] == "tensor" or len(shape) == 2 and shape[0] == shape[1]:
                 assert nbytes == declared, (label, nbytes, declared)
+    elif spec.name == "gtopk":  # what a rank sends depends on its place in the rounds (fold, pairs, unfold)
+        ranks = sent_bytes(world, num_selected(spec["ratio"], d), itemsize, int(index_bytes(d)))
+        assert nbytes in ranks and max(ranks) <= declared, (label, nbytes, ranks, declared)
     elif spec.name == "onebit" and spec["scope"] == "column":  # the rule counts a square matrix's columns
         assert nbytes == payload_bytes("onebit", spec.params, d, shape=shape), (label, nbytes)
         if len(shape) == 2 and shape[0] == shape[1]:

@@ -347,11 +347,10 @@ class TorchDistCommunicator:
                 row *= int(d)
             op.out = op.tensor.new_empty((sum(recv),) + op.rest)
             op.recv_splits = recv
-            if sum(recv) or sum(op.splits):
-                op.work = dist.all_to_all_single(op.out, op.tensor, recv, op.splits, group=group, async_op=True)
-                self._count("all_to_all")
-            else:
-                op.work = None
+            # every rank takes part, one that sends and receives nothing too: the others' collective
+            # includes it (it cannot tell from its own splits whether any rank sends anything)
+            op.work = dist.all_to_all_single(op.out, op.tensor, recv, op.splits, group=group, async_op=True)
+            self._count("all_to_all")
 
     def wait(self, handles: Sequence[_Op]) -> Tuple[torch.Tensor, ...]:
         if any(op.pending for op in handles):  # waited for inside the batch that launched it

@@ -1,7 +1,8 @@
 """A single-process stand-in for N ranks, for unit tests of exchange *semantics* only.
 
 It drives N exchange generators in lockstep and answers their requests the way the collectives
-define them (Allreduce: sum in rank order; Allgather: concatenate in rank order). The same driver
+define them (Allreduce: sum in rank order; Allgather: concatenate in rank order; Alltoall: rank r
+gets every rank's piece r, in rank order). The same driver
 serves both backends: requests from ``torch_ops`` are answered with torch (the sum is written into
 every rank's tensor, as Horovod's in-place allreduce does), requests from ``tf_ops`` with
 TensorFlow ops -- which also works while a ``tf.function`` is traced, so graph mode is checked the
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hvdcompress.contract import Allgather, Allreduce, lockstep
+from hvdcompress.contract import Allgather, Allreduce, Alltoall, lockstep
 
 
 class _Torch:
@@ -37,6 +38,12 @@ class _Torch:
         import torch
         cat = torch.cat(tensors)
         return [cat.clone() for _ in tensors]
+
+    @staticmethod
+    def alltoall(tensors, splits):
+        import torch
+        pieces = [torch.split(t, list(s)) for t, s in zip(tensors, splits)]
+        return [torch.cat([pieces[src][r] for src in range(len(tensors))]) for r in range(len(tensors))]
 
 
 class _TF:
@@ -70,6 +77,12 @@ class _TF:
         cat = tf.concat(tensors, axis=0)
         return [cat] * len(tensors)
 
+    @staticmethod
+    def alltoall(tensors, splits):
+        import tensorflow as tf
+        pieces = [tf.split(t, list(s), axis=0) for t, s in zip(tensors, splits)]
+        return [tf.concat([pieces[src][r] for src in range(len(tensors))], axis=0) for r in range(len(tensors))]
+
 
 def _backend(tensor):
     return _TF if type(tensor).__module__.startswith("tensorflow") else _Torch
@@ -87,6 +100,8 @@ def _answer(rounds):
             out = backend.allreduce(tensors)
         elif isinstance(rounds[0][i], Allgather):
             out = backend.allgather(tensors)
+        elif isinstance(rounds[0][i], Alltoall):
+            out = backend.alltoall(tensors, [rounds[r][i].splits for r in range(n)])
         else:
             raise TypeError(rounds[0][i])
         for r in range(n):
