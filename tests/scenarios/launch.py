@@ -118,6 +118,12 @@ def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> d
     hvd = importlib.import_module({"torch": "horovod.torch", "tf": "horovod.tensorflow"}[framework])
     if framework == "tf":
         tf_graph_options()
+        # one thread each, as the TF scenarios set for themselves: set before any of them runs, so
+        # that one which sets nothing (and starts TF's runtime with its defaults) cannot make a later
+        # one's setting fail, whichever modules were collected
+        import tensorflow as tf
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
     hvd.init()
     shutdown, hvd.shutdown = hvd.shutdown, lambda: None
     out = {"seconds": {}, "cpu": {}}
