@@ -1,5 +1,6 @@
 import atexit
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -19,6 +20,12 @@ os.environ.setdefault("HVDCOMPRESS_TRITON_PATH", os.path.join(
 SESSION_CACHE = tempfile.mkdtemp(prefix="hvdcompress-test-cache-")
 os.environ["HVDCOMPRESS_CACHE"] = SESSION_CACHE
 atexit.register(shutil.rmtree, SESSION_CACHE, True)
+# Where the xdist workers leave the shared launches' results for each other (scenarios/shared_launch.py):
+# made once, by the process that starts the workers, which inherit it.
+from scenarios.shared_launch import LAUNCH_DIR  # noqa: E402
+if LAUNCH_DIR not in os.environ:
+    os.environ[LAUNCH_DIR] = tempfile.mkdtemp(prefix="hvdcompress-test-launches-")
+    atexit.register(shutil.rmtree, os.environ[LAUNCH_DIR], True)
 # The compiled kernels (torch_ops/compressors/native.py) are the exception: a build is named by the
 # digest of its source and flags, so the one `make install` made serves the tests too, instead of
 # a compile per session (and per xdist worker).
@@ -82,27 +89,39 @@ def pytest_collection_finish(session):
     shared_launch.COLLECTED.update(getattr(item.module, "__name__", "") for item in session.items)
 
 
-def _multiprocess_group(module: str) -> str:
-    """The xdist group of a test that launches workers: "multiprocess-shared" for the modules in a
-    shared launch's table (the launches live in one process, so these modules run in one xdist
-    worker), "multiprocess-own" for the modules whose tests each launch workers of their own."""
+# a test name or fixture name that says TensorFlow: test_tf_..., test_keras_..., tf_results, [tf-2]
+_TF_NAME = re.compile(r"(^|[_\-\[])(tf|keras)([_\-\]]|$)")
+
+
+def _multiprocess_group(item) -> str:
+    """The xdist group of a test that launches workers: "multiprocess-tf" for the tests that read
+    the shared TensorFlow launch (every multiprocess test of a module only in its table; in a
+    module in the PyTorch launches' tables too, those whose name or fixtures say tf or keras),
+    "multiprocess" for the others (the shared PyTorch launches and the launches of their own)."""
     from scenarios import shared_launch, shared_tf_launch
-    shared = set(shared_launch.TORCH_2.table) | set(shared_launch.TORCH_3.table) | set(shared_tf_launch.SCENARIOS)
-    return "multiprocess-shared" if module in shared else "multiprocess-own"
+    module = getattr(item.module, "__name__", "")
+    if module not in shared_tf_launch.SCENARIOS:
+        return "multiprocess"
+    if module not in set(shared_launch.TORCH_2.table) | set(shared_launch.TORCH_3.table):
+        return "multiprocess-tf"
+    named = [item.name] + list(getattr(item, "fixturenames", ()))
+    return "multiprocess-tf" if any(_TF_NAME.search(n) for n in named) else "multiprocess"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
     # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) the tests that launch workers form two
-    # groups, each run in order in one xdist worker (_multiprocess_group): the shared launches and
-    # the modules reading them in one, the modules with launches of their own in the other. xdist
-    # hands out the two groups first (its largest units), then the single-process tests to whichever
-    # worker is done with its group. A Horovod job of 2 ranks leaves part of the 2 cores idle while
-    # its ranks wait on each other, so the two groups overlap instead of running one after the other
-    # with the second xdist worker idle once the single-process tests are done.
+    # groups, each run in order in one xdist worker (_multiprocess_group): the shared TF launch's
+    # tests in one; the shared PyTorch launches' tests and the modules with launches of their own
+    # in the other. xdist hands out the two groups first (its largest units), then the
+    # single-process tests to whichever worker is done with its group. The shared TF launch is the
+    # longest run of the suite, so it starts at once in a worker of its own, while the other
+    # worker runs the PyTorch launches. A launch runs once per session even when tests of both
+    # groups read it (scenarios/shared_launch.py: the second worker reads the first one's results),
+    # as a test that reads both a PyTorch and the TF launch does.
     for item in items:
         if "multiprocess" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group(_multiprocess_group(getattr(item.module, "__name__", ""))))
+            item.add_marker(pytest.mark.xdist_group(_multiprocess_group(item)))
     if EXTENDED:
         return
     skip = pytest.mark.skip(reason="extended tier: set HVDC_EXTENDED_TESTS=1 (make test-full)")

@@ -4,9 +4,9 @@ launch costs seconds of Python, PyTorch/TensorFlow and Horovod start-up per work
 (one scenario's results from every rank, failing on errors).
 
 The workers inherit this process's environment plus: the tests' directory on PYTHONPATH (the
-``scenarios`` package), one torch/OMP thread, Horovod's 1 ms cycle (these runs are latency bound), a
-300 s Gloo timeout (``GLOO_TIMEOUT_S``), and
-a cost-model cache that is never the user's ``~/.cache/hvdcompress`` (``worker_cache_dir``).
+``scenarios`` package), one torch/OMP thread, Horovod's 1 ms cycle with its response cache
+(``HOROVOD_SETTINGS``: these runs are latency bound), a 300 s Gloo timeout (``GLOO_TIMEOUT_S``),
+and a cost-model cache that is never the user's ``~/.cache/hvdcompress`` (``worker_cache_dir``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,15 @@ from typing import Dict, Optional, Sequence, Tuple
 # on the 2 cores of the CI machine (and TensorFlow imports or busy waits competing for them) such a
 # wait can reach 30 s; the workers get a longer timeout, and a real hang still fails, later.
 GLOO_TIMEOUT_S = "300"
+
+# Horovod's settings as every worker must see them when it initializes Horovod. horovod.runner.run
+# (0.28.1) writes its own HOROVOD_CYCLE_TIME and HOROVOD_CACHE_CAPACITY into each worker's
+# environment, over the launching process's: "(None,)" when the caller gives none (its argument
+# defaults end in a stray comma), which Horovod parses as 0, that is a background thread that
+# negotiates without pause (about half a core per idle worker) and no response cache (every
+# collective negotiated in full). ``run_workers`` therefore sets them again inside each worker,
+# before the worker's function runs; a launch's ``env`` may still override them.
+HOROVOD_SETTINGS = {"HOROVOD_CYCLE_TIME": "1", "HOROVOD_CACHE_CAPACITY": "1024"}
 
 # Set to "1" in a TF launch's environment: its workers run every tf.function without Grappler's
 # graph rewrites (about a third of the CPU a Keras step's first call takes, which a test launch
@@ -70,15 +79,22 @@ def run_workers(fn, np_: int, *args, env: Optional[Dict[str, str]] = None, start
     os.environ["PYTHONPATH"] = os.pathsep.join([tests, os.path.dirname(tests), saved.get("PYTHONPATH", "")])
     os.environ["HVDCOMPRESS_CACHE"] = cache
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["HOROVOD_CYCLE_TIME"] = "1"
     os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", GLOO_TIMEOUT_S)
     os.environ.update(env or {})
+    settings = dict(HOROVOD_SETTINGS, **{k: v for k, v in (env or {}).items() if k in HOROVOD_SETTINGS})
     try:
-        return run(fn, args=args, num_proc=np_, hosts=f"localhost:{np_}", use_gloo=True,
-                   start_timeout=start_timeout)
+        return run(in_worker, args=(settings, fn) + tuple(args), num_proc=np_, hosts=f"localhost:{np_}",
+                   use_gloo=True, start_timeout=start_timeout)
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def in_worker(settings: Dict[str, str], fn, *args):
+    """Worker side of ``run_workers``: ``settings`` into the environment (``HOROVOD_SETTINGS``),
+    then ``fn(*args)``."""
+    os.environ.update(settings)
+    return fn(*args)
 
 
 def part(results, name):
@@ -91,7 +107,8 @@ def part(results, name):
 def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> dict:
     """Worker side of ``run_scenarios``: initialize Horovod once, run each ``(name, fn, args)`` in
     order and return ``{name: fn(*args)}`` (``{"error": traceback}`` where one raised, so the other
-    scenarios still run and the test shows the worker's error), plus ``"seconds"`` per scenario.
+    scenarios still run and the test shows the worker's error), plus ``"seconds"`` (wall) and
+    ``"cpu"`` (the worker process's CPU seconds, all its threads) per scenario.
 
     The scenarios may call ``hvd.init()``/``hvd.shutdown()`` themselves, as they do when launched
     alone: a second ``init`` does nothing, and ``shutdown`` is held back until the last one ran.
@@ -101,12 +118,18 @@ def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> d
     hvd = importlib.import_module({"torch": "horovod.torch", "tf": "horovod.tensorflow"}[framework])
     if framework == "tf":
         tf_graph_options()
+        # one thread each, as the TF scenarios set for themselves: set before any of them runs, so
+        # that one which sets nothing (and starts TF's runtime with its defaults) cannot make a later
+        # one's setting fail, whichever modules were collected
+        import tensorflow as tf
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
     hvd.init()
     shutdown, hvd.shutdown = hvd.shutdown, lambda: None
-    out = {"seconds": {}}
+    out = {"seconds": {}, "cpu": {}}
     try:
         for name, fn, args in calls:
-            start, environ = time.perf_counter(), dict(os.environ)
+            start, cpu, environ = time.perf_counter(), time.process_time(), dict(os.environ)
             try:
                 out[name] = fn(*args)
             except Exception:  # report, do not hang the next scenarios on a worker traceback
@@ -115,6 +138,7 @@ def in_sequence(framework: str, calls: Sequence[Tuple[str, object, tuple]]) -> d
                 os.environ.clear()
                 os.environ.update(environ)
             out["seconds"][name] = round(time.perf_counter() - start, 2)
+            out["cpu"][name] = round(time.process_time() - cpu, 2)
     finally:
         hvd.shutdown = shutdown
     shutdown()

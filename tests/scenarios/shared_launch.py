@@ -19,16 +19,56 @@ when the launch starts):
 - several, ``{name: (module, function, args)}``: ``results(test_module)`` is, per rank, a dict
   ``{name: result}`` to read with ``launch.part(results, name)``.
 
+Under pytest-xdist the tests reading one launch may run in two xdist workers (conftest.py puts the
+TF launch's tests and the others in two groups): the first worker to need a launch runs it and
+leaves its results in ``launch_dir()`` (one directory per test run), holding a file lock meanwhile;
+a worker that needs it later waits for that lock and reads them. A launch runs once per session
+whichever workers read it.
+
 Launches that need something of their own stay separate: a ``hvd.init(process_sets=...)``, other
 TensorFlow threading, a worker that dies, ``horovodrun`` elastic.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pickle
 import tempfile
 from typing import Dict, List, Optional, Set
 
 COLLECTED: Set[str] = set()  # test modules of this session (conftest.pytest_collection_modifyitems)
+
+
+# The directory of this test session's shared results, made by conftest.py in the pytest process
+# that starts the xdist workers (they inherit it).
+LAUNCH_DIR = "HVDC_TESTS_LAUNCH_DIR"
+
+
+def launch_dir() -> Optional[str]:
+    """Where the xdist workers of this test run leave the shared launches' results (None outside
+    xdist: each launch's results stay in this process)."""
+    run, root = os.environ.get("PYTEST_XDIST_TESTRUNUID"), os.environ.get(LAUNCH_DIR)
+    if not run or not root:
+        return None
+    path = os.path.join(root, run)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(path: Optional[str]):
+    """An exclusive lock on ``path`` (a file) while the block runs; nothing when ``path`` is None."""
+    if path is None:
+        yield
+        return
+    import fcntl
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def scratch_dir() -> str:
@@ -56,6 +96,22 @@ class SharedLaunch:
         return out
 
     def _launch(self, module: str) -> None:
+        """Run the launch (or, under xdist, read what another worker's run of it left) and keep
+        each listed module's results."""
+        shared = launch_dir()
+        stem = None if shared is None else os.path.join(shared, f"{self.framework}-{self.world}")
+        with _locked(None if stem is None else stem + ".lock"):
+            if stem is not None and os.path.exists(stem + ".pickle"):
+                with open(stem + ".pickle", "rb") as f:
+                    self._results.update(pickle.load(f))
+            if module not in self._results:
+                self._run(module)
+                if stem is not None:
+                    with open(stem + ".part", "wb") as f:
+                        pickle.dump(self._results, f)
+                    os.replace(stem + ".part", stem + ".pickle")
+
+    def _run(self, module: str) -> None:
         import importlib
 
         from scenarios.launch import run_scenarios
@@ -67,7 +123,7 @@ class SharedLaunch:
         out = run_scenarios(self.framework, self.world, calls, start_timeout=self.start_timeout, env=self.env)
         assert len(out) == self.world
         print(f"shared {self.framework} launch on {self.world} workers, seconds per scenario (rank 0):",
-              out[0]["seconds"])
+              out[0]["seconds"], "CPU seconds per scenario (rank 0):", out[0]["cpu"])
         for m in names:
             if isinstance(self.table[m], dict):
                 self._results[m] = [{name: r[f"{m}:{name}"] for name in self.table[m]} for r in out]

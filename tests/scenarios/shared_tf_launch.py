@@ -16,9 +16,9 @@ from typing import List
 from scenarios.launch import NO_GRAPH_OPTIMIZER
 from scenarios.shared_launch import SharedLaunch, scratch_dir
 
-# Horovod's cycle stays at the tests' 1 ms: a shorter cycle makes each small collective start
-# sooner, but every cycle is a Gloo negotiation on each rank, and on 2 cores that traffic takes the
-# CPU the workers' TensorFlow traces need (the launch ran faster at 1-2 ms than at 0.2 ms).
+# Horovod's cycle and response cache are every launch's (``launch.HOROVOD_SETTINGS``): each cycle is
+# a Gloo negotiation on each rank, and on 2 cores that traffic takes the CPU the workers'
+# TensorFlow traces need.
 ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", NO_GRAPH_OPTIMIZER: "1"}
 WORLD = 2
 
