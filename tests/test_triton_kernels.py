@@ -24,6 +24,9 @@ import torch
 from scenarios import triton_kernels
 from torch_ops import gpu
 
+# one xdist worker runs every case: the module's fixture runs all of them in one child process (about 23 s)
+pytestmark = pytest.mark.xdist_group("triton-interpreter")
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 
