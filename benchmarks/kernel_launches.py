@@ -35,39 +35,28 @@ import torch  # noqa: E402
 
 from hvdcompress import parse_spec  # noqa: E402
 from torch_ops import gpu  # noqa: E402
-from torch_ops.compressors import ExchangeContext, build_compressor, native  # noqa: E402
+from torch_ops.compressors import build_compressor, native  # noqa: E402
 from torch_ops.gpu.census import Census  # noqa: E402
+
+from cuda_check import run_exchange  # noqa: E402  (the exchange cuda_check times, world of one)
 
 SPECS = ["fp16", "bf16", "topk:ratio=0.001", "threshold:threshold=2.0", "dgc:ratio=0.001", "signsgd", "efsignsgd",
          "onebit", "onebit:scope=tensor", "terngrad", "qsgd:levels=127,bucket=512", "qsgd", "sketch:ratio=0.001",
          "powersgd:rank=4"]
 
 
-def exchange_once(comp, x, state, step, shape):
-    """One exchange, world of one (the collective returns its input), as cuda_check times it."""
-    ctx = ExchangeContext("bench.w", step, 1, 1.0, state, shape, 0)
-    gen = comp.exchange(x, ctx)
-    reqs = next(gen)
-    while True:
-        try:
-            reqs = gen.send(tuple(q.tensor for q in reqs))
-        except StopIteration as stop:
-            return stop.value
-
-
 def count(spec_text, numel, steps=3, device="cpu"):
     """The census of the last of ``steps`` exchanges of ``spec_text`` (a dict)."""
     comp = build_compressor(parse_spec(spec_text))
-    shape = (numel // 1000, 1000) if numel % 1000 == 0 else (numel,)
     gen = torch.Generator().manual_seed(0)
     state = {}
     for step in range(steps):
         x = (torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen)).to(device)
         if step == steps - 1:
             with Census() as c:
-                exchange_once(comp, x, state, step, shape)
+                run_exchange(comp, x, state, step)
             return c.summary()
-        exchange_once(comp, x, state, step, shape)
+        run_exchange(comp, x, state, step)
 
 
 def main(argv=None) -> int:

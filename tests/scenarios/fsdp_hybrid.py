@@ -11,11 +11,11 @@ shard the all-reduce hook receives and what it leaves, for the test to replay th
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import time
 import traceback
 
+from scenarios import kit
 from scenarios.fsdp import _batch, _full, _numpy
 
 TOPOLOGY = "2x2"
@@ -255,16 +255,8 @@ def example(meshes) -> dict:
 
 
 def _worker(rank, world, port, names, out_dir):
-    sys.modules["horovod"] = None  # any import of Horovod on these paths fails
-    import warnings
-    from datetime import timedelta
-    import torch
-    import torch.distributed as dist
+    kit.gloo_init(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
     import hvdcompress.fsdp
     hybrid = hvdcompress.fsdp.hybrid_mesh(TOPOLOGY)
     meshes = {"world": init_device_mesh("cpu", (world,)), "hybrid": hybrid, "shard": hybrid["shard"],
@@ -277,9 +269,7 @@ def _worker(rank, world, port, names, out_dir):
         except Exception:
             out[name] = {"error": traceback.format_exc()}
         out["seconds"][name] = round(time.perf_counter() - start, 2)
-    dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
+    kit.gloo_finish(out, out_dir, rank)
 
 
 def launch(names) -> list:

@@ -16,13 +16,10 @@
 from __future__ import annotations
 
 import copy
-import os
-import pickle
-import socket
-import sys
-import tempfile
 import time
 import traceback
+
+from scenarios import kit
 
 SPEC = "gtopk:ratio=0.05"
 NUMEL = 4000          # the exchanges' tensor
@@ -86,31 +83,11 @@ def exchanges() -> dict:
 
 
 def _model():
-    import torch
-    import torch.nn as nn
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 4))
+    return kit.torch_mlp((12, 24, 4))
 
 
 def _batch(rank, step):
-    import torch
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(8, 12, generator=g)
-    return x, x[:, :4].argmax(1)
-
-
-def _flat(model):
-    import torch
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _identical(model) -> bool:
-    import torch
-    import torch.distributed as dist
-    flat = _flat(model)
-    rows = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, flat)
-    return all(torch.equal(rows[0], r) for r in rows)
+    return kit.torch_batch(rank, step, n=8, features=12)
 
 
 def _train(steps, first=0, saved=None, rec=None):
@@ -135,7 +112,7 @@ def _train(steps, first=0, saved=None, rec=None):
         opt.step()
         if rec is not None:
             rec.tag = None
-        identical.append(_identical(model))
+        identical.append(kit.dist_identical(model))
         if step + 1 == SAVE_AT and saved is None:
             checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
     return model, opt, identical, checkpoint
@@ -151,8 +128,8 @@ def optimizer() -> dict:
         rec.restore()
     resumed, _, identical2, _ = _train(STEPS - SAVE_AT, first=SAVE_AT, saved=ckpt)
     saved_state = ckpt["opt"]["hvdcompress"]
-    return {"identical": identical + identical2, "resumed_equal": bool(torch.equal(_flat(model), _flat(resumed))),
-            "moved": float((_flat(model) - _flat(_model())).abs().max()),
+    return {"identical": identical + identical2, "resumed_equal": bool(torch.equal(kit.torch_flat(model), kit.torch_flat(resumed))),
+            "moved": float((kit.torch_flat(model) - kit.torch_flat(_model())).abs().max()),
             "saved": repr(saved_state)[:20000], "log": rec.log, "ratio": opt.stats.ratio}
 
 
@@ -172,24 +149,15 @@ def hook() -> dict:
         x, y = _batch(dist.get_rank(), step)
         nn.CrossEntropyLoss()(ddp(x), y).backward()
         opt.step()
-        identical.append(_identical(model))
-    return {"identical": identical, "moved": float((_flat(model) - _flat(_model())).abs().max())}
+        identical.append(kit.dist_identical(model))
+    return {"identical": identical, "moved": float((kit.torch_flat(model) - kit.torch_flat(_model())).abs().max())}
 
 
 SCENARIOS = ("exchanges", "optimizer", "hook")
 
 
 def _worker(rank, world, port, out_dir):
-    sys.modules["horovod"] = None  # any import of Horovod on these paths fails
-    import warnings
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    kit.gloo_init(rank, world, port)
     out = {"seconds": {}}
     for name in SCENARIOS:
         start = time.perf_counter()
@@ -198,36 +166,12 @@ def _worker(rank, world, port, out_dir):
         except Exception:
             out[name] = {"error": traceback.format_exc()}
         out["seconds"][name] = round(time.perf_counter() - start, 2)
-    dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    kit.gloo_finish(out, out_dir, rank)
 
 
 def launch(world: int) -> list:
     """One spawn of ``world`` Gloo processes running ``SCENARIOS``; every rank's results, rank order."""
-    import torch.multiprocessing as mp
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    saved = dict(os.environ)
-    os.environ["PYTHONPATH"] = os.pathsep.join([tests, os.path.dirname(tests), saved.get("PYTHONPATH", "")])
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        with tempfile.TemporaryDirectory(prefix="hvc-gtopk-") as out_dir:
-            os.environ["HVDCOMPRESS_CACHE"] = os.path.join(out_dir, "cache")
-            mp.start_processes(_worker, args=(world, _free_port(), out_dir), nprocs=world, start_method="spawn")
-            results = []
-            for r in range(world):
-                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-                    results.append(pickle.load(f))
-            return results
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return kit.gloo_spawn(_worker, world, prefix="hvc-gtopk-")
 
 
 def horovod_optimizer() -> dict:
@@ -252,8 +196,7 @@ def horovod_optimizer() -> dict:
             nn.CrossEntropyLoss()(model(x), y).backward()
             opt.step()
             rec.tag = None
-            rows = hvd.allgather(_flat(model)[None], name=f"gtopk.check.{step}")
-            identical.append(all(torch.equal(rows[0], row) for row in rows))
+            identical.append(kit.torch_identical(model, name=f"gtopk.check.{step}"))
     finally:
         rec.restore()
-    return {"identical": identical, "log": rec.log, "moved": float((_flat(model) - _flat(_model())).abs().max())}
+    return {"identical": identical, "log": rec.log, "moved": float((kit.torch_flat(model) - kit.torch_flat(_model())).abs().max())}

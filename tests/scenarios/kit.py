@@ -195,3 +195,75 @@ def elastic_discovery(out_dir) -> str:
         f.write(f"#!/bin/sh\ncat {os.path.join(out_dir, 'hosts')}\n")
     os.chmod(script, 0o755)
     return script
+
+
+# -- torch.distributed (Gloo) processes, no Horovod ---------------------------------------------------
+def dist_identical(model) -> bool:
+    """``torch_identical`` over torch.distributed's default group (every rank must call it)."""
+    import torch
+    import torch.distributed as dist
+    flat = torch_flat(model)
+    rows = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, flat)
+    return all(torch.equal(rows[0], r) for r in rows)
+
+
+def gloo_init(rank, world, port) -> None:
+    """In a spawned worker: Horovod made unimportable, one torch thread, warnings off, and the
+    default process group over Gloo on ``port``."""
+    import sys
+    sys.modules["horovod"] = None  # any import of Horovod on these paths fails
+    import warnings
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+
+
+def gloo_finish(out, out_dir, rank) -> None:
+    """In a spawned worker: leave the process group and hand ``out`` to ``gloo_spawn``."""
+    import pickle
+
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gloo_spawn(worker, world: int, args=(), prefix="hvc-gloo-") -> list:
+    """Spawn ``world`` processes running ``worker(rank, world, port, *args, out_dir)`` (which ends
+    with ``gloo_finish``); every rank's ``out``, in rank order. The workers find the repository and
+    the scenarios package on PYTHONPATH, run one OpenMP thread and cache cost models in a folder of
+    their own (they are cached per world size and hosts, not per transport); the environment is
+    restored afterwards."""
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds the scenarios package
+    saved = dict(os.environ)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [tests, os.path.dirname(tests), saved.get("PYTHONPATH")] if p)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        with tempfile.TemporaryDirectory(prefix=prefix) as out_dir:
+            os.environ["HVDCOMPRESS_CACHE"] = os.path.join(out_dir, "cache")
+            mp.start_processes(worker, args=(world, free_port(), *args, out_dir), nprocs=world, start_method="spawn")
+            results = []
+            for r in range(world):
+                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                    results.append(pickle.load(f))
+            return results
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

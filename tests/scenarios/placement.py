@@ -20,11 +20,10 @@ numpy views, no compiled kernels.
 from __future__ import annotations
 
 import os
-import pickle
-import socket
 import sys
-import tempfile
 import traceback
+
+from scenarios import kit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand", "randn",
@@ -138,18 +137,11 @@ def _check_results(tracer, found):
 
 
 def _worker(rank, world, port, specs, out_dir):
-    sys.modules["horovod"] = None
     os.environ["HVDCOMPRESS_TORCH_ONLY"] = "1"
-    import warnings
-    from datetime import timedelta
-    import torch
+    kit.gloo_init(rank, world, port)
     import torch.distributed as dist
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gpu_e2e
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
     tracer = make_tracer()
     out = {}
     for spec in specs:
@@ -175,35 +167,9 @@ def _worker(rank, world, port, specs, out_dir):
                 session.guard = saved_guard
                 tracer.traced.clear()
                 tracer.scalars.clear()
-    dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    kit.gloo_finish(out, out_dir, rank)
 
 
 def launch(world: int, specs) -> list:
     """One spawn of ``world`` Gloo processes running every spec through the three front ends."""
-    import torch.multiprocessing as mp
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([tests, ROOT] + ([saved] if saved else []))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        with tempfile.TemporaryDirectory(prefix="hvc-placement-") as out_dir:
-            mp.start_processes(_worker, args=(world, _free_port(), list(specs), out_dir), nprocs=world,
-                               start_method="spawn")
-            results = []
-            for r in range(world):
-                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-                    results.append(pickle.load(f))
-            return results
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    return kit.gloo_spawn(_worker, world, (list(specs),), prefix="hvc-placement-")

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import copy
 import os
-import pickle
-import socket
-import sys
-import tempfile
 import time
 import traceback
+
+from scenarios import kit
 
 # one of each kind: dense, a sparsifier with error feedback, a quantizer, low rank, DGC
 SPECS = ("none", "topk:ratio=0.1", "qsgd:levels=3,bucket=64", "powersgd:rank=2",
@@ -24,34 +22,15 @@ SPECS = ("none", "topk:ratio=0.1", "qsgd:levels=3,bucket=64", "powersgd:rank=2",
 STEPS = 3
 SAVE_AT = 2
 BAD = ("3x3", "5", "0", "2x", "ring", 4.5)
+MLP = (12, 24, 24, 4)  # Linear, ReLU, Linear, Tanh, Linear
 
 
 def _model():
-    import torch
-    import torch.nn as nn
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4))
+    return kit.torch_mlp(MLP)
 
 
 def _batch(rank, step):
-    import torch
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(8, 12, generator=g)
-    return x, x[:, :4].argmax(1)
-
-
-def _flat(model):
-    import torch
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _identical(model) -> bool:
-    import torch
-    import torch.distributed as dist
-    flat = _flat(model)
-    rows = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, flat)
-    return all(torch.equal(rows[0], r) for r in rows)
+    return kit.torch_batch(rank, step, n=8, features=12)
 
 
 def _np(t):
@@ -106,7 +85,7 @@ def _hook_run(spec, topology, steps, first=0, saved=None, rec=None, tag=None):
         nn.CrossEntropyLoss()(ddp(x), y).backward()
         opt.step()
         rec.tag = None
-        identical.append(_identical(model))
+        identical.append(kit.dist_identical(model))
         if step + 1 == SAVE_AT and saved is None:
             checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
                           "hook": copy.deepcopy(state.state_dict())}
@@ -135,7 +114,7 @@ def _opt_run(spec, topology, steps, first=0, saved=None, rec=None, tag=None):
         nn.CrossEntropyLoss()(model(x), y).backward()
         opt.step()
         rec.tag = None
-        identical.append(_identical(model))
+        identical.append(kit.dist_identical(model))
         if step + 1 == SAVE_AT and saved is None:
             checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
     return model, opt, identical, checkpoint
@@ -153,8 +132,8 @@ def every_spec(rec, topology) -> dict:
             resumed, obj2, ident2, _ = run(spec, topology, STEPS - SAVE_AT, first=SAVE_AT, saved=ckpt, rec=rec,
                                            tag=(path + "-resumed", spec))
             out[(path, spec)] = {"identical": identical + ident2,
-                                 "resumed_equal": bool(torch.equal(_flat(model), _flat(resumed))),
-                                 "moved": float((_flat(model) - _flat(_model())).abs().max()),
+                                 "resumed_equal": bool(torch.equal(kit.torch_flat(model), kit.torch_flat(resumed))),
+                                 "moved": float((kit.torch_flat(model) - kit.torch_flat(_model())).abs().max()),
                                  "hops": dict(obj.stats.total_hop_bytes), "bytes": obj.stats.total_bytes,
                                  "two_level": type(obj.session.transport).__name__ if path == "hook" else
                                  type(obj.engine.transport).__name__}
@@ -221,7 +200,7 @@ def nonfinite(rec, topology) -> dict:
         else:
             with opt.skip_synchronize():
                 opt.step()
-        out[step]["identical"] = _identical(model)
+        out[step]["identical"] = kit.dist_identical(model)
     return out
 
 
@@ -248,15 +227,7 @@ def launcher_default(rec, topology) -> dict:
 
 
 def _worker(rank, world, port, topology, names, out_dir):
-    sys.modules["horovod"] = None
-    import torch
-    import torch.distributed as dist
-    from datetime import timedelta
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    import warnings
-    warnings.simplefilter("ignore")
+    kit.gloo_init(rank, world, port)
     rec = Recorder()
     out = {"seconds": {}}
     for name in names:
@@ -268,42 +239,9 @@ def _worker(rank, world, port, topology, names, out_dir):
         out["seconds"][name] = round(time.perf_counter() - start, 2)
     rec.restore()
     out["log"] = rec.log
-    dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    kit.gloo_finish(out, out_dir, rank)
 
 
 def launch(world: int, topology: str, names) -> list:
     """One spawn of ``world`` Gloo processes running ``names`` with ``topology``; every rank's results."""
-    import torch.multiprocessing as mp
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    root = os.path.dirname(tests)
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([tests, root] + ([saved] if saved else []))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    saved_cache = os.environ.get("HVDCOMPRESS_CACHE")
-    try:
-        with tempfile.TemporaryDirectory(prefix="hvc-twolevel-") as out_dir:
-            os.environ["HVDCOMPRESS_CACHE"] = os.path.join(out_dir, "cache")
-            mp.start_processes(_worker, args=(world, _free_port(), topology, list(names), out_dir), nprocs=world,
-                               start_method="spawn")
-            results = []
-            for r in range(world):
-                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-                    results.append(pickle.load(f))
-            return results
-    finally:
-        if saved_cache is None:
-            os.environ.pop("HVDCOMPRESS_CACHE", None)
-        else:
-            os.environ["HVDCOMPRESS_CACHE"] = saved_cache
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    return kit.gloo_spawn(_worker, world, (topology, list(names)), prefix="hvc-twolevel-")
