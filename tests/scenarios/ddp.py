@@ -11,12 +11,11 @@ to replay through the numpy oracle.
 from __future__ import annotations
 
 import os
-import pickle
-import socket
 import sys
-import tempfile
 import time
 import traceback
+
+from scenarios import kit
 
 # every registered algorithm, with parameters that make it act on a 1k-parameter MLP (no dense fallback)
 SPECS = ("none", "fp16", "bf16", "topk:ratio=0.1", "randomk:ratio=0.1", "threshold:threshold=0.05",
@@ -29,31 +28,11 @@ BAD = {"ratio": "topk:ratio=2", "unknown": "dgc:colums=3", "name": "nosuch"}
 
 
 def _model():
-    import torch
-    import torch.nn as nn
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4))
+    return kit.torch_mlp((12, 24, 24, 4))  # Linear, ReLU, Linear, Tanh, Linear
 
 
 def _batch(rank, step):
-    import torch
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(8, 12, generator=g)
-    return x, x[:, :4].argmax(1)
-
-
-def _flat(model):
-    import torch
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _identical(model) -> bool:
-    import torch
-    import torch.distributed as dist
-    flat = _flat(model)
-    rows = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, flat)
-    return all(torch.equal(rows[0], r) for r in rows)
+    return kit.torch_batch(rank, step, n=8, features=12)
 
 
 def _np(t):
@@ -119,7 +98,7 @@ def _hook_run(spec, steps, first=0, saved=None, rec=None, tag=None):
         opt.step()
         if rec is not None:
             rec.tag = None
-        identical.append(_identical(model))
+        identical.append(kit.dist_identical(model))
         if step + 1 == SAVE_AT and saved is None:
             import copy
             checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
@@ -153,7 +132,7 @@ def _opt_run(spec, steps, first=0, saved=None, rec=None, tag=None, **kw):
         opt.step()
         if rec is not None:
             rec.tag = None
-        identical.append(_identical(model))
+        identical.append(kit.dist_identical(model))
         if step + 1 == SAVE_AT and saved is None:
             import copy
             checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
@@ -170,8 +149,8 @@ def every_compressor(rec) -> dict:
             model, obj, identical, ckpt = run(spec, STEPS, rec=rec, tag=(path, spec))
             resumed, _, ident2, _ = run(spec, STEPS - SAVE_AT, first=SAVE_AT, saved=ckpt)
             out[(path, spec)] = {"identical": identical + ident2,
-                                 "resumed_equal": bool(torch.equal(_flat(model), _flat(resumed))),
-                                 "moved": float((_flat(model) - _flat(_model())).abs().max()),
+                                 "resumed_equal": bool(torch.equal(kit.torch_flat(model), kit.torch_flat(resumed))),
+                                 "moved": float((kit.torch_flat(model) - kit.torch_flat(_model())).abs().max()),
                                  "ratio": obj.stats.ratio}
     return out
 
@@ -215,7 +194,7 @@ def fused(rec) -> dict:
             rec.tag = None
             after = state.transport.collectives
             steps.append({"buckets": calls[-1], "collectives": {k: after[k] - before[k] for k in after},
-                          "identical": _identical(model)})
+                          "identical": kit.dist_identical(model)})
         out[tag] = steps
     return out
 
@@ -267,9 +246,9 @@ def nonfinite() -> dict:
             x[0, 0] = float("nan")
         nn.CrossEntropyLoss()(ddp(x), y).backward()
         opt.step()
-        finite.append(bool(torch.isfinite(_flat(model)).all()))
+        finite.append(bool(torch.isfinite(kit.torch_flat(model)).all()))
     st = state.param_state()
-    return {"params_finite": finite, "any_param_nan": bool(torch.isnan(_flat(model)).any()),
+    return {"params_finite": finite, "any_param_nan": bool(torch.isnan(kit.torch_flat(model)).any()),
             "state_finite": all(bool(torch.isfinite(t).all()) for s in st.values() for t in s.values()),
             "state_keys": sorted(st)}
 
@@ -390,17 +369,9 @@ def example() -> dict:
 
 
 def _worker(rank, world, port, names, out_dir):
-    sys.modules["horovod"] = None  # any import of Horovod on these paths fails
-    import torch
-    import torch.distributed as dist
-    from datetime import timedelta
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    kit.gloo_init(rank, world, port)
     rec = Recorder()
     out = {"seconds": {}}
-    import warnings
-    warnings.simplefilter("ignore")
     for name in names:
         start = time.perf_counter()
         try:
@@ -411,41 +382,9 @@ def _worker(rank, world, port, names, out_dir):
     rec.restore()
     out["log"] = rec.log
     out["horovod_imported"] = sorted(m for m, v in sys.modules.items() if m.startswith("horovod") and v is not None)
-    dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    kit.gloo_finish(out, out_dir, rank)
 
 
 def launch(world: int, names) -> list:
     """One spawn of ``world`` Gloo processes running ``names``; every rank's results, rank order."""
-    import torch.multiprocessing as mp
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds the scenarios package
-    root = os.path.dirname(tests)
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([tests, root] + ([saved] if saved else []))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    saved_cache = os.environ.get("HVDCOMPRESS_CACHE")
-    try:
-        with tempfile.TemporaryDirectory(prefix="hvc-ddp-") as out_dir:
-            # cost models are cached per world size and hosts, not per transport: these runs fit their own
-            os.environ["HVDCOMPRESS_CACHE"] = os.path.join(out_dir, "cache")
-            mp.start_processes(_worker, args=(world, _free_port(), list(names), out_dir), nprocs=world,
-                               start_method="spawn")
-            results = []
-            for r in range(world):
-                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-                    results.append(pickle.load(f))
-            return results
-    finally:
-        if saved_cache is not None:
-            os.environ["HVDCOMPRESS_CACHE"] = saved_cache
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    return kit.gloo_spawn(_worker, world, (list(names),), prefix="hvc-ddp-")
