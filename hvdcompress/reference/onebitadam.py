@@ -44,6 +44,7 @@ and TensorFlow reproduce it bit for bit.
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from typing import Mapping
 
 import numpy as np
@@ -68,14 +69,20 @@ def _optional_beta(name: str, default: float) -> Param:
                  low=0.0, high=1.0, high_open=True, optional=True)
 
 
+def adam_params() -> tuple:
+    """The parameters every frozen-variance Adam spec declares: the warm-up's length and Adam's
+    constants (None: taken over from the wrapped optimizer)."""
+    return (Param("warmup_steps", int, 100, "dense Adam steps before the variance is frozen (counted in the bytes)",
+                  low=1, high=2 ** 31 - 1),
+            _optional_beta("beta1", DEFAULTS["beta1"]), _optional_beta("beta2", DEFAULTS["beta2"]),
+            Param("eps", float, None, f"Adam's eps (none: the wrapped Adam optimizer's, {DEFAULTS['eps']} without one)",
+                  low=0.0, low_open=True, optional=True))
+
+
 register("onebitadam", GATHERED, "1-bit Adam: dense Adam for warmup_steps, then the second moment is frozen "
          "and the first moment is exchanged as 1-bit codes with error feedback; the result is Adam's "
          "direction (takes an Adam/AdamW optimizer over)",
-         Param("warmup_steps", int, 100, "dense Adam steps before the variance is frozen (counted in the bytes)",
-               low=1, high=2 ** 31 - 1),
-         _optional_beta("beta1", DEFAULTS["beta1"]), _optional_beta("beta2", DEFAULTS["beta2"]),
-         Param("eps", float, None, f"Adam's eps (none: the wrapped Adam optimizer's, {DEFAULTS['eps']} without one)",
-               low=0.0, low_open=True, optional=True),
+         *adam_params(),
          Param("scope", str, "tensor", "where the two reconstruction values of the 1-bit moment apply: 'tensor' "
                "(one pair per tensor) or 'column' (one pair per column, as onebit's default)",
                choices=("tensor", "column")),
@@ -113,8 +120,14 @@ def adamw_step(p: np.ndarray, d: np.ndarray, lr: float, weight_decay: float) -> 
     return (p - d.astype(F32) * F32(lr)).astype(F32)
 
 
-class OneBitAdamOracle(Oracle):
-    name = "onebitadam"
+class FrozenVarianceAdamOracle(Oracle):
+    """The frozen-variance Adam of the module doc with the first moment's codec left open: a
+    subclass names it (``moment_spec``: a one-round spec with error feedback on, whose oracle
+    keeps the residual in ``ctx.state``). ``topkadam`` is the same algorithm with top-k."""
+
+    @abstractmethod
+    def moment_spec(self) -> CompressionSpec:
+        """The spec that carries the first moment after the warm-up."""
 
     def exchange(self, x, ctx):
         c = adam_constants(self.spec)
@@ -132,7 +145,7 @@ class OneBitAdamOracle(Oracle):
             st["v"] = (st["v"] * b2 + (mean * mean) * one_b2).astype(F32)
         else:
             local = (st["m"] * b1 + g * one_b1).astype(F32)
-            mean = yield from oracle_for(inner_spec(self.spec)).exchange(local, ctx)
+            mean = yield from oracle_for(self.moment_spec()).exchange(local, ctx)
             st["m"] = np.asarray(mean, dtype=F32).copy()
         f1, f2 = bias_corrections(self.spec, ctx.step)
         root = np.sqrt(st["v"].astype(np.float64)).astype(F32)  # correctly rounded (not every float32 sqrt is)
@@ -140,12 +153,19 @@ class OneBitAdamOracle(Oracle):
         return ((st["m"] * F32(f1)) / denom).astype(F32)
 
 
+class OneBitAdamOracle(FrozenVarianceAdamOracle):
+    name = "onebitadam"
+
+    def moment_spec(self):
+        return inner_spec(self.spec)
+
+
 def transcription(grad, params0: np.ndarray, steps: int, workers: int, lr: float, weight_decay: float,
                   warmup_steps: int, compress, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
     """The paper's Algorithm 1 written out directly in float64, for the oracle's test: worker i's
     gradient at step t is ``grad(i, t, p)``; the warm-up is dense Adam, then the variance is frozen
-    and the momentum is sent 1-bit (``compress(a) -> D(C(a))``) with worker error feedback, the
-    server's average exact. Returns the parameters after every step."""
+    and the momentum is sent compressed (``compress(a) -> D(C(a))``: 1-bit here, top-k for
+    ``topkadam``) with worker error feedback, the server's average exact. Returns the parameters after every step."""
     m = np.zeros_like(params0, dtype=np.float64)
     v = np.zeros_like(m)
     err = [np.zeros_like(m) for _ in range(workers)]

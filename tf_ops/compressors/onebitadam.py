@@ -15,6 +15,8 @@ Adam would apply Adam a second time, and is refused with what to pass instead.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import tensorflow as tf
 
 from hvdcompress.momentum import take_over_keras_adam
@@ -27,15 +29,28 @@ from .quantizers import OneBitCompressor
 SLOTS = ("m", "v", "residual")
 
 
-class OneBitAdamCompressor(Compressor):
-    name = "onebitadam"
+class FrozenVarianceAdam(Compressor):
+    """The frozen-variance Adam of ``hvdcompress.reference.onebitadam`` with the first moment's
+    codec given by a subclass: ``moment`` (a one-round compressor with error feedback on),
+    ``packed`` (the codec's payload as one uint8 buffer, the residual updated) and ``decoded_sum``
+    (every rank's gathered buffer -> the sum over ranks of the decoded moments)."""
+
     summed = False
     uses_step = True  # the warm-up and the bias correction follow the step
     shared_slots = ("m", "v")  # the averaged moment and the frozen variance: the same on every rank
 
-    def __init__(self, spec):
+    def __init__(self, spec, moment: Compressor):
         super().__init__(spec)
-        self.moment = OneBitCompressor(inner_spec(spec))
+        self.moment = moment
+
+    @abstractmethod
+    def packed(self, local, ctx):
+        """This rank's payload for the moment ``local`` as one flat uint8 tensor; the residual in
+        ``ctx.state`` updated (error feedback)."""
+
+    @abstractmethod
+    def decoded_sum(self, gathered, local, ctx):
+        """The gathered uint8 buffers (rank order) -> the sum over ranks of the decoded moments."""
 
     @classmethod
     def adapt_optimizer(cls, spec, config):
@@ -71,14 +86,7 @@ class OneBitAdamCompressor(Compressor):
         def dense_bytes():
             return tf.reshape(tf.bitcast(g, tf.uint8), [-1])
 
-        def packed():
-            a = self.moment.memory.compensate(local, ctx.state)
-            sel = self.moment.select(a, ctx)
-            (payload,) = self.moment.compress(a, sel, ctx)
-            self.moment.memory.update(lambda: self.moment.unsent((payload,), a, sel, ctx), ctx.state)
-            return payload
-
-        (gathered,) = yield (Allgather(tf.cond(warm, dense_bytes, packed)),)
+        (gathered,) = yield (Allgather(tf.cond(warm, dense_bytes, lambda: self.packed(local, ctx))),)
 
         def warm_moments():
             rows = tf.bitcast(tf.reshape(gathered, [ctx.world_size, numel, 4]), tf.float32)
@@ -89,8 +97,7 @@ class OneBitAdamCompressor(Compressor):
             return m * b1 + mean * one_b1, v * b2 + (mean * mean) * one_b2
 
         def compressed_moments():
-            total = self.moment.aggregate((gathered,), local, None, ctx)
-            return total * f32(ctx.scale), v.read_value()
+            return self.decoded_sum(gathered, local, ctx) * f32(ctx.scale), v.read_value()
 
         m_new, v_new = tf.cond(warm, warm_moments, compressed_moments)
         m.assign(m_new)
@@ -118,3 +125,20 @@ class OneBitAdamCompressor(Compressor):
         f1, f2 = self._tables
         at = lambda table: tf.gather(tf.constant(table), tf.minimum(step, len(table) - 1))  # noqa: E731
         return at(f1), at(f2)
+
+
+class OneBitAdamCompressor(FrozenVarianceAdam):
+    name = "onebitadam"
+
+    def __init__(self, spec):
+        super().__init__(spec, OneBitCompressor(inner_spec(spec)))
+
+    def packed(self, local, ctx):
+        a = self.moment.memory.compensate(local, ctx.state)
+        sel = self.moment.select(a, ctx)
+        (payload,) = self.moment.compress(a, sel, ctx)
+        self.moment.memory.update(lambda: self.moment.unsent((payload,), a, sel, ctx), ctx.state)
+        return payload
+
+    def decoded_sum(self, gathered, local, ctx):
+        return self.moment.aggregate((gathered,), local, None, ctx)

@@ -33,14 +33,17 @@ def _f32(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
-class OneBitAdamCompressor(Compressor):
-    name = "onebitadam"
+class FrozenVarianceAdam(Compressor):
+    """The frozen-variance Adam of ``hvdcompress.reference.onebitadam`` with the first moment's
+    codec given by a subclass: ``moment``, a one-round compressor with error feedback on, whose
+    exchange keeps the residual in ``ctx.state`` (1-bit here, top-k in ``topkadam``)."""
+
     summed = False
     returns_update = True
 
-    def __init__(self, spec: CompressionSpec):
+    def __init__(self, spec: CompressionSpec, moment: Compressor):
         super().__init__(spec)
-        self.moment = OneBitCompressor(inner_spec(spec))
+        self.moment = moment
 
     @classmethod
     def adapt_optimizer(cls, spec: CompressionSpec, param_groups: List[Dict[str, Any]]) -> CompressionSpec:
@@ -86,9 +89,16 @@ class OneBitAdamCompressor(Compressor):
             m.mul_(b1).add_(mean * one_b1)
             v.mul_(b2).add_((mean * mean) * one_b2)
         else:
-            local = m * b1 + g * one_b1  # a new tensor: x may be ctx.out, which the 1-bit exchange writes
+            local = m * b1 + g * one_b1  # a new tensor: x may be ctx.out, which the moment's exchange writes
             mean = yield from self.moment.exchange(local, ctx)
             m.copy_(mean)
         f1, f2 = bias_corrections(self.spec, ctx.step)
         denom = v.double().sqrt_().float().mul_(_f32(f2)).add_(eps)  # float32 sqrt on CPU is not correctly rounded
         return (m * _f32(f1)).div_(denom).to(x.dtype).view_as(x)
+
+
+class OneBitAdamCompressor(FrozenVarianceAdam):
+    name = "onebitadam"
+
+    def __init__(self, spec: CompressionSpec):
+        super().__init__(spec, OneBitCompressor(inner_spec(spec)))
