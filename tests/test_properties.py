@@ -86,6 +86,7 @@ VARIANTS = {
                    "sparseloco:ratio=0.2,bits=3,residual=false"],
     # step 0 is the dense warm-up, step 1 the 1-bit moment
     "onebitadam": ["onebitadam:warmup_steps=1", "onebitadam:warmup_steps=1,scope=column,beta1=0.5"],
+    "topkadam": ["topkadam:warmup_steps=1,ratio=0.3", "topkadam:warmup_steps=1,ratio=1.0,beta1=0.5"],
     "gtopk": ["gtopk:ratio=0.1", "gtopk:ratio=1.0", "gtopk:ratio=0.3,residual=false"],
 }
 TEST_ONLY = {"toysign"}  # tests/toy_algorithm: the contract's worked example, not a library algorithm
@@ -124,8 +125,8 @@ def _max_magnitude(spec, dtype: str = "float32") -> float:
         limit = 65504.0 / 4  # sums of 3 ranks, plus a residual, stay finite in half precision
     if spec.name == "powersgd":
         limit = min(limit, 1e4 if dtype != "float16" else 1.0)
-    if spec.name == "onebitadam":
-        limit = min(limit, 1e18)  # its second moment squares the gradient
+    if spec.name in ("onebitadam", "topkadam"):
+        limit = min(limit, 1e18)  # their second moment squares the gradient
     if spec.name in ("dgc", "sketch") and dtype == "float16":
         limit = min(limit, 10.0)  # momentum and velocity accumulate (sketch: and are summed per cell)
     return limit
@@ -281,6 +282,8 @@ def _check_wire(spec, shape, world, nbytes, itemsize, label, step=0, declared=Tr
             assert nbytes == payload_bytes("onebit", spec.params, d, shape=shape), (label, nbytes)
             if spec["scope"] == "tensor" or len(shape) == 2 and shape[0] == shape[1]:
                 assert nbytes == declared, (label, nbytes, declared)
+    elif spec.name == "topkadam":  # the warm-up sends the float32 gradient, then topk's payload of the moment
+        assert nbytes == (d * 4 if step < spec["warmup_steps"] else declared), (label, nbytes, declared)
     elif spec.name == "gtopk":  # what a rank sends depends on its place in the rounds (fold, pairs, unfold)
         ranks = sent_bytes(world, num_selected(spec["ratio"], d), itemsize, int(index_bytes(d)))
         assert nbytes in ranks and max(ranks) <= declared, (label, nbytes, ranks, declared)
