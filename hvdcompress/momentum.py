@@ -16,9 +16,9 @@ the compressor: ``dampening`` != 0 (the memory computes ``u = m*u + g``, undampe
 Keras's ``weight_decay`` is decoupled (applied to the variables, never through the momentum, in
 dense training too), so it needs no taking over: the Keras optimizer keeps applying it.
 
-Adam: ``onebitadam`` computes Adam's direction itself, so it takes an Adam/AdamW optimizer's betas
-and eps over (``take_over_adam``) and applies AdamW's step for it; DGC's momentum correction is
-SGD's, so DGC under Adam is refused or warned about (``check_dgc_under_adam``).
+Adam: ``onebitadam`` and ``topkadam`` compute Adam's direction themselves, so they take an
+Adam/AdamW optimizer's betas and eps over (``take_over_adam``) and apply AdamW's step for it;
+DGC's momentum correction is SGD's, so DGC under Adam is refused or warned about (``check_dgc_under_adam``).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def is_adam_group(group: Mapping[str, Any]) -> bool:
 
 
 def take_over_adam(spec: CompressionSpec, groups: Iterable[Mapping[str, Any]]) -> CompressionSpec:
-    """``onebitadam`` with the wrapped PyTorch optimizer's parameter groups: Adam's or AdamW's betas
+    """``onebitadam`` / ``topkadam`` with the wrapped PyTorch optimizer's parameter groups: Adam's or AdamW's betas
     and eps move into the spec (a warning when the spec said otherwise); the learning rate and the
     decoupled weight decay stay in the groups, read at every step. SGD without momentum needs
     nothing (its step on the exchanged direction is AdamW's). ValueError, on every rank before any
@@ -152,7 +152,7 @@ def take_over_adam(spec: CompressionSpec, groups: Iterable[Mapping[str, Any]]) -
 
 
 def take_over_keras_adam(spec: CompressionSpec, config: Mapping[str, Any]) -> CompressionSpec:
-    """``onebitadam`` with a Keras optimizer's config: Keras SGD with momentum 0 applies the
+    """``onebitadam`` / ``topkadam`` with a Keras optimizer's config: Keras SGD with momentum 0 applies the
     exchanged direction as AdamW does (its ``weight_decay`` is decoupled); a Keras Adam's update
     cannot be replaced from the outside, nor can SGD's momentum be removed from Adam's direction.
     ValueError naming what to pass instead."""
@@ -180,8 +180,8 @@ def check_dgc_under_adam(spec: CompressionSpec, adam: bool) -> None:
     warning. Both point to the specs that keep Adam's loss."""
     if not adam:
         return
-    hint = ("use 'onebitadam' (1-bit Adam: the first moment exchanged 1-bit after a dense warm-up) or "
-            "'fp16' with Adam/AdamW (docs/fidelity.md, AdamW)")
+    hint = ("use 'onebitadam' (1-bit Adam: the first moment exchanged 1-bit after a dense warm-up), 'topkadam' "
+            "(the same with the moment's top-k) or 'fp16' with Adam/AdamW (docs/fidelity.md, AdamW)")
     if momentum_of(spec) > 0.0:
         raise ValueError(f"compression '{spec.name}': momentum={spec['momentum']} under an Adam optimizer: DGC's "
                          f"momentum correction is SGD's, and Adam would apply its own moments on top of DGC's "

@@ -4,7 +4,8 @@ PyTorch (2 workers, the shared launch): ``DistributedOptimizer(AdamW, compressio
 trains the standard MLP; every step the parameters are identical on every rank, and rank 0
 replays the step with the numpy oracle from every rank's local gradients (gathered), starting
 from the same parameters, and compares; a checkpoint taken after the warm-up resumes exactly; the
-bad combinations raise on every rank before any collective.
+bad combinations raise on every rank before any collective. ``torch_topkadam``: the same for
+``topkadam`` (its own launch entry), a bad ``ratio`` refused.
 Keras (2 workers, the shared TF launch): the same training with Keras SGD (momentum 0, decoupled
 weight decay: AdamW's update on the exchanged direction), identical on every rank, resumed from a
 checkpoint exactly.
@@ -19,6 +20,7 @@ import numpy as np
 from scenarios.kit import guard
 
 SPEC = "onebitadam:warmup_steps=3"
+TOPKADAM_SPEC = "topkadam:warmup_steps=3,ratio=0.1"
 STEPS = 7
 LR, WD = 0.01, 0.05
 
@@ -57,11 +59,11 @@ def _torch_train(model, opt, first, last, record=None):
     return identical, sent
 
 
-def _torch_training():
+def _torch_training(spec=SPEC):
     import horovod.torch as hvd
     from hvdcompress.reference import simulate
     from hvdcompress.reference.onebitadam import adamw_step
-    model, opt = _torch_make()
+    model, opt = _torch_make(spec)
     names = [n for n, _ in model.named_parameters()]
     params = [p.detach().clone().numpy() for p in model.parameters()]
     grads = []
@@ -81,14 +83,14 @@ def _torch_training():
             "adam_state": len(opt.state_dict()["state"])}
 
 
-def _torch_resume():
+def _torch_resume(spec=SPEC):
     import torch
     from scenarios.kit import torch_flat
-    model, opt = _torch_make()
+    model, opt = _torch_make(spec)
     _torch_train(model, opt, 0, 4)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     _torch_train(model, opt, 4, 7)
-    model2, opt2 = _torch_make()
+    model2, opt2 = _torch_make(spec)
     model2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
     identical, _ = _torch_train(model2, opt2, 4, 7)
@@ -125,6 +127,43 @@ def torch_all() -> dict:
     hvd.init()
     out = {"training": guard(_torch_training), "resume": guard(_torch_resume), "refused": guard(_torch_refused)}
     out["after"] = float(hvd.allreduce(torch.ones(1), name="onebitadam.after", op=hvd.Sum))
+    return out
+
+
+def _topkadam_refused():
+    import torch
+    import hvdcompress.torch as hvc
+    from scenarios.kit import torch_mlp
+    out = {}
+    cases = {"ratio_zero": (lambda ps: torch.optim.AdamW(ps, lr=0.1), "topkadam:ratio=0"),
+             "ratio_above_one": (lambda ps: torch.optim.AdamW(ps, lr=0.1), "topkadam:ratio=1.5"),
+             "sgd_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), TOPKADAM_SPEC)}
+    for label, (make, spec) in cases.items():
+        try:
+            hvc.DistributedOptimizer(make(torch_mlp().parameters()), compression=spec)
+            out[label] = None
+        except ValueError as e:
+            out[label] = str(e)
+    return out
+
+
+def torch_topkadam() -> dict:
+    """topkadam (1-bit Adam's framework with top-k) through the same checks: AdamW taken over,
+    identical every step and equal to the oracle's replay, the warm-up's dense bytes then topk's
+    payload (``compressed``: the bytes each step after the warm-up should send), exact resume,
+    a bad ratio and momentum SGD refused on every rank."""
+    import horovod.torch as hvd
+    import torch
+    from hvdcompress import parse_spec
+    from hvdcompress.spec import num_selected
+    from scenarios.kit import torch_mlp
+    torch.set_num_threads(1)
+    hvd.init()
+    ratio = parse_spec(TOPKADAM_SPEC)["ratio"]
+    out = {"training": guard(_torch_training, TOPKADAM_SPEC), "resume": guard(_torch_resume, TOPKADAM_SPEC),
+           "refused": guard(_topkadam_refused),
+           "compressed": sum(num_selected(ratio, p.numel()) * 8 for p in torch_mlp().parameters())}
+    out["after"] = float(hvd.allreduce(torch.ones(1), name="topkadam.after", op=hvd.Sum))
     return out
 
 

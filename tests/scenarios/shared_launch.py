@@ -182,6 +182,7 @@ TORCH_2 = SharedLaunch("torch", 2, {
                     "elastic": ("scenarios.diloco", "elastic_state", lambda: (_diloco().CKPT, 9, 5))},
     "test_docs": {"torch": ("scenarios.docs_snippets", "torch_all", _no_args)},
     "test_onebitadam_multiprocess": {"all": ("scenarios.onebitadam", "torch_all", _no_args)},
+    "test_topkadam_multiprocess": {"all": ("scenarios.onebitadam", "torch_topkadam", _no_args)},
 })
 
 # PyTorch, 3 workers: an odd world (sums and votes in rank order, a rank that is neither first nor
