@@ -6,7 +6,7 @@ there), final held-out loss and bytes per step next to dense and next to each wo
     python benchmarks/fidelity_adam.py --workers 4 --seeds 0 1 2
     # a smoke run (tiny model, a handful of steps; the figures mean nothing)
     python benchmarks/fidelity_adam.py --quick --workers 2 --steps 6 --pretrain-steps 2 --seeds 0 \\
-        --configs none alone topk onebitadam --out /tmp/fidelity-adam-smoke
+        --configs none alone topk onebitadam topkadam --out /tmp/fidelity-adam-smoke
 
 One launch of ``--workers`` loopback workers (one thread each). Every worker first trains the
 common starting point (``--pretrain-steps`` of dense synchronous AdamW, as diloco_wan's
@@ -20,9 +20,9 @@ Methods (``--configs``; all by default): ``alone`` (AdamW without any exchange: 
 trains on its own data; its loss is the mean over ranks) and every registered spec through the
 PyTorch ``DistributedOptimizer`` (Horovod, schedule ``layerwise``: every tensor compressed on its
 own, as in the papers) at its setting in ``SETTINGS`` (``{ratio}``: swept over ``--ratios``;
-``{warmup}``: ``onebitadam``'s dense warm-up, ``--onebitadam-warmup`` of the steps; a spec
-without an entry runs with its defaults). Specs that keep SGD's momentum in their memory run with
-``momentum=0`` (AdamW keeps its own); ``onebitadam`` takes AdamW over; ``dgc`` warns (its rule
+``{warmup}``: ``onebitadam``'s and ``topkadam``'s dense warm-up, ``--onebitadam-warmup`` of the
+steps; a spec without an entry runs with its defaults). Specs that keep SGD's momentum in their
+memory run with ``momentum=0`` (AdamW keeps its own); ``onebitadam`` and ``topkadam`` take AdamW over; ``dgc`` warns (its rule
 under Adam, docs/fidelity.md).
 
 Sweep: with the first seed, every setting x every learning rate of ``--lrs``; the one with the
@@ -54,6 +54,7 @@ SETTINGS = {
     "fp16": "fp16",
     "bf16": "bf16",
     "onebitadam": "onebitadam:warmup_steps={warmup}",
+    "topkadam": "topkadam:ratio={ratio},warmup_steps={warmup}",
     "topk": "topk:ratio={ratio}",
     "randomk": "randomk:ratio={ratio}",
     "threshold": "threshold:threshold=0.001",
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--ratios", type=_floats, default=[0.01], help="comma-separated densities swept for ratio specs")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--onebitadam-warmup", type=float, default=0.03,
-                   help="onebitadam's dense warm-up as a fraction of --steps")
+                   help="onebitadam's and topkadam's dense warm-up as a fraction of --steps")
     p.add_argument("--configs", nargs="*", default=None, help="subset of methods (default: alone and every spec)")
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
     p.add_argument("--quick", action="store_true", help="diloco_wan's tiny model (smoke test; figures mean nothing)")
