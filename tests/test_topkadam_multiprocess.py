@@ -1,20 +1,24 @@
-"""Top-k Adam on real Horovod workers (tests/scenarios/onebitadam.py, ``torch_topkadam``): PyTorch
-on 2 Gloo workers in the session's shared launch. AdamW taken over: parameters identical on every
-rank after every step and equal to the numpy oracle's replay of the same local gradients; the
-warm-up's dense bytes, then topk's payload of the moment; a checkpoint after the warm-up resumes
-bit for bit with the frozen variance, the moment and the residual in it; a ratio outside (0, 1]
-and momentum SGD raise on every rank before any collective (a collective still works afterwards)."""
+"""Top-k Adam on real Horovod workers (tests/scenarios/onebitadam.py, ``torch_topkadam`` and
+``tf_topkadam``): PyTorch and Keras on 2 Gloo workers in the session's shared launches. Keras (SGD,
+momentum 0, decoupled weight decay: AdamW's step on the direction): identical every step, the
+oracle's replay within float32 rounding, exact resume, a bad ratio refused. PyTorch: AdamW taken
+over: parameters identical on every rank after every step and equal to the numpy oracle's replay
+of the same local gradients; the warm-up's dense bytes, then topk's payload of the moment; a
+checkpoint after the warm-up resumes bit for bit with the frozen variance, the moment and the
+residual in it; a ratio outside (0, 1] and momentum SGD raise on every rank before any collective
+(a collective still works afterwards)."""
 
 import pytest
 
 pytestmark = pytest.mark.multiprocess  # launches Horovod workers (conftest.py)
 
+from scenarios import shared_tf_launch  # noqa: E402
 from scenarios.launch import part  # noqa: E402
 from scenarios.shared_launch import TORCH_2  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def results():
+def torch_results():
     return part(TORCH_2.results("test_topkadam_multiprocess"), "all")
 
 
@@ -23,8 +27,8 @@ def _ok(r):
     return r
 
 
-def test_adamw_taken_over_identical_and_equal_to_the_oracle(results):
-    for r in results:
+def test_torch_adamw_taken_over_identical_and_equal_to_the_oracle(torch_results):
+    for r in torch_results:
         t = _ok(r["training"])
         assert all(t["identical"]), t["identical"]
         assert t["oracle_diff"] is None or t["oracle_diff"] == 0.0, t["oracle_diff"]
@@ -33,11 +37,11 @@ def test_adamw_taken_over_identical_and_equal_to_the_oracle(results):
         warm, compressed = t["sent"][:3], t["sent"][3:]
         assert len(set(warm)) == 1 and set(compressed) == {r["compressed"]}, (t["sent"], r["compressed"])
         assert warm[0] >= 4 * compressed[0], t["sent"]  # dense float32, then 10% of the entries as 8-byte pairs
-    assert results[0]["training"]["oracle_diff"] == 0.0
+    assert torch_results[0]["training"]["oracle_diff"] == 0.0
 
 
-def test_resume_is_exact_with_the_frozen_variance_moment_and_residual(results):
-    for r in results:
+def test_torch_resume_is_exact_with_the_frozen_variance_moment_and_residual(torch_results):
+    for r in torch_results:
         res = _ok(r["resume"])
         assert res["equal"] and all(res["identical"]), res
         assert res["state"] == ["m", "residual", "v"]
@@ -48,8 +52,27 @@ def test_resume_is_exact_with_the_frozen_variance_moment_and_residual(results):
     ("ratio_above_one", "topkadam: parameter 'ratio' must be float in (0.0, 1.0]; got 1.5"),
     ("sgd_momentum", "momentum=0.9 (parameter group 0) would apply a second momentum"),
 ])
-def test_bad_combinations_raise_on_every_rank(results, label, needle):
-    for r in results:
+def test_torch_bad_combinations_raise_on_every_rank(torch_results, label, needle):
+    for r in torch_results:
         msg = _ok(r["refused"])[label]
         assert msg is not None and needle in msg, msg
         assert r["after"] == 2.0  # a collective after the refusals: no rank was left in one
+
+
+@pytest.fixture(scope="module")
+def tf_results():
+    return shared_tf_launch.results("test_topkadam_multiprocess")
+
+
+def test_keras_sgd_applies_the_direction_identical_near_the_oracle_and_resumes(tf_results):
+    for r in tf_results:
+        t = _ok(r["training"])
+        assert all(t["identical"]), t["identical"]
+        warm, compressed = t["sent"][:3], t["sent"][3:]
+        assert len(set(warm)) == 1 and len(set(compressed)) == 1 and warm[0] >= 4 * compressed[0], t["sent"]
+        assert t["resume"]["equal"] and t["resume"]["identical"], t["resume"]
+        assert t["resume"]["state"] == ["m", "residual", "v"]
+        assert "topkadam: parameter 'ratio' must be float in (0.0, 1.0]" in (r["refused"] or ""), r["refused"]
+        assert r["after"] == 2.0
+    # Keras applies the decay and the step in its own order of float32 operations
+    assert tf_results[0]["training"]["oracle_diff"] < 1e-5, tf_results[0]["training"]["oracle_diff"]

@@ -8,7 +8,7 @@ bad combinations raise on every rank before any collective. ``torch_topkadam``: 
 ``topkadam`` (its own launch entry), a bad ``ratio`` refused.
 Keras (2 workers, the shared TF launch): the same training with Keras SGD (momentum 0, decoupled
 weight decay: AdamW's update on the exchanged direction), identical on every rank, resumed from a
-checkpoint exactly.
+checkpoint exactly; ``tf_topkadam`` the same for ``topkadam``.
 """
 
 from __future__ import annotations
@@ -168,17 +168,17 @@ def torch_topkadam() -> dict:
 
 
 # -- Keras --------------------------------------------------------------------------------------------
-def _keras_make():
+def _keras_make(spec=SPEC):
     import hvdcompress.keras as hvc
     import tensorflow as tf
     from scenarios import kit
     model = kit.keras_mlp()
-    opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(LR, momentum=0.0, weight_decay=WD), compression=SPEC)
+    opt = hvc.DistributedOptimizer(tf.keras.optimizers.SGD(LR, momentum=0.0, weight_decay=WD), compression=spec)
     model.compile(optimizer=opt, loss=kit.keras_loss())
     return model, opt
 
 
-def _keras_training(tmp):
+def _keras_training(tmp, text=SPEC):
     import os
     import hvdcompress.keras as hvc
     import horovod.tensorflow as hvd
@@ -186,10 +186,10 @@ def _keras_training(tmp):
     from hvdcompress import parse_spec
     from hvdcompress.reference import simulate
     from scenarios import kit
-    model, opt = _keras_make()
+    model, opt = _keras_make(text)
     loss_fn = kit.keras_loss()
     params = [v.numpy().copy() for v in model.trainable_variables]
-    path = os.path.join(tmp, f"onebitadam-rank{hvc.rank()}")
+    path = os.path.join(tmp, f"{parse_spec(text).name}-rank{hvc.rank()}")
     identical, sent, grads = [], [], []
     for step in range(STEPS):
         if step == 4:
@@ -205,7 +205,7 @@ def _keras_training(tmp):
     everyone = hvd.allgather_object(grads)
     diff = None
     if hvc.rank() == 0:  # Keras SGD's decoupled decay, then the direction: AdamW's step
-        spec, F = parse_spec(SPEC), np.float32
+        spec, F = parse_spec(text), np.float32
         names = [v.name for v in model.trainable_variables]
         states = {n: [{} for _ in everyone] for n in names}
         for step in range(STEPS):
@@ -215,7 +215,7 @@ def _keras_training(tmp):
                 p = params[i] - params[i] * F(WD) * F(LR)
                 params[i] = (p - d.reshape(p.shape) * F(LR)).astype(F)
         diff = max(float(np.abs(v.numpy() - q).max()) for v, q in zip(model.trainable_variables, params))
-    model2, opt2 = _keras_make()
+    model2, opt2 = _keras_make(text)
     model2.load_weights(path)
     for step in range(4, STEPS):
         model2.train_on_batch(*kit.np_batch(hvc.rank(), step))
@@ -253,4 +253,30 @@ def tf_all() -> dict:
     hvd.init()
     out = {"training": guard(_keras_training, tempfile.mkdtemp()), "refused": guard(_keras_refused)}
     out["after"] = float(hvd.allreduce(tf.ones([1]), name="onebitadam_after", op=hvd.Sum).numpy()[0])
+    return out
+
+
+def tf_topkadam() -> dict:
+    """topkadam through the Keras checks of ``tf_all``: identical every step, the oracle's replay
+    within float32 rounding, exact resume; a bad ratio refused on every rank."""
+    import tempfile
+    import horovod.tensorflow as hvd
+    import hvdcompress.keras as hvc
+    import tensorflow as tf
+    try:
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    except RuntimeError:
+        pass
+    hvd.init()
+
+    def refused():
+        try:
+            hvc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression="topkadam:ratio=0")
+            return None
+        except ValueError as e:
+            return str(e)
+
+    out = {"training": guard(_keras_training, tempfile.mkdtemp(), TOPKADAM_SPEC), "refused": refused()}
+    out["after"] = float(hvd.allreduce(tf.ones([1]), name="topkadam_after", op=hvd.Sum).numpy()[0])
     return out

@@ -39,6 +39,7 @@ SCENARIOS = {
     "test_tf_diloco": ("scenarios.tf_diloco", "everything", lambda: ()),
     "test_tf_schedules_multiprocess": ("scenarios.tf_schedules", "everything", lambda: (WORLD, scratch_dir())),
     "test_onebitadam_multiprocess": ("scenarios.onebitadam", "tf_all", lambda: ()),
+    "test_topkadam_multiprocess": ("scenarios.onebitadam", "tf_topkadam", lambda: ()),
     "test_tf_session": ("scenarios.tf_session", "everything", lambda: ()),
 }
 
