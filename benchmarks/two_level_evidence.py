@@ -66,6 +66,7 @@ LINKS = "1gbit,100mbit"
 TOPOLOGY = "2x2"
 QUICK = dict(width=128, depth=1, steps=10, measure=4, links="1gbit", repeats=2)
 PROFILE_MAX_BYTES = 4 << 20  # collectives timed up to 4 MiB per rank: the fits are linear in bytes
+PROFILE_MAX_ELEMENTS = 1 << 20  # codecs timed up to 1 Mi entries: every rank times them at once on 2 cores
 TARGET_SPEEDUP, TARGET_CHOICE = 1.5, 1.05  # issue 43: two-level >= 1.5x flat; the default within 5% of the best flat
 
 
@@ -102,7 +103,7 @@ def fit_links(cfg: dict, topology) -> dict:
 
     rank = dist.get_rank()
     sizes = comm_sizes_up_to(min(PROFILE_MAX_BYTES, cfg["gradient_bytes"]))
-    elements = comm_sizes_up_to(cfg["parameters"], DEFAULT_COMPRESS_ELEMENTS)  # codecs timed up to the gradient
+    elements = comm_sizes_up_to(min(PROFILE_MAX_ELEMENTS, cfg["parameters"]), DEFAULT_COMPRESS_ELEMENTS)
     flat = profile_cost_model([*cfg["specs"], "fp16", "none"], comm_bytes=sizes, compress_elements=elements,
                               repeats=cfg["repeats"], comm=TorchDistCommunicator())
     groups = new_subgroups(topology.local_groups() + topology.cross_groups())
@@ -344,8 +345,8 @@ def main(argv=None) -> int:
     p.add_argument("--spec", action="append", default=None, help=f"repeatable; default: {', '.join(SPECS)}")
     p.add_argument("--choice-spec", default=None, help="the default row's spec (default: the first --spec)")
     p.add_argument("--topology", default=TOPOLOGY, help="NxL: N nodes of L ranks")
-    p.add_argument("--steps", type=int, default=100, help="training steps per row")
-    p.add_argument("--measure", type=int, default=30, help="the last steps, timed")
+    p.add_argument("--steps", type=int, default=80, help="training steps per row")
+    p.add_argument("--measure", type=int, default=20, help="the last steps, timed")
     p.add_argument("--width", type=int, default=1536)
     p.add_argument("--depth", type=int, default=2, help="hidden layers")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")

@@ -131,4 +131,4 @@ def test_quick_mode_on_an_emulated_two_level_network(tmp_path):
     assert {r["codec_choice_used"] for r in rows if r["layout"] != "choice"} == {"off"}
     assert set(result["fits"]["1gbit (tbf, emulated)"]) == {"flat", "intra", "inter"}
     assert open(out + ".md").read().startswith("**EMULATED two-level network**")
-    assert set(netns.list_namespaces()) == before  # nothing left behind
+    assert not set(netns.list_namespaces()) - before  # nothing left behind (other runs' may have gone)
