@@ -38,15 +38,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Dict, List
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (spec or "plain", residual mode): plain FSDP2 and every kind of supported spec
 CONFIGS = {
@@ -206,40 +203,25 @@ def worker_main(cfg_json: str, out_path: str) -> None:
 
 
 # -- the launcher ----------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: dict, workers: int, link: str) -> dict:
     """One configuration on ``workers`` processes: on loopback, or in namespaces whose links ``tbf``
     limits to ``link`` (an emulated network): one namespace per worker, or with a topology one per
     node, its ranks talking over the namespace's own (unlimited) loopback and to other nodes over
-    the node's limited link, as ranks inside a node and across nodes do."""
-    from contextlib import ExitStack
-    with tempfile.TemporaryDirectory(prefix="hvc-fsdp-evidence-") as tmp, ExitStack() as stack:
+    the node's limited link, as ranks inside a node and across nodes do
+    (``hvdcompress.bench.dist_launch.run_ranks``)."""
+    from hvdcompress.bench.dist_launch import run_ranks
+    from hvdcompress.topology import parse_topology
+    local = parse_topology(cfg["topology"], workers).local_size if cfg.get("topology") and link != "loopback" else 1
+    with tempfile.TemporaryDirectory(prefix="hvc-fsdp-evidence-") as tmp:
         out = os.path.join(tmp, "result.json")
-        prefixes, addr, iface = [[] for _ in range(workers)], "127.0.0.1", "lo"
-        if link != "loopback":
-            from hvdcompress.bench.netns import EmulatedNetwork, parse_bandwidth
-            from hvdcompress.topology import parse_topology
-            local = parse_topology(cfg["topology"], workers).local_size if cfg.get("topology") else 1
-            net = stack.enter_context(EmulatedNetwork(workers // local, parse_bandwidth(link), "fsdp"))
-            prefixes = [net.exec_prefix(r // local) for r in range(workers)]
-            addr, iface = net.addresses[0], net.iface
-            cfg = dict(cfg, iface=iface)
-        port = _free_port()
-        procs = []
-        for r in range(workers):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(workers), LOCAL_RANK=str(r), MASTER_ADDR=addr,
-                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=iface, OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-            cmd = prefixes[r] + [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg), out]
-            procs.append(subprocess.Popen(cmd, env=env))
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise RuntimeError(f"{cfg['config']}: workers exited with {codes}")
+
+        def command(iface):
+            mine = dict(cfg, iface=iface) if iface else cfg  # the workers count the bytes their link carries
+            return [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(mine), out]
+        try:
+            run_ranks(command, workers, link, local, "fsdp")
+        except RuntimeError as e:
+            raise RuntimeError(f"{cfg['config']}: {e}") from None
         with open(out) as f:
             return json.load(f)
 

@@ -1,0 +1,426 @@
+"""Flat against two-level exchanges on an EMULATED two-level network: the evidence of issue 43 (items 4-5).
+
+Four torch.distributed (gloo) processes as 2 nodes x 2 ranks on this machine
+(``hvdcompress.bench.dist_launch.run_ranks``): the ranks of a node share a network namespace and
+reach each other over its own loopback routing (unlimited), and reach the other node only through
+the node's link, which ``tbf`` limits to each rate of ``--links`` both ways (no latency added;
+needs root). Every figure is labelled "emulated": one machine's 2 cores run all 4 ranks.
+
+Per link, one launch runs these rows, each from the same initial weights, with the same batches
+and recipe (``DistributedOptimizer(backend="torch")``, SGD with momentum, ``schedule="auto"``
+with its measured validation), for ``--steps`` steps:
+
+* flat dense (``none``, ``topology="flat"``) and hierarchical dense (``none``, ``topology="2x2"``:
+  a dense reduce-scatter inside the node, an allreduce of each local rank's slice with its peer
+  on the other node, an allgather inside the node; Horovod's hierarchical allreduce);
+* per ``--spec``: the spec flat and two-level (dense inside the node, the spec across);
+* the default: ``--choice-spec`` with ``topology`` and ``codec_choice`` left to their defaults (the
+  launcher's ``LOCAL_WORLD_SIZE``, 2 here, makes it two-level; the per-group codec choice on);
+  every other row has ``codec_choice="off"``, so it is the configuration it names.
+
+Each row reports: the step time (median over the last ``--measure`` steps of the slowest rank's
+step; a barrier starts every step), whether the plan (profiling, measured validation) was settled
+before those steps, the bytes the node's link carried per step in its busier direction
+(``/sys/class/net`` counters: headers, barriers and every collective that crosses included), the
+payload bytes each rank handed to each hop per step (``opt.stats``; two-level rows inside /
+across, flat rows the whole exchange), held-out accuracy on the digits test split, and whether
+every rank ends with identical parameters. Ratios: two-level against flat of the same spec
+(hierarchical against flat dense) and the default against the best flat row and the best row.
+
+The simulator's prediction of each row (``hvdcompress.schedule.scaling.predict_route``; the
+default's: ``predict_choice_row``) uses the row's own profiled workload (``opt.workload``) and
+a ``TwoLevelCostModel`` fitted on this launch's links before the rows run: the flat model timed
+on all 4 ranks (``torch_ops.profiling.profile_cost_model``: collectives and codecs; saved as the
+cached model the rows' optimizers then use), the intra model timed on both nodes' local groups at
+once, the inter model on both cross-node groups at once (so it holds the sharing of a node's link
+by its 2 ranks: ``nics_per_node=2``). Measured / predicted is printed beside each row.
+
+The model is a wide MLP on the 8x8 digits (``hvdcompress.datasets.load_digits``): 64 inputs,
+``--depth`` hidden layers of ``--width``, 10 classes; with the defaults 2,476,042 parameters
+(9.9 MB of fp32 gradients), so dense exchanges at 100 Mbit/s are bound by the wire.
+
+    sudo python benchmarks/two_level_evidence.py --out benchmarks/results/scaling/two-level-evidence
+    sudo python benchmarks/two_level_evidence.py --quick --out /tmp/tl-quick   # smoke: < 2 minutes
+
+The full run is sized for about 15 minutes on a quiet 2-core machine. A smoke run proves only
+that it runs; the measurement needs a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SPECS = ("dgc:ratio=0.001,warmup_epochs=0", "qsgd", "powersgd:rank=2")
+LINKS = "1gbit,100mbit"
+TOPOLOGY = "2x2"
+QUICK = dict(width=128, depth=1, steps=10, measure=4, links="1gbit", repeats=2)
+PROFILE_MAX_BYTES = 4 << 20  # collectives timed up to 4 MiB per rank: the fits are linear in bytes
+PROFILE_MAX_ELEMENTS = 1 << 20  # codecs timed up to 1 Mi entries: every rank times them at once on 2 cores
+TARGET_SPEEDUP, TARGET_CHOICE = 1.5, 1.05  # issue 43: two-level >= 1.5x flat; the default within 5% of the best flat
+
+
+def rows_for(specs, choice_spec: str, topology: str) -> List[dict]:
+    """The configurations of one link, in run order (module doc); ``layout`` is a key of
+    ``hvdcompress.schedule.scaling.LAYOUT_ROUTES`` or "choice"."""
+    out = [dict(layout="flat dense", spec="none", topology="flat", codec_choice="off"),
+           dict(layout="hierarchical dense", spec="none", topology=topology, codec_choice="off")]
+    for s in specs:
+        out += [dict(layout="flat spec", spec=s, topology="flat", codec_choice="off"),
+                dict(layout="two-level spec", spec=s, topology=topology, codec_choice="off")]
+    return out + [dict(layout="choice", spec=choice_spec, topology=None, codec_choice=None)]
+
+
+# -- one rank ------------------------------------------------------------------------------------------
+def mlp(width: int, depth: int):
+    import torch
+    layers, last = [torch.nn.Flatten()], 64
+    for _ in range(depth):
+        layers += [torch.nn.Linear(last, width), torch.nn.ReLU()]
+        last = width
+    return torch.nn.Sequential(*layers, torch.nn.Linear(last, 10))
+
+
+def fit_links(cfg: dict, topology) -> dict:
+    """The launch's cost models (module doc): ``flat`` (all ranks, codecs too; cached for the rows'
+    optimizers), ``intra`` (each node's ranks, both nodes at once) and ``inter`` (each cross-node
+    group, all of them at once)."""
+    import torch.distributed as dist
+
+    from hvdcompress.schedule.costmodel import fit_cost_model
+    from torch_ops.dist_collectives import TorchDistCommunicator, new_subgroups
+    from torch_ops.profiling import DEFAULT_COMPRESS_ELEMENTS, comm_sizes_up_to, profile_cost_model, time_collectives
+
+    rank = dist.get_rank()
+    sizes = comm_sizes_up_to(min(PROFILE_MAX_BYTES, cfg["gradient_bytes"]))
+    elements = comm_sizes_up_to(min(PROFILE_MAX_ELEMENTS, cfg["parameters"]), DEFAULT_COMPRESS_ELEMENTS)
+    flat = profile_cost_model([*cfg["specs"], "fp16", "none"], comm_bytes=sizes, compress_elements=elements,
+                              repeats=cfg["repeats"], comm=TorchDistCommunicator())
+    groups = new_subgroups(topology.local_groups() + topology.cross_groups())
+    local = TorchDistCommunicator(groups[topology.node_of(rank)])
+    cross = TorchDistCommunicator(groups[topology.nodes + topology.local_rank(rank)])
+    fitted = {"flat": flat}
+    for name, comm, world in (("intra", local, topology.local_size), ("inter", cross, topology.nodes)):
+        timed = time_collectives(("allreduce", "allgather"), sizes, repeats=cfg["repeats"], comm=comm)
+        fitted[name] = fit_cost_model(world, timed["allreduce"], timed["allgather"],
+                                      meta={"timed_on": f"{name} groups, all at once"})
+    return fitted
+
+
+def predicted(row: dict, workload, fitted: dict, topology) -> dict:
+    """The simulator's step and bytes for ``row`` on ``workload`` (module doc)."""
+    from hvdcompress.schedule.scaling import LAYOUT_ROUTES, predict_choice_row, predict_route
+    from hvdcompress.schedule.twolevel import TwoLevelCostModel
+
+    model = TwoLevelCostModel(topology, fitted["flat"], fitted["intra"], fitted["inter"],
+                              nics_per_node=topology.local_size)
+    if row["layout"] == "choice":
+        got = predict_choice_row(workload, model, row["spec"])
+    else:
+        got = predict_route(workload, model, row["spec"], LAYOUT_ROUTES[row["layout"]])
+    return {"step_seconds": got["step_seconds"], "label": got["label"], "groups": got["groups"],
+            "bytes_per_worker": got["bytes_per_worker"], "inter_bytes_per_node": got["inter_bytes_per_node"],
+            **({"counts": got["counts"]} if "counts" in got else {})}
+
+
+def run_row(row: dict, cfg: dict, data):
+    """One configuration on this rank: trained, timed, evaluated. Returns the figures every rank
+    agrees on and the workload the optimizer profiled (None where its plan needed none)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import hvdcompress.torch as hvc
+    from hvdcompress.bench.worker_common import read_counters
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(cfg["seed"])
+    model = mlp(cfg["width"], cfg["depth"])
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9),
+                                   named_parameters=model.named_parameters(), compression=row["spec"],
+                                   backend="torch", topology=row["topology"], codec_choice=row["codec_choice"])
+    x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    rng = np.random.default_rng([cfg["seed"], rank])
+    start = cfg["steps"] - cfg["measure"]
+    times, settled, before = [], None, None
+    for step in range(cfg["steps"]):
+        idx = torch.from_numpy(rng.integers(0, len(y_train), cfg["batch_size"]))
+        if step == start:
+            before = (opt.stats.total_bytes, dict(opt.stats.total_hop_bytes), read_counters(cfg["iface"]))
+        dist.barrier()
+        began = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+        opt.step()
+        if step >= start:
+            times.append(time.perf_counter() - began)
+        if settled is None and opt.engine.scheduler.done:
+            settled = step + 1
+    n = cfg["measure"]
+    counters = read_counters(cfg["iface"])
+    hops = {k: (v - before[1].get(k, 0)) / n for k, v in opt.stats.total_hop_bytes.items()}
+    mine = {"times": times, "payload": (opt.stats.total_bytes - before[0]) / n, "hops": hops,
+            "link": max(counters[k] - before[2][k] for k in counters) / n if counters else None}
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    copies = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(copies, flat)
+    with torch.no_grad():
+        accuracy = float((model(torch.from_numpy(data.x_test)).argmax(1) == torch.from_numpy(data.y_test))
+                         .float().mean())
+    slowest = [max(ts) for ts in zip(*[e["times"] for e in every])]
+    plan = opt.plan
+    tuned = plan.tuning if plan is not None and isinstance(plan.tuning, dict) else {}
+    return dict(row, topology_used=str(getattr(opt.engine.transport, "topology", "flat")),
+                codec_choice_used=opt.codec_choice, median_step_s=statistics.median(slowest),
+                settled_at_step=settled, settled_before_measure=settled is not None and settled <= start,
+                link_bytes_per_step=max((e["link"] or 0) for e in every) if cfg["iface"] else None,
+                payload_bytes_per_rank=statistics.fmean(e["payload"] for e in every),
+                hop_bytes_per_rank={k: statistics.fmean(e["hops"].get(k, 0.0) for e in every)
+                                    for k in every[0]["hops"]} or None,
+                held_out_accuracy=accuracy, identical=all(bool(torch.equal(copies[0], c)) for c in copies),
+                plan={"schedule": plan.schedule if plan else None, "groups": len(opt.groups),
+                      "codecs": list(plan.codecs) if plan is not None and plan.codecs else None,
+                      "kept": tuned.get("kept_label"), "revalidations": tuned.get("revalidations")}), opt.workload
+
+
+def worker_main(cfg_json: str, out_path: str) -> None:
+    import warnings
+
+    began = time.perf_counter()
+    import torch
+    import torch.distributed as dist
+    warnings.simplefilter("ignore")
+    cfg = json.loads(cfg_json)
+    os.environ["HVDCOMPRESS_CACHE"] = cfg["cache"]  # this link's cost model, fitted below, and nothing else
+    os.environ["LOCAL_WORLD_SIZE"] = str(cfg["local_size"])  # what torchrun would say: the default's topology
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        from hvdcompress.datasets import load_digits
+        from hvdcompress.topology import parse_topology
+        topology = parse_topology(cfg["topology"], dist.get_world_size())
+        data = load_digits(seed=cfg["seed"])
+        if dist.get_rank() == 0:
+            print(f"started in {time.perf_counter() - began:.1f} s", flush=True)
+        began = time.perf_counter()
+        fitted = fit_links(cfg, topology)
+        if dist.get_rank() == 0:
+            print(f"links fitted in {time.perf_counter() - began:.1f} s", flush=True)
+        rows, workloads = [], []
+        for row in rows_for(cfg["specs"], cfg["choice_spec"], cfg["topology"]):
+            started = time.perf_counter()
+            got, workload = run_row(row, cfg, data)
+            got["wall_s"] = round(time.perf_counter() - started, 1)
+            rows.append(got)
+            workloads.append(workload)
+            if dist.get_rank() == 0:
+                print(json.dumps({k: got[k] for k in ("layout", "spec", "median_step_s", "held_out_accuracy",
+                                                      "identical", "wall_s")}), flush=True)
+        if dist.get_rank() == 0:
+            # a plan that needed no profiling (PowerSGD's layerwise) left no workload: the first row's stands in
+            first = next((i for i, w in enumerate(workloads) if w is not None), None)
+            for row, workload in zip(rows, workloads):
+                use = workload if workload is not None else workloads[first] if first is not None else None
+                row["predicted"] = predicted(row, use, fitted, topology) if use is not None else None
+                row["workload_of"] = "this row" if workload is not None else \
+                    f"{rows[first]['layout']} {rows[first]['spec']}" if first is not None else None
+            with open(out_path, "w") as f:
+                json.dump({"rows": rows, "fits": {k: m.to_dict() for k, m in fitted.items()}}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the launcher and the tables ---------------------------------------------------------------------------
+def link_label(link: str) -> str:
+    return f"{link} (tbf, emulated)"
+
+
+def launch(cfg: dict, link: str, timeout_s: float) -> dict:
+    """One link's rows on the emulated two-level network (module doc)."""
+    from hvdcompress.bench.dist_launch import run_ranks
+    from hvdcompress.topology import parse_topology
+    topology = parse_topology(cfg["topology"], cfg["workers"])
+    with tempfile.TemporaryDirectory(prefix="hvc-two-level-evidence-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        mine = dict(cfg, cache=os.path.join(tmp, "cache"), local_size=topology.local_size)
+
+        def command(iface):
+            return [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(dict(mine, iface=iface)), out]
+        run_ranks(command, cfg["workers"], link, topology.local_size, "tl", timeout_s)
+        with open(out) as f:
+            got = json.load(f)
+    for r in got["rows"]:
+        r["link"] = link_label(link)
+    return got
+
+
+def add_ratios(rows: List[dict]) -> List[dict]:
+    """Per link: each row's ratios beside it (``speedup_vs_flat``: the flat row of the same spec's
+    step over this one's; ``accuracy_vs_flat``: the difference), and one summary per link: the
+    default against the best flat row and the best row, the two-level speed-ups against the
+    target. Returns the summaries."""
+    summaries = []
+    for link in dict.fromkeys(r["link"] for r in rows):
+        mine = [r for r in rows if r["link"] == link]
+        flat = {r["spec"]: r for r in mine if r["layout"] in ("flat dense", "flat spec")}
+        for r in mine:
+            base = flat.get(r["spec"])
+            if base is not None and r is not base:
+                r["speedup_vs_flat"] = base["median_step_s"] / r["median_step_s"]
+                r["accuracy_vs_flat"] = r["held_out_accuracy"] - base["held_out_accuracy"]
+            p = r.get("predicted")
+            r["measured_over_predicted"] = r["median_step_s"] / p["step_seconds"] if p else None
+        choice = next((r for r in mine if r["layout"] == "choice"), None)
+        fixed = [r for r in mine if r["layout"] != "choice"]
+        best_flat = min(flat.values(), key=lambda r: r["median_step_s"])
+        best = min(fixed, key=lambda r: r["median_step_s"])
+        summary = {"link": link, "best_flat": f"{best_flat['layout']} {best_flat['spec']}",
+                   "best_fixed": f"{best['layout']} {best['spec']}",
+                   "two_level_speedups": {r["spec"]: r["speedup_vs_flat"] for r in mine
+                                          if r["layout"] in ("two-level spec", "hierarchical dense")}}
+        if choice is not None:
+            summary.update(choice_over_best_flat=choice["median_step_s"] / best_flat["median_step_s"],
+                           choice_over_best_fixed=choice["median_step_s"] / best["median_step_s"],
+                           choice_within_target=choice["median_step_s"] <= TARGET_CHOICE * best_flat["median_step_s"],
+                           choice_settled=choice["settled_before_measure"])
+        summaries.append(summary)
+    return summaries
+
+
+def _mb(v) -> str:
+    return "-" if v is None else f"{v / 1e6:.3g}"
+
+
+def markdown(result: dict) -> str:
+    m = result["model"]
+    out = [f"**EMULATED two-level network**: {result['workers']} processes as {result['topology']} "
+           f"(nodes over one tbf-limited link each, ranks of a node over its loopback), one machine "
+           f"({os.cpu_count()} cores); MLP {m['parameters']:,} parameters ({_mb(m['gradient_bytes'])} MB of gradients), "
+           f"{result['steps']} steps, step time = median of the slowest rank over the last {result['measure']}.", "",
+           "| link | layout | spec | step ms | vs flat | predicted ms | measured/predicted | node link MB/step "
+           "| predicted MB/node across | payload MB/rank: inside / across | accuracy | vs flat | identical | settled |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|"]
+    for r in result["rows"]:
+        p = r.get("predicted") or {}
+        hops = r.get("hop_bytes_per_rank")
+        payload = f"{_mb(hops.get('local'))} / {_mb(hops.get('cross'))}" if hops else f"{_mb(r['payload_bytes_per_rank'])} (flat)"
+        spec = r["spec"] + (f" ({r['plan']['kept']})" if r["layout"] == "choice" and r["plan"].get("kept") else "")
+        out.append("| " + " | ".join([
+            r["link"], r["layout"], f"`{spec}`", f"{1e3 * r['median_step_s']:.1f}",
+            f"{r['speedup_vs_flat']:.2f}x" if r.get("speedup_vs_flat") else "-",
+            f"{1e3 * p['step_seconds']:.1f}" if p else "-",
+            f"{r['measured_over_predicted']:.2f}" if r.get("measured_over_predicted") else "-",
+            _mb(r["link_bytes_per_step"]), _mb(p.get("inter_bytes_per_node")), payload,
+            f"{r['held_out_accuracy']:.4f}",
+            f"{100 * r['accuracy_vs_flat']:+.2f} pt" if r.get("accuracy_vs_flat") is not None else "-",
+            str(r["identical"]), str(r["settled_before_measure"])]) + " |")
+    out.append("")
+    for s in result["summary"]:
+        speed = ", ".join(f"{k}: {v:.2f}x" for k, v in s["two_level_speedups"].items())
+        line = f"- {s['link']}: two-level / hierarchical over flat of the same spec: {speed} (target >= {TARGET_SPEEDUP}x " \
+               f"where the slow hop dominates); best flat: {s['best_flat']}"
+        if "choice_over_best_flat" in s:
+            line += (f"; the default takes {s['choice_over_best_flat']:.3f}x the best flat row's step "
+                     f"({'within' if s['choice_within_target'] else 'OUTSIDE'} the {TARGET_CHOICE:g}x target; "
+                     f"{s['choice_over_best_fixed']:.3f}x the best row, {s['best_fixed']})")
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--links", default=LINKS, help="comma-separated rates of the links between nodes (tbf)")
+    p.add_argument("--spec", action="append", default=None, help=f"repeatable; default: {', '.join(SPECS)}")
+    p.add_argument("--choice-spec", default=None, help="the default row's spec (default: the first --spec)")
+    p.add_argument("--topology", default=TOPOLOGY, help="NxL: N nodes of L ranks")
+    p.add_argument("--steps", type=int, default=80, help="training steps per row")
+    p.add_argument("--measure", type=int, default=20, help="the last steps, timed")
+    p.add_argument("--width", type=int, default=1536)
+    p.add_argument("--depth", type=int, default=2, help="hidden layers")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="timings per size when fitting the links")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per link before the ranks are stopped")
+    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "scaling", "two-level-evidence"),
+                   help="writes OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    specs = args.spec or list(SPECS)
+    from hvdcompress.bench.netns import missing_prerequisites, parse_bandwidth
+    from hvdcompress.spec import resolve
+    from hvdcompress.topology import parse_topology
+    try:
+        for s in specs + ([args.choice_spec] if args.choice_spec else []):
+            resolve(s)
+        links = [s.strip() for s in args.links.split(",") if s.strip()]
+        for link in links:
+            parse_bandwidth(link)
+        topology = parse_topology(args.topology, _world(args.topology))
+    except ValueError as e:
+        p.error(str(e))
+    if topology.flat:
+        p.error(f"--topology: a two-level layout is needed (nodes and local size > 1); got {args.topology}")
+    if not 1 <= args.measure < args.steps:
+        p.error("--measure: must be >= 1 and below --steps")
+    why = missing_prerequisites()
+    if why:
+        p.error(f"the emulated network needs network namespaces: {why}")
+    parameters = sum(o * i + o for i, o in zip([64] + [args.width] * args.depth, [args.width] * args.depth + [10]))
+    cfg = {"workers": topology.world, "topology": args.topology, "specs": specs,
+           "choice_spec": args.choice_spec or specs[0], "steps": args.steps, "measure": args.measure,
+           "width": args.width, "depth": args.depth, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+           "repeats": args.repeats, "parameters": parameters, "gradient_bytes": 4 * parameters}
+    rows, fits = [], {}
+    for link in links:
+        started = time.perf_counter()
+        got = launch(cfg, link, args.timeout)
+        rows += got["rows"]
+        fits[link_label(link)] = got["fits"]
+        print(f"{link_label(link)}: {time.perf_counter() - started:.0f} s", flush=True)
+    result = {"label": "EMULATED: one machine, network namespaces and tbf (hvdcompress.bench.dist_launch)",
+              "command": "python benchmarks/two_level_evidence.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "workers": topology.world, "topology": args.topology, "steps": args.steps, "measure": args.measure,
+              "model": {"kind": "MLP on digits", "width": args.width, "depth": args.depth, "parameters": parameters,
+                        "gradient_bytes": 4 * parameters, "batch_size": args.batch_size, "lr": args.lr},
+              "links": [link_label(link) for link in links], "fits": fits, "rows": rows}
+    result["summary"] = add_ratios(rows)
+    table = markdown(result)
+    print(table)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(table)
+    return 0
+
+
+def _world(text: str) -> int:
+    """The ranks of an ``NxL`` layout (the launch makes exactly that many)."""
+    nodes, _, local = str(text).partition("x")
+    try:
+        return int(nodes) * int(local)
+    except ValueError:
+        raise ValueError(f"--topology: expected NxL (e.g. 2x2); got {text!r}") from None
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2], sys.argv[3])
+    else:
+        raise SystemExit(main())

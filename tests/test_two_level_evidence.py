@@ -1,0 +1,134 @@
+"""benchmarks/two_level_evidence.py (issue 43's evidence on an emulated two-level network) and the
+launcher it shares with the other torch.distributed benches (``hvdcompress.bench.dist_launch``):
+the rows, ratios and table from given figures, the launcher's environment and failure handling on
+loopback, and the quick mode end to end on network namespaces (as root with iproute2; skipped
+otherwise)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hvdcompress.bench import netns
+from hvdcompress.bench.dist_launch import RankFailure, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "two_level_evidence.py")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("two_level_evidence_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rows_name_every_configuration_once():
+    bench = _bench()
+    rows = bench.rows_for(["dgc:ratio=0.001", "qsgd"], "dgc:ratio=0.001", "2x2")
+    assert [(r["layout"], r["spec"], r["topology"], r["codec_choice"]) for r in rows] == [
+        ("flat dense", "none", "flat", "off"), ("hierarchical dense", "none", "2x2", "off"),
+        ("flat spec", "dgc:ratio=0.001", "flat", "off"), ("two-level spec", "dgc:ratio=0.001", "2x2", "off"),
+        ("flat spec", "qsgd", "flat", "off"), ("two-level spec", "qsgd", "2x2", "off"),
+        ("choice", "dgc:ratio=0.001", None, None)]  # the default: the launcher's topology, the choice on
+    from hvdcompress.schedule.scaling import LAYOUT_ROUTES
+    assert {r["layout"] for r in rows} - {"choice"} <= set(LAYOUT_ROUTES)  # what compare_two_level takes
+
+
+def _row(layout, spec, seconds, accuracy, predicted=None):
+    return {"link": "100mbit (tbf, emulated)", "layout": layout, "spec": spec, "median_step_s": seconds,
+            "held_out_accuracy": accuracy, "predicted": {"step_seconds": predicted, "inter_bytes_per_node": 1e6}
+            if predicted else None, "link_bytes_per_step": 2e6, "payload_bytes_per_rank": 4e6,
+            "hop_bytes_per_rank": {"local": 8e6, "cross": 1e5} if layout != "flat spec" else None,
+            "identical": True, "settled_before_measure": True, "plan": {"kept": None}}
+
+
+def test_ratios_and_table_compare_like_with_like():
+    bench = _bench()
+    rows = [_row("flat dense", "none", 1.0, 0.95, 0.8), _row("hierarchical dense", "none", 0.8, 0.95),
+            _row("flat spec", "dgc", 0.3, 0.90), _row("two-level spec", "dgc", 0.1, 0.93, 0.125),
+            _row("choice", "dgc", 0.104, 0.93)]
+    (summary,) = bench.add_ratios(rows)
+    assert rows[1]["speedup_vs_flat"] == pytest.approx(1.25) and rows[3]["speedup_vs_flat"] == pytest.approx(3.0)
+    assert rows[3]["accuracy_vs_flat"] == pytest.approx(0.03)
+    assert rows[3]["measured_over_predicted"] == pytest.approx(0.8) and rows[2]["measured_over_predicted"] is None
+    assert summary["best_flat"] == "flat spec dgc" and summary["best_fixed"] == "two-level spec dgc"
+    assert summary["choice_over_best_flat"] == pytest.approx(0.104 / 0.3) and summary["choice_within_target"]
+    assert summary["choice_over_best_fixed"] == pytest.approx(1.04)
+    table = bench.markdown({"workers": 4, "topology": "2x2", "steps": 10, "measure": 4, "rows": rows,
+                            "summary": [summary], "model": {"parameters": 1000, "gradient_bytes": 4000}})
+    assert "EMULATED" in table and table.count("(tbf, emulated)") == len(rows) + 1
+    assert "| 3.00x |" in table and "+3.00 pt" in table and "within the 1.05x target" in table
+
+
+def test_refuses_bad_arguments_before_launching():
+    bench = _bench()
+    for argv in (["--measure", "0"], ["--measure", "100", "--steps", "100"], ["--topology", "4x1"],
+                 ["--topology", "two"], ["--links", "fast"], ["--spec", "topk:ratio=2"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+
+
+def test_run_ranks_gives_each_rank_its_environment(tmp_path):
+    code = ("import json, os, sys; json.dump({k: os.environ.get(k) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+            "'MASTER_ADDR', 'MASTER_PORT', 'GLOO_SOCKET_IFNAME', 'OMP_NUM_THREADS')}, "
+            "open(os.path.join(sys.argv[1], os.environ['RANK'] + '.json'), 'w'))")
+    seen = []
+
+    def command(iface):
+        seen.append(iface)
+        return [sys.executable, "-c", code, str(tmp_path)]
+    run_ranks(command, 3)
+    envs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    assert seen == [None] * 3  # loopback: no limited interface to count on
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"] == [e["LOCAL_RANK"] for e in envs]
+    assert {e["WORLD_SIZE"] for e in envs} == {"3"} and {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1 and {e["GLOO_SOCKET_IFNAME"] for e in envs} == {"lo"}
+    with pytest.raises(ValueError, match="local_size"):
+        run_ranks(command, 3, local_size=2)
+
+
+def test_run_ranks_stops_the_others_when_one_fails():
+    def command(iface):  # rank 1 fails at once; the others would wait a minute for it
+        return [sys.executable, "-c", "import os, sys, time; os.environ['RANK'] == '1' and sys.exit(3); time.sleep(60)"]
+    began = time.monotonic()
+    with pytest.raises(RankFailure, match=r"\[-15, 3\]|\[-9, 3\]"):
+        run_ranks(command, 2)
+    with pytest.raises(RankFailure, match="time limit"):
+        run_ranks(lambda iface: [sys.executable, "-c", "import time; time.sleep(60)"], 2, timeout_s=1)
+    assert time.monotonic() - began < 30
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(netns.missing_prerequisites() is not None,
+                    reason=f"network namespaces unavailable: {netns.missing_prerequisites()}")
+def test_quick_mode_on_an_emulated_two_level_network(tmp_path):
+    before = set(netns.list_namespaces())
+    out = str(tmp_path / "quick")
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", out], capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                              p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(open(out + ".json").read())
+    rows = result["rows"]
+    assert "EMULATED" in result["label"] and all("emulated" in r["link"] for r in rows)
+    assert [r["layout"] for r in rows] == [r["layout"] for r in _bench().rows_for(
+        _bench().SPECS, _bench().SPECS[0], "2x2")]
+    for r in rows:
+        assert r["identical"], r  # every rank ends with the same parameters
+        assert r["median_step_s"] > 0 and 0 <= r["held_out_accuracy"] <= 1 and r["link_bytes_per_step"] > 0
+        assert r["predicted"]["step_seconds"] > 0 and r["measured_over_predicted"] > 0
+        two_level = r["topology_used"] != "flat"
+        assert two_level == (r["layout"] not in ("flat dense", "flat spec")), r
+        if two_level:  # payload per hop: inside the node the whole gradient, across a part of it
+            assert r["hop_bytes_per_rank"]["local"] > r["hop_bytes_per_rank"]["cross"] > 0
+        else:
+            assert r["hop_bytes_per_rank"] is None
+    assert {r["codec_choice_used"] for r in rows if r["layout"] != "choice"} == {"off"}
+    assert set(result["fits"]["1gbit (tbf, emulated)"]) == {"flat", "intra", "inter"}
+    assert open(out + ".md").read().startswith("**EMULATED two-level network**")
+    assert not set(netns.list_namespaces()) - before  # nothing left behind (other runs' may have gone)
