@@ -144,3 +144,17 @@ def pytest_runtest_setup(item):
 def pytest_runtest_teardown(item):
     from scenarios import launch
     launch.LAUNCH_ALLOWED = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # HVDC_TESTS_CPU_LOG=<file>: one JSON line per test with the CPU seconds (user + sys) of this
+    # process and of every process it waited for (launched workers, subprocesses) over its setup,
+    # call and teardown: where the suite's CPU goes (the shared launches add a line per scenario).
+    from scenarios import cpu_log
+    if not cpu_log.enabled():
+        yield
+        return
+    start = cpu_log.snapshot()
+    yield
+    cpu_log.write(test=item.nodeid, **cpu_log.since(start))
