@@ -66,19 +66,30 @@ def _horovod_missing():
     return None
 
 
-HOROVOD_MISSING = _horovod_missing()
+HOROVOD_MISSING = None  # _horovod_missing()'s answer, set by pytest_configure where tests run
+
+
+def _xdist_controller(config) -> bool:
+    """The process that hands tests to pytest-xdist workers and runs none itself (-n N)."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
 
 
 def pytest_configure(config):
+    global HOROVOD_MISSING
     config.addinivalue_line("markers", "extended: a costly repeat of covered paths; runs with HVDC_EXTENDED_TESTS=1")
     config.addinivalue_line("markers", "multiprocess: launches real Horovod/Gloo worker processes "
                                        "(deselect with -m 'not multiprocess': make test-fast)")
+    if _xdist_controller(config):
+        return  # checked in each xdist worker, which collects and runs the tests: no TF/torch import here
+    HOROVOD_MISSING = _horovod_missing()
     if HOROVOD_MISSING:
         # modules that import Horovod fail to collect; the tests of every other module still run
         config.option.continue_on_collection_errors = True
 
 
 def pytest_report_header(config):
+    if _xdist_controller(config):
+        return "horovod: checked on import in each xdist worker (a multiprocess test fails with the reason)"
     return f"horovod: {'MISSING (' + HOROVOD_MISSING + ')' if HOROVOD_MISSING else 'ok'}"
 
 
@@ -144,3 +155,17 @@ def pytest_runtest_setup(item):
 def pytest_runtest_teardown(item):
     from scenarios import launch
     launch.LAUNCH_ALLOWED = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # HVDC_TESTS_CPU_LOG=<file>: one JSON line per test with the CPU seconds (user + sys) of this
+    # process and of every process it waited for (launched workers, subprocesses) over its setup,
+    # call and teardown: where the suite's CPU goes (the shared launches add a line per scenario).
+    from scenarios import cpu_log
+    if not cpu_log.enabled():
+        yield
+        return
+    start = cpu_log.snapshot()
+    yield
+    cpu_log.write(test=item.nodeid, **cpu_log.since(start))

@@ -167,10 +167,10 @@ def test_every_collective_runs_on_the_process_set_tf(tmp_path):
     import json
     import subprocess
     import sys
-    from scenarios.launch import GLOO_TIMEOUT_S
+    from scenarios.launch import GLOO_TIMEOUT_S, HOROVOD_SETTINGS
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
-               TF_USE_LEGACY_KERAS="1", OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1",
+               TF_USE_LEGACY_KERAS="1", OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME=HOROVOD_SETTINGS["HOROVOD_CYCLE_TIME"],
                HOROVOD_GLOO_TIMEOUT_SECONDS=GLOO_TIMEOUT_S)
     proc = subprocess.run(["horovodrun", "-np", "3", "-H", "localhost:3", "--gloo", sys.executable,
                            os.path.join(here, "scenarios", "contract.py"), "process_set_tf", str(tmp_path)],

@@ -14,6 +14,7 @@ import pytest
 pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import kit  # noqa: E402
+from scenarios.launch import HOROVOD_SETTINGS  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -21,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def test_training_continues_identical_through_a_worker_joining_and_leaving(tmp_path):
     out = str(tmp_path)
     discover = kit.elastic_discovery(out)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME=HOROVOD_SETTINGS["HOROVOD_CYCLE_TIME"],
                PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = ["horovodrun", "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", discover,
            "--gloo", "--network-interface", "lo", sys.executable, os.path.join(HERE, "scenarios", "elastic_worker.py"), out]

@@ -101,6 +101,7 @@ def test_unrolled_identity_with_the_momentum_in_the_compressor(results):
 def test_nonfinite_values_with_corrections_pending_are_seen_and_never_kept(results):
     d = sc.NONFINITE_DELAY
     for rank, r in enumerate(part(results, "nonfinite")):
+        assert len(r) == len(sc.NONFINITE_CASES), sorted(r)
         for key, v in r.items():
             assert v["seen"] == ([2, 2 + d] if rank == 1 else [2 + d]), (rank, key, v)
             assert v["state_finite"] and v["params_finite"] and v["identical"], (rank, key, v)

@@ -16,6 +16,7 @@ import pytest
 pytestmark = pytest.mark.multiprocess  # every test here launches Horovod workers (conftest.py)
 
 from scenarios import kit  # noqa: E402
+from scenarios.launch import HOROVOD_SETTINGS  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,7 +27,8 @@ def test_training_continues_identical_through_a_worker_joining_and_leaving(tmp_p
     discover = kit.elastic_discovery(out)
     # a joining worker imports TensorFlow before it reaches the rendezvous: more than Gloo's default
     # 30 s on a loaded machine
-    env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1", HOROVOD_GLOO_TIMEOUT_SECONDS="120",
+    env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME=HOROVOD_SETTINGS["HOROVOD_CYCLE_TIME"],
+               HOROVOD_GLOO_TIMEOUT_SECONDS="120",
                TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = ["horovodrun", "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", discover,

@@ -31,6 +31,7 @@ def test_non_finite_gradients_are_seen_on_every_rank_and_never_kept(results, sce
 @pytest.mark.multiprocess
 def test_a_plain_step_applies_the_bad_value_as_horovod_does(results):
     for r in part(results, "plain"):
+        assert set(r) == set(sc.PLAIN_SPECS), sorted(r)
         for spec, v in r.items():
             assert not v["params_finite"] and v["state_finite"], (spec, v)
 
@@ -38,6 +39,7 @@ def test_a_plain_step_applies_the_bad_value_as_horovod_does(results):
 @pytest.mark.multiprocess
 def test_keras_loss_scale_optimizer_skips_the_bad_steps_on_every_rank(results):
     for r in part(results, "loss_scale"):
+        assert set(r) == set(sc.LOSS_SCALE_SPECS), sorted(r)
         for spec, v in r.items():
             assert [v["unchanged"][s] for s in sc.INJECT] == [True, True], (spec, v)
             assert not any(v["unchanged"][s] for s in range(sc.STEPS) if s not in sc.INJECT), (spec, v)

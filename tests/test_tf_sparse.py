@@ -64,6 +64,7 @@ def test_keras_optimizer_with_topk_keeps_the_embedding_sparse(results):
         assert all(r["identical"]), r
         assert r["embedding_slots"] == [], r             # the embedding: sparse, no residual
         assert r["last_bytes"] < r["last_dense_bytes"], r
+        assert not r["warned"], r  # exchanged sparse by default: TF's dense-conversion warning never shows
 
 
 def test_a_nan_in_a_sparse_gradient_reaches_every_rank(results):

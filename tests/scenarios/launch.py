@@ -33,7 +33,11 @@ GLOO_TIMEOUT_S = "300"
 # negotiates without pause (about half a core per idle worker) and no response cache (every
 # collective negotiated in full). ``run_workers`` therefore sets them again inside each worker,
 # before the worker's function runs; a launch's ``env`` may still override them.
-HOROVOD_SETTINGS = {"HOROVOD_CYCLE_TIME": "1", "HOROVOD_CACHE_CAPACITY": "1024"}
+# HVDC_TESTS_HOROVOD_CYCLE_MS changes the cycle for every launch of a test run (each idle worker's
+# background thread runs a Gloo negotiation per cycle: a longer cycle costs less CPU and adds latency
+# to every collective; compare with HVDC_TESTS_CPU_LOG, scenarios/cpu_log.py).
+HOROVOD_SETTINGS = {"HOROVOD_CYCLE_TIME": os.environ.get("HVDC_TESTS_HOROVOD_CYCLE_MS", "1"),
+                    "HOROVOD_CACHE_CAPACITY": "1024"}
 
 # Set to "1" in a TF launch's environment: its workers run every tf.function without Grappler's
 # graph rewrites (about a third of the CPU a Keras step's first call takes, which a test launch

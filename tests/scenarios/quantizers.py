@@ -145,6 +145,14 @@ def _torch_resume(spec):
 
 
 INTEROP = ("none", "fp16", "bf16")  # the specs Horovod's own optimizers can run (horovod_interop)
+
+
+def tf_interop():
+    """The specs run inside Horovod's own Keras optimizer: fp16 and bf16 (codecs that change the
+    payload, through the same compress/decompress hooks ``none`` takes); ``none`` too in the
+    extended tier (PyTorch runs all three)."""
+    return [n for n in INTEROP if kit.extended() or n != "none"]
+
 TIE = {0: [1.0, -1.0, 1.0, 0.0, -2.0], 1: [-1.0, -1.0, 1.0, 5.0, 2.0], 2: [1.0, 1.0, -1.0, 0.0, 3.0]}
 VOTE = {2: [0.0, -1.0, 1.0, 1.0, 0.0], 3: [1.0, -1.0, 1.0, 1.0, 1.0]}  # sign of the vote: ties -> 0
 
@@ -467,7 +475,7 @@ def tf_everything() -> dict:
             out["resume"][spec] = _guard(_tf_resume, kind, spec, tmp)
     out["tie"] = _guard(_tf_tie)
     if world == 2:  # Horovod's own Keras optimizer with our specs
-        for name in INTEROP:
+        for name in tf_interop():
             out["interop"][name] = _guard(_tf_interop_one, name)
         out["refused"] = _guard(_tf_interop_refused)
     for label, text in BAD.items():

@@ -124,6 +124,10 @@ class SharedLaunch:
         assert len(out) == self.world
         print(f"shared {self.framework} launch on {self.world} workers, seconds per scenario (rank 0):",
               out[0]["seconds"], "CPU seconds per scenario (rank 0):", out[0]["cpu"])
+        from scenarios import cpu_log
+        for key in out[0]["cpu"]:
+            cpu_log.write(launch=f"{self.framework}-{self.world}", scenario=key, cpu=[r["cpu"][key] for r in out],
+                          wall=out[0]["seconds"][key])
         for m in names:
             if isinstance(self.table[m], dict):
                 self._results[m] = [{name: r[f"{m}:{name}"] for name in self.table[m]} for r in out]
