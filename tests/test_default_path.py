@@ -3,7 +3,10 @@ after the measured validation, a step of the user's default (codec choice, drift
 transport what a step of codec_choice="off" does for the same groups, and no object collective;
 and no step -- profiling, validation or after -- copies compression state between group layouts
 inside its clock: a switch of plans lays the state out between steps (``Engine.regroup``), so the
-validation measures the candidates, not the switches."""
+validation measures the candidates, not the switches. With the same groups as the fixed choice
+(codec_choice="off" on the default's kept groups), a steady step of the default makes the same
+calls, function by function, in the front end, session, scheduler and planner, and the same
+launches and waits: the only extra is the drift watch's record of the step's time."""
 
 import pytest
 
@@ -13,11 +16,12 @@ from scenarios import default_path as sc  # noqa: E402
 from scenarios.launch import run_workers  # noqa: E402
 
 STEPS = 40  # step 0, 1 profiled, (1 + 1) rounds of at most 8 candidates, then steps after the decision
+PROFILED = 6  # steady steps profiled per optimizer (sc.same_plan)
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    out = run_workers(sc.default_and_off, 2, STEPS)
+    out = run_workers(sc.default_and_off, 2, STEPS, PROFILED)
     for r in out:
         assert "error" not in r, r
     return out
@@ -56,3 +60,29 @@ def test_no_step_copies_state_between_layouts_inside_its_clock(ranks):
             # the switches did copy state (the validation changed layouts), between the steps
             switched = [x["copied_between"] for x in run["log"] if x["copied_between"]]
             assert switched and max(switched) <= 2 * run["state_bytes"], switched
+
+
+def test_after_the_decision_the_default_does_what_the_fixed_choice_with_its_plan_does(ranks):
+    for r in ranks:
+        default, fixed = r["same_plan"]["default"], r["same_plan"]["fixed"]
+        assert default["codec_choice"] == "auto" and default["watching"]
+        if fixed is None:  # the validation kept the choice's own plan, which mixes specs: no fixed choice has it
+            pytest.skip(f"the default kept a plan mixing specs ({default['codecs']}), under this machine's load")
+        assert fixed["codec_choice"] == "off" and not fixed["watching"]
+        assert default["groups"] == fixed["groups"] and fixed["codecs"] == [None] * len(fixed["groups"])
+        assert default["identical"] and fixed["identical"]
+        for call in ("launch", "wait", "allreduce_", "allgather", "barrier", "allgather_object", "broadcast_object"):
+            assert default["transport"].get(call, 0) == fixed["transport"].get(call, 0), (call, default, fixed)
+        assert default["transport"]["launch"] == PROFILED * len(default["groups"])
+        # nothing is planned in a steady step (schedule/groups.py describes the groups in use)
+        assert not [k for k in default["calls"] if k.startswith("hvdcompress/schedule/")
+                    and not k.startswith("hvdcompress/schedule/groups.py:")], default["calls"]
+        names = set(default["calls"]) | set(fixed["calls"])
+        extra = {k: default["calls"].get(k, 0) - fixed["calls"].get(k, 0) for k in names}
+        # the drift watch records the step's time, once a step (its collective comes once a window),
+        # and answers end_of_step before the scheduler asks whether the plan is done
+        assert {k: v for k, v in extra.items() if v} == {"torch_ops/scheduling.py:_watch_step": PROFILED,
+                                                         "torch_ops/scheduling.py:_step_seconds": PROFILED,
+                                                         "torch_ops/scheduling.py:done": -PROFILED}, extra
+    a, b = ranks
+    assert a["same_plan"]["default"]["groups"] == b["same_plan"]["default"]["groups"]

@@ -23,6 +23,7 @@ is made (the DDP hook makes its own at the first bucket).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
@@ -141,11 +142,8 @@ class ExchangeSession:
         ctx = ExchangeContext(key, step, world, 1.0 / world if scale is None else scale, state, shape,
                               self.current_epoch() if epoch is None else epoch, self.transport.rank(), members,
                               out=out)
-        if codec is None:
-            make = self.compressor.exchange
-        else:
-            def make(t, c):
-                return fallback_exchange(self.compressor, codec, t, c)
+        make = (self.compressor.exchange if codec is None
+                else functools.partial(fallback_exchange, self.compressor, codec))
         compose = getattr(self.transport, "compose", None)  # a two-level transport (torch_ops.twolevel)
         exchange = make(x, ctx) if compose is None else compose(make, x, ctx)
         gen, transport = self.streams.route(guard(exchange, x, ctx.state), x, self.transport)

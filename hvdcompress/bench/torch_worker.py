@@ -28,7 +28,8 @@ Each phase's ``warmup`` untimed steps run back to back (the optimizer's schedule
 profiling steps from one step's end to the next, so nothing else may run between them; warmup
 must exceed ``profile_steps`` for the plan to be made before timing). Then the phases are
 *interleaved*: every round times one step
-(zero_grad, forward, backward, ``step()``, which waits for the exchange) of every phase in turn.
+(zero_grad, forward, backward, ``step()``, which waits for the exchange) of every phase in turn
+(``timed_round``; the ranks meet, untimed, after the compute-only step, which leaves them apart).
 On a shared machine whose load drifts, every phase then sees the same load, so their ratios hold
 even when the absolute times move. ``steps`` rounds are timed; with ``phase_budget_s`` set, only
 as many rounds as fit in ``phase_budget_s`` x (number of phases) seconds at the last warm-up
@@ -302,6 +303,17 @@ def _validating(phase) -> bool:
                                            and scheduler.plan is None))
 
 
+def timed_round(phases: List[Phase], hvd) -> None:
+    """One timed step of every phase, in turn. A compute-only step exchanges nothing, so the ranks
+    leave it as far apart as their compute differed; they meet after it (untimed), or the next
+    phase's slowest rank would count that gap as its own step time, which no step of its own in
+    training carries (its ranks leave each of its steps together, from the exchange's last wait)."""
+    for p in phases:
+        p.timed_step()
+        if p.spec is None:
+            hvd.barrier()
+
+
 def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict], Optional[dict]]:
     """Warm up every phase, then time ``timed_rounds`` interleaved rounds; the phases' figures, the
     cost model fitted on the link (as a dict; None without ``profile``) and what advise measured
@@ -335,8 +347,7 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict], Optional[dict]]:
     for p in phases:
         p.start_timing()
     for _ in range(rounds):
-        for p in phases:
-            p.timed_step()
+        timed_round(phases, hvd)
     hvd.barrier()
     for p in phases:
         p.end_timing()

@@ -101,8 +101,113 @@ def _run(choice, steps):
             "log": log}
 
 
-def default_and_off(steps: int) -> dict:
-    """The user's default (codec_choice unset) and codec_choice="off", one after the other."""
+# the house's own modules, whose calls per step depend neither on the data nor on when a round
+# completes: the front end, session, scheduler and policy (torch_ops/*.py) and the planner
+# (hvdcompress/schedule/). The transport's polling and waiting (collectives.py) and the
+# compressors' data-dependent selection are left out: the transport calls count those.
+COUNTED = ("torch_ops", "hvdcompress/schedule")
+NOT_COUNTED = ("collectives.py",
+               "codec_choice.py")  # a group the plan sends dense: its exchange, as a compressor's is
+
+
+def _counted(path: str):
+    """``path`` as "<package>/<file>" when it is a module of ``COUNTED`` (not a subpackage's),
+    else None."""
+    path = path.replace("\\", "/")
+    for package in COUNTED:
+        _, sep, tail = path.rpartition(f"/{package}/")
+        if sep and "/" not in tail and tail not in NOT_COUNTED:
+            return f"{package}/{tail}"
+    return None
+
+
+def _train_step(opt, model, step: int, prof=None) -> None:
+    """One step on this rank's batch; ``prof`` (a cProfile.Profile) runs over backward and
+    ``opt.step()``, where the optimizer works."""
+    import horovod.torch as hvd
+    opt.zero_grad()
+    x, y = torch_batch(hvd.rank(), step)
+    loss = nn.CrossEntropyLoss()(model(x), y)
+    if prof is not None:
+        prof.enable()
+    loss.backward()
+    opt.step()
+    if prof is not None:
+        prof.disable()
+
+
+def _steady_profile(opt, model, first: int, steps: int) -> dict:
+    """Steps ``first..first+steps-1`` under cProfile: calls of each function of the ``COUNTED``
+    modules ("<module>:<function>", summed over the steps), what the steps handed the transport,
+    and whether every rank ended each step with identical parameters."""
+    import cProfile
+    import pstats
+
+    counts = collections.Counter()
+    _count_calls(opt.engine.transport, counts)
+    prof, identical = cProfile.Profile(), []
+    for step in range(first, first + steps):
+        _train_step(opt, model, step, prof)
+        identical.append(torch_identical(model))
+    calls = collections.Counter()
+    for (path, _, func), (_, ncalls, *_) in pstats.Stats(prof).stats.items():
+        module = _counted(path)
+        if module is not None:
+            calls[f"{module}:{func}"] += ncalls
+    return {"calls": dict(calls), "transport": dict(counts), "identical": all(identical)}
+
+
+def _kept_spec(codecs):
+    """The one spec every group of a kept plan is sent with (``Scheduler.codecs``: None for the
+    compressor's own), or None when the plan mixes specs (no fixed choice has that plan)."""
+    from hvdcompress.spec import resolve
+    kinds = {SPEC if c is None else resolve(c).name for c in codecs}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def same_plan(steps: int) -> dict:
+    """The default (codec_choice unset) until it has decided, then ``steps`` steady steps profiled;
+    then the fixed choice with the default's kept plan -- codec_choice="off", the kept groups as
+    explicit groups, the spec the plan sends them with (the compressor's, or dense / fp16 where the
+    validation kept that fixed choice) -- the same steps profiled once its plan is made. Same model
+    and data: after its decision the default should do what that fixed choice does. ``fixed`` is
+    None when the default kept a plan that mixes specs."""
+    import horovod.torch as hvd
+    import hvdcompress.torch as hvc
+    out, kept = {}, None
+    for label in ("default", "fixed"):
+        model = torch_mlp(sizes=MLP, acts=("relu",) * 3)
+        if label == "default":
+            spec, kw = SPEC, {"tune_steps": 1}
+        else:
+            spec = _kept_spec(out["default"]["codecs"])
+            if spec is None:
+                out[label] = None
+                break
+            kw = {"codec_choice": "off", "schedule": kept, "tune_steps": 0}
+        opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(), compression=spec,
+                                       cost_model=hand_model(hvd.size(), SPEC, "fp16", "none"), profile_steps=1, **kw)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        step = 0
+        while not opt.engine.scheduler.done or step < 2:
+            assert step < 100, "no plan decided in 100 steps"
+            _train_step(opt, model, step)
+            step += 1
+        _train_step(opt, model, step)  # the first step with the kept groups
+        kept = kept or opt.engine.group_names()
+        out[label] = dict(_steady_profile(opt, model, step + 1, steps), groups=opt.engine.group_names(),
+                          codecs=opt.engine.scheduler.codecs, codec_choice=opt.codec_choice, spec=spec,
+                          watching=opt.engine.scheduler.watching)
+    return out
+
+
+def default_and_off(steps: int, profiled: int = 0) -> dict:
+    """The user's default (codec_choice unset) and codec_choice="off", one after the other; with
+    ``profiled`` > 0 also ``same_plan(profiled)``."""
     import horovod.torch as hvd
     hvd.init()
-    return {"default": _run(None, steps), "off": _run("off", steps)}
+    out = {"default": _run(None, steps), "off": _run("off", steps)}
+    if profiled:
+        out["same_plan"] = same_plan(profiled)
+    return out
