@@ -78,9 +78,9 @@ def _quiet_gradients(rng, workers, n, noise=1e-2):
 
 
 def test_a_coordinate_with_tiny_variance_is_amplified_in_moment_space_not_in_direction_space():
-    """After the freeze Adam's update is d = f1 * m / D with D = sqrt(v_hat) + eps ~ eps at the
+    """After the freeze Adam's update is d = f1 * m / den with den = sqrt(v_hat) + eps ~ eps at the
     quiet entry. space=moment: 1-bit reconstructs that entry of m at about the tensor's mean |m|,
-    and the division by D turns it into a step ~1e6 times the largest exact one (the divergence of
+    and the division by den turns it into a step ~1e6 times the largest exact one (the divergence of
     1-bit Adam on a transformer). space=direction: the codec's error is in the update's units, so
     d stays within the exact update's scale at every entry."""
     workers, n, warm, steps = 2, 64, 5, 25
@@ -111,7 +111,7 @@ def test_a_coordinate_with_tiny_variance_is_amplified_in_moment_space_not_in_dir
     worst, error, exact = got["direction"]
     assert worst <= exact and error <= 2 * exact, got  # bounded by the update's own scale
     worst, error, exact = got["moment"]
-    assert worst >= 1e4 * exact, got  # amplified by 1/D ~ 1/eps: why the default is direction
+    assert worst >= 1e4 * exact, got  # amplified by 1/den ~ 1/eps: why the default is direction
 
 
 def test_direction_space_trains_a_quadratic_with_a_quiet_coordinate_moment_space_throws_it_away():

@@ -73,7 +73,7 @@ def test_the_averaged_moment_is_the_union_of_the_kept_indices_and_the_rest_stays
     assert np.array_equal(states[0]["v"], v0)  # frozen
     for r in range(2):
         a = (m0 * F32(0.9) + g[r] * F32(1.0 - 0.9)).astype(F32)  # m_i + e_i, with e_i = 0 before
-        if space == "direction":  # u_i = m_i / D + e_i
+        if space == "direction":  # u_i = m_i / den + e_i
             a = (a / denominator(v0, bias_corrections(spec, 1)[1], F32(1e-8))).astype(F32)
         unsent = np.setdiff1d(np.arange(n), sorted(kept[r]))
         assert np.array_equal(states[r]["residual"][unsent], a[unsent])

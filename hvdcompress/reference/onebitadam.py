@@ -11,28 +11,28 @@ Warm-up, steps t = 1 .. T_w (``warmup_steps``): dense Adam. The gradients are av
     g = mean_i g_i;  m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g
 
 Compression, t > T_w: v is frozen at v_{T_w}, so Adam's denominator is frozen too and identical
-on every rank, D = sqrt(v) * f2 + eps (f2 below, at T_w), and Adam's update is linear in the first
-moment: d = f1 * m / D. Each rank i updates its own copy of the moment from the last averaged one,
+on every rank, den = sqrt(v) * f2 + eps (f2 below, at T_w), and Adam's update is linear in the first
+moment: d = f1 * m / den. Each rank i updates its own copy of the moment from the last averaged one,
 m_i = b1*m + (1-b1)*g_i, and sends it compressed with error feedback (``onebit``'s packing: sign
 bits, 8 per byte, and the two reconstruction values, per tensor or per column, ``scope``) in one
 of two spaces (``space``):
 
-    direction (default):  u_i = m_i / D + e_i;  send C(u_i);  e_i = u_i - D(C(u_i))
-                          m = D * mean_i D(C(u_i))
+    direction (default):  u_i = m_i / den + e_i;  send C(u_i);  e_i = u_i - D(C(u_i))
+                          m = den * mean_i D(C(u_i))
     moment (the paper's Algorithm 1):
                           a_i = m_i + e_i;      send C(a_i);  e_i = a_i - D(C(a_i))
                           m = mean_i D(C(a_i))
 
 Without compression both are the paper's update. They differ in where the codec's error lands.
-In ``moment`` space it is an error in m, which the update divides by D: a coordinate whose variance
-is tiny next to its tensor's (an attention key bias, whose gradient is zero up to rounding since
-softmax ignores a per-query constant: D ~ eps there) is reconstructed by the 1-bit codec at about
-the tensor's mean |m| and takes a step about mean|m| / eps, which overflows a transformer within a
-few steps of the freeze. In ``direction`` space the codec compresses the update itself, so its
-error is in the update's units (a 1-bit code's error is bounded by the tensor's mean |u|) and is
-never multiplied by 1/D. The residual e_i is in the space's units. D is not stored: it is
-recomputed from the frozen v at every step by the same float32 operations, so it is the same at
-every step after the freeze and after a resume from ``v``.
+In ``moment`` space it is an error in m, which the update divides by den: a coordinate whose
+variance is tiny next to its tensor's (an attention key bias, whose gradient is zero up to
+rounding since softmax ignores a per-query constant: den ~ eps there) is reconstructed by the
+1-bit codec at about the tensor's mean |m| and takes a step of about mean|m| / eps, which
+overflows a transformer within a few steps of the freeze. In ``direction`` space the codec
+compresses the update itself, so its error is in the update's units (for 1-bit, at most the
+tensor's largest |u|) and is never multiplied by 1/den. The residual e_i is in the space's units.
+The denominator is not stored: it is recomputed from the frozen v at every step by the same
+float32 operations, so it is the same at every step after the freeze and after a resume.
 
 The paper's server (a worker holding a chunk) compresses the averaged moment again with an error
 of its own, e_s, before broadcasting it. Here every rank gathers every payload, decodes them all and
@@ -177,7 +177,7 @@ class FrozenVarianceAdamOracle(Oracle):
             st["v"] = (st["v"] * b2 + (mean * mean) * one_b2).astype(F32)
             denom = denominator(st["v"], f2, eps)
         else:
-            denom = denominator(st["v"], f2, eps)  # v frozen: the same D at every step after the freeze
+            denom = denominator(st["v"], f2, eps)  # v frozen: the same den at every step after the freeze
             local = (st["m"] * b1 + g * one_b1).astype(F32)
             direction = self.spec["space"] == "direction"
             if direction:
@@ -202,7 +202,7 @@ def transcription(grad, params0: np.ndarray, steps: int, workers: int, lr: float
     gradient at step t is ``grad(i, t, p)``; the warm-up is dense Adam, then the variance is frozen
     and the momentum is sent compressed (``compress(a) -> D(C(a))``: 1-bit here, top-k for
     ``topkadam``) with worker error feedback, the server's average exact. ``space="direction"``
-    sends m_i / D instead and multiplies the average by D (the module doc). Returns the parameters
+    sends m_i / den instead and multiplies the average by den (the module doc). Returns the parameters
     after every step."""
     m = np.zeros_like(params0, dtype=np.float64)
     v = np.zeros_like(m)

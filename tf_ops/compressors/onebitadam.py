@@ -85,7 +85,7 @@ class FrozenVarianceAdam(Compressor):
         f1, f2 = self._factors(step)
         direction = self.spec["space"] == "direction"
         local = m * b1 + g * one_b1
-        frozen = self._denominator(v.read_value(), f2, eps)  # D, used after the warm-up, when v no longer moves
+        frozen = self._denominator(v.read_value(), f2, eps)  # den, used after the warm-up, when v no longer moves
 
         def dense_bytes():
             return tf.reshape(tf.bitcast(g, tf.uint8), [-1])

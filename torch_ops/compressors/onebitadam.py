@@ -92,7 +92,7 @@ class FrozenVarianceAdam(Compressor):
             v.mul_(b2).add_((mean * mean) * one_b2)
             denom = self._denominator(v, f2, eps)
         else:
-            denom = self._denominator(v, f2, eps)  # v frozen: the same D at every step after the freeze
+            denom = self._denominator(v, f2, eps)  # v frozen: the same den at every step after the freeze
             local = m * b1 + g * one_b1  # a new tensor: x may be ctx.out, which the moment's exchange writes
             direction = self.spec["space"] == "direction"
             if direction:
