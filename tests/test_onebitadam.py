@@ -32,7 +32,8 @@ def _onebit_tensor(a):
     return np.where(pos, hi, lo)
 
 
-def test_oracle_follows_the_papers_algorithm_on_a_quadratic():
+@pytest.mark.parametrize("space", ["direction", "moment"])
+def test_oracle_follows_the_papers_algorithm_on_a_quadratic(space):
     rng = np.random.default_rng(1)
     workers, n, steps, warm, lr, wd = 3, 12, 14, 5, 0.05, 0.1
     A = [rng.standard_normal((n, n)) / np.sqrt(n) for _ in range(workers)]
@@ -42,8 +43,8 @@ def test_oracle_follows_the_papers_algorithm_on_a_quadratic():
         return A[i].T @ (A[i] @ p - b[i])
 
     p0 = rng.standard_normal(n).astype(F32)
-    want = transcription(grad, p0, steps, workers, lr, wd, warm, _onebit_tensor)
-    spec = parse_spec(f"onebitadam:warmup_steps={warm}")
+    want = transcription(grad, p0, steps, workers, lr, wd, warm, _onebit_tensor, space=space)
+    spec = parse_spec(f"onebitadam:warmup_steps={warm},space={space}")
     p, states = p0.copy(), [{} for _ in range(workers)]
     for step in range(steps):
         grads = [grad(i, step + 1, p.astype(np.float64)).astype(F32) for i in range(workers)]
@@ -67,6 +68,81 @@ def test_variance_is_frozen_after_the_warm_up():
     assert all(np.array_equal(seen[1], s) for s in seen[2:])
 
 
+def _quiet_gradients(rng, workers, n, noise=1e-2):
+    """Per-worker gradients of a tensor whose entry 0 is zero up to rounding (the attention key
+    bias's pattern: softmax ignores a per-query constant), the rest of scale ``noise``."""
+    g = [(rng.standard_normal(n) * noise).astype(F32) for _ in range(workers)]
+    for x in g:
+        x[0] = F32(rng.standard_normal() * 1e-12)
+    return g
+
+
+def test_a_coordinate_with_tiny_variance_is_amplified_in_moment_space_not_in_direction_space():
+    """After the freeze Adam's update is d = f1 * m / den with den = sqrt(v_hat) + eps ~ eps at the
+    quiet entry. space=moment: 1-bit reconstructs that entry of m at about the tensor's mean |m|,
+    and the division by den turns it into a step ~1e6 times the largest exact one (the divergence of
+    1-bit Adam on a transformer). space=direction: the codec's error is in the update's units, so
+    d stays within the exact update's scale at every entry."""
+    workers, n, warm, steps = 2, 64, 5, 25
+    b1 = 0.9
+    got = {}
+    for space in ("direction", "moment"):
+        rng = np.random.default_rng(3)
+        spec = parse_spec(f"onebitadam:warmup_steps={warm},beta2=0.95,space={space}")
+        states = [{} for _ in range(workers)]
+        m = np.zeros(n)
+        v_frozen = None
+        worst_exact, worst, worst_error = 0.0, 0.0, 0.0
+        for step in range(steps):
+            g = _quiet_gradients(rng, workers, n)
+            d, states, _ = simulate(spec, g, states, key="w", step=step)
+            mean = np.mean([x.astype(np.float64) for x in g], axis=0)  # uncompressed frozen-variance Adam
+            m = b1 * m + (1 - b1) * mean
+            if step < warm:
+                v_frozen = states[0]["v"].astype(np.float64)
+                continue
+            f1, f2 = 1 / (1 - b1 ** (step + 1)), 1 / np.sqrt(1 - 0.95 ** warm)
+            exact = f1 * m / (np.sqrt(v_frozen) * f2 + 1e-8)
+            assert np.all(np.isfinite(d))
+            worst_exact = max(worst_exact, np.abs(exact).max())
+            worst = max(worst, abs(float(d[0])))
+            worst_error = max(worst_error, np.abs(d - exact).max())
+        got[space] = (worst, worst_error, worst_exact)
+    worst, error, exact = got["direction"]
+    assert worst <= exact and error <= 2 * exact, got  # bounded by the update's own scale
+    worst, error, exact = got["moment"]
+    assert worst >= 1e4 * exact, got  # amplified by 1/den ~ 1/eps: why the default is direction
+
+
+def test_direction_space_trains_a_quadratic_with_a_quiet_coordinate_moment_space_throws_it_away():
+    """2 workers, f_i(p) = sum_j c_j (p_j - b_ij)^2 / 2 with c_0 = 1e-10 (entry 0's gradient is
+    noise-free and ~1e-10): in direction space the loss falls and entry 0 moves at most lr per
+    step, as Adam's; in moment space entry 0 is thrown orders of magnitude further."""
+    rng = np.random.default_rng(5)
+    workers, n, warm, steps, lr = 2, 32, 10, 120, 0.01
+    c = np.ones(n)
+    c[0] = 1e-10
+    targets = [rng.standard_normal(n) for _ in range(workers)]
+    p0 = rng.standard_normal(n).astype(F32)
+
+    def loss(p):
+        return sum(float(np.sum(c * (p - b) ** 2)) / 2 for b in targets) / workers
+
+    moved = {}
+    for space in ("direction", "moment"):
+        spec = parse_spec(f"onebitadam:warmup_steps={warm},beta2=0.95,space={space}")
+        p, states = p0.copy(), [{} for _ in range(workers)]
+        for step in range(steps):
+            g = [(c * (p.astype(np.float64) - b)).astype(F32) for b in targets]
+            d, states, _ = simulate(spec, g, states, key="w", step=step)
+            p = adamw_step(p, d, lr, 0.0)
+        assert np.all(np.isfinite(p)), space
+        moved[space] = (abs(float(p[0] - p0[0])), loss(p))
+    assert moved["direction"][1] < 0.5 * loss(p0), moved
+    assert moved["direction"][0] <= lr * steps, moved
+    assert moved["moment"][0] >= 100 * lr * steps, moved
+
+
 def _oracle_run(spec, world, steps, rng, members=()):
     grads = [[rng.standard_normal(SHAPE).astype(F32) for _ in range(world)] for _ in range(steps)]
     states = [{} for _ in range(world)]
@@ -80,9 +156,10 @@ def _oracle_run(spec, world, steps, rng, members=()):
 @pytest.mark.parametrize("text", SPECS)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("merged", [False, True], ids=["one", "merged"])
-def test_torch_matches_the_oracle_bit_for_bit(text, world, merged):
+@pytest.mark.parametrize("space", ["direction", "moment"])
+def test_torch_matches_the_oracle_bit_for_bit(text, world, merged, space):
     from torch_ops.compressors import build_compressor
-    spec = parse_spec(text)
+    spec = parse_spec(f"{text},space={space}")
     members = MERGED if merged else ()
     grads, want = _oracle_run(spec, world, 6, np.random.default_rng(world), members)
     comp = build_compressor(spec)
@@ -101,10 +178,11 @@ def test_torch_matches_the_oracle_bit_for_bit(text, world, merged):
 @pytest.mark.parametrize("text", SPECS)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("merged", [False, True], ids=["one", "merged"])
-def test_tf_matches_the_oracle_bit_for_bit(text, world, merged):
+@pytest.mark.parametrize("space", ["direction", "moment"])
+def test_tf_matches_the_oracle_bit_for_bit(text, world, merged, space):
     tf = pytest.importorskip("tensorflow")
     from tf_ops.compressors import build_compressor
-    spec = parse_spec(text)
+    spec = parse_spec(f"{text},space={space}")
     members = MERGED if merged else ()
     grads, want = _oracle_run(spec, world, 6, np.random.default_rng(world), members)
     comp = build_compressor(spec)

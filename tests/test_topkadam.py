@@ -12,7 +12,7 @@ from hvdcompress import parse_spec
 from hvdcompress.contract import ExchangeContext, Member
 from hvdcompress.momentum import take_over_adam
 from hvdcompress.reference import simulate
-from hvdcompress.reference.onebitadam import adamw_step, transcription
+from hvdcompress.reference.onebitadam import adamw_step, bias_corrections, denominator, transcription
 from hvdcompress.registry import info_for
 from hvdcompress.spec import num_selected
 from scenarios.local_world import run_lockstep
@@ -34,7 +34,8 @@ def _topk_dense(ratio):
     return compress
 
 
-def test_oracle_follows_the_papers_algorithm_with_topk_on_a_quadratic():
+@pytest.mark.parametrize("space", ["direction", "moment"])
+def test_oracle_follows_the_papers_algorithm_with_topk_on_a_quadratic(space):
     rng = np.random.default_rng(1)
     workers, n, steps, warm, lr, wd, ratio = 3, 12, 14, 5, 0.05, 0.1, 0.25
     A = [rng.standard_normal((n, n)) / np.sqrt(n) for _ in range(workers)]
@@ -44,8 +45,8 @@ def test_oracle_follows_the_papers_algorithm_with_topk_on_a_quadratic():
         return A[i].T @ (A[i] @ p - b[i])
 
     p0 = rng.standard_normal(n).astype(F32)
-    want = transcription(grad, p0, steps, workers, lr, wd, warm, _topk_dense(ratio))
-    spec = parse_spec(f"topkadam:warmup_steps={warm},ratio={ratio}")
+    want = transcription(grad, p0, steps, workers, lr, wd, warm, _topk_dense(ratio), space=space)
+    spec = parse_spec(f"topkadam:warmup_steps={warm},ratio={ratio},space={space}")
     p, states = p0.copy(), [{} for _ in range(workers)]
     for step in range(steps):
         grads = [grad(i, step + 1, p.astype(np.float64)).astype(F32) for i in range(workers)]
@@ -56,8 +57,9 @@ def test_oracle_follows_the_papers_algorithm_with_topk_on_a_quadratic():
     assert not np.array_equal(states[0]["residual"], states[1]["residual"])  # each worker's own error
 
 
-def test_the_averaged_moment_is_the_union_of_the_kept_indices_and_the_rest_stays_in_the_residual():
-    spec = parse_spec("topkadam:warmup_steps=1,ratio=0.1")
+@pytest.mark.parametrize("space", ["direction", "moment"])
+def test_the_averaged_moment_is_the_union_of_the_kept_indices_and_the_rest_stays_in_the_residual(space):
+    spec = parse_spec(f"topkadam:warmup_steps=1,ratio=0.1,space={space}")
     rng = np.random.default_rng(0)
     n, k = 50, 5
     states = [{}, {}]
@@ -71,6 +73,8 @@ def test_the_averaged_moment_is_the_union_of_the_kept_indices_and_the_rest_stays
     assert np.array_equal(states[0]["v"], v0)  # frozen
     for r in range(2):
         a = (m0 * F32(0.9) + g[r] * F32(1.0 - 0.9)).astype(F32)  # m_i + e_i, with e_i = 0 before
+        if space == "direction":  # u_i = m_i / den + e_i
+            a = (a / denominator(v0, bias_corrections(spec, 1)[1], F32(1e-8))).astype(F32)
         unsent = np.setdiff1d(np.arange(n), sorted(kept[r]))
         assert np.array_equal(states[r]["residual"][unsent], a[unsent])
         assert not states[r]["residual"][sorted(kept[r])].any()
@@ -91,9 +95,10 @@ def _oracle_run(spec, world, steps, rng, members=()):
 @pytest.mark.parametrize("text", SPECS)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("merged", [False, True], ids=["one", "merged"])
-def test_torch_matches_the_oracle_bit_for_bit(text, world, merged):
+@pytest.mark.parametrize("space", ["direction", "moment"])
+def test_torch_matches_the_oracle_bit_for_bit(text, world, merged, space):
     from torch_ops.compressors import build_compressor
-    spec = parse_spec(text)
+    spec = parse_spec(f"{text},space={space}")
     members = MERGED if merged else ()
     grads, want = _oracle_run(spec, world, 6, np.random.default_rng(world), members)
     comp = build_compressor(spec)
@@ -112,10 +117,11 @@ def test_torch_matches_the_oracle_bit_for_bit(text, world, merged):
 @pytest.mark.parametrize("text", SPECS)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("merged", [False, True], ids=["one", "merged"])
-def test_tf_matches_the_oracle_bit_for_bit(text, world, merged):
+@pytest.mark.parametrize("space", ["direction", "moment"])
+def test_tf_matches_the_oracle_bit_for_bit(text, world, merged, space):
     tf = pytest.importorskip("tensorflow")
     from tf_ops.compressors import build_compressor
-    spec = parse_spec(text)
+    spec = parse_spec(f"{text},space={space}")
     members = MERGED if merged else ()
     grads, want = _oracle_run(spec, world, 6, np.random.default_rng(world), members)
     comp = build_compressor(spec)

@@ -10,12 +10,29 @@ Warm-up, steps t = 1 .. T_w (``warmup_steps``): dense Adam. The gradients are av
 
     g = mean_i g_i;  m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g
 
-Compression, t > T_w: v is frozen at v_{T_w}; each rank i updates its own copy of the moment from
-the last averaged one and sends it 1-bit with error feedback (``onebit``'s packing: sign bits,
-8 per byte, and the two reconstruction values, per tensor or per column, ``scope``):
+Compression, t > T_w: v is frozen at v_{T_w}, so Adam's denominator is frozen too and identical
+on every rank, den = sqrt(v) * f2 + eps (f2 below, at T_w), and Adam's update is linear in the first
+moment: d = f1 * m / den. Each rank i updates its own copy of the moment from the last averaged one,
+m_i = b1*m + (1-b1)*g_i, and sends it compressed with error feedback (``onebit``'s packing: sign
+bits, 8 per byte, and the two reconstruction values, per tensor or per column, ``scope``) in one
+of two spaces (``space``):
 
-    m_i = b1*m + (1-b1)*g_i;  a_i = m_i + e_i;  send C(a_i);  e_i = a_i - D(C(a_i))
-    m = mean_i D(C(a_i))
+    direction (default):  u_i = m_i / den + e_i;  send C(u_i);  e_i = u_i - D(C(u_i))
+                          m = den * mean_i D(C(u_i))
+    moment (the paper's Algorithm 1):
+                          a_i = m_i + e_i;      send C(a_i);  e_i = a_i - D(C(a_i))
+                          m = mean_i D(C(a_i))
+
+Without compression both are the paper's update. They differ in where the codec's error lands.
+In ``moment`` space it is an error in m, which the update divides by den: a coordinate whose
+variance is tiny next to its tensor's (an attention key bias, whose gradient is zero up to
+rounding since softmax ignores a per-query constant: den ~ eps there) is reconstructed by the
+1-bit codec at about the tensor's mean |m| and takes a step of about mean|m| / eps, which
+overflows a transformer within a few steps of the freeze. In ``direction`` space the codec
+compresses the update itself, so its error is in the update's units (for 1-bit, at most the
+tensor's largest |u|) and is never multiplied by 1/den. The residual e_i is in the space's units.
+The denominator is not stored: it is recomputed from the frozen v at every step by the same
+float32 operations, so it is the same at every step after the freeze and after a resume.
 
 The paper's server (a worker holding a chunk) compresses the averaged moment again with an error
 of its own, e_s, before broadcasting it. Here every rank gathers every payload, decodes them all and
@@ -69,14 +86,21 @@ def _optional_beta(name: str, default: float) -> Param:
                  low=0.0, high=1.0, high_open=True, optional=True)
 
 
+SPACES = ("direction", "moment")
+
+
 def adam_params() -> tuple:
-    """The parameters every frozen-variance Adam spec declares: the warm-up's length and Adam's
-    constants (None: taken over from the wrapped optimizer)."""
+    """The parameters every frozen-variance Adam spec declares: the warm-up's length, Adam's
+    constants (None: taken over from the wrapped optimizer) and the space the codec works in."""
     return (Param("warmup_steps", int, 100, "dense Adam steps before the variance is frozen (counted in the bytes)",
                   low=1, high=2 ** 31 - 1),
             _optional_beta("beta1", DEFAULTS["beta1"]), _optional_beta("beta2", DEFAULTS["beta2"]),
             Param("eps", float, None, f"Adam's eps (none: the wrapped Adam optimizer's, {DEFAULTS['eps']} without one)",
-                  low=0.0, low_open=True, optional=True))
+                  low=0.0, low_open=True, optional=True),
+            Param("space", str, "direction", "what is compressed after the warm-up: 'direction' (the first moment "
+                  "divided by the frozen denominator: the codec's error in the update's units) or 'moment' (the "
+                  "paper's Algorithm 1; diverges where a coordinate's variance is tiny next to its tensor's)",
+                  choices=SPACES))
 
 
 register("onebitadam", GATHERED, "1-bit Adam: dense Adam for warmup_steps, then the second moment is frozen "
@@ -112,6 +136,13 @@ def inner_spec(spec: CompressionSpec) -> CompressionSpec:
                                       "nesterov": False, "momentum_correction": True})
 
 
+def denominator(v: np.ndarray, f2: float, eps) -> np.ndarray:
+    """Adam's denominator sqrt(v) * f2 + eps in float32, the square root taken in float64 and
+    rounded once (correctly rounded: not every float32 sqrt is)."""
+    root = np.sqrt(np.asarray(v).astype(np.float64)).astype(F32)
+    return (root * F32(f2) + F32(eps)).astype(F32)
+
+
 def adamw_step(p: np.ndarray, d: np.ndarray, lr: float, weight_decay: float) -> np.ndarray:
     """AdamW's step with the exchanged direction: p*(1 - lr*wd) - lr*d (float32)."""
     p = p.astype(F32)
@@ -138,18 +169,22 @@ class FrozenVarianceAdamOracle(Oracle):
         for k in ("m", "v"):
             if st.get(k) is None:
                 st[k] = np.zeros_like(g)
+        f1, f2 = bias_corrections(self.spec, ctx.step)
         if ctx.step < self.spec["warmup_steps"]:
             (total,) = yield (Allreduce(g.copy()),)
             mean = (total * F32(ctx.scale)).astype(F32)
             st["m"] = (st["m"] * b1 + mean * one_b1).astype(F32)
             st["v"] = (st["v"] * b2 + (mean * mean) * one_b2).astype(F32)
+            denom = denominator(st["v"], f2, eps)
         else:
+            denom = denominator(st["v"], f2, eps)  # v frozen: the same den at every step after the freeze
             local = (st["m"] * b1 + g * one_b1).astype(F32)
+            direction = self.spec["space"] == "direction"
+            if direction:
+                local = (local / denom).astype(F32)
             mean = yield from oracle_for(self.moment_spec()).exchange(local, ctx)
-            st["m"] = np.asarray(mean, dtype=F32).copy()
-        f1, f2 = bias_corrections(self.spec, ctx.step)
-        root = np.sqrt(st["v"].astype(np.float64)).astype(F32)  # correctly rounded (not every float32 sqrt is)
-        denom = (root * F32(f2) + eps).astype(F32)
+            mean = np.asarray(mean, dtype=F32)
+            st["m"] = (mean * denom).astype(F32) if direction else mean.copy()
         return ((st["m"] * F32(f1)) / denom).astype(F32)
 
 
@@ -161,11 +196,14 @@ class OneBitAdamOracle(FrozenVarianceAdamOracle):
 
 
 def transcription(grad, params0: np.ndarray, steps: int, workers: int, lr: float, weight_decay: float,
-                  warmup_steps: int, compress, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
+                  warmup_steps: int, compress, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                  space: str = "moment"):
     """The paper's Algorithm 1 written out directly in float64, for the oracle's test: worker i's
     gradient at step t is ``grad(i, t, p)``; the warm-up is dense Adam, then the variance is frozen
     and the momentum is sent compressed (``compress(a) -> D(C(a))``: 1-bit here, top-k for
-    ``topkadam``) with worker error feedback, the server's average exact. Returns the parameters after every step."""
+    ``topkadam``) with worker error feedback, the server's average exact. ``space="direction"``
+    sends m_i / den instead and multiplies the average by den (the module doc). Returns the parameters
+    after every step."""
     m = np.zeros_like(params0, dtype=np.float64)
     v = np.zeros_like(m)
     err = [np.zeros_like(m) for _ in range(workers)]
@@ -178,13 +216,14 @@ def transcription(grad, params0: np.ndarray, steps: int, workers: int, lr: float
             m = beta1 * m + (1 - beta1) * g
             v = beta2 * v + (1 - beta2) * g * g
         else:
+            frozen = np.sqrt(v / (1 - beta2 ** warmup_steps)) + eps if space == "direction" else 1.0
             sent = []
             for i, gi in enumerate(grads):
-                a = beta1 * m + (1 - beta1) * gi + err[i]
+                a = (beta1 * m + (1 - beta1) * gi) / frozen + err[i]
                 d = compress(a)
                 err[i] = a - d
                 sent.append(d)
-            m = sum(sent) / workers
+            m = frozen * (sum(sent) / workers)
         vhat = v / (1 - beta2 ** min(t, warmup_steps))
         mhat = m / (1 - beta1 ** t)
         p = p * (1 - lr * weight_decay) - lr * mhat / (np.sqrt(vhat) + eps)

@@ -4,22 +4,25 @@ numpy: the oracle.
 
 Error-fed sparsification of the *gradient* in front of Adam hands Adam's per-coordinate RMS rare,
 large accumulated residuals its variance was never estimated for. Here, as in 1-bit Adam, the
-sparsified quantity is Adam's *first moment*, once the second moment has stopped moving. The
-paper's rule with C = top-k (the k = ceil(ratio * n) largest |a|, ties to the lower index; the
-payload is topk's: int32 indices and float32 values):
+sparsified quantity is Adam's first moment, once the second moment has stopped moving, in the
+space ``space`` names (1-bit Adam's module doc: by default the moment divided by the frozen
+denominator den = sqrt(v_hat) + eps, so the k kept entries are the largest entries of the update;
+``space=moment`` is the paper's rule with C = top-k). C keeps the k = ceil(ratio * n) largest
+|entries|, ties to the lower index; the payload is topk's: int32 indices and float32 values:
 
     t <= T_w:  g = mean_i g_i (dense);  m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g
-    t >  T_w:  v frozen;  m_i = b1*m + (1-b1)*g_i;  a_i = m_i + e_i
-               send C(a_i);  e_i = a_i - D(C(a_i))   (the k sent entries zeroed, the rest kept)
-               m = mean_i D(C(a_i))
+    t >  T_w:  v frozen;  m_i = b1*m + (1-b1)*g_i
+               direction:  u_i = m_i/den + e_i;  send C(u_i);  e_i = u_i - D(C(u_i));  m = den * mean_i D(C(u_i))
+               moment:     a_i = m_i + e_i;      send C(a_i);  e_i = a_i - D(C(a_i));  m = mean_i D(C(a_i))
+               (D(C(.)): the k sent entries kept, the rest zero; e_i: the sent entries zeroed, the rest kept)
     d = m/(1 - b1^t) / (sqrt(v/(1 - b2^min(t, T_w))) + eps);  p = p*(1 - lr*wd) - lr*d
 
 The averaged moment is sparse: it is nonzero only on the union of the ranks' kept indices (at
 most N*k entries), so a coordinate no rank sent this step takes no step; what a rank did not send
-stays in its residual e_i and is carried into its next a_i, so nothing is dropped, only delayed.
-Unlike the gradient's error feedback, the delayed quantity is the moment, whose scale the frozen
-variance was estimated for. The exchange returns the direction d; the update, the take-over of an
-Adam/AdamW optimizer and the state (``m``, ``v``, ``residual``) are 1-bit Adam's.
+stays in its residual e_i and is carried into its next step, so nothing is dropped, only delayed.
+Unlike the gradient's error feedback, the delayed quantity is the moment (or its update), whose
+scale the frozen variance was estimated for. The exchange returns the direction d; the update, the
+take-over of an Adam/AdamW optimizer and the state (``m``, ``v``, ``residual``) are 1-bit Adam's.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ rank's ``residual`` are flat state variables. Under ``tf.function`` the step is 
 two phases cannot yield different collectives: every step is ONE allgather of a uint8 buffer,
 the float32 gradient's bytes during the warm-up (an exact average: the rows summed in rank order,
 as an allreduce of two ranks) and ``onebit``'s packed payload after it (its compressor's ops,
-error feedback on); a ``tf.cond`` picks what is sent and how it is read, so only one is computed.
+error feedback on; the moment divided by the frozen denominator, recomputed from ``v``, unless
+``space=moment``); a ``tf.cond`` picks what is sent and how it is read, so only one is computed.
 
 Keras: the optimizer must apply the direction as it is, which Keras SGD with momentum 0 does, its
 ``weight_decay`` decoupled as AdamW's (``hvdcompress.momentum.take_over_keras_adam``); a Keras
@@ -81,12 +82,18 @@ class FrozenVarianceAdam(Compressor):
         m, v = ctx.state["m"], ctx.state["v"]
         step = tf.cast(ctx.step, tf.int64)
         warm = step < self.spec["warmup_steps"]
+        f1, f2 = self._factors(step)
+        direction = self.spec["space"] == "direction"
         local = m * b1 + g * one_b1
+        frozen = self._denominator(v.read_value(), f2, eps)  # den, used after the warm-up, when v no longer moves
 
         def dense_bytes():
             return tf.reshape(tf.bitcast(g, tf.uint8), [-1])
 
-        (gathered,) = yield (Allgather(tf.cond(warm, dense_bytes, lambda: self.packed(local, ctx))),)
+        def sent():
+            return self.packed(local / frozen if direction else local, ctx)
+
+        (gathered,) = yield (Allgather(tf.cond(warm, dense_bytes, sent)),)
 
         def warm_moments():
             rows = tf.bitcast(tf.reshape(gathered, [ctx.world_size, numel, 4]), tf.float32)
@@ -97,15 +104,20 @@ class FrozenVarianceAdam(Compressor):
             return m * b1 + mean * one_b1, v * b2 + (mean * mean) * one_b2
 
         def compressed_moments():
-            return self.decoded_sum(gathered, local, ctx) * f32(ctx.scale), v.read_value()
+            mean = self.decoded_sum(gathered, local, ctx) * f32(ctx.scale)
+            return (mean * frozen if direction else mean), v.read_value()
 
         m_new, v_new = tf.cond(warm, warm_moments, compressed_moments)
         m.assign(m_new)
         v.assign(v_new)
-        f1, f2 = self._factors(step)
-        root = tf.cast(tf.sqrt(tf.cast(v_new, tf.float64)), tf.float32)  # correctly rounded, as the oracle's
-        d = (m_new * f1) / (root * f2 + eps)
+        d = (m_new * f1) / self._denominator(v_new, f2, eps)
         return tf.cast(tf.reshape(d, tf.shape(x)), x.dtype)
+
+    @staticmethod
+    def _denominator(v, f2, eps):
+        """sqrt(v) * f2 + eps in float32, as the oracle's ``denominator``."""
+        root = tf.cast(tf.sqrt(tf.cast(v, tf.float64)), tf.float32)  # correctly rounded, as the oracle's
+        return root * f2 + eps
 
     def _factors(self, step):
         """The bias corrections' factors at ``step`` (``bias_corrections``, float64 rounded once to

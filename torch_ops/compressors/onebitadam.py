@@ -3,8 +3,9 @@ in for the paper's server are in the oracle, ``hvdcompress.reference.onebitadam`
 
 The exchange returns Adam's direction ``d = m_hat / (sqrt(v_hat) + eps)``; the moments ``m``,
 ``v`` and this rank's error ``residual`` are per-element state (saved in the optimizer's
-``state_dict``). After the warm-up the first moment travels as ``onebit``'s packed payload (its
-compressor, error feedback on). With ``optimizer=`` an Adam or AdamW optimizer is taken over
+``state_dict``; the frozen denominator is recomputed from ``v``). After the warm-up the first
+moment, divided by the frozen denominator unless ``space=moment``, travels as ``onebit``'s packed
+payload (its compressor, error feedback on). With ``optimizer=`` an Adam or AdamW optimizer is taken over
 (``hvdcompress.momentum.take_over_adam``): its betas and eps move into the spec, and
 ``before_step`` applies AdamW's step for it, ``p = p*(1 - lr*wd) - lr*d``, with the group's current
 learning rate and weight decay, then clears ``p.grad`` so the wrapped optimizer's own step leaves
@@ -83,18 +84,27 @@ class FrozenVarianceAdam(Compressor):
         g = x.reshape(-1).to(torch.float32)
         m = self._moment_state(ctx, "m", g)
         v = self._moment_state(ctx, "v", g)
+        f1, f2 = bias_corrections(self.spec, ctx.step)
         if ctx.step < self.spec["warmup_steps"]:
             (total,) = yield (Allreduce(g.clone()),)
             mean = total * _f32(ctx.scale)
             m.mul_(b1).add_(mean * one_b1)
             v.mul_(b2).add_((mean * mean) * one_b2)
+            denom = self._denominator(v, f2, eps)
         else:
+            denom = self._denominator(v, f2, eps)  # v frozen: the same den at every step after the freeze
             local = m * b1 + g * one_b1  # a new tensor: x may be ctx.out, which the moment's exchange writes
+            direction = self.spec["space"] == "direction"
+            if direction:
+                local.div_(denom)
             mean = yield from self.moment.exchange(local, ctx)
-            m.copy_(mean)
-        f1, f2 = bias_corrections(self.spec, ctx.step)
-        denom = v.double().sqrt_().float().mul_(_f32(f2)).add_(eps)  # float32 sqrt on CPU is not correctly rounded
+            m.copy_(mean * denom if direction else mean)
         return (m * _f32(f1)).div_(denom).to(x.dtype).view_as(x)
+
+    @staticmethod
+    def _denominator(v: torch.Tensor, f2: float, eps: torch.Tensor) -> torch.Tensor:
+        """sqrt(v) * f2 + eps in float32, as the oracle's ``denominator``."""
+        return v.double().sqrt_().float().mul_(_f32(f2)).add_(eps)  # float32 sqrt on CPU is not correctly rounded
 
 
 class OneBitAdamCompressor(FrozenVarianceAdam):
