@@ -103,6 +103,9 @@ def test_run_ranks_stops_the_others_when_one_fails():
     assert time.monotonic() - began < 30
 
 
+# The exchanges it runs are test_twolevel's and the namespace launch test_bench's: a costly repeat
+# (about 30 CPU-s) of covered paths, in the extended tier (make test-full).
+@pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.skipif(netns.missing_prerequisites() is not None,
                     reason=f"network namespaces unavailable: {netns.missing_prerequisites()}")

@@ -89,15 +89,16 @@ def _optional_beta(name: str, default: float) -> Param:
 SPACES = ("direction", "moment")
 
 
-def adam_params() -> tuple:
+def adam_params(space: str = "direction") -> tuple:
     """The parameters every frozen-variance Adam spec declares: the warm-up's length, Adam's
-    constants (None: taken over from the wrapped optimizer) and the space the codec works in."""
+    constants (None: taken over from the wrapped optimizer) and the space the codec works in
+    (``space``: the spec's default, the one its measurement on a transformer under AdamW chose)."""
     return (Param("warmup_steps", int, 100, "dense Adam steps before the variance is frozen (counted in the bytes)",
                   low=1, high=2 ** 31 - 1),
             _optional_beta("beta1", DEFAULTS["beta1"]), _optional_beta("beta2", DEFAULTS["beta2"]),
             Param("eps", float, None, f"Adam's eps (none: the wrapped Adam optimizer's, {DEFAULTS['eps']} without one)",
                   low=0.0, low_open=True, optional=True),
-            Param("space", str, "direction", "what is compressed after the warm-up: 'direction' (the first moment "
+            Param("space", str, space, "what is compressed after the warm-up: 'direction' (the first moment "
                   "divided by the frozen denominator: the codec's error in the update's units) or 'moment' (the "
                   "paper's Algorithm 1; diverges where a coordinate's variance is tiny next to its tensor's)",
                   choices=SPACES))
