@@ -85,8 +85,10 @@ VARIANTS = {
     "sparseloco": ["sparseloco:ratio=0.1,beta=1", "sparseloco:ratio=1.0,bits=1,beta=1",
                    "sparseloco:ratio=0.2,bits=3,residual=false"],
     # step 0 is the dense warm-up, step 1 the 1-bit moment
-    "onebitadam": ["onebitadam:warmup_steps=1", "onebitadam:warmup_steps=1,scope=column,beta1=0.5"],
-    "topkadam": ["topkadam:warmup_steps=1,ratio=0.3", "topkadam:warmup_steps=1,ratio=1.0,beta1=0.5"],
+    "onebitadam": ["onebitadam:warmup_steps=1", "onebitadam:warmup_steps=1,scope=column,beta1=0.5",
+                   "onebitadam:warmup_steps=1,space=moment"],
+    "topkadam": ["topkadam:warmup_steps=1,ratio=0.3", "topkadam:warmup_steps=1,ratio=1.0,beta1=0.5",
+                 "topkadam:warmup_steps=1,ratio=0.3,space=direction"],
     "gtopk": ["gtopk:ratio=0.1", "gtopk:ratio=1.0", "gtopk:ratio=0.3,residual=false"],
 }
 TEST_ONLY = {"toysign"}  # tests/toy_algorithm: the contract's worked example, not a library algorithm
