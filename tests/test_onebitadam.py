@@ -20,6 +20,8 @@ from scenarios.local_world import run_lockstep
 
 F32 = np.float32
 SPECS = ["onebitadam:warmup_steps=2", "onebitadam:warmup_steps=3,scope=column,beta1=0.8,beta2=0.95,eps=1e-6"]
+TOPK_SPECS = ["topkadam:warmup_steps=2,ratio=0.2", "topkadam:warmup_steps=3,ratio=0.05,beta1=0.8,beta2=0.95,eps=1e-6"]
+FAMILY = SPECS + TOPK_SPECS  # the frozen-variance Adam family: one base, the moment's codec differs
 SHAPE = (7, 5)
 MERGED = (Member("a", (4, 5), 0), Member("b", (15,), 20))  # two tensors in one flat group of 35
 
@@ -153,7 +155,7 @@ def _oracle_run(spec, world, steps, rng, members=()):
     return grads, want
 
 
-@pytest.mark.parametrize("text", SPECS)
+@pytest.mark.parametrize("text", FAMILY)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("merged", [False, True], ids=["one", "merged"])
 @pytest.mark.parametrize("space", ["direction", "moment"])
@@ -175,7 +177,7 @@ def test_torch_matches_the_oracle_bit_for_bit(text, world, merged, space):
                 assert np.array_equal(states[r][k].numpy().reshape(-1), v), (step, r, k)
 
 
-@pytest.mark.parametrize("text", SPECS)
+@pytest.mark.parametrize("text", FAMILY)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("merged", [False, True], ids=["one", "merged"])
 @pytest.mark.parametrize("space", ["direction", "moment"])
@@ -196,6 +198,38 @@ def test_tf_matches_the_oracle_bit_for_bit(text, world, merged, space):
             assert np.array_equal(got[r].numpy(), res), (step, r)
             for k, v in st_want[r].items():
                 assert np.array_equal(states[r][k].numpy(), v), (step, r, k)
+
+
+def test_tf_traced_topkadam_follows_the_oracle():
+    """Under tf.function the step is a tensor: both phases in one graph (the warm-up's dense bytes
+    and top-k's buffer through one allgather, tf.cond picking). Graph mode rewrites some float32
+    arithmetic (the last bit may differ), so within float32 rounding; the sent entries are the
+    oracle's (the same sparsity pattern)."""
+    tf = pytest.importorskip("tensorflow")
+    from tf_ops.compressors import build_compressor
+    spec = parse_spec(TOPK_SPECS[0])
+    world = 2
+    grads, want = _oracle_run(spec, world, 5, np.random.default_rng(7))
+    comp = build_compressor(spec)
+    states = [comp.new_state((35,), tf.float32) for _ in range(world)]
+
+    @tf.function
+    def step_fn(step, x0, x1):
+        ctxs = [ExchangeContext("w", step, world, 1.0 / world, st, SHAPE, 0, r, (Member("w", SHAPE, 0),))
+                for r, st in enumerate(states)]
+        got, _ = run_lockstep([comp.exchange(x, c) for x, c in zip((x0, x1), ctxs)])
+        return got
+
+    for step, g in enumerate(grads):
+        got = step_fn(tf.constant(step, tf.int64), *(tf.constant(x.reshape(-1)) for x in g))
+        res, st_want = want[step]
+        for r in range(world):
+            np.testing.assert_allclose(got[r].numpy(), res, rtol=1e-5, atol=1e-6, err_msg=f"{step} {r}")
+            assert np.array_equal(got[r].numpy() != 0, res != 0), (step, r)
+            for k, v in st_want[r].items():
+                np.testing.assert_allclose(states[r][k].numpy(), v, rtol=1e-5, atol=1e-6, err_msg=f"{step} {r} {k}")
+
+
 
 
 @pytest.mark.parametrize("scope, d, nbytes", [("tensor", 35, 5 + 8), ("tensor", 1000, 125 + 8),
