@@ -99,18 +99,11 @@ def _torch_resume(spec=SPEC):
             "state": sorted({k for st in state.values() for k in st})}
 
 
-def _torch_refused():
-    import torch
+def _refusals(cases) -> dict:
+    """label -> the ValueError's message (None: accepted) of wrapping each case's optimizer with its spec."""
     import hvdcompress.torch as hvc
     from scenarios.kit import torch_mlp
     out = {}
-    cases = {
-        "sgd_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), SPEC),
-        "amsgrad": (lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True), SPEC),
-        "adam_l2": (lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.1), SPEC),
-        "rmsprop": (lambda ps: torch.optim.RMSprop(ps, lr=0.1), SPEC),
-        "dgc_adamw": (lambda ps: torch.optim.AdamW(ps, lr=0.1), "dgc:ratio=0.01"),
-    }
     for label, (make, spec) in cases.items():
         try:
             hvc.DistributedOptimizer(make(torch_mlp().parameters()), compression=spec)
@@ -118,6 +111,18 @@ def _torch_refused():
         except ValueError as e:
             out[label] = str(e)
     return out
+
+
+def _torch_refused():
+    import torch
+    cases = {
+        "sgd_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), SPEC),
+        "amsgrad": (lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True), SPEC),
+        "adam_l2": (lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.1), SPEC),
+        "rmsprop": (lambda ps: torch.optim.RMSprop(ps, lr=0.1), SPEC),
+        "dgc_adamw": (lambda ps: torch.optim.AdamW(ps, lr=0.1), "dgc:ratio=0.01"),
+    }
+    return _refusals(cases)
 
 
 def torch_all() -> dict:
@@ -132,19 +137,10 @@ def torch_all() -> dict:
 
 def _topkadam_refused():
     import torch
-    import hvdcompress.torch as hvc
-    from scenarios.kit import torch_mlp
-    out = {}
     cases = {"ratio_zero": (lambda ps: torch.optim.AdamW(ps, lr=0.1), "topkadam:ratio=0"),
              "ratio_above_one": (lambda ps: torch.optim.AdamW(ps, lr=0.1), "topkadam:ratio=1.5"),
              "sgd_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), TOPKADAM_SPEC)}
-    for label, (make, spec) in cases.items():
-        try:
-            hvc.DistributedOptimizer(make(torch_mlp().parameters()), compression=spec)
-            out[label] = None
-        except ValueError as e:
-            out[label] = str(e)
-    return out
+    return _refusals(cases)
 
 
 def torch_topkadam() -> dict:
