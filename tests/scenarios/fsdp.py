@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import sys
-import tempfile
 import time
 import traceback
 
@@ -252,25 +250,5 @@ def _worker(rank, world, port, names, out_dir):
 def launch(world: int, names, worker=None) -> list:
     """One spawn of ``world`` gloo processes running ``names`` (``worker``: default this module's
     ``_worker``); every rank's results, rank order."""
-    import torch.multiprocessing as mp
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    root = os.path.dirname(tests)
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([tests, root] + ([saved] if saved else []))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    try:
-        with tempfile.TemporaryDirectory(prefix="hvc-fsdp-") as out_dir:
-            mp.start_processes(worker or _worker, args=(world, port, list(names), out_dir), nprocs=world, start_method="spawn")
-            results = []
-            for r in range(world):
-                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-                    results.append(pickle.load(f))
-            return results
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    from scenarios.kit import gloo_spawn
+    return gloo_spawn(worker or _worker, world, args=(list(names),), prefix="hvc-fsdp-")
