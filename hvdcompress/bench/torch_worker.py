@@ -64,7 +64,8 @@ from torch_ops.timing import timer_for
 from . import schedules
 from .injected_latency import LatencyDriver
 from .torch_models import build, count_parameters, synthetic_batch
-from .worker_common import COMPUTE_ONLY, check_identical, digest, load_config, read_counters, timed_rounds
+from .worker_common import (COMPUTE_ONLY, check_identical, digest, load_config, read_counters, timed_round,
+                            timed_rounds)
 
 OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3,
             "emulated_scale": 1.0, "trace_steps": 0, "tune_steps": 3, "advise": False, "device": "cpu"}
@@ -303,17 +304,6 @@ def _validating(phase) -> bool:
                                            and scheduler.plan is None))
 
 
-def timed_round(phases: List[Phase], hvd) -> None:
-    """One timed step of every phase, in turn. A compute-only step exchanges nothing, so the ranks
-    leave it as far apart as their compute differed; they meet after it (untimed), or the next
-    phase's slowest rank would count that gap as its own step time, which no step of its own in
-    training carries (its ranks leave each of its steps together, from the exchange's last wait)."""
-    for p in phases:
-        p.timed_step()
-        if p.spec is None:
-            hvd.barrier()
-
-
 def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict], Optional[dict]]:
     """Warm up every phase, then time ``timed_rounds`` interleaved rounds; the phases' figures, the
     cost model fitted on the link (as a dict; None without ``profile``) and what advise measured
@@ -347,7 +337,7 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict], Optional[dict]]:
     for p in phases:
         p.start_timing()
     for _ in range(rounds):
-        timed_round(phases, hvd)
+        timed_round(phases, hvd.barrier)
     hvd.barrier()
     for p in phases:
         p.end_timing()
