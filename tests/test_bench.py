@@ -239,22 +239,22 @@ def test_ranks_meet_after_the_compute_only_step_and_only_there():
     assert events == ["dgc", "topk"]
 
 
-def test_latency_driver_delays_completion(monkeypatch):
+def test_latency_transport_delays_completion(monkeypatch):
     from torch_ops.collectives import Communicator
-    from hvdcompress.bench.injected_latency import LatencyDriver
+    from hvdcompress.bench.injected_latency import LatencyTransport
 
     monkeypatch.setattr(Communicator, "launch", lambda self, reqs, name: ["handle"])
     monkeypatch.setattr(Communicator, "wait", lambda self, handles: ("result",))
     monkeypatch.setattr(Communicator, "poll", lambda self, handles: True)
-    driver = LatencyDriver(0.2)
+    transport = LatencyTransport(0.2)
     start = time.perf_counter()
-    handles = driver.launch([], "x")
-    assert not driver.poll(handles)
-    assert driver.wait(handles) == ("result",)
+    handles = transport.launch([], "x")
+    assert not transport.poll(handles)
+    assert transport.wait(handles) == ("result",)
     assert time.perf_counter() - start >= 0.2
-    assert driver.poll(handles)
+    assert transport.poll(handles)
     with pytest.raises(ValueError, match="latency_s"):
-        LatencyDriver(-1.0)
+        LatencyTransport(-1.0)
 
 
 # -- real runs ----------------------------------------------------------------------------------------
