@@ -11,7 +11,7 @@ figure is the median of the slowest rank's step over the timed steps, taken afte
 with the defaults, 50 untimed steps per phase (the profiling and the measured validation run in
 them) then 20 timed rounds -- the median of the last 20 of 70 steps. The default is the first
 phase of every round, right after the compute-only step; the workers meet after that one
-(``hvdcompress.bench.torch_worker.timed_round``), so the default's slowest rank does not count as
+(``hvdcompress.bench.worker_common.timed_round``), so the default's slowest rank does not count as
 its own the ranks' compute skew, which the compute-only step leaves and no training step carries.
 
     python benchmarks/default_path.py run        # root: network namespaces + tbf, 100mbit and unlimited

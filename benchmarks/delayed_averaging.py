@@ -5,7 +5,7 @@
 
 ``latency``: a 1.9M-parameter MLP (synthetic batches, one torch thread per worker) trained with
 ``DistributedOptimizer(delay=D)`` while every exchange round completes no sooner than ``L`` ms
-after it was launched (``LatencyDriver``: the latency is INJECTED in the worker process, not
+after it was launched (``LatencyTransport``: the latency is INJECTED in the worker process, not
 emulated on the network; transport is loopback). One exchange per step (``schedule="single"``).
 For each compression, latency and delay: the median step time over the timed steps, next to the
 compute-only step (the wrapped optimizer without any exchange) measured in the same run.
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import hvdcompress.torch as hvc
 from hvdcompress.bench.example_models import for_dataset
-from hvdcompress.bench.injected_latency import LatencyDriver
+from hvdcompress.bench.injected_latency import LatencyTransport
 from hvdcompress.datasets import load
 from torch_ops.collectives import Communicator
 
@@ -80,10 +80,10 @@ def run_latency(args) -> dict:
         for latency in args.latency_ms:
             for delay in args.delay:
                 model = _mlp()
-                driver = LatencyDriver(latency / 1000.0) if latency > 0 else Communicator()
+                transport = LatencyTransport(latency / 1000.0) if latency > 0 else Communicator()
                 opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                                named_parameters=model.named_parameters(), compression=spec,
-                                               schedule="single", delay=delay, driver=driver)
+                                               schedule="single", delay=delay, transport=transport)
                 mean_med, max_med = _time_steps(model, opt, args.steps, args.warmup, args.batch)
                 opt.flush()
                 row = {"compression": spec, "latency_ms_injected": latency, "delay": delay,

@@ -15,7 +15,7 @@ The network is the harness's own (``hvdcompress.bench.netns.EmulatedNetwork``: o
 worker, veth into a bridge, tbf at the link rate on both ends of every worker's link) and the
 workers are started by the harness's launcher (``hvdcompress.bench.launch.run_workers``), one
 launch per injected latency; ``netem`` is unavailable, so the latency is INJECTED in the workers
-(``LatencyDriver``: every exchange round completes no sooner than L after its launch), as with
+(``LatencyTransport``: every exchange round completes no sooner than L after its launch), as with
 ``python -m hvdcompress.bench --latency-ms``.
 
 Each worker times, one *phase* after another, the compute-only step (plain SGD, no exchange) and
@@ -52,7 +52,7 @@ def worker_main(config_path: str) -> int:
     import torch.nn.functional as F
 
     import hvdcompress.torch as hvc
-    from hvdcompress.bench.injected_latency import LatencyDriver
+    from hvdcompress.bench.injected_latency import LatencyTransport
     from hvdcompress.bench.torch_models import build, count_parameters, synthetic_batch
     from torch_ops.collectives import Communicator
 
@@ -71,10 +71,10 @@ def worker_main(config_path: str) -> int:
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
         spec, delay, latency_ms = ph.get("compression"), int(ph.get("delay", 0)), float(ph.get("latency_ms", 0))
         if spec is not None:
-            driver = LatencyDriver(latency_ms / 1000.0) if latency_ms > 0 else Communicator()
+            transport = LatencyTransport(latency_ms / 1000.0) if latency_ms > 0 else Communicator()
             schedule = cfg["dense_schedule"] if spec == "none" else cfg["schedule"]
             opt = hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=spec,
-                                           schedule=schedule, delay=delay, driver=driver)
+                                           schedule=schedule, delay=delay, transport=transport)
             opt.set_epoch(cfg["epoch"])  # DGC's density warm-up is over: the ratio asked for is timed
 
         def step():
@@ -137,7 +137,7 @@ def sweep(args, argv) -> int:
         "command": "python benchmarks/delayed_network.py " + shlex.join(argv),
         "network": f"EMULATED: {args.workers} network namespaces, veth into a bridge, tbf "
                    f"{netns.format_bandwidth(bps)} on both ends of every worker's link",
-        "latency_note": "INJECTED in the worker processes (LatencyDriver): every exchange round completes no "
+        "latency_note": "INJECTED in the worker processes (LatencyTransport): every exchange round completes no "
                         "sooner than the latency after its launch; not network-emulated (netem unavailable)",
         "compute": (f"GPU-like EMULATED ({args.compute}, tensors {args.emulated_scale:g}x smaller than the "
                     "profiled model's, times kept)" if args.compute.startswith("emulated:") else

@@ -153,7 +153,7 @@ def worker_main(config_path: str) -> int:
 
     import hvdcompress.torch as hvc
     from hvdcompress.bench.example_models import CharTransformer, char_batches, char_eval_loss
-    from hvdcompress.bench.injected_latency import LatencyDriver
+    from hvdcompress.bench.injected_latency import LatencyTransport
     from hvdcompress.datasets import load_stdlib_text
     from torch_ops.collectives import Communicator
 
@@ -176,11 +176,11 @@ def worker_main(config_path: str) -> int:
         scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_at)
         m = METHODS.get(name, {"kind": "local"})
         latency = float(cfg["latency_ms"]) / 1000.0
-        driver = counting(LatencyDriver, latency) if latency > 0 else counting(Communicator)
-        driver = driver if m["kind"] != "local" else None
+        transport = counting(LatencyTransport, latency) if latency > 0 else counting(Communicator)
+        transport = transport if m["kind"] != "local" else None
         if m["kind"] == "sync":
             opt = hvc.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                           compression=m["compression"], delay=m["delay"], driver=driver,
+                                           compression=m["compression"], delay=m["delay"], transport=transport,
                                            schedule="layerwise" if m["compression"] == "none" else "single")
             opt.set_epoch(1000)  # past any warm-up: the density asked for is the one measured
         elif m["kind"] == "diloco":
@@ -189,7 +189,7 @@ def worker_main(config_path: str) -> int:
                 outer = torch.optim.SGD(model.parameters(), lr=m["outer"]["lr"], momentum=m["outer"]["momentum"])
             opt = hvc.DiLoCo(model, inner, outer_optimizer=outer, sync_every=m["sync_every"], fragments=m.get("fragments", 1),
                              overlap_steps=m.get("overlap_steps", 0), mix=m.get("mix", 0.0),
-                             compression=m.get("compression"), driver=driver)
+                             compression=m.get("compression"), transport=transport)
         else:
             opt = inner
         batches = char_batches(text.train, cfg["batch"], dims["context"], seed=1000 * (rank + 1))
@@ -209,7 +209,7 @@ def worker_main(config_path: str) -> int:
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
         wall = time.perf_counter() - phase_start  # this rank's steps, waits at syncs included; no flush
-        sent = driver.payload_bytes if driver is not None else 0  # the steps' exchanges, not the flush's
+        sent = transport.payload_bytes if transport is not None else 0  # the steps' exchanges, not the flush's
         if m["kind"] != "local":
             opt.flush()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -312,7 +312,7 @@ def run(args, argv) -> int:
     meta = {"command": "python benchmarks/diloco_wan.py " + shlex.join(argv), "workers": args.workers,
             "steps": args.steps, "batch_per_worker": args.batch, "model": config["model"], "lr": args.lr,
             "lr_schedule": args.lr_schedule, "pretrain_steps": args.pretrain_steps,
-            "latency": (f"{args.latency_ms:g} ms INJECTED in the worker processes (LatencyDriver: every exchange "
+            "latency": (f"{args.latency_ms:g} ms INJECTED in the worker processes (LatencyTransport: every exchange "
                         "round completes no sooner than that after its launch; netem is unavailable)")
             if args.latency_ms > 0 else "none added",
             "compute": "real CPU compute, one thread per worker" + (

@@ -106,12 +106,12 @@ def phase(cfg, text, start_state, spec, lr, seed):
         model.load_state_dict(start_state)
     inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_schedule("cosine", cfg["steps"]))
-    driver = None
+    transport = None
     opt = inner
     if spec is not None:
-        driver = counting(Communicator)
+        transport = counting(Communicator)
         opt = hvc.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=spec,
-                                       driver=driver, schedule="layerwise")
+                                       transport=transport, schedule="layerwise")
         opt.set_epoch(1000)  # past any density warm-up: the density asked for is the one measured
     batches = char_batches(text.train, cfg["batch"], dims["context"], seed=1000 * (hvc.rank() + 1) + 7919 * seed)
     for _ in range(cfg["steps"]):
@@ -120,7 +120,7 @@ def phase(cfg, text, start_state, spec, lr, seed):
         model.loss(x, y).backward()
         opt.step()
         scheduler.step()
-    sent = driver.payload_bytes if driver is not None else 0
+    sent = transport.payload_bytes if transport is not None else 0
     if spec is not None:
         opt.flush()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

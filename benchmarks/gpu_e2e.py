@@ -271,7 +271,7 @@ def run_diloco(spec, device, steps, rec=None):
     from torch_ops.dist_collectives import TorchDistCommunicator
     model = make_model(device)
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    outer = DiLoCo(model, inner, sync_every=2, compression=outer_spec(spec), driver=TorchDistCommunicator())
+    outer = DiLoCo(model, inner, sync_every=2, compression=outer_spec(spec), transport=TorchDistCommunicator())
     same = []
     for step in range(2 * steps):
         if rec is not None:

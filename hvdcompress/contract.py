@@ -32,7 +32,8 @@ family's table. ``discover(package)`` imports every module of a package folder (
 it on itself, ``discover(__name__)``), so a family module registers its algorithms by being there.
 
 **Transport.** ``Transport`` is what carries the requests between ranks (Horovod, torch.distributed,
-a test's world of one): every front end takes any object with its methods.
+a test's world of one): every front end takes any object with its methods, as ``transport=``
+(``transport_argument``: ``driver=``, its former name, is deprecated).
 
 **Lockstep.** ``lockstep(gens, answer)`` drives one generator per simulated rank round by round;
 the oracle's ``simulate`` and the tests' single-process worlds supply ``answer`` (how a round's
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, Generator, List, Optional, Protocol, Sequence, Tuple
 
@@ -149,6 +151,20 @@ class Transport(Protocol):
     def allgather_object(self, obj: Any, name: str) -> List[Any]: ...
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any: ...
+
+
+def transport_argument(transport: Any, driver: Any, where: str) -> Any:
+    """The transport a front end was given as ``transport=``; ``driver=``, its former name, still
+    works for one release with a ``DeprecationWarning`` naming ``transport=``. Both given: a
+    ValueError (before any collective)."""
+    if driver is None:
+        return transport
+    if transport is not None:
+        raise ValueError(f"{where}: transport= and driver= name the same argument (driver is its former "
+                         "name); pass transport= only")
+    warnings.warn(f"{where}: driver= is deprecated and will be removed in the next release; pass the same "
+                  "object as transport=", DeprecationWarning, stacklevel=3)
+    return driver
 
 
 # -- members and context ----------------------------------------------------------------------------

@@ -215,22 +215,46 @@ def test_replicas_that_differ_fail_the_worker():
         check_identical(["a", "b @ single"], [same, same], World(differ=True))
 
 
-def test_latency_driver_delays_completion(monkeypatch):
+def test_ranks_meet_after_the_compute_only_step_and_only_there():
+    """The workers time a round through worker_common.timed_round (tf_worker too; importing it
+    here would load TensorFlow): the ranks meet right after the compute-only step (which exchanges
+    nothing), before the next phase's timed step."""
+    from hvdcompress.bench import torch_worker
+    from hvdcompress.bench.worker_common import timed_round
+
+    assert torch_worker.timed_round is timed_round
+    events = []
+
+    class Phase:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def timed_step(self):
+            events.append(self.spec or "compute-only")
+
+    timed_round([Phase(None), Phase("dgc"), Phase("topk")], lambda: events.append("meet"))
+    assert events == ["compute-only", "meet", "dgc", "topk"]
+    events.clear()
+    timed_round([Phase("dgc"), Phase("topk")], lambda: events.append("meet"))
+    assert events == ["dgc", "topk"]
+
+
+def test_latency_transport_delays_completion(monkeypatch):
     from torch_ops.collectives import Communicator
-    from hvdcompress.bench.injected_latency import LatencyDriver
+    from hvdcompress.bench.injected_latency import LatencyTransport
 
     monkeypatch.setattr(Communicator, "launch", lambda self, reqs, name: ["handle"])
     monkeypatch.setattr(Communicator, "wait", lambda self, handles: ("result",))
     monkeypatch.setattr(Communicator, "poll", lambda self, handles: True)
-    driver = LatencyDriver(0.2)
+    transport = LatencyTransport(0.2)
     start = time.perf_counter()
-    handles = driver.launch([], "x")
-    assert not driver.poll(handles)
-    assert driver.wait(handles) == ("result",)
+    handles = transport.launch([], "x")
+    assert not transport.poll(handles)
+    assert transport.wait(handles) == ("result",)
     assert time.perf_counter() - start >= 0.2
-    assert driver.poll(handles)
+    assert transport.poll(handles)
     with pytest.raises(ValueError, match="latency_s"):
-        LatencyDriver(-1.0)
+        LatencyTransport(-1.0)
 
 
 # -- real runs ----------------------------------------------------------------------------------------

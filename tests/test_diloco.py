@@ -250,8 +250,8 @@ def test_torch_flush_and_bad_arguments(torch_runs):
         assert "not parameters of the model" in e[5]
 
 
-# -- PyTorch in one process (a one-rank driver without Horovod): the outer loop's bookkeeping -----------
-class OneRankDriver:
+# -- PyTorch in one process (a one-rank transport without Horovod): the outer loop's bookkeeping -----------
+class OneRankTransport:
     """A ``Communicator`` stand-in for a world of one: a sum or a gather of one tensor is the tensor."""
 
     process_set = None
@@ -280,7 +280,7 @@ def _one_rank_run(kw, steps, state=None, start=0):
     model = sc._model()
     inner = torch.optim.Adam(model.parameters(), lr=0.01)
     seen = sc._record(model, inner)
-    opt = DiLoCo(model, inner, driver=OneRankDriver(), **kw)
+    opt = DiLoCo(model, inner, transport=OneRankTransport(), **kw)
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -302,6 +302,12 @@ def test_torch_one_rank_matches_the_reference(kw):
         for got, want in zip(after[t], out[0]):
             np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-7)
     assert opt.bytes_sent == ref.bytes_sent[0]
+    # stats: one record per fragment exchange applied, its payload next to its float32 deltas
+    applied = [opt.cfg.launched_at(t) for t in range(1, 11)
+               if opt.cfg.launched_at(t) is not None and opt.cfg.due(t) <= 10]
+    s = opt.stats
+    assert s.steps == len(applied) > 0 and s.total_bytes == opt.bytes_sent
+    assert s.total_dense_bytes == sum(opt.params[i].numel() * 4 for p in applied for i in opt.fragments[p])
 
 
 def test_torch_one_rank_checkpoint_with_a_fragment_in_flight_is_exact():

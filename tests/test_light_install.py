@@ -54,7 +54,7 @@ PROGRAM = textwrap.dedent("""
 
     model = net()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = DiLoCo(model, inner, sync_every=2, compression="fp16", driver=TorchDistCommunicator())
+    outer = DiLoCo(model, inner, sync_every=2, compression="fp16", transport=TorchDistCommunicator())
     steps(model, outer, 4)
 
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("horovod", "tensorflow", "tf_ops")

@@ -151,6 +151,34 @@ def test_the_optimizer_builds_its_compressor_once(monkeypatch):
     model = torch.nn.Linear(4, 2)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
-                               compression="dgc:ratio=0.5,warmup_epochs=0", driver=OneRank(), schedule="layerwise")
+                               compression="dgc:ratio=0.5,warmup_epochs=0", transport=OneRank(), schedule="layerwise")
     assert len(built) == 1 and opt.engine.compressor.spec == opt.compression
     assert opt.compression["momentum"] == 0.9 and opt.param_groups[0]["momentum"] == 0.0  # taken over
+
+
+def test_driver_is_the_deprecated_name_of_transport():
+    """``transport=`` is the keyword; ``driver=`` (its former name) still works for one release,
+    with a DeprecationWarning naming ``transport=``; both at once is refused before any collective."""
+    from torch_ops.diloco import DiLoCo
+    from torch_ops.optimizer import DistributedOptimizer
+
+    def make(which, **kw):
+        model = torch.nn.Linear(4, 2)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        if which == "optimizer":
+            return DistributedOptimizer(sgd, named_parameters=model.named_parameters(), schedule="layerwise", **kw)
+        return DiLoCo(model, sgd, sync_every=2, **kw)
+
+    for which in ("optimizer", "diloco"):
+        transport = OneRank()
+        with pytest.warns(DeprecationWarning, match="driver= is deprecated.*transport=") as caught:
+            opt = make(which, driver=transport)
+        assert caught[0].filename == __file__  # points at the caller's line
+        assert (opt.engine if which == "optimizer" else opt).transport is transport
+        with pytest.raises(ValueError, match="transport= and driver= name the same argument"):
+            make(which, transport=OneRank(), driver=OneRank())
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the new keyword warns nothing
+            assert (make(which, transport=transport).engine if which == "optimizer"
+                    else make(which, transport=transport)).transport is transport

@@ -18,7 +18,7 @@ WORLD, N = 2, 384
 CODECS = [None, "none", None, "fp16", None]
 
 
-class _NoDriver:
+class _NoTransport:
     def run(self, requests, name):
         raise AssertionError("lockstep tests drive the generators themselves")
 
@@ -72,16 +72,16 @@ def test_auto_sends_dense_on_a_fast_link_and_compresses_on_a_slow_one():
     shapes = [(64, 32), (32,), (32, 10), (10,)]
     rng = np.random.default_rng(0)
     grads = [[tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes] for _ in range(WORLD)]
-    fast = [GradientCompression("topk:ratio=0.01", driver=_NoDriver(), schedule="mgs", cost_model=_model(100.0),
+    fast = [GradientCompression("topk:ratio=0.01", transport=_NoTransport(), schedule="mgs", cost_model=_model(100.0),
                                     codec_choice="auto") for _ in range(WORLD)]
-    dense = [GradientCompression("none", driver=_NoDriver(), schedule="single") for _ in range(WORLD)]
+    dense = [GradientCompression("none", transport=_NoTransport(), schedule="single") for _ in range(WORLD)]
     got, want = _exchange(fast, grads), _exchange(dense, grads)
     codecs = fast[0].plan.codecs
     assert codecs and all(c in ("none", "fp16:residual=false") for c in codecs)
     if set(codecs) == {"none"}:  # dense sums of two ranks: what a dense exchange gives, bit for bit
         for a, b in zip(got[0], want[0]):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
-    slow = [GradientCompression("topk:ratio=0.01", driver=_NoDriver(), schedule="mgs", cost_model=_model(0.001),
+    slow = [GradientCompression("topk:ratio=0.01", transport=_NoTransport(), schedule="mgs", cost_model=_model(0.001),
                                     codec_choice="auto") for _ in range(WORLD)]
     _exchange(slow, grads)
     assert "topk:ratio=0.01,residual=true" in slow[0].plan.codecs
@@ -141,7 +141,7 @@ def test_a_merged_fp16_group_sends_the_residuals_and_leaves_q_alone():
     biases) sends the kernel's residual with its gradient and keeps the cast's rounding in it, as
     the numpy reference does; the biases, which have no residual, get no slot; the kernel's q is
     not touched; the kernels sent alone run PowerSGD on their own q and residual."""
-    comps = [GradientCompression(LOWRANK, driver=_NoDriver(), schedule="auto", cost_model=_lowrank_model(),
+    comps = [GradientCompression(LOWRANK, transport=_NoTransport(), schedule="auto", cost_model=_lowrank_model(),
                                  codec_choice="auto") for _ in range(WORLD)]
     rng = np.random.default_rng(3)
 

@@ -2,7 +2,7 @@
 
 Multi-process part: one launch of 2 Gloo workers runs every scenario of
 tests/scenarios/tf_delayed.py (a module fixture). Single-process part: the arithmetic against
-a numpy model with a fake two-rank driver, eagerly and in tf.function, checkpoint checks, and
+a numpy model with a fake two-rank transport, eagerly and in tf.function, checkpoint checks, and
 every bad argument raising before Horovod is needed.
 """
 
@@ -131,7 +131,7 @@ def test_resume_with_corrections_pending_continues_exactly(results):
 
 
 # -- single process -----------------------------------------------------------------------------
-class TwoRankDriver:
+class TwoRankTransport:
     """A stand-in world of two ranks: the other rank contributes half of this one's tensor."""
 
     def run(self, requests, name):
@@ -156,7 +156,7 @@ def _grads(t):
 @pytest.mark.parametrize("delay, every", [(1, 1), (2, 1), (0, 2), (2, 3)])
 @pytest.mark.parametrize("graph", [False, True])
 def test_gradients_follow_the_delayed_formula(delay, every, graph):
-    comp = hvc.GradientCompression("none", driver=TwoRankDriver(), delay=delay, sync_every=every)
+    comp = hvc.GradientCompression("none", transport=TwoRankTransport(), delay=delay, sync_every=every)
     fn = lambda gs: comp.exchange(gs, world_size=2, scale=0.5)  # noqa: E731
     fn = tf.function(fn) if graph else fn
     acc, due = {0: 0.0, 2: 0.0}, {}
@@ -185,7 +185,7 @@ def test_gradients_follow_the_delayed_formula(delay, every, graph):
 def test_zero_delay_gives_the_synchronous_results_bit_for_bit(spec):
     outs = []
     for kw in ({}, dict(delay=0, sync_every=1)):
-        comp = hvc.GradientCompression(spec, driver=IdenticalTwoRanks(), **kw)
+        comp = hvc.GradientCompression(spec, transport=IdenticalTwoRanks(), **kw)
         outs.append([comp.exchange(_grads(t), world_size=2, scale=0.5) for t in range(3)])
     for a, b in zip(*outs):
         assert a[1] is None and b[1] is None
@@ -194,10 +194,10 @@ def test_zero_delay_gives_the_synchronous_results_bit_for_bit(spec):
 
 
 def test_checkpoint_of_another_delay_is_refused(tmp_path):
-    comp = hvc.GradientCompression("none", driver=TwoRankDriver(), delay=2)
+    comp = hvc.GradientCompression("none", transport=TwoRankTransport(), delay=2)
     comp.exchange(_grads(0), world_size=2, scale=0.5)
     path = tf.train.Checkpoint(compression=comp).save(str(tmp_path / "ck"))
-    other = hvc.GradientCompression("none", driver=TwoRankDriver(), delay=1)
+    other = hvc.GradientCompression("none", transport=TwoRankTransport(), delay=1)
     tf.train.Checkpoint(compression=other).restore(path)
     with pytest.raises(ValueError, match="saved with delay=2, sync_every=1; this object uses delay=1"):
         other.exchange(_grads(1), world_size=2, scale=0.5)

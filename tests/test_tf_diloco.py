@@ -1,5 +1,5 @@
 """TensorFlow / Keras DiLoCo (``tf_ops.diloco``) against the numpy reference: in one process with
-a one-rank driver, and with ``model.fit`` on two Horovod workers (the shared TF launch,
+a one-rank transport, and with ``model.fit`` on two Horovod workers (the shared TF launch,
 tests/scenarios/tf_diloco.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hvdcompress.reference.diloco import DiLoCoReference
 from scenarios.tf_diloco import CONFIGS as KERAS_CONFIGS
 
 
-class OneRankDriver:
+class OneRankTransport:
     """A TF ``Communicator`` stand-in for a world of one."""
 
     process_set = None
@@ -41,7 +41,7 @@ def test_tf_one_rank_matches_the_reference_and_checkpoints(name, tmp_path):
     rng = np.random.default_rng(0)
     variables = [tf.Variable(rng.standard_normal(s).astype(np.float32)) for s in [(4, 3), (3,), (3, 2), (2,)]]
     init = [v.numpy().copy() for v in variables]
-    d = DiLoCo(variables, driver=OneRankDriver(), **kw)
+    d = DiLoCo(variables, transport=OneRankTransport(), **kw)
     d.start()
     seen, after = [], []
     for t in range(9):
@@ -55,9 +55,16 @@ def test_tf_one_rank_matches_the_reference_and_checkpoints(name, tmp_path):
             at5 = [v.numpy().copy() for v in variables]
     ref = _replay(kw, init, [seen], [after])
     assert int(d.bytes_sent.numpy()) == ref.bytes_sent[0]
+    # stats, on the session as the other front ends': one record per fragment exchange (TF runs it at
+    # its launch), its payload next to the fragment's dense bytes
+    launched = [d.cfg.launched_at(t) for t in range(1, 10) if d.cfg.launched_at(t) is not None]
+    s = d.stats
+    assert s.steps == len(launched) > 0 and s.total_bytes == ref.bytes_sent[0]
+    assert s.total_dense_bytes == sum(int(variables[i].shape.num_elements()) * 4
+                                      for p in launched for i in d.fragments[p])
     # resume from step 5 (for the streaming config a fragment is in flight there) and replay the same inner updates
     variables2 = [tf.Variable(np.zeros_like(a)) for a in init]
-    d2 = DiLoCo(variables2, driver=OneRankDriver(), **kw)
+    d2 = DiLoCo(variables2, transport=OneRankTransport(), **kw)
     tf.train.Checkpoint(diloco=d2, vars=variables2).read(ckpt).assert_consumed()
     for v, a in zip(variables2, at5):
         assert np.array_equal(v.numpy(), a)
@@ -105,7 +112,7 @@ def test_tf_one_rank_seeded_quantizer_matches_the_reference():
     rng = np.random.default_rng(0)
     variables = [tf.Variable(rng.standard_normal(s).astype(np.float32)) for s in [(4, 3), (3,)]]
     init = [v.numpy().copy() for v in variables]
-    d = DiLoCo(variables, driver=OneRankDriver(), **kw)
+    d = DiLoCo(variables, transport=OneRankTransport(), **kw)
     d.start()
     seen, after = [], []
     for _ in range(6):

@@ -24,7 +24,7 @@ WORLD = 2
 SHAPES = [(30, 20), (20,), (20, 10), (10,)]  # a two-layer dense model: kernel, bias, kernel, bias
 
 
-class _NoDriver:
+class _NoTransport:
     def run(self, requests, name):  # start_exchange never needs one; exchange() is not used here
         raise AssertionError("lockstep tests drive the generators themselves")
 
@@ -36,7 +36,7 @@ def _grads(rank, step, shapes=SHAPES, dtypes=None):
 
 
 def _comps(spec, schedule="layerwise", **kw):
-    return [hvc.GradientCompression(spec, driver=_NoDriver(), schedule=schedule, **kw) for _ in range(WORLD)]
+    return [hvc.GradientCompression(spec, transport=_NoTransport(), schedule=schedule, **kw) for _ in range(WORLD)]
 
 
 def _step_fn(comps, graph):
@@ -142,9 +142,9 @@ def test_checkpoints_are_per_position_and_restore_under_another_schedule(tmp_pat
     comps = _comps(spec, "layerwise")
     _run(comps, range(2), False)
     path = tf.train.Checkpoint(compression=comps[0]).save(str(tmp_path / "ckpt"))
-    merged = hvc.GradientCompression(spec, driver=_NoDriver(), schedule="single")
+    merged = hvc.GradientCompression(spec, transport=_NoTransport(), schedule="single")
     status = tf.train.Checkpoint(compression=merged).restore(path)
-    _run([merged, hvc.GradientCompression(spec, driver=_NoDriver(), schedule="single")], [2], False)
+    _run([merged, hvc.GradientCompression(spec, transport=_NoTransport(), schedule="single")], [2], False)
     status.assert_existing_objects_matched()
     assert int(merged.step.numpy()) == 3
     assert [sorted(s) for s in merged.slots] == [["residual"]] * len(SHAPES)
@@ -182,7 +182,7 @@ def test_cost_model_schedules_plan_with_zero_backward_times_and_merge_under_high
 
 def test_a_cached_cost_model_is_found_and_a_missing_one_is_explained(tmp_path, monkeypatch):
     monkeypatch.setenv("HVDCOMPRESS_CACHE", str(tmp_path))
-    comp = hvc.GradientCompression("none", driver=_NoDriver(), schedule="auto")
+    comp = hvc.GradientCompression("none", transport=_NoTransport(), schedule="auto")
     with pytest.raises(ValueError, match=r"(?s)cost_model: the schedule needs a cost model.*"
                                          r"CostModel.from_link.*hvdcompress.bench.profile transport"):
         comp.prepare(WORLD)
@@ -206,7 +206,7 @@ def test_schedule_errors_found_before_any_collective():
         hvc.GradientCompression("topk:ratio=0.1", schedule="mgs", cost_model=_link())
     with pytest.raises(ValueError, match="cost_model: expected an hvdcompress.schedule.costmodel.CostModel"):
         hvc.GradientCompression("none", schedule="mgs", cost_model="fast")
-    comp = hvc.GradientCompression("none", driver=_NoDriver(), schedule=[[0, 7]])
+    comp = hvc.GradientCompression("none", transport=_NoTransport(), schedule=[[0, 7]])
     with pytest.raises(ValueError, match="gradient position 7, but the exchange got 4 gradients"):
         comp.start_exchange(_grads(0, 0), world_size=WORLD, scale=0.5)
 

@@ -1,6 +1,6 @@
 """Single-process tests of the TF backend's state, callbacks and argument checks.
 
-``GradientCompression`` runs here with a one-rank driver (no Horovod): checkpoint/resume,
+``GradientCompression`` runs here with a one-rank transport (no Horovod): checkpoint/resume,
 spec and shape checks, byte counts, density and epoch. The wrappers' argument checks run
 without ``hvd.init()``: every bad argument must raise before Horovod is even needed.
 """
@@ -14,7 +14,7 @@ import hvdcompress.tensorflow as hvc
 from tf_ops.callbacks import CompressionStatsCallback, SparsityWarmupCallback
 
 
-class OneRankDriver:
+class OneRankTransport:
     """A world of one: allreduce and allgather return the tensor itself."""
 
     def run(self, requests, name):
@@ -30,7 +30,7 @@ def _grads(step, seed=0):
 
 
 def _compression(spec):
-    return hvc.GradientCompression(spec, driver=OneRankDriver())
+    return hvc.GradientCompression(spec, transport=OneRankTransport())
 
 
 def _run(comp, steps, graph):

@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
-from hvdcompress.contract import LAYERWISE
+from hvdcompress.contract import LAYERWISE, transport_argument
 from hvdcompress.schedule.groups import check_mergeable
 from hvdcompress.schedule.planner import Schedule
 from hvdcompress.spec import CompressionSpec, resolve
@@ -97,8 +97,10 @@ class GradientCompression(tf.Module):
             or Horovod's ``Compression.none`` / ``Compression.fp16``. Default: no compression.
         name: prefix of the collectives' names (Horovod matches ops across ranks by name); give
             two objects used in the same step different names.
-        driver: the communicator carrying out collective requests (default: Horovod's, on the
-            process set the wrapper passes).
+        transport: the transport carrying out collective requests (``hvdcompress.contract.Transport``;
+            default: Horovod's ``tf_ops.collectives.Communicator``, on the process set the wrapper
+            passes). ``driver=``, its former name, is deprecated (a DeprecationWarning; removed in
+            the next release).
         schedule: which gradients are exchanged together (``tf_ops.grouping``): "layerwise"
             (default; None means the same), "single", "size:<MB>", "mgs", "mgwfbp" (":greedy"),
             "auto", or explicit groups of gradient positions ``[[0, 1], [2, 3]]``.
@@ -125,8 +127,9 @@ class GradientCompression(tf.Module):
     A bad schedule, cost model, delay or sync_every raises ValueError here, before any collective.
     """
 
-    def __init__(self, compression=None, name: str = "hvc", driver=None, schedule="layerwise", cost_model=None,
-                 delay: int = 0, sync_every: int = 1, codec_choice=None):
+    def __init__(self, compression=None, name: str = "hvc", transport=None, schedule="layerwise", cost_model=None,
+                 delay: int = 0, sync_every: int = 1, codec_choice=None, driver=None):
+        transport = transport_argument(transport, driver, "GradientCompression")
         check_delay(delay)
         check_sync_every(sync_every)
         spec = resolve(compression)
@@ -142,13 +145,13 @@ class GradientCompression(tf.Module):
         if model is not None:
             check_plannable(sched, model, spec, alternatives)
         super().__init__(name=name)
-        self._session = Untracked(ExchangeSession(spec, compressor=compressor, transport=driver, prefix=name))
+        self._session = Untracked(ExchangeSession(spec, compressor=compressor, transport=transport, prefix=name))
         self._spec = spec
         self._compressor = compressor
         self._schedule = sched
         self._cost_model = model
         self._alternatives = alternatives  # specs a group may be sent with instead (tf_ops.codec_choice)
-        self._driver = driver
+        self._transport = transport
         self._local = _Local()
         session = self.session
         session.make_clock()
@@ -210,7 +213,7 @@ class GradientCompression(tf.Module):
         that needs one and was given none, the cached one for ``world_size`` ranks and this host
         set, else a ValueError on every rank (``grouping.cached_cost_model``). Returns the model."""
         if self._cost_model is None and (needs_cost_model(self._schedule) or self._alternatives):
-            model = cached_cost_model(world_size, process_set, use_horovod=self._driver is None)
+            model = cached_cost_model(world_size, process_set, use_horovod=self._transport is None)
             check_plannable(self._schedule, model, self._spec, self._alternatives)
             self._cost_model = model
         return self._cost_model
@@ -340,7 +343,7 @@ class GradientCompression(tf.Module):
         """One step's exchanges, not yet run: a generator and an op name per group, and
         ``finish(results, sent)`` that splits the groups' results back into gradients, saves the
         groups' state into the per-position slots and counts the step. ``exchange`` runs them with
-        Horovod; a driver that runs the collectives itself (a lockstep test world) may drive them."""
+        Horovod; a caller that runs the collectives itself (a lockstep test world) may drive them."""
         grads = list(grads)
         for i, g in enumerate(grads):
             if g is not None and not g.shape.is_fully_defined():

@@ -8,8 +8,9 @@ of training. Inner steps exchange nothing; a fragment's pseudo-gradients ``Delta
 theta_global - theta_i`` (global MINUS local) are compressed with the spec (error feedback on the
 pseudo-gradient where the spec has it) and exchanged on an ``ExchangeSession`` (``tf_ops.session``:
 the compressor, the non-finite guard -- a NaN or inf on any rank makes the result NaN on every
-rank --, the transport, Horovod's ``tf_ops.collectives.Communicator`` unless one is given); this
-module is the adapter that turns inner steps into outer rounds.
+rank --, the transport, Horovod's ``tf_ops.collectives.Communicator`` unless one is given as
+``transport=``, and the wire statistics, ``stats``: one count per outer exchange of a fragment);
+this module is the adapter that turns inner steps into outer rounds.
 
 The outer optimizer is SGD with momentum (default lr 0.7, momentum 0.9, Nesterov), written out:
 ``buf = m * buf + g`` (buf starts at 0), ``d = g + m * buf`` (Nesterov) or ``buf``, ``theta +=
@@ -27,11 +28,14 @@ objects, or restore it from a checkpoint after a reset).
 
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
+from hvdcompress.contract import transport_argument
 from hvdcompress.diloco import OUTER_LR, OUTER_MOMENTUM, OUTER_NESTEROV, check_arguments, split_fragments
+from hvdcompress.stats import WireStats
 
 from .session import ExchangeSession, Untracked, exchange_name
 
@@ -40,12 +44,14 @@ class DiLoCo(tf.Module):
     """The DiLoCo outer loop over ``variables`` (module doc). Arguments as
     ``hvdcompress.torch.DiLoCo``'s, with the outer SGD's ``outer_lr``, ``outer_momentum`` and
     ``nesterov`` in place of an outer optimizer object. The variables must be identical on every
-    rank when the first ``step()`` runs (broadcast them first); ``theta_global`` starts there."""
+    rank when the first ``step()`` runs (broadcast them first); ``theta_global`` starts there.
+    ``driver=`` is the deprecated former name of ``transport=`` (a DeprecationWarning)."""
 
     def __init__(self, variables: Sequence[tf.Variable], sync_every: int = 500, fragments: int = 1,
                  overlap_steps: int = 0, mix: float = 0.0, compression=None, outer_lr: float = OUTER_LR,
                  outer_momentum: float = OUTER_MOMENTUM, nesterov: bool = OUTER_NESTEROV, process_set=None,
-                 driver=None, names: Optional[Sequence[str]] = None):
+                 transport=None, names: Optional[Sequence[str]] = None, driver=None):
+        transport = transport_argument(transport, driver, "DiLoCo")
         super().__init__(name="diloco")
         variables = list(variables)
         self.cfg = check_arguments(len(variables), sync_every, fragments, overlap_steps, mix, compression)
@@ -59,7 +65,7 @@ class DiLoCo(tf.Module):
         tags = list(names) if names is not None else [""] * len(variables)
         self.names = [f"v{i}" + ("." + "".join(c if c.isalnum() else "_" for c in str(n)) if n else "")
                       for i, n in enumerate(tags)]
-        self._session = Untracked(ExchangeSession(self.cfg.compression, transport=driver, prefix="hvc.diloco"))
+        self._session = Untracked(ExchangeSession(self.cfg.compression, transport=transport, prefix="hvc.diloco"))
         self.compressor = self.session.compressor
         self.fragments = split_fragments([int(v.shape.num_elements()) for v in variables], self.cfg.fragments)
         self.lr, self.momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
@@ -83,9 +89,22 @@ class DiLoCo(tf.Module):
         return self._session.value
 
     @property
-    def driver(self):
+    def transport(self):
         """The transport the pseudo-gradients travel on."""
         return self.session.transport(self._process_set)
+
+    @property
+    def driver(self):
+        """Deprecated: the former name of ``transport`` (removed in the next release)."""
+        warnings.warn("DiLoCo.driver is deprecated and will be removed in the next release; use "
+                      "DiLoCo.transport", DeprecationWarning, stacklevel=2)
+        return self.transport
+
+    @property
+    def stats(self) -> WireStats:
+        """Bytes this rank handed to the transport per outer exchange (one fragment's sync, a
+        ``steps`` count each; a flush counts one per fragment) and in total, next to dense."""
+        return self.session.stats
 
     @property
     def started(self) -> bool:
@@ -94,11 +113,11 @@ class DiLoCo(tf.Module):
 
     def _world(self) -> int:
         from hvdcompress.schedule.groups import process_set_size
-        ps = self.driver.process_set
+        ps = self.transport.process_set
         return process_set_size(ps) if ps is not None else 1
 
     def _rank(self) -> int:
-        ps = self.driver.process_set
+        ps = self.transport.process_set
         return int(ps.rank()) if ps is not None else 0
 
     # -- the outer loop ---------------------------------------------------------------------------
@@ -149,6 +168,8 @@ class DiLoCo(tf.Module):
         for i, res in zip(self.fragments[p], results):
             self.pending[i].assign(tf.reshape(tf.cast(res, self.pending[i].dtype), self.pending[i].shape))
         self.bytes_sent.assign_add(sent)
+        self.session.count(sent, sum(int(self._vars[i].shape.num_elements()) * self._vars[i].dtype.size
+                                     for i in self.fragments[p]))
         self.rounds.scatter_nd_update([[p]], [rnd + 1])
         self.in_flight.assign([p, due])
 

@@ -44,12 +44,11 @@ from hvdcompress.schedule.groups import process_set_size
 from hvdcompress.spec import resolve
 
 from .compression import GradientCompression
-from .collectives import Communicator, run_exchanges
 from .compressors import build_compressor
 from .delayed import check_delay, check_sync_every
 from .grouping import check_cost_model, check_schedule
 from .model_check import check_same_model, signature
-from .sparse_grads import dense_bytes, sparse_exchange, split_sparse
+from .sparse_grads import exchange_sparse, split_sparse
 
 _STATELESS_CACHE: Dict[str, GradientCompression] = {}
 
@@ -68,7 +67,6 @@ class Exchanger:
         self._warned = False
         self.variables = None  # Keras: the variables of the latest exchange, in order (for flush)
         self._checked = set()  # gradient signatures already checked to be the same on every rank
-        self._communicator = None  # the sparse gradients' allgathers (made when first needed)
 
     def follow_world_size(self, world_size: int) -> None:
         """After a Horovod Elastic reset: average over the new number of ranks, and check each
@@ -134,14 +132,10 @@ class Exchanger:
 
     def _exchange_sparse(self, grads, positions) -> List[tf.IndexedSlices]:
         """Horovod's exchange of sparse gradients (values and indices allgathered, averaged by
-        dividing the values by the size); their bytes are added to the compression's ``stats``."""
-        if self._communicator is None:
-            self._communicator = Communicator(self.process_set)
-        gens = [sparse_exchange(g, self.world_size, self.average) for g in grads]
+        dividing the values by the size), on the compression's session: its transport, its ``stats``."""
         names = [f"{self.compression.name}.sparse.{i}" for i in positions]
-        results, sent = run_exchanges(gens, names, self._communicator)
-        self.compression.add_sent(sent, sum(dense_bytes(g) for g in grads))
-        return results
+        return exchange_sparse(self.compression.session, grads, names, self.world_size, self.average,
+                               self.process_set)
 
     def check_model(self, grads, variables=None) -> None:
         """Once per gradient signature: the same model on every rank (``tf_ops.model_check``)."""

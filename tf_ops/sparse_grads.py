@@ -11,8 +11,9 @@ default, as an exchange generator of the usual shape (``tf_ops.collectives``)::
 
 **Compression is not applied to sparse gradients**: they are already sparse (the rows a batch
 touched), and every compressor here is defined on dense tensors. Their values and indices travel
-uncompressed (counted in ``stats``), they are never merged into a group and keep no compression
-state (no residual), whatever the spec. Non-finite values are never hidden: they are gathered as
+uncompressed, on the transport of the ``GradientCompression``'s exchange session
+(``exchange_sparse``: the session's ``run``, their bytes added to its ``stats``), they are never
+merged into a group and keep no compression state (no residual), whatever the spec. Non-finite values are never hidden: they are gathered as
 they are, so every rank sees them. ``gradient_predivide_factor`` does not change them (it only
 matters for a sum that could overflow, and nothing is summed here; Horovod refuses it for sparse
 gradients).
@@ -44,6 +45,16 @@ def sparse_exchange(grad: tf.IndexedSlices, world_size: int, average: bool) -> E
     if average and world_size != 1:
         values = values / tf.cast(world_size, values.dtype)
     return tf.IndexedSlices(values, indices, grad.dense_shape)
+
+
+def exchange_sparse(session, grads: Sequence[tf.IndexedSlices], names: Sequence[str], world_size: int,
+                    average: bool, process_set=None) -> List[tf.IndexedSlices]:
+    """Exchange ``grads`` (``sparse_exchange`` each, named ``names``) on ``session``'s transport
+    (``tf_ops.session.ExchangeSession.run``) and add their bytes to the session's ``stats``, beside
+    the step's compressed exchanges: every front end's collectives go through its session."""
+    results, sent = session.run([sparse_exchange(g, world_size, average) for g in grads], names, process_set)
+    session.add(sent, sum(dense_bytes(g) for g in grads))
+    return results
 
 
 def dense_bytes(grad: tf.IndexedSlices) -> int:

@@ -50,12 +50,12 @@ def check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_
     return op, factor
 
 
-def check_same_model(comm, by_name: Dict[str, torch.Tensor]) -> None:
+def check_same_model(transport, by_name: Dict[str, torch.Tensor]) -> None:
     """Every rank must wrap the same parameters (names, shapes, dtypes): a model that differs
     across ranks would exchange mismatched tensors, or hang. One object allgather at construction;
     a difference is a ValueError on every rank, naming the first parameter that differs."""
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in by_name.items()]
-    every = comm.allgather_object(mine, "hvc.check.model")
+    every = transport.allgather_object(mine, "hvc.check.model")
     for rank, theirs in enumerate(every):
         if theirs == every[0]:
             continue

@@ -100,7 +100,7 @@ class Communicator:
     and the profiler, so no collective ever runs on a set of ranks other than the user's (one
     that did would hang: ranks outside the set never join it). ``rank``/``size`` are this
     process's index in the set and the set's size. A subclass may change how requests complete
-    (``injected_latency.LatencyDriver`` delays them): ``DistributedOptimizer(driver=...)``.
+    (``injected_latency.LatencyTransport`` delays them): ``DistributedOptimizer(transport=...)``.
 
     Op names: ``launch`` appends the request's position to the name it is given; the optimizer
     names each exchange by group key, step and round, so ops stay unique across steps when

@@ -44,7 +44,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from hvdcompress.contract import transport_argument
 from hvdcompress.diloco import OUTER_LR, OUTER_MOMENTUM, OUTER_NESTEROV, check_arguments, split_fragments
+from hvdcompress.stats import WireStats
 
 from .arguments import check_devices
 from .nonfinite import check_state_finite
@@ -85,15 +87,18 @@ class DiLoCo:
             ``"qsgd:levels=7"``; a compressor with a momentum of its own is refused.
         process_set: the Horovod process set to run on (default: all ranks); with
             ``backend="torch"`` a torch.distributed process group (default: the default group).
-        driver: the transport all collectives go through (``hvdcompress.contract.Transport``;
+        transport: the transport all collectives go through (``hvdcompress.contract.Transport``;
             default: the backend's on process_set).
         backend: "horovod" (default; launched by horovodrun) or "torch": torch.distributed
             (launched by torchrun, any backend; Horovod is never imported).
+        driver: the former name of ``transport`` (deprecated: a DeprecationWarning; removed in
+            the next release).
     """
 
     def __init__(self, model, inner_optimizer, outer_optimizer=None, sync_every: int = 500, fragments: int = 1,
-                 overlap_steps: int = 0, mix: float = 0.0, compression=None, process_set=None, driver=None,
-                 backend: str = "horovod"):
+                 overlap_steps: int = 0, mix: float = 0.0, compression=None, process_set=None, transport=None,
+                 backend: str = "horovod", driver=None):
+        transport = transport_argument(transport, driver, "DiLoCo")
         named = _named(model)
         check_devices("model", named)
         self.cfg = check_arguments(len(named), sync_every, fragments, overlap_steps, mix, compression)
@@ -120,7 +125,7 @@ class DiLoCo:
         self.outer = outer_optimizer if outer_optimizer is not None else torch.optim.SGD(
             self.params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=OUTER_NESTEROV)
         self.fragments = split_fragments([p.numel() for p in self.params], self.cfg.fragments)
-        self.transport = self.session.transport = make_transport(backend, process_set, driver)
+        self.transport = self.session.transport = make_transport(backend, process_set, transport)
         self.world = self.transport.size()
         self.process_set = self.transport.process_set
         with torch.no_grad():
@@ -171,6 +176,12 @@ class DiLoCo:
                 self._launch(p, self.t)
                 self._apply(0.0)
 
+    @property
+    def stats(self) -> WireStats:
+        """Bytes this rank handed to the transport per outer exchange (one fragment's sync, a
+        ``steps`` count each; a flush counts one per fragment) and in total, next to dense."""
+        return self.session.stats
+
     def global_parameters(self) -> List[torch.Tensor]:
         """``theta_global`` (identical on every rank), in model order: copies."""
         return [g.clone() for g in self.global_params]
@@ -200,7 +211,10 @@ class DiLoCo:
     def _apply(self, mix: float) -> None:
         self._in_flight = None
         exchanges = self.session.pending.finish()
-        self.bytes_sent += sum(ex.bytes_sent for ex in exchanges.values())
+        sent = sum(ex.bytes_sent for ex in exchanges.values())
+        self.bytes_sent += sent
+        self.session.stats.record(sent, sum(self.params[i].numel() * 4 for i in exchanges),  # float32 deltas
+                                  sum(ex.compute_seconds for ex in exchanges.values()))
         saved_grads = [p.grad for p in self.params]
         local = {}
         try:

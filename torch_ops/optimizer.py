@@ -40,6 +40,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from hvdcompress.contract import transport_argument
 from hvdcompress.schedule.planner import Plan
 from hvdcompress.spec import CompressionSpec, resolve
 
@@ -241,10 +242,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step: int = 1, op=None,
                          gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                         process_set=None, driver=None, schedule="auto", cost_model=None,
+                         process_set=None, transport=None, schedule="auto", cost_model=None,
                          profile_steps: int = 5, delay: int = 0, sync_every: int = 1,
                          tune_steps: int = DEFAULT_TUNE_STEPS, codec_choice=None, backend: str = "horovod",
-                         revalidate_every=None, topology=None):
+                         revalidate_every=None, topology=None, driver=None):
     """Wrap ``optimizer`` so gradients are compressed, exchanged among Horovod ranks and averaged.
 
     Args mirror ``horovod.torch.DistributedOptimizer``:
@@ -264,11 +265,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         process_set: a Horovod process set (default: all ranks). On a rank outside it nothing is
             exchanged: as with Horovod's optimizer, ``step()`` is the wrapped optimizer's update
             on the local gradients.
-        driver: the transport every collective goes through (``hvdcompress.contract.Transport``;
+        transport: the transport every collective goes through (``hvdcompress.contract.Transport``;
             default Horovod's ``torch_ops.collectives.Communicator(process_set)``, or with
             backend="torch" ``torch_ops.dist_collectives.TorchDistCommunicator(process_set)``); an
             extension point: one may change how rounds complete
-            (``hvdcompress.bench.injected_latency.LatencyDriver`` delays them).
+            (``hvdcompress.bench.injected_latency.LatencyTransport`` delays them).
+        driver: the former name of ``transport`` (deprecated: a DeprecationWarning; removed in
+            the next release).
         backend: "horovod" (default; launched by horovodrun) or "torch": torch.distributed
             (launched by torchrun, any backend; Horovod is never imported), with ``process_set``
             a process group (``torch_ops.transport``, ``torch_ops.dist_collectives``).
@@ -331,6 +334,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     collective, identically on every rank (a model that differs across ranks too). Guide:
     docs/pytorch.md.
     """
+    transport = transport_argument(transport, driver, "DistributedOptimizer")
     spec = resolve(compression)
     op, factor = check_arguments(optimizer, backward_passes_per_step, op, gradient_predivide_factor, schedule,
                                  profile_steps, cost_model, delay, sync_every)
@@ -349,7 +353,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     alternatives = resolve_codec_choice(codec_choice, spec, compressor, schedule, tune_steps, delay,
                                         sync_every, elastic=elastic_mode())
     check_revalidate_every(revalidate_every, bool(alternatives))
-    transport = make_transport(backend, process_set, driver)  # Horovod (initialized) or torch.distributed
+    transport = make_transport(backend, process_set, transport)  # Horovod (initialized) or torch.distributed
     transport = two_level_transport(transport, check_topology(topology, transport))  # flat: itself
     if transport.included():  # a rank outside the process set exchanges nothing: its optimizer stays as it is
         for group, adapted in zip(optimizer.param_groups, groups):

@@ -336,7 +336,7 @@ def _new_report(args: argparse.Namespace, argv: List[str]) -> dict:
             "threads_per_worker": args.threads, "epoch": args.epoch,
             "latency_ms_injected": args.latency_ms,
             "latency_note": "injected into the completion of every exchange round in the worker process "
-                            "(LatencyDriver), not network-emulated" if args.latency_ms else "none injected",
+                            "(LatencyTransport), not network-emulated" if args.latency_ms else "none injected",
             "compression": list(args.compression), "schedules": args.schedule_list,
             "cost_model_profiled_per_launch": args.profile, "profile_steps": args.profile_steps,
             "tune_steps": args.tune_steps, "advise": args.advise,

@@ -308,7 +308,7 @@ class TracingCommunicator:
             time.sleep(self.poll_s)
 
 
-def tracing_driver(base_cls):
+def tracing_transport(base_cls):
     """A subclass of ``base_cls`` (a Communicator) with :class:`TracingCommunicator`'s tracing."""
     class Traced(TracingCommunicator, base_cls):
         def __init__(self, *a, **kw):

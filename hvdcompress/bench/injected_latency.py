@@ -1,9 +1,9 @@
-"""``LatencyDriver``: a Horovod driver whose exchange rounds complete no sooner than a fixed delay
-after they were launched.
+"""``LatencyTransport``: a Horovod transport whose exchange rounds complete no sooner than a fixed
+delay after they were launched.
 
 ``netem`` (``tc``'s delay) needs a kernel module a host may lack, so link latency is not emulated
-by ``tc``. The benchmark harness (``hvdcompress bench --latency-ms``) instead passes this driver to
-``DistributedOptimizer(driver=...)``: each round of collectives is launched at once, as usual,
+by ``tc``. The benchmark harness (``hvdcompress bench --latency-ms``) instead passes this transport
+to ``DistributedOptimizer(transport=...)``: each round of collectives is launched at once, as usual,
 but ``wait()`` does not return (and ``poll()`` does not report completion) before
 ``launch time + latency``. The delay is *injected* in the training process, not emulated on
 the network: rounds launched during backward overlap their delays with computation, as they
@@ -26,7 +26,7 @@ class _LaunchedRound(list):
     __slots__ = ("launched_at",)
 
 
-class LatencyDriver(Communicator):
+class LatencyTransport(Communicator):
     """``Communicator`` that adds ``latency_s`` seconds to the completion of every round."""
 
     def __init__(self, latency_s: float, process_set=None):

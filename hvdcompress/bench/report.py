@@ -270,7 +270,7 @@ def pipelining_table(report: dict) -> str:
 def measured_groups(trace: dict) -> List[dict]:
     """Per group of a traced step (seconds from the first gradient hook): ready (its last
     gradient's hook entered), compression (that hook's entry to exit: compression and launch),
-    exchange (first round launched to last round completed, by the tracing driver)."""
+    exchange (first round launched to last round completed, by the tracing transport)."""
     hooks = {n: (a, b) for n, a, b in trace["hooks"]}
     out = []
     for key, names in zip(trace["group_keys"], trace["groups"]):

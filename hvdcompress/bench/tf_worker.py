@@ -19,7 +19,8 @@ A step is one ``tf.function`` (forward, backward, ``optimizer.minimize`` with th
 exchange runs inside it, as in ``model.fit``), traced during the warm-up. Warm-up and timing
 follow the torch worker: ``warmup`` untimed steps per phase back to back, then ``steps`` (or, with
 ``phase_budget_s``, as many as fit) interleaved rounds, one timed step of every phase per round, so
-a drifting load weighs on all phases alike. Bytes are the optimizer's own accounting
+a drifting load weighs on all phases alike (``worker_common.timed_round``: the ranks meet, untimed,
+after the compute-only step, which leaves them apart). Bytes are the optimizer's own accounting
 (``optimizer.stats``: the payload tensors handed to Horovod, counted as the torch engine counts
 them), before and after the timed rounds; the interface's counters are read around each timed
 step when ``iface`` is set. Compression seconds are not measured (the exchange runs inside the
@@ -46,7 +47,7 @@ import tensorflow as tf  # noqa: E402
 from hvdcompress.schedule.planner import parse_schedule  # noqa: E402
 
 from .worker_common import (COMPUTE_ONLY, check_identical, digest, load_config, read_counters,  # noqa: E402
-                            timed_rounds)
+                            timed_round, timed_rounds)
 
 OPTIONAL = {"schedules": ["layerwise"], "profile": False, "trace_steps": 0, "graph_optimizer": True}
 FIXED_SCHEDULES = ("layerwise", "single", "size")
@@ -193,8 +194,7 @@ def run(cfg: dict, hvd) -> List[dict]:
     for p in phases:
         p.start_timing()
     for _ in range(rounds):
-        for p in phases:
-            p.timed_step()
+        timed_round(phases, lambda: barrier(hvd, "compute-only"))
     barrier(hvd, "timed")
     for p in phases:
         p.end_timing()

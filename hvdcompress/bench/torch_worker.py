@@ -62,9 +62,10 @@ from torch_ops.optimizer import DistributedOptimizer
 from torch_ops.timing import timer_for
 
 from . import schedules
-from .injected_latency import LatencyDriver
+from .injected_latency import LatencyTransport
 from .torch_models import build, count_parameters, synthetic_batch
-from .worker_common import COMPUTE_ONLY, check_identical, digest, load_config, read_counters, timed_rounds
+from .worker_common import (COMPUTE_ONLY, check_identical, digest, load_config, read_counters, timed_round,
+                            timed_rounds)
 
 OPTIONAL = {"schedules": ["auto"], "profile": False, "profile_max_mib": 4.0, "profile_steps": 3,
             "emulated_scale": 1.0, "trace_steps": 0, "tune_steps": 3, "advise": False, "device": "cpu"}
@@ -86,14 +87,14 @@ class Phase:
         opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
         if spec is not None:
             latency_s = cfg["latency_ms"] / 1000.0
-            base = LatencyDriver if latency_s > 0 else Communicator
+            base = LatencyTransport if latency_s > 0 else Communicator
             if cfg["trace_steps"]:  # records each round's launch and completion in trace_step()
-                from .emulated import tracing_driver
-                base = tracing_driver(base)
-            driver = base(latency_s) if latency_s > 0 else base()
+                from .emulated import tracing_transport
+                base = tracing_transport(base)
+            transport = base(latency_s) if latency_s > 0 else base()
             base, tuned = schedules.split(schedule or "auto")
             opt = DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
-                                       compression=spec, driver=driver, schedule=base,
+                                       compression=spec, transport=transport, schedule=base,
                                        cost_model=cost_model, profile_steps=cfg["profile_steps"],
                                        tune_steps=cfg["tune_steps"] if tuned else 0,
                                        codec_choice=schedules.codec_choice(schedule or ""))
@@ -129,11 +130,11 @@ class Phase:
         return self.timer.now() - start
 
     def trace_step(self) -> None:
-        """One untimed step with the driver tracing: per tensor the gradient hook's entry and exit,
+        """One untimed step with the transport tracing: per tensor the gradient hook's entry and exit,
         per round of collectives its launch and completion (a polling thread), synchronize and
         update -- seconds from the first hook (the predicted timeline's time 0)."""
-        driver = self.opt.engine.transport
-        driver.start_trace()
+        transport = self.opt.engine.transport
+        transport.start_trace()
         start = self.timer.now()
         self.opt.zero_grad()
         loss = F.cross_entropy(self.model(self.x), self.y)
@@ -142,7 +143,7 @@ class Phase:
         clock = self.opt.engine.clock  # this step's readings (bench side: read, never changed)
         self.opt.step()
         end = self.timer.now()
-        rounds = driver.stop_trace()
+        rounds = transport.stop_trace()
         t0 = clock.hooks[0][1] if clock.hooks else bwd
         rel = lambda t: None if t is None else t - t0  # noqa: E731
         self.traces.append({
@@ -303,17 +304,6 @@ def _validating(phase) -> bool:
                                            and scheduler.plan is None))
 
 
-def timed_round(phases: List[Phase], hvd) -> None:
-    """One timed step of every phase, in turn. A compute-only step exchanges nothing, so the ranks
-    leave it as far apart as their compute differed; they meet after it (untimed), or the next
-    phase's slowest rank would count that gap as its own step time, which no step of its own in
-    training carries (its ranks leave each of its steps together, from the exchange's last wait)."""
-    for p in phases:
-        p.timed_step()
-        if p.spec is None:
-            hvd.barrier()
-
-
 def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict], Optional[dict]]:
     """Warm up every phase, then time ``timed_rounds`` interleaved rounds; the phases' figures, the
     cost model fitted on the link (as a dict; None without ``profile``) and what advise measured
@@ -347,7 +337,7 @@ def run(cfg: dict, hvd) -> Tuple[List[dict], Optional[dict], Optional[dict]]:
     for p in phases:
         p.start_timing()
     for _ in range(rounds):
-        timed_round(phases, hvd)
+        timed_round(phases, hvd.barrier)
     hvd.barrier()
     for p in phases:
         p.end_timing()

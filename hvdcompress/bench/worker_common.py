@@ -1,6 +1,6 @@
 """What every bench worker shares, whatever its framework (``torch_worker``, ``tf_worker``): the
-config it reads, the interface counters, the number of timed rounds, and the check that every
-rank ends with the same parameters. Imports neither torch nor TensorFlow; the Horovod module
+config it reads, the interface counters, the number of timed rounds, how a round is timed, and
+the check that every rank ends with the same parameters. Imports neither torch nor TensorFlow; the Horovod module
 (``horovod.torch`` or ``horovod.tensorflow``) is passed in.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 COMPUTE_ONLY = "compute-only"
 MIN_STEPS = 3  # timed rounds, whatever the time budget
@@ -46,6 +46,18 @@ def timed_rounds(cfg: dict, last_round_s: float, phases: int, hvd) -> int:
         return cfg["steps"]
     fit = int(budget * phases / max(last_round_s, 1e-6))
     return int(hvd.broadcast_object(min(cfg["steps"], max(MIN_STEPS, fit)), root_rank=0))
+
+
+def timed_round(phases: List, meet: Callable[[], None]) -> None:
+    """One timed step of every phase (``phase.timed_step()``), in turn. A compute-only step
+    (``phase.spec is None``) exchanges nothing, so the ranks leave it as far apart as their compute
+    differed; they ``meet`` after it (untimed), or the next phase's slowest rank would count that
+    gap as its own step time, which no step of its own in training carries (its ranks leave each
+    of its steps together, from the exchange's last wait)."""
+    for p in phases:
+        p.timed_step()
+        if p.spec is None:
+            meet()
 
 
 def digest(arrays: Iterable) -> str:
