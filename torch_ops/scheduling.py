@@ -116,8 +116,14 @@ check_revalidate_every = tuning.check_revalidate_every
 
 
 def check_cost_model(model) -> Optional[CostModel]:
+    """The one-link model a schedule plans with: ``model`` itself, or a ``TwoLevelCostModel``'s flat
+    one (its hops then serve the per-group route choice, ``torch_ops.twolevel.RouteChoice``)."""
+    from hvdcompress.schedule.twolevel import TwoLevelCostModel
+    if isinstance(model, TwoLevelCostModel):
+        return model.flat
     if model is not None and not isinstance(model, CostModel):
-        raise ValueError("cost_model: expected an hvdcompress.schedule.costmodel.CostModel or None (cached or "
+        raise ValueError("cost_model: expected an hvdcompress.schedule.costmodel.CostModel, a "
+                         "hvdcompress.schedule.twolevel.TwoLevelCostModel or None (cached or "
                          f"profiled at first use); got {type(model).__name__}")
     return model
 
@@ -175,6 +181,10 @@ class Scheduler:
             self.schedule = parse_schedule("layerwise")
         self.spec = spec
         self.cost_model = check_cost_model(cost_model)
+        # flat or two-level per group (torch_ops.twolevel.RouteChoice), where the transport chooses
+        self.routes = getattr(comm, "route_choice", None)
+        if self.routes is not None and self.cost_model is not cost_model:  # hops given with the model
+            self.routes.given = cost_model
         self.profile_steps = check_profile_steps(profile_steps)
         self.sizes = dict(sizes_bytes)
         self.world = world_size
@@ -235,6 +245,9 @@ class Scheduler:
         own = str(self.spec)
         self._codec_list = [None if codecs is None or codecs[k] == own else codecs[k] for k in range(len(named))]
         self._codecs = {tuple(n): c for n, c in zip(named, self._codec_list) if c is not None}
+        if self.routes is not None:
+            self.routes.assign(named, [sum(self.sizes[n] for n in g) for g in named],
+                               [own if c is None else c for c in self._codec_list])
         return named
 
     def timer(self) -> HostTimer:
@@ -251,8 +264,13 @@ class Scheduler:
     def done(self) -> bool:
         """The plan is made and validated: nothing left to measure before it is used (a drift
         watch, ``watching``, may still re-validate it later)."""
-        return self._tuner is None and self.plan is not None and (
+        return self._tuner is None and not self.validating_routes and self.plan is not None and (
             self.plan.predicted_seconds is not None or self.cost_model is None and not self.needs_model)
+
+    @property
+    def validating_routes(self) -> bool:
+        """The routes per group are being measured now (``RouteChoice.start_trial``)."""
+        return self.routes is not None and self.routes.validating
 
     @property
     def tuning(self) -> bool:
@@ -296,6 +314,8 @@ class Scheduler:
             out["codecs"] = [self._codecs.get(tuple(self.order[i] for i in g)) for g in out["groups"]]
         if self._watch is not None:  # the drift watch: its reference and this rank's window so far
             out["watch"] = self._watch.to_dict()
+        if self.routes is not None:
+            out["routes"] = self.routes.to_dict()
         return out
 
     def restore(self, saved) -> Optional[List[List[str]]]:
@@ -311,6 +331,8 @@ class Scheduler:
                     saved["predicted_seconds"], None, "shared", tuning=None if progress else tuned,
                     codecs=saved.get("plan_codecs"))
         self.adopt(plan, order)
+        if self.routes is not None:
+            self.routes.load(saved.get("routes"))
         self._tuner = _Tuner.from_dict(progress) if progress else None
         watch = saved.get("watch")
         self._watch = None
@@ -322,6 +344,10 @@ class Scheduler:
         """Called on every rank after each step with its clock; returns the groups (names) to use
         from the next step on when they change, else None. Runs collectives when a decision is
         due, which is at the same step on every rank."""
+        if self.validating_routes:
+            if self.routes.trial_step(_step_seconds(clock), self._comm()):
+                self.plan = replace(self.plan, notes=self.plan.notes + (self.routes.summary(),))
+            return None
         if self._watch is not None:
             return self._watch_step(clock)
         if self.done:
@@ -353,6 +379,8 @@ class Scheduler:
             model = self.cost_model = with_fits(model, [self.spec, *self.alternatives], comm=self._comm(),
                                                 device=self.device)
         calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
+        if self.routes is not None:  # each hop's fit beside the flat one (a collective on every rank)
+            self.routes.fit(calibrated, max_bytes=sum(self.sizes.values()))
         plan, candidates = _broadcast_result(self._comm(), lambda: self._model_plan(calibrated), "hvc.plan.model")
         note = ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
                 "decompression x{decompress:.3g}, exchange skew {skew:.3g}".format(**self.calibration))
@@ -363,7 +391,14 @@ class Scheduler:
         if len(candidates) > 1:  # measured validation: the candidates run, the model's first
             self._tuner = _Tuner(candidates, self.tune_steps)
             return self._use(candidates[0].groups, candidates[0].codecs)
-        return self._use(plan.groups, plan.codecs) if changed else None
+        groups = self._use(plan.groups, plan.codecs)  # the routes of the plan's groups, modelled
+        self._validate_routes()
+        return groups if changed else None
+
+    def _validate_routes(self) -> None:
+        """Once a plan is kept: measure its routes per group (``RouteChoice.start_trial``)."""
+        if self.routes is not None:
+            self.routes.start_trial(self.tune_steps)
 
     def _tune(self, clock: StepClock) -> Optional[List[List[str]]]:
         """One step of the measured validation (module doc); the same decisions on every rank."""
@@ -400,8 +435,11 @@ class Scheduler:
         self._tuner = None
         self._watch = _Watch() if self._watches(self.plan) else None  # its first window: the new reference
         if chosen == len(t.candidates) - 1:
+            self._validate_routes()
             return None  # the last candidate measured is the one kept: nothing changes
-        return self._use(kept.groups, kept.codecs)
+        groups = self._use(kept.groups, kept.codecs)
+        self._validate_routes()
+        return groups
 
     def _watch_step(self, clock: StepClock) -> Optional[List[List[str]]]:
         """One step of the drift watch: at the end of every window of ``revalidate_every`` steps,
