@@ -207,7 +207,8 @@ def test_the_model_picks_flat_for_a_tiny_payload_and_two_level_for_a_quantizer(r
                 assert route == want[spec], (spec, key, got[0])
         for g in got:
             assert all(s["identical"] for s in g["steps"]), spec
-        assert got[0]["steps"][-1]["routes"], spec  # the stats name every group's route and spec
+        for key, route in got[0]["routes"].items():  # the stats name every group's route and spec
+            assert got[0]["labels"][key].startswith("flat " if route == FLAT else "two-level "), got[0]["labels"]
 
 
 @pytest.mark.multiprocess

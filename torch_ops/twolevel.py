@@ -28,6 +28,10 @@ untagged (the non-finite guard's flag, object collectives, profiling, barriers),
 cross groups' transports for ``Hop`` requests; ``compose`` makes the two-level exchange around a
 compressor's exchange, which ``torch_ops.session.ExchangeSession.start`` calls when its transport
 has it. Payload bytes are counted per hop (``take_hop_bytes``, read into ``stats.hops``).
+
+With ``choose_routes`` the transport's ``RouteChoice`` sends each group flat (the spec's exchange
+on the world's transport, as without a topology) or two-level, as the scheduler's cost model
+with each hop fitted, then a measured validation, decided (docs/two-level.md).
 """
 
 from __future__ import annotations

@@ -48,7 +48,9 @@ the others inside it. A node's NICs send L x ``inter_bytes``.
 
 ``RouteCostModel`` is a route seen as a ``CostModel`` (the methods the planner calls), so
 ``make_plan`` plans a fixed route unchanged; ``plan_routes`` chooses a route and spec per group
-jointly with the partition (``search.optimal_choice``); ``choose`` does it for one group alone.
+jointly with the partition (``search.optimal_choice``); ``choose`` does it for one group alone,
+and ``choose_routes`` (flat or two-level for each group of a kept plan) with ``route_trials``
+(what its measured validation runs) are what the runtime uses (``torch_ops.twolevel.RouteChoice``).
 Everything here is a PREDICTION of the cost model.
 """
 

@@ -23,7 +23,7 @@ from scenarios import kit
 MLP = (32, 96, 96, 4)
 TOPOLOGY = "2x2"
 # the model the ``picks`` runs plan with: a node's links fast, the links between nodes slow
-LINKS = dict(nodes=2, local_size=2, intra_gbps=10.0, inter_gbps=0.1, intra_latency_s=2e-6, inter_latency_s=1e-6)
+LINKS = dict(nodes=2, local_size=2, intra_gbps=0.02, inter_gbps=0.001, intra_latency_s=2e-6, inter_latency_s=1e-6)
 PICKS = ("qsgd:levels=3,bucket=64", "dgc:ratio=0.001,min_sparse_numel=64,warmup_epochs=0")
 SWITCH_SPEC = "topk:ratio=0.1"
 ROUTES = ("flat", "two-level", "two-level", "flat", "two-level", "flat", "flat", "two-level")
@@ -99,21 +99,33 @@ def switching() -> dict:
     return {"log": log, "labels": dict(sessions["switching"].stats.routes)}
 
 
+def _fitted_links(spec, optimizer):
+    """``LINKS`` as a two-level cost model with compression fits for the spec (as the optimizer
+    adapts it), fp16 and dense, so that nothing is timed: the picks are the model's alone."""
+    from hvdcompress.schedule.costmodel import ComputeFit
+    from hvdcompress.schedule.twolevel import TwoLevelCostModel
+    from hvdcompress.spec import resolve
+    from torch_ops.compressors import compressor_class
+    groups = [dict(g) for g in optimizer.param_groups]
+    adapted = compressor_class(resolve(spec)).adapt_optimizer(resolve(spec), groups)
+    fits = {str(resolve(s)): ComputeFit("linear", 2e-10, 1e-4) for s in (adapted, "fp16", "none")}
+    return TwoLevelCostModel.from_links(**LINKS, compress=fits, decompress=dict(fits))
+
+
 def picks() -> dict:
     import torch
     import hvdcompress.torch as hvc
-    from hvdcompress.schedule.twolevel import TwoLevelCostModel
     out = {}
     for spec in PICKS:
         model = kit.torch_mlp(MLP)
-        opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                       named_parameters=model.named_parameters(), compression=spec, backend="torch",
-                                       topology=TOPOLOGY, codec_choice="auto", tune_steps=0, schedule="single",
-                                       cost_model=TwoLevelCostModel.from_links(**LINKS))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = hvc.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=spec,
+                                       backend="torch", topology=TOPOLOGY, codec_choice="auto", tune_steps=0,
+                                       schedule="single", profile_steps=2, cost_model=_fitted_links(spec, sgd))
         steps = _train(opt, model, 6)
         choice = opt.engine.transport.route_choice
         out[spec] = {"steps": steps, "modelled": dict(choice.modelled), "routes": dict(choice.routes),
-                     "codecs": opt.plan.codecs, "notes": list(opt.plan.notes)}
+                     "labels": dict(opt.stats.routes), "codecs": opt.plan.codecs, "notes": list(opt.plan.notes)}
     return out
 
 
