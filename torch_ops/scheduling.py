@@ -122,9 +122,9 @@ def check_cost_model(model) -> Optional[CostModel]:
     if isinstance(model, TwoLevelCostModel):
         return model.flat
     if model is not None and not isinstance(model, CostModel):
-        raise ValueError("cost_model: expected an hvdcompress.schedule.costmodel.CostModel, a "
-                         "hvdcompress.schedule.twolevel.TwoLevelCostModel or None (cached or "
-                         f"profiled at first use); got {type(model).__name__}")
+        raise ValueError("cost_model: expected an hvdcompress.schedule.costmodel.CostModel or None (cached or "
+                         "profiled at first use), or a hvdcompress.schedule.twolevel.TwoLevelCostModel; got "
+                         f"{type(model).__name__}")
     return model
 
 
