@@ -61,6 +61,13 @@ group of each candidate the validation without the choice would measure (``_spec
 the plan kept is never measurably slower than the best of them, nor than what the compressor
 alone would keep. The codecs in use are saved with the plan and restored with it.
 
+Flat or two-level per group (a two-level transport with a ``route_choice``,
+``torch_ops.twolevel.RouteChoice``): when the cost model is taken, each hop is fitted beside it;
+every ``_use`` of groups gives them the model's routes; once a plan is kept (after its measured
+validation, or at once without one) the routes are measured (the model's, all flat, all
+two-level), a step per candidate's settling and ``tune_steps`` steps each, before the drift watch
+starts; the routes in use are saved with the plan.
+
 Rank 0 makes the plan and broadcasts it, so every rank exchanges the same groups, and a failure
 there is raised on every rank. A fixed schedule given a ``cost_model`` also gets a predicted step
 time, computed at the same point from the same measurements.
@@ -184,6 +191,9 @@ class Scheduler:
         # flat or two-level per group (torch_ops.twolevel.RouteChoice), where the transport chooses
         self.routes = getattr(comm, "route_choice", None)
         if self.routes is not None and self.cost_model is not cost_model:  # hops given with the model
+            if cost_model.topology != self.routes.transport.topology:
+                raise ValueError(f"cost_model: a TwoLevelCostModel of topology {cost_model.topology}, but the "
+                                 f"exchanges run on {self.routes.transport.topology}")
             self.routes.given = cost_model
         self.profile_steps = check_profile_steps(profile_steps)
         self.sizes = dict(sizes_bytes)
@@ -391,7 +401,9 @@ class Scheduler:
         if len(candidates) > 1:  # measured validation: the candidates run, the model's first
             self._tuner = _Tuner(candidates, self.tune_steps)
             return self._use(candidates[0].groups, candidates[0].codecs)
-        groups = self._use(plan.groups, plan.codecs)  # the routes of the plan's groups, modelled
+        if not changed and self.routes is None:
+            return None
+        groups = self._use(plan.groups, plan.codecs)  # with routes: the plan's groups' routes, modelled
         self._validate_routes()
         return groups if changed else None
 
