@@ -223,3 +223,4 @@ def test_the_default_path_validates_its_routes_alike_on_every_rank(runs):
         assert any(n.startswith("routes:") for n in r["notes"])
     kept = first["record"]["trials"][first["record"]["kept"]]["routes"]
     assert first["routes"] == kept
+    assert first["saved_routes"]["routes"] == kept  # state_dict() carries the decision with the plan
