@@ -192,7 +192,8 @@ def run_row(row: dict, cfg: dict, data):
                 held_out_accuracy=accuracy, identical=all(bool(torch.equal(copies[0], c)) for c in copies),
                 plan={"schedule": plan.schedule if plan else None, "groups": len(opt.groups),
                       "codecs": list(plan.codecs) if plan is not None and plan.codecs else None,
-                      "kept": tuned.get("kept_label"), "revalidations": tuned.get("revalidations")}), opt.workload
+                      "kept": tuned.get("kept_label"), "revalidations": tuned.get("revalidations"),
+                      "routes": dict(opt.stats.routes) or None}), opt.workload
 
 
 def worker_main(cfg_json: str, out_path: str) -> None:
@@ -317,6 +318,9 @@ def markdown(result: dict) -> str:
         hops = r.get("hop_bytes_per_rank")
         payload = f"{_mb(hops.get('local'))} / {_mb(hops.get('cross'))}" if hops else f"{_mb(r['payload_bytes_per_rank'])} (flat)"
         spec = r["spec"] + (f" ({r['plan']['kept']})" if r["layout"] == "choice" and r["plan"].get("kept") else "")
+        if r["layout"] == "choice" and r["plan"].get("routes"):  # the route and spec of each group, counted
+            routes = list(r["plan"]["routes"].values())
+            spec += "; " + ", ".join(f"{routes.count(x)}x {x}" for x in sorted(set(routes)))
         out.append("| " + " | ".join([
             r["link"], r["layout"], f"`{spec}`", f"{1e3 * r['median_step_s']:.1f}",
             f"{r['speedup_vs_flat']:.2f}x" if r.get("speedup_vs_flat") else "-",

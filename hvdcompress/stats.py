@@ -28,12 +28,18 @@ class WireStats:
     # two-level exchanges: payload bytes per hop ("local": inside the node, "cross": between nodes)
     last_hop_bytes: Dict[str, int] = field(default_factory=dict)
     total_hop_bytes: Dict[str, int] = field(default_factory=dict)
+    # a two-level topology choosing per group: the route and spec of each group of the last step
+    routes: Dict[str, str] = field(default_factory=dict)
 
     def record(self, bytes_sent: int, dense_bytes: int, compute_seconds: float = 0.0,
-               density: Optional[float] = None, hops: Optional[Dict[str, int]] = None) -> None:
+               density: Optional[float] = None, hops: Optional[Dict[str, int]] = None,
+               routes: Optional[Dict[str, str]] = None) -> None:
         """One step: payload bytes, dense bytes, seconds spent compressing/decompressing, the
         density the compressor used (None when it has none) and, for a two-level exchange, the
-        payload bytes per hop (included in ``bytes_sent``)."""
+        payload bytes per hop (included in ``bytes_sent``) and, where routes are chosen per group,
+        each group's route and spec (group key -> e.g. "flat dgc:ratio=0.001")."""
+        if routes:
+            self.routes = dict(routes)
         if hops is not None:
             self.last_hop_bytes = {k: int(v) for k, v in hops.items()}
             for k, v in self.last_hop_bytes.items():
@@ -60,4 +66,5 @@ class WireStats:
                 "ratio": self.ratio, "density": self.density,
                 "compute_seconds_per_step": self.total_compute_seconds / self.steps if self.steps else 0.0,
                 **({"hop_bytes_per_step": {k: v / self.steps for k, v in self.total_hop_bytes.items()}}
-                   if self.total_hop_bytes and self.steps else {})}
+                   if self.total_hop_bytes and self.steps else {}),
+                **({"routes": dict(self.routes)} if self.routes else {})}

@@ -97,6 +97,30 @@ def resolve_codec_choice(value, spec, compressor, schedule, tune_steps: int, del
     return check_codec_choice(value, compressor, delay, sync_every)
 
 
+def chooses_routes(topology, resolved, alternatives, schedule, tune_steps: int, compressor) -> bool:
+    """Whether the groups of a two-level ``resolved`` topology choose flat or two-level each
+    (``torch_ops.twolevel.RouteChoice``), ``topology`` being the argument as given (None: the
+    launcher's). All of these must hold:
+
+    - ``resolved`` has more than one node of more than one rank;
+    - the compressor's state is a sum over ranks (not an Adam family's variance:
+      ``compressor.returns_update``), so a group may change route without losing any;
+    - the per-group codec choice is on (``alternatives``), or the topology is the launcher's and
+      ``schedule`` a cost-model schedule with ``tune_steps`` > 0 (the default path).
+
+    Else every group goes two-level, as with an explicit ``topology=`` and ``codec_choice="off"``.
+    Pure: arguments already checked."""
+    from hvdcompress.schedule.planner import parse_schedule
+
+    if resolved.flat or getattr(compressor, "returns_update", False):
+        return False
+    if alternatives:
+        return True
+    if topology is not None or isinstance(schedule, (list, tuple)):
+        return False
+    return parse_schedule(schedule).kind in SEARCHED and tune_steps > 0
+
+
 def fallback_exchange(compressor, codec: str, x: torch.Tensor, ctx):
     """The exchange generator of a group sent with ``codec`` ("none" or "fp16") by ``compressor``'s
     state (module doc): one allreduce, the sum times ``ctx.scale``."""

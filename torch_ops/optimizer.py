@@ -46,7 +46,7 @@ from hvdcompress.spec import CompressionSpec, resolve
 
 from . import checkpoint
 from .arguments import check_arguments, check_devices, check_topology, parameter_names
-from .codec_choice import resolve_codec_choice
+from .codec_choice import chooses_routes, resolve_codec_choice
 from .compressors import build_compressor, compressor_class
 from .elastic import elastic_mode
 from .engine import Engine
@@ -354,7 +354,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                                         sync_every, elastic=elastic_mode())
     check_revalidate_every(revalidate_every, bool(alternatives))
     transport = make_transport(backend, process_set, transport)  # Horovod (initialized) or torch.distributed
-    transport = two_level_transport(transport, check_topology(topology, transport))  # flat: itself
+    layout = check_topology(topology, transport)
+    transport = two_level_transport(transport, layout, chooses_routes(topology, layout, alternatives, schedule,
+                                                                      tune_steps, compressor))  # flat: itself
     if transport.included():  # a rank outside the process set exchanges nothing: its optimizer stays as it is
         for group, adapted in zip(optimizer.param_groups, groups):
             group.update(adapted)

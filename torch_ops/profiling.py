@@ -475,3 +475,21 @@ def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=No
             samples = timer(s, sizes, comm=comm, device=device)
             table[str(s)] = fit_compute([d for d, _ in samples], [t for _, t in samples])
     return replace(model, compress=compress, decompress=decompress)
+
+
+def profile_hops(local, cross, topology, max_bytes: Optional[float] = None, repeats: int = 3,
+                 world=None) -> Dict[str, CostModel]:
+    """A ``CostModel`` of each hop of a two-level topology: ``intra`` timed on ``local`` (the node's
+    ranks, every node at once) and ``inter`` on ``cross`` (the ranks at one local position, every
+    position at once: the node's links shared as a two-level exchange shares them), collectives up
+    to ``max_bytes``. Each node times its own link, so the fits of rank 0 are broadcast on
+    ``world`` (every rank of it calls this at the same point) and every rank decides alike."""
+    sizes = comm_sizes_up_to(max_bytes)
+    fits = {}
+    for name, comm, ranks in (("intra", local, topology.local_size), ("inter", cross, topology.nodes)):
+        timed = time_collectives(("allreduce", "allgather"), sizes, repeats=repeats, comm=comm)
+        fits[name] = fit_cost_model(ranks, timed["allreduce"], timed["allgather"],
+                                    meta={"timed_on": f"{name} groups, all at once"}).to_dict()
+    if world is not None:
+        fits = world.broadcast_object(fits, "hvc.profile.hops")
+    return {name: CostModel.from_dict(d) for name, d in fits.items()}

@@ -61,6 +61,13 @@ group of each candidate the validation without the choice would measure (``_spec
 the plan kept is never measurably slower than the best of them, nor than what the compressor
 alone would keep. The codecs in use are saved with the plan and restored with it.
 
+Flat or two-level per group (a two-level transport with a ``route_choice``,
+``torch_ops.twolevel.RouteChoice``): when the cost model is taken, each hop is fitted beside it;
+every ``_use`` of groups gives them the model's routes; once a plan is kept (after its measured
+validation, or at once without one) the routes are measured (the model's, all flat, all
+two-level), a step per candidate's settling and ``tune_steps`` steps each, before the drift watch
+starts; the routes in use are saved with the plan.
+
 Rank 0 makes the plan and broadcasts it, so every rank exchanges the same groups, and a failure
 there is raised on every rank. A fixed schedule given a ``cost_model`` also gets a predicted step
 time, computed at the same point from the same measurements.
@@ -116,9 +123,15 @@ check_revalidate_every = tuning.check_revalidate_every
 
 
 def check_cost_model(model) -> Optional[CostModel]:
+    """The one-link model a schedule plans with: ``model`` itself, or a ``TwoLevelCostModel``'s flat
+    one (its hops then serve the per-group route choice, ``torch_ops.twolevel.RouteChoice``)."""
+    from hvdcompress.schedule.twolevel import TwoLevelCostModel
+    if isinstance(model, TwoLevelCostModel):
+        return model.flat
     if model is not None and not isinstance(model, CostModel):
         raise ValueError("cost_model: expected an hvdcompress.schedule.costmodel.CostModel or None (cached or "
-                         f"profiled at first use); got {type(model).__name__}")
+                         "profiled at first use), or a hvdcompress.schedule.twolevel.TwoLevelCostModel; got "
+                         f"{type(model).__name__}")
     return model
 
 
@@ -175,6 +188,13 @@ class Scheduler:
             self.schedule = parse_schedule("layerwise")
         self.spec = spec
         self.cost_model = check_cost_model(cost_model)
+        # flat or two-level per group (torch_ops.twolevel.RouteChoice), where the transport chooses
+        self.routes = getattr(comm, "route_choice", None)
+        if self.routes is not None and self.cost_model is not cost_model:  # hops given with the model
+            if cost_model.topology != self.routes.transport.topology:
+                raise ValueError(f"cost_model: a TwoLevelCostModel of topology {cost_model.topology}, but the "
+                                 f"exchanges run on {self.routes.transport.topology}")
+            self.routes.given = cost_model
         self.profile_steps = check_profile_steps(profile_steps)
         self.sizes = dict(sizes_bytes)
         self.world = world_size
@@ -235,6 +255,9 @@ class Scheduler:
         own = str(self.spec)
         self._codec_list = [None if codecs is None or codecs[k] == own else codecs[k] for k in range(len(named))]
         self._codecs = {tuple(n): c for n, c in zip(named, self._codec_list) if c is not None}
+        if self.routes is not None:
+            self.routes.assign(named, [sum(self.sizes[n] for n in g) for g in named],
+                               [own if c is None else c for c in self._codec_list])
         return named
 
     def timer(self) -> HostTimer:
@@ -251,8 +274,13 @@ class Scheduler:
     def done(self) -> bool:
         """The plan is made and validated: nothing left to measure before it is used (a drift
         watch, ``watching``, may still re-validate it later)."""
-        return self._tuner is None and self.plan is not None and (
+        return self._tuner is None and not self.validating_routes and self.plan is not None and (
             self.plan.predicted_seconds is not None or self.cost_model is None and not self.needs_model)
+
+    @property
+    def validating_routes(self) -> bool:
+        """The routes per group are being measured now (``RouteChoice.start_trial``)."""
+        return self.routes is not None and self.routes.validating
 
     @property
     def tuning(self) -> bool:
@@ -296,6 +324,8 @@ class Scheduler:
             out["codecs"] = [self._codecs.get(tuple(self.order[i] for i in g)) for g in out["groups"]]
         if self._watch is not None:  # the drift watch: its reference and this rank's window so far
             out["watch"] = self._watch.to_dict()
+        if self.routes is not None:
+            out["routes"] = self.routes.to_dict()
         return out
 
     def restore(self, saved) -> Optional[List[List[str]]]:
@@ -311,6 +341,8 @@ class Scheduler:
                     saved["predicted_seconds"], None, "shared", tuning=None if progress else tuned,
                     codecs=saved.get("plan_codecs"))
         self.adopt(plan, order)
+        if self.routes is not None:
+            self.routes.load(saved.get("routes"))
         self._tuner = _Tuner.from_dict(progress) if progress else None
         watch = saved.get("watch")
         self._watch = None
@@ -322,6 +354,10 @@ class Scheduler:
         """Called on every rank after each step with its clock; returns the groups (names) to use
         from the next step on when they change, else None. Runs collectives when a decision is
         due, which is at the same step on every rank."""
+        if self.validating_routes:
+            if self.routes.trial_step(_step_seconds(clock), self._comm()):
+                self.plan = replace(self.plan, notes=self.plan.notes + (self.routes.summary(),))
+            return None
         if self._watch is not None:
             return self._watch_step(clock)
         if self.done:
@@ -353,6 +389,8 @@ class Scheduler:
             model = self.cost_model = with_fits(model, [self.spec, *self.alternatives], comm=self._comm(),
                                                 device=self.device)
         calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
+        if self.routes is not None:  # each hop's fit beside the flat one (a collective on every rank)
+            self.routes.fit(calibrated, max_bytes=sum(self.sizes.values()))
         plan, candidates = _broadcast_result(self._comm(), lambda: self._model_plan(calibrated), "hvc.plan.model")
         note = ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
                 "decompression x{decompress:.3g}, exchange skew {skew:.3g}".format(**self.calibration))
@@ -363,7 +401,16 @@ class Scheduler:
         if len(candidates) > 1:  # measured validation: the candidates run, the model's first
             self._tuner = _Tuner(candidates, self.tune_steps)
             return self._use(candidates[0].groups, candidates[0].codecs)
-        return self._use(plan.groups, plan.codecs) if changed else None
+        if not changed and self.routes is None:
+            return None
+        groups = self._use(plan.groups, plan.codecs)  # with routes: the plan's groups' routes, modelled
+        self._validate_routes()
+        return groups if changed else None
+
+    def _validate_routes(self) -> None:
+        """Once a plan is kept: measure its routes per group (``RouteChoice.start_trial``)."""
+        if self.routes is not None:
+            self.routes.start_trial(self.tune_steps)
 
     def _tune(self, clock: StepClock) -> Optional[List[List[str]]]:
         """One step of the measured validation (module doc); the same decisions on every rank."""
@@ -400,8 +447,11 @@ class Scheduler:
         self._tuner = None
         self._watch = _Watch() if self._watches(self.plan) else None  # its first window: the new reference
         if chosen == len(t.candidates) - 1:
+            self._validate_routes()
             return None  # the last candidate measured is the one kept: nothing changes
-        return self._use(kept.groups, kept.codecs)
+        groups = self._use(kept.groups, kept.codecs)
+        self._validate_routes()
+        return groups
 
     def _watch_step(self, clock: StepClock) -> Optional[List[List[str]]]:
         """One step of the drift watch: at the end of every window of ``revalidate_every`` steps,

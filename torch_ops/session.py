@@ -154,9 +154,10 @@ class ExchangeSession:
         uncompressed, and the clock moved on."""
         exchanges = list(exchanges)
         hops = getattr(self.transport, "take_hop_bytes", None)
+        routes = getattr(self.transport, "take_routes", None)  # a two-level transport's routes per group
         self.stats.record(sum(ex.bytes_sent for ex in exchanges), dense_bytes,
                           sum(ex.compute_seconds for ex in exchanges), self.compressor.density(self.current_epoch()),
-                          hops=hops() if hops is not None else None)
+                          hops=hops() if hops is not None else None, routes=routes() if routes is not None else None)
         self.step += 1
 
     def drop_in_flight(self) -> None:

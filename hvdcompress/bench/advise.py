@@ -47,6 +47,8 @@ inside a node, the spec across on 1/L of the gradient, allgather inside; spec no
 hierarchical allreduce), its time on each hop and the bytes a node sends across, flat against
 two-level; then the route and spec the planner would choose per group
 (``hvdcompress.schedule.twolevel``). A node's ranks share ``--nics-per-node`` NICs for the cross hop.
+At run time the optimizer chooses from fewer routes: flat or two-level with dense inside, per
+group of its one-link plan, then measured (``torch_ops.twolevel.RouteChoice``, docs/two-level.md).
 
     hvdcompress advise --profile vgg16-v100 --workers 4 --gbps 1 --plot advise.png --json advise.json
     hvdcompress advise --model vgg --gbps 0.1 --quick
@@ -699,6 +701,8 @@ def _print_two_level(args, workload: Workload, fits, specs, auto_spec) -> dict:
         for g in choice["decisions"]:
             first = g["tensors"][0] + (f" .. {g['tensors'][-1]}" if len(g["tensors"]) > 1 else "")
             print(f"  {g['route'][:52]:<52} {g['bytes'] / 1e6:9.3f} MB  {first} ({len(g['tensors'])} tensors)")
+        print("  (the model's joint choice; a run chooses flat or two-level, dense inside, per group of its plan "
+              "and measures it: docs/two-level.md)")
         out["choice"] = choice
     return out
 

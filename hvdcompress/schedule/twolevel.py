@@ -48,7 +48,9 @@ the others inside it. A node's NICs send L x ``inter_bytes``.
 
 ``RouteCostModel`` is a route seen as a ``CostModel`` (the methods the planner calls), so
 ``make_plan`` plans a fixed route unchanged; ``plan_routes`` chooses a route and spec per group
-jointly with the partition (``search.optimal_choice``); ``choose`` does it for one group alone.
+jointly with the partition (``search.optimal_choice``); ``choose`` does it for one group alone,
+and ``choose_routes`` (flat or two-level for each group of a kept plan) with ``route_trials``
+(what its measured validation runs) are what the runtime uses (``torch_ops.twolevel.RouteChoice``).
 Everything here is a PREDICTION of the cost model.
 """
 
@@ -545,6 +547,34 @@ def plan_routes(sizes_bytes: Sequence[float], t_b: Sequence[float], model: TwoLe
                      found.gap if cuts is None else None)
 
 
+def choose_routes(model: TwoLevelCostModel, sizes_bytes: Sequence[float], specs: Sequence,
+                  itemsize: int = 4) -> List[Decision]:
+    """Per group of ``sizes_bytes[i]`` bytes sent with ``specs[i]``: flat or two-level (dense
+    inside), whichever sends it alone faster under ``model`` (``choose``; flat on a tie). The
+    runtime's per-group route choice (``torch_ops.twolevel.RouteChoice``) starts from these."""
+    if len(sizes_bytes) != len(specs):
+        raise ValueError(f"choose_routes: one spec per group; got {len(sizes_bytes)} groups and {len(specs)} specs")
+    out = []
+    for b, s in zip(sizes_bytes, specs):
+        s = resolve(s)
+        out.append(choose(model, s, float(b), [Candidate(Route(), s), Candidate(HIERARCHICAL, s)], itemsize))
+    return out
+
+
+def route_trials(modelled: Sequence[str]) -> List[Tuple[str, Tuple[str, ...]]]:
+    """The per-group route assignments a measured validation runs, as (label, layout per group):
+    the model's (``modelled``, first), every group flat, every group two-level; duplicates dropped."""
+    for r in modelled:
+        if r not in LAYOUTS:
+            raise ValueError(f"route_trials: a route must be one of {', '.join(LAYOUTS)}; got {r!r}")
+    out: List[Tuple[str, Tuple[str, ...]]] = []
+    for name, routes in (("model", tuple(modelled)), ("all " + FLAT, (FLAT,) * len(modelled)),
+                         ("all " + TWO_LEVEL, (TWO_LEVEL,) * len(modelled))):
+        if routes not in [r for _, r in out]:
+            out.append((name, routes))
+    return out
+
+
 def step_bytes(model: TwoLevelCostModel, groups: Sequence[Sequence[int]], sizes_bytes: Sequence[float],
                choices: Sequence[Candidate], itemsize: int = 4) -> dict:
     """Bytes one worker sends per step over each link class (averaged over a node's workers), and
@@ -560,5 +590,5 @@ def step_bytes(model: TwoLevelCostModel, groups: Sequence[Sequence[int]], sizes_
 
 __all__ = ["AGGREGATES", "Candidate", "Choice", "Decision", "FLAT", "GATHER", "GTOPK", "HIERARCHICAL", "Hops",
            "INSIDE", "LAYOUTS", "Route", "RouteCostModel", "RoutePlan", "TWO_LEVEL", "TwoLevelCostModel",
-           "candidates", "choose", "spec_label", "gtopk_rounds", "gtopk_wire_bytes", "hop_fit", "label", "plan_routes",
+           "candidates", "choose", "choose_routes", "route_trials", "spec_label", "gtopk_rounds", "gtopk_wire_bytes", "hop_fit", "label", "plan_routes",
            "ring_wire_bytes", "step_bytes"]
