@@ -32,11 +32,19 @@ from hvdcompress.contract import Allgather, Allreduce, Alltoall, Exchange, Flag,
 
 
 def request_bytes(requests: Sequence[Request]) -> tf.Tensor:
-    """Bytes this rank contributes to the collectives of one round (an int64 scalar tensor)."""
-    total = tf.constant(0, tf.int64)
+    """Bytes this rank contributes to the collectives of one round (an int64 scalar tensor). The
+    tensors whose shape is known when traced are counted in Python (no ops to trace); only the
+    others (a selection of data-dependent size) add a size op."""
+    known, total = 0, None
     for r in payload_requests(requests):
-        total += tf.size(r.tensor, out_type=tf.int64) * r.tensor.dtype.size
-    return total
+        numel = r.tensor.shape.num_elements()
+        if numel is not None:
+            known += numel * r.tensor.dtype.size
+        else:
+            part = tf.size(r.tensor, out_type=tf.int64) * r.tensor.dtype.size
+            total = part if total is None else total + part
+    known = tf.constant(known, tf.int64)
+    return known if total is None else known + total
 
 
 def summed_gather(t, rank: int, allreduce) -> tf.Tensor:

@@ -14,8 +14,10 @@ the round's other collectives), and when any rank flagged one,
   PowerSGD's factors) is set to 0 on every rank; the finite rest of that step's compensation
   stays, as after any step. Nothing non-finite is ever kept.
 
-Both are ``tf.cond`` on the summed flag, so a finite step reads nothing more than the gradient
-(its sum; the elementwise ``is_finite`` check only when the sum is not finite). Under
+Both happen in one branch of a ``tf.cond`` on the summed flag, and the flag itself is one
+``tf.cond``, so a finite step reads nothing more than the gradient (its sum; the elementwise
+``is_finite`` checks only when the sum is not finite or a restore is pending), and a traced step
+pays for two conditionals per exchange (each traces two branch functions). Under
 ``tf.function`` the guard's state assignments follow the compressor's own (automatic control
 dependencies order ops on the same variable).
 
@@ -39,17 +41,6 @@ from tensorflow.python.trackable import base as trackable
 from .collectives import Flag
 
 
-def _flag(x: tf.Tensor) -> tf.Tensor:
-    """[1.0] if ``x`` has a non-finite entry, else [0.0] (float32, shape (1,))."""
-    if not x.dtype.is_floating:
-        return tf.zeros([1], tf.float32)
-    # a NaN/inf entry makes the sum non-finite: a finite sum (one read) proves there is none, and
-    # only a non-finite one (a bad entry, or an overflowing sum) pays for the elementwise check
-    def exact():
-        return tf.reshape(tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(x))), tf.float32), [1])
-    return tf.cond(tf.math.is_finite(tf.reduce_sum(x)), lambda: tf.zeros([1], tf.float32), exact)
-
-
 def _zero_non_finite(state: Dict[str, tf.Variable]) -> tf.Tensor:
     ops = []
     for v in state.values():
@@ -60,17 +51,33 @@ def _zero_non_finite(state: Dict[str, tf.Variable]) -> tf.Tensor:
         return tf.constant(True)
 
 
-def _state_flag(state: Dict[str, tf.Variable], restored) -> tf.Tensor:
-    """[1.0] if a restore is pending (``restored``) and the state has a non-finite entry, else [0.0];
-    the state is read only when a restore is pending."""
-    floats = [v for v in state.values() if v.dtype.is_floating]
-    if restored is None or not floats:
-        return tf.zeros([1], tf.float32)
+def _flags(x: tf.Tensor, state: Dict[str, tf.Variable], restored) -> tf.Tensor:
+    """[1.0 if ``x`` has a non-finite entry, 1.0 if a restore is pending (``restored``) and the state
+    has a non-finite entry] (float32, shape (2,)), else 0.0 in each place.
 
-    def read():
-        bad = tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in floats]))
-        return tf.reshape(tf.cast(bad, tf.float32), [1])
-    return tf.cond(restored, read, lambda: tf.zeros([1], tf.float32))
+    One ``tf.cond``: a finite sum of ``x`` (one read) proves every entry finite, so a step with a
+    finite sum and no restore pending reads nothing else; only a non-finite sum (a bad entry, or an
+    overflowing sum) or a pending restore pays for the elementwise checks (of ``x`` and of the
+    state)."""
+    floats = [v for v in state.values() if v.dtype.is_floating] if restored is not None else []
+    checked = x.dtype.is_floating
+    if not checked and not floats:
+        return tf.zeros([2], tf.float32)
+
+    def exact():
+        bad_x = tf.logical_not(tf.reduce_all(tf.math.is_finite(x))) if checked else tf.constant(False)
+        bad_state = (tf.logical_and(restored, tf.logical_not(tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(v)) for v in floats]))) if floats else tf.constant(False))
+        return tf.cast(tf.stack([bad_x, bad_state]), tf.float32)
+    clean = tf.math.is_finite(tf.reduce_sum(x)) if checked else tf.constant(True)
+    if floats:
+        clean = tf.logical_and(clean, tf.logical_not(restored))
+    return tf.cond(clean, lambda: tf.zeros([2], tf.float32), exact)
+
+
+def _flag(x: tf.Tensor) -> tf.Tensor:
+    """[1.0] if ``x`` has a non-finite entry, else [0.0] (float32, shape (1,)): ``_flags`` without state."""
+    return _flags(x, {}, None)[:1]
 
 
 def guard(gen, x: tf.Tensor, state: Dict[str, tf.Variable], restored=None, where: str = "a gradient"):
@@ -82,7 +89,7 @@ def guard(gen, x: tf.Tensor, state: Dict[str, tf.Variable], restored=None, where
         first = next(gen)
     except StopIteration as stop:  # an exchange without collectives: nothing to guard
         return stop.value
-    results = yield tuple(first) + (Flag(tf.concat([_flag(x), _state_flag(state, restored)], 0)),)
+    results = yield tuple(first) + (Flag(_flags(x, state, restored)),)
     flags = results[-1]
     flagged = flags[0] > 0
     names = ", ".join(f"'{n}'" for n, v in state.items() if v.dtype.is_floating)
@@ -97,12 +104,14 @@ def guard(gen, x: tf.Tensor, state: Dict[str, tf.Variable], restored=None, where
             out = stop.value
             break
         results = yield requests
-    deps = [refused]
-    if state:
-        deps.append(tf.cond(flagged, lambda: _zero_non_finite(state), lambda: tf.constant(False)))
-    with tf.control_dependencies(deps):
+    with tf.control_dependencies([refused]):
         out = tf.identity(out)
-    return tf.cond(flagged, lambda: tf.fill(tf.shape(out), tf.constant(float("nan"), out.dtype)), lambda: out)
+
+    def poisoned():  # a rank flagged a non-finite value: the state's bad entries zeroed, the result NaN
+        zeroed = [_zero_non_finite(state)] if state else []
+        with tf.control_dependencies(zeroed):
+            return tf.fill(tf.shape(out), tf.constant(float("nan"), out.dtype))
+    return tf.cond(flagged, poisoned, lambda: out)
 
 
 class RestoreMarker(trackable.Trackable):

@@ -175,8 +175,9 @@ def launch(world: int) -> list:
 
 
 def horovod_optimizer() -> dict:
-    """On Horovod (run by ``scenarios.launch.run_workers``): the optimizer's default transport, the
-    Horovod ``Communicator``, carries the same rounds; replicas compared every step, exchanges logged."""
+    """On Horovod (in the session's shared 3-worker launch, ``shared_launch.TORCH_3``): the optimizer's
+    default transport, the Horovod ``Communicator``, carries the same rounds; replicas compared every
+    step, exchanges logged."""
     import torch
     import torch.nn as nn
     import horovod.torch as hvd

@@ -48,9 +48,16 @@ def tf_specs(world: int):
     return [s for s in SPECS if kit.extended() or s not in TF_EXTENDED_ONLY]
 
 
+# signSGD keeps no compression state but the step: its tape resume repeats the tape checkpoint path
+# TernGrad's resume runs (with a residual) and tf_core's DGC resume (tests/test_tf_multiprocess.py);
+# PyTorch resumes signSGD on 2 workers. Extended tier (two traces per TF process).
+TF_RESUME_EXTENDED_ONLY = (("tape", "signsgd"),)
+
+
 def tf_resume(world: int):
     """``(kind, spec)`` of the TF resume checks in the launch of ``world`` workers."""
-    return [(k, s) for k, s in TF_RESUME[world] if kit.extended() or s not in TF_EXTENDED_ONLY]
+    return [(k, s) for k, s in TF_RESUME[world]
+            if kit.extended() or (s not in TF_EXTENDED_ONLY and (k, s) not in TF_RESUME_EXTENDED_ONLY)]
 
 
 BAD = {"levels": "qsgd:levels=0", "bucket": "terngrad:bucket=-1", "rank": "powersgd:rank=0"}

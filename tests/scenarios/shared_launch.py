@@ -197,4 +197,5 @@ TORCH_3 = SharedLaunch("torch", 3, {
     "test_quantizers_multiprocess": {"everything": ("scenarios.quantizers", "torch_everything", _no_args)},
     "test_sketch_multiprocess": {"all": ("scenarios.sketch", "torch_all", lambda: (3,))},
     "test_delayed": {"unrolled": ("scenarios.delayed", "unrolled_identity", _no_args)},
+    "test_gtopk": {"horovod": ("scenarios.gtopk", "horovod_optimizer", _no_args)},
 })
