@@ -14,12 +14,22 @@ plain FSDP2 and with ``hvdcompress.fsdp.compress`` for each configuration. Per c
 * on an emulated link, the bytes the busiest interface carried per measured step in its busier
   direction (``/proc/net/dev``: headers, the all-gathers and this script's timing collectives
   included; with ``--topology`` an interface is a node's link, shared by its ranks);
-* step time: the slowest rank's, median over the steps after ``--warmup``;
+* step time: the slowest rank's, median over the steps after ``--warmup``; and the CPU seconds a
+  step costs the busiest rank (``time.process_time``, all its threads: compute, encoding and the
+  transport's own work), which a loaded machine stretches far less than the wall clock;
 * peak memory per rank: on CUDA ``torch.cuda.max_memory_allocated`` (tensors only); on CPU the
   process's resident-set high-water mark (``getrusage`` ``ru_maxrss``: the whole process, Python
-  and torch included, so it shows differences, not the tensors alone); and the compression state
-  this rank holds (exact bytes of the session's tensors);
+  and torch included, so it shows differences, not the tensors alone); and the state kept between
+  steps, in bytes per model parameter on the fullest rank: plain FSDP2's own (the sharded
+  parameters, their gradients and AdamW's state, exact bytes of the tensors) and the compression
+  state (exact bytes of the sessions' tensors, as ``state_dict`` saves them);
 * whether every rank's gathered parameters are identical at the end.
+
+``--seeds 0,1,2`` runs every configuration once per seed (the initial weights, each rank's batches
+and the spec's stochastic rounding); the tables give the loss's mean and spread over the seeds and
+its distance to plain FSDP2's taken seed by seed. ``--preset wire`` is a wider char LM on few
+tokens per step, sized so that the wire dominates the step on a slow link. ``--merge`` summarizes
+the JSON files of several runs into one table.
 
 The workers run on the machine's loopback (``--link loopback``) or, with ``--link 1gbit,10gbit``,
 each in a network namespace whose link is limited by ``tbf`` both ways
@@ -42,7 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 
 # name -> (spec or "plain", residual mode): plain FSDP2 and every kind of supported spec
@@ -51,13 +61,21 @@ CONFIGS = {
     "int8": ("qsgd:levels=127,bucket=128", "none"),
     "4bit": ("qsgd:levels=7,bucket=128", "none"),
     "4bit-ef8": ("qsgd:levels=7,bucket=128", "int8"),
+    "4bit-ef32": ("qsgd:levels=7,bucket=128", "full"),
     "fp16": ("fp16", None),
     "bf16": ("bf16", None),
     "topk-full": ("topk:ratio=0.05", "full"),
     "topk-int8": ("topk:ratio=0.05", "int8"),
     "topk-none": ("topk:ratio=0.05", "none"),
 }
-TARGETS = {"int8": 0.5, "4bit": 2.0, "4bit-ef8": 2.0}  # loss within this % of plain FSDP2's
+TARGETS = {"int8": 0.5, "4bit": 2.0, "4bit-ef8": 2.0, "4bit-ef32": 2.0}  # loss within this % of plain FSDP2's
+# the model and batch: "small", the char LM of the first runs (compute-bound on a small machine);
+# "wire", a wider char LM on few tokens per step, sized so that the bytes dominate the step on a
+# slow link (docs/fsdp.md gives the arithmetic)
+PRESETS = {
+    "small": {"width": 128, "layers": 2, "context": 64, "batch_size": 16},
+    "wire": {"width": 512, "layers": 2, "context": 32, "batch_size": 2},
+}
 
 
 # -- one rank ------------------------------------------------------------------------------------------
@@ -80,6 +98,33 @@ def _peak_memory(device) -> Dict[str, object]:
         return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "peak_kind": "cuda max_memory_allocated"}
     return {"peak_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
             "peak_kind": "process RSS high-water mark (ru_maxrss)"}
+
+
+def seeded(spec, seed: int):
+    """``spec`` with its stochastic rounding or sampling seeded by ``seed`` (specs without a
+    ``seed`` parameter, and seed 0, the default, as given)."""
+    from hvdcompress.registry import names_with_param
+    from hvdcompress.spec import parse_spec
+    if spec is None or spec == "plain" or not seed or parse_spec(spec).name not in names_with_param("seed"):
+        return spec
+    return str(parse_spec(spec)(seed=seed))
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor's local shard)."""
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _fsdp_state_bytes(model, opt) -> int:
+    """What plain FSDP2 keeps on this rank between steps: the sharded parameters, their gradients
+    and the optimizer's state (AdamW: two moments and a step count per tensor)."""
+    params = list(model.parameters())
+    return (_local_bytes(params) + _local_bytes(p.grad for p in params if p.grad is not None)
+            + _local_bytes(t for st in opt.state.values() for t in st.values() if hasattr(t, "element_size")))
 
 
 def _state_bytes(fsdp) -> int:
@@ -116,7 +161,7 @@ def run_config(cfg: dict) -> dict:
     else:
         mesh = init_device_mesh(device.type, (world,))
         shard_world = world
-    torch.manual_seed(cfg["seed"])
+    torch.manual_seed(cfg["seed"])  # the initial weights; the batches and the spec's rounding below
     text = load_stdlib_text()
     model = CharTransformer(width=cfg["width"], layers=cfg["layers"], context=cfg["context"]).to(device)
     for block in model.blocks:
@@ -124,11 +169,12 @@ def run_config(cfg: dict) -> dict:
     fully_shard(model, mesh=mesh)
     fsdp = None
     if spec != "plain":
-        kw = dict(topology=topology, inside=cfg.get("inside")) if topology else {}
-        fsdp = hvdcompress.fsdp.compress(model, spec, residual=residual, **kw)
+        kw = dict(topology=topology, inside=seeded(cfg.get("inside"), cfg["seed"])) if topology else {}
+        fsdp = hvdcompress.fsdp.compress(model, seeded(spec, cfg["seed"]), residual=residual, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
-    batches = char_batches(text.train, cfg["batch_size"], cfg["context"], seed=1000 * (rank + 1))
-    times, counted, losses = [], None, []
+    # every rank and seed its own stream (seeds below 1000); seed 0 the streams of the first runs
+    batches = char_batches(text.train, cfg["batch_size"], cfg["context"], seed=1000 * (rank + 1) + cfg["seed"])
+    times, cpu, counted, losses = [], [], None, []
     iface = cfg.get("iface")
     for step in range(cfg["steps"]):
         x, y = (t.to(device) for t in next(batches))
@@ -137,7 +183,7 @@ def run_config(cfg: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         opt.zero_grad()
         loss = model.loss(x, y)
         loss.backward()
@@ -146,6 +192,7 @@ def run_config(cfg: dict) -> dict:
             torch.cuda.synchronize()
         if step >= cfg["warmup"]:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
         losses.append(float(loss))
     link = None
     if counted is not None:
@@ -168,19 +215,23 @@ def run_config(cfg: dict) -> dict:
         sent = fsdp.stats.as_dict()["bytes_per_step"]
         inside_sent = (fsdp.inside_stats.as_dict()["bytes_per_step"] if fsdp.inside_stats is not None
                        else plain_inside if topology else None)
-    mine = dict(_peak_memory(device), step_times=times, link_bytes_per_step=link, state_bytes=_state_bytes(fsdp))
+    mine = dict(_peak_memory(device), step_times=times, cpu_s=statistics.median(cpu) if cpu else None, link_bytes_per_step=link, state_bytes=_state_bytes(fsdp),
+                fsdp_state_bytes=_fsdp_state_bytes(model, opt))
     every = [None] * world
     dist.all_gather_object(every, mine)
     slowest = [max(ts) for ts in zip(*[e["step_times"] for e in every])] if times else []
     return {"config": cfg["config"], "spec": spec, "residual": residual, "topology": topology,
-            "inside": cfg.get("inside"), "workers": world, "parameters": numel, "steps": cfg["steps"],
+            "inside": cfg.get("inside") if fsdp is not None else None, "seed": cfg["seed"], "workers": world, "parameters": numel,
+            "steps": cfg["steps"], "preset": cfg.get("preset"),
             "held_out_loss": char_eval_loss(model, text.test, cfg["context"], windows=256),
             "final_train_loss": statistics.fmean(losses[-10:]),
             "bytes_per_step": sent, "inside_bytes_per_step": inside_sent, "plain_bytes_per_step": plain_bytes,
             "median_step_s": statistics.median(slowest) if slowest else None,
+            "cpu_s_per_step": max((e["cpu_s"] or 0) for e in every) if times else None,
             "link_bytes_per_step": max((e["link_bytes_per_step"] or 0) for e in every) if iface else None,
             "peak_bytes_per_rank": [e["peak_bytes"] for e in every], "peak_kind": every[0]["peak_kind"],
             "state_bytes_per_rank": [e["state_bytes"] for e in every],
+            "fsdp_state_bytes_per_rank": [e["fsdp_state_bytes"] for e in every],
             "identical": all(bool(torch.equal(rows[0], r)) for r in rows)}
 
 
@@ -232,37 +283,104 @@ def _fmt(v, spec: str = ".4g") -> str:
     return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
-def markdown(rows: List[dict]) -> str:
-    """One table per (link, layout): the figures of every configuration next to plain FSDP2's."""
+def summarize(rows: List[dict]) -> List[dict]:
+    """One summary per (link, layout, inside, config), in the rows' order: the figures over the
+    seeds, and the loss's distance to plain FSDP2's taken seed by seed (same initial weights and
+    batches), its mean and its worst seed."""
+    def key(r):
+        return r["link"], r["topology"] or "flat", r.get("inside") or ""
     out = []
-    for key in dict.fromkeys((r["link"], r["topology"] or "flat", r.get("inside") or "") for r in rows):
-        group = [r for r in rows if (r["link"], r["topology"] or "flat", r.get("inside") or "") == key]
-        plain = next((r for r in group if r["config"] == "plain"), None)
+    for k in dict.fromkeys(key(r) + (r["config"],) for r in rows):
+        runs = [r for r in rows if key(r) + (r["config"],) == k]
+        plain = {r["seed"]: r for r in rows if key(r)[:2] == k[:2] and r["config"] == "plain"}  # any inside
+        losses = [r["held_out_loss"] for r in runs]
+        paired = [100.0 * (r["held_out_loss"] - plain[r["seed"]]["held_out_loss"]) / plain[r["seed"]]["held_out_loss"]
+                  for r in runs if r["seed"] in plain]
+        medians = [r["median_step_s"] for r in runs if r["median_step_s"]]
+        cpus = [r["cpu_s_per_step"] for r in runs if r.get("cpu_s_per_step")]
+        links = [r["link_bytes_per_step"] for r in runs if r["link_bytes_per_step"] is not None]
+        first = runs[0]
+        out.append({
+            "link": k[0], "layout": k[1], "inside": k[2] or None, "config": k[3], "spec": first["spec"],
+            "residual": first["residual"], "workers": first["workers"], "parameters": first["parameters"],
+            "steps": first["steps"], "seeds": [r["seed"] for r in runs], "peak_kind": first["peak_kind"],
+            "loads_at_start": [r["load_at_start"] for r in runs if r.get("load_at_start") is not None],
+            "loss_mean": statistics.fmean(losses), "loss_sd": statistics.stdev(losses) if len(losses) > 1 else None,
+            "loss_vs_plain_pct": statistics.fmean(paired) if paired else None,
+            "loss_vs_plain_worst_pct": max(paired) if paired else None,
+            "target_pct": TARGETS.get(k[3]),
+            "bytes_per_step": statistics.fmean(r["bytes_per_step"] for r in runs),
+            "plain_bytes_per_step": first["plain_bytes_per_step"],
+            "inside_bytes_per_step": first["inside_bytes_per_step"],
+            "link_bytes_per_step": statistics.fmean(links) if links else None,
+            "median_step_s": statistics.median(medians) if medians else None,
+            "cpu_s_per_step": statistics.median(cpus) if cpus else None,
+            "peak_bytes": max(max(r["peak_bytes_per_rank"]) for r in runs),
+            "state_bytes_per_param": max(max(r["state_bytes_per_rank"]) for r in runs) / first["parameters"],
+            "fsdp_state_bytes_per_param": (max(max(r["fsdp_state_bytes_per_rank"]) for r in runs) / first["parameters"]
+                                           if all("fsdp_state_bytes_per_rank" in r for r in runs) else None),
+            "identical": all(r["identical"] for r in runs)})
+    return out
+
+
+def markdown(rows: List[dict], load: Optional[float] = None) -> str:
+    """One table per (link, layout): every configuration's figures over the seeds next to plain
+    FSDP2's (``summarize``); ``load``, the machine's load average when the run started."""
+    summaries = summarize(rows)
+    out = []
+    for key in dict.fromkeys((s["link"], s["layout"], s["inside"]) for s in summaries):
+        group = [s for s in summaries if (s["link"], s["layout"], s["inside"]) == key]
+        plain = next((s for s in group if s["config"] == "plain"), None)
         link, layout, inside = key
+        seeds = sorted({x for s in group for x in s["seeds"]})
+        loads = [x for s in group for x in s["loads_at_start"]]
+        loaded = (f"; load average {load:.2f} at the start" if load is not None else
+                  f"; load average {min(loads):.1f} to {max(loads):.1f} at the runs' starts" if loads else "")
         out.append(f"\n**{group[0]['workers']} workers, {link}, layout {layout}"
                    f"{', inside ' + inside if inside else ''}** ({group[0]['parameters']:,} parameters, "
-                   f"{group[0]['steps']} steps; peak memory: {group[0]['peak_kind']})\n")
+                   f"{group[0]['steps']} steps, seeds {','.join(map(str, seeds))}{loaded}; "
+                   f"peak memory: {group[0]['peak_kind']}; state: bytes per model parameter on the fullest rank)\n")
         out.append("| config | spec | residual | bytes/step | vs plain | inside bytes/step | link bytes/step | "
-                   "held-out loss | vs plain | target | step ms | peak MiB (max rank) | state KiB | identical |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in group:
-            ratio = (plain["plain_bytes_per_step"] / r["bytes_per_step"]
-                     if plain and r["bytes_per_step"] else None)
-            dloss = (100.0 * (r["held_out_loss"] - plain["held_out_loss"]) / plain["held_out_loss"]
-                     if plain else None)
-            target = TARGETS.get(r["config"])
+                   "held-out loss (mean ± sd) | vs plain (mean; worst seed) | target | step ms | CPU ms/step | peak MiB | "
+                   "FSDP2 state B/param | compression state B/param | identical |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for s in group:
+            ratio = plain["plain_bytes_per_step"] / s["bytes_per_step"] if plain and s["bytes_per_step"] else None
+            target, dloss = s["target_pct"], s["loss_vs_plain_pct"]
             verdict = "-" if target is None or dloss is None else \
                 f"{'met' if dloss <= target else 'missed'} (<= {target}%)"
-            versus = "1x" if r["config"] == "plain" else f"{ratio:.2f}x fewer" if ratio else "-"
+            versus = "1x" if s["config"] == "plain" else f"{ratio:.2f}x fewer" if ratio else "-"
+            spread = f" ± {s['loss_sd']:.4f}" if s["loss_sd"] is not None else ""
             out.append("| " + " | ".join([
-                r["config"], f"`{r['spec']}`", _fmt(r["residual"]), _fmt(r["bytes_per_step"], ",.0f"), versus,
-                _fmt(r["inside_bytes_per_step"], ",.0f") if r["inside_bytes_per_step"] is not None else "-",
-                _fmt(r["link_bytes_per_step"], ",.0f") if r["link_bytes_per_step"] is not None else "-",
-                f"{r['held_out_loss']:.4f}", f"{dloss:+.2f}%" if dloss is not None else "-", verdict,
-                f"{1e3 * r['median_step_s']:.1f}" if r["median_step_s"] else "-",
-                f"{max(r['peak_bytes_per_rank']) / 2**20:.0f}", f"{max(r['state_bytes_per_rank']) / 1024:.1f}",
-                str(r["identical"])]) + " |")
+                s["config"], f"`{s['spec']}`", _fmt(s["residual"]), _fmt(s["bytes_per_step"], ",.0f"), versus,
+                _fmt(s["inside_bytes_per_step"], ",.0f"), _fmt(s["link_bytes_per_step"], ",.0f"),
+                f"{s['loss_mean']:.4f}{spread}",
+                "-" if s["config"] == "plain" or dloss is None else
+                f"{dloss:+.2f}%; {s['loss_vs_plain_worst_pct']:+.2f}%", verdict,
+                f"{1e3 * s['median_step_s']:.1f}" if s["median_step_s"] else "-",
+                f"{1e3 * s['cpu_s_per_step']:.1f}" if s["cpu_s_per_step"] else "-",
+                f"{s['peak_bytes'] / 2**20:.0f}", _fmt(s["fsdp_state_bytes_per_param"], ".2f"),
+                f"{s['state_bytes_per_param']:.2f}", str(s["identical"])]) + " |")
     return "\n".join(out) + "\n"
+
+
+def write(json_path: Optional[str], markdown_path: Optional[str], record: dict, table: str) -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(record, f, indent=1)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(table)
+
+
+def _ints(text: str, name: str, low: int, high: int) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not low <= v <= high for v in values):
+        raise ValueError(f"{name}: comma-separated integers in [{low}, {high}]; got {text!r}")
+    return values
 
 
 def main(argv=None) -> int:
@@ -274,43 +392,62 @@ def main(argv=None) -> int:
     p.add_argument("--inside", default=None, help="with --topology: the spec inside a node (default FSDP's, dense)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=5, help="steps not timed")
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16, help="windows per rank and step")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS),
+                   help="the model and batch: " + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()))
+    p.add_argument("--width", type=int, default=None, help="(default: the preset's)")
+    p.add_argument("--layers", type=int, default=None, help="(default: the preset's)")
+    p.add_argument("--context", type=int, default=None, help="(default: the preset's)")
+    p.add_argument("--batch-size", type=int, default=None, help="windows per rank and step (default: the preset's)")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated seeds in [0, 999] (initial weights, batches, "
+                   "the spec's rounding); each configuration runs once per seed")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, one GPU per rank")
-    p.add_argument("--json", help="write every row here")
-    p.add_argument("--markdown", help="write the tables here")
+    p.add_argument("--merge", default=None, help="comma-separated JSON files of earlier runs: their rows "
+                   "summarized together into --json / --markdown (nothing is run)")
+    p.add_argument("--json", help="write every row here (rewritten after each run)")
+    p.add_argument("--markdown", help="write the tables here (rewritten after each run)")
     args = p.parse_args(argv)
+    if args.merge:
+        parts = []
+        for path in [f.strip() for f in args.merge.split(",") if f.strip()]:
+            with open(path) as f:
+                parts.append(json.load(f))
+        rows = [r for part in parts for r in part["rows"]]
+        write(args.json, args.markdown, {"merged": [part["argv"] for part in parts], "rows": rows,
+                                         "summary": summarize(rows)}, markdown(rows))
+        print(markdown(rows))
+        return 0
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
     if args.warmup >= args.steps:
         p.error("--warmup must be below --steps")
+    try:
+        seeds = _ints(args.seeds, "--seeds", 0, 999)
+    except ValueError as e:
+        p.error(str(e))
+    shape = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in PRESETS[args.preset].items()}
+    load = os.getloadavg()[0]
     rows = []
+    # seed by seed, so that a run cut short leaves whole seeds
     for link in [s.strip() for s in args.link.split(",") if s.strip()]:
-        for name in names:
-            cfg = {"config": name, "steps": args.steps, "warmup": args.warmup, "width": args.width,
-                   "layers": args.layers, "context": args.context, "batch_size": args.batch_size, "lr": args.lr,
-                   "seed": args.seed, "device": args.device, "topology": args.topology, "inside": args.inside}
-            started = time.perf_counter()
-            row = launch(cfg, args.workers, link)
-            row["link"] = link if link == "loopback" else f"{link} (tbf, emulated)"
-            row["wall_s"] = round(time.perf_counter() - started, 1)
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("link", "config", "held_out_loss", "bytes_per_step",
-                                                  "median_step_s", "identical")}), flush=True)
-    table = markdown(rows)
-    print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv[1:] if argv is None else list(argv), "rows": rows}, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table)
+        for seed in seeds:
+            for name in names:
+                cfg = dict(shape, config=name, steps=args.steps, warmup=args.warmup, lr=args.lr, seed=seed,
+                           device=args.device, topology=args.topology, inside=args.inside, preset=args.preset)
+                started, row_load = time.perf_counter(), os.getloadavg()[0]
+                row = launch(cfg, args.workers, link)
+                row["link"] = link if link == "loopback" else f"{link} (tbf, emulated)"
+                row["wall_s"] = round(time.perf_counter() - started, 1)
+                row["load_at_start"] = round(row_load, 2)
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in ("link", "config", "seed", "held_out_loss", "bytes_per_step",
+                                                      "median_step_s", "identical", "wall_s")}), flush=True)
+                write(args.json, args.markdown, {"argv": sys.argv[1:] if argv is None else list(argv),
+                                                 "load_at_start": load, "rows": rows, "summary": summarize(rows)},
+                      markdown(rows, load))
+    print(markdown(rows, load))
     return 0
 
 
