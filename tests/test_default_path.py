@@ -82,9 +82,10 @@ def test_after_the_decision_the_default_does_what_the_fixed_choice_with_its_plan
         names = set(default["calls"]) | set(fixed["calls"])
         extra = {k: default["calls"].get(k, 0) - fixed["calls"].get(k, 0) for k in names}
         # the drift watch records the step's time, once a step (its collective comes once a window),
-        # and answers end_of_step before the scheduler asks whether the plan is done
+        # and answers end_of_step before the scheduler asks whether the plan is done (which asks whether
+        # routes are being measured)
         expected = {"torch_ops/scheduling.py:_watch_step": PROFILED, "torch_ops/scheduling.py:_step_seconds": PROFILED,
-                    "torch_ops/scheduling.py:done": -PROFILED}
+                    "torch_ops/scheduling.py:done": -PROFILED, "torch_ops/scheduling.py:validating_routes": -PROFILED}
         if fixed["spec"] != sc.SPEC:
             # the kept plan sends every group dense (or fp16): the default sends each by the plan's codec
             # (codec_choice.fallback_exchange over its compressor's state), the fixed choice by its own
