@@ -56,6 +56,7 @@ SETTINGS = {
     "onebitadam": "onebitadam:warmup_steps={warmup}",
     "topkadam": "topkadam:ratio={ratio},warmup_steps={warmup}",
     "topk": "topk:ratio={ratio}",
+    "gtopk": "gtopk:ratio={ratio}",
     "randomk": "randomk:ratio={ratio}",
     "threshold": "threshold:threshold=0.001",
     "dgc": "dgc:ratio={ratio},momentum=0,warmup_epochs=0",
@@ -114,7 +115,10 @@ def phase(cfg, text, start_state, spec, lr, seed):
                                        driver=driver, schedule="layerwise")
         opt.set_epoch(1000)  # past any density warm-up: the density asked for is the one measured
     batches = char_batches(text.train, cfg["batch"], dims["context"], seed=1000 * (hvc.rank() + 1) + 7919 * seed)
-    for _ in range(cfg["steps"]):
+    warm, sent_in_warmup = warmup_steps(cfg), 0
+    for step in range(cfg["steps"]):
+        if step == warm and driver is not None:
+            sent_in_warmup = driver.payload_bytes
         x, y = next(batches)
         opt.zero_grad()
         model.loss(x, y).backward()
@@ -129,7 +133,14 @@ def phase(cfg, text, start_state, spec, lr, seed):
     loss = char_eval_loss(model, text.test, dims["context"], windows=cfg["eval_windows"])
     mean = float(hvc.allreduce(torch.tensor([loss], dtype=torch.float64), name=f"loss.{spec}.{lr}.{seed}",
                                op=hvc.Average)[0])
-    return {"final_loss": mean, "final_loss_rank": loss, "bytes_per_step": sent / cfg["steps"], "identical": identical}
+    return {"final_loss": mean, "final_loss_rank": loss, "bytes_per_step": sent / cfg["steps"],
+            "bytes_per_step_after_warmup": (sent - sent_in_warmup) / (cfg["steps"] - warm), "identical": identical}
+
+
+def warmup_steps(cfg) -> int:
+    """``onebitadam``'s and ``topkadam``'s dense warm-up in steps (``--onebitadam-warmup`` of ``--steps``);
+    every method's bytes are also counted over the steps after it (the steady state)."""
+    return max(1, round(cfg["onebitadam_warmup"] * cfg["steps"]))
 
 
 def worker_main(config_path: str) -> int:
@@ -146,7 +157,7 @@ def worker_main(config_path: str) -> int:
     start_state = pretrain(cfg, text) if cfg["pretrain_steps"] else None
     results = {}
     for name, template in cfg["configs"].items():
-        specs = settings(template, cfg["ratios"], max(1, round(cfg["onebitadam_warmup"] * cfg["steps"])))
+        specs = settings(template, cfg["ratios"], warmup_steps(cfg))
         first, runs = cfg["seeds"][0], []
         for spec, lr in itertools.product(specs, cfg["lrs"]):
             t0 = time.time()
@@ -183,6 +194,7 @@ def summarize(rank0: dict, seeds) -> dict:
                       "loss_per_seed": [x["final_loss"] for x in own],
                       "final_loss": statistics.mean(x["final_loss"] for x in own),
                       "bytes_per_step": statistics.mean(x["bytes_per_step"] for x in own),
+                      "bytes_per_step_after_warmup": statistics.mean(x["bytes_per_step_after_warmup"] for x in own),
                       "identical": None if r["template"] is None else all(x["identical"] for x in r["runs"])}
     dense, alone = rows.get("none"), rows.get("alone")
     for name, row in rows.items():
@@ -191,6 +203,8 @@ def summarize(rank0: dict, seeds) -> dict:
             row["within_1pct"] = row["loss_vs_dense_pct"] <= 1.0
             row["fewer_bytes_than_dense"] = (dense["bytes_per_step"] / row["bytes_per_step"]
                                              if row["bytes_per_step"] else None)
+            row["fewer_bytes_after_warmup"] = (dense["bytes_per_step"] / row["bytes_per_step_after_warmup"]
+                                               if row["bytes_per_step_after_warmup"] else None)
         if alone is not None and name != "alone":
             row["better_than_alone"] = row["final_loss"] < alone["final_loss"]
     return rows
@@ -202,15 +216,18 @@ def table(report) -> str:
            f"pretraining steps, batch {m['batch_per_worker']} per worker, AdamW (wd 0.1, betas 0.9/0.95) with "
            f"cosine lr; seeds {m['seeds']}; sweep lrs {m['lrs']}, ratios {m['ratios']}; corpus: {m.get('corpus', '?')}.",
            "", "| method | spec (own setting) | lr | final loss (per seed) | mean | vs dense | bytes/worker/step | "
-           "fewer bytes than dense | better than alone | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "fewer bytes than dense | bytes/worker/step after warm-up | fewer after warm-up | better than alone | identical |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["rows"].items():
         vs = f"{r['loss_vs_dense_pct']:+.2f}%" if "loss_vs_dense_pct" in r and name != "none" else "-"
         spec = f"`{r['spec']}`" if r["spec"] is not None else "no exchange"
         fewer = f"{r['fewer_bytes_than_dense']:.1f}x" if r.get("fewer_bytes_than_dense") else "-"
+        after = f"{r['bytes_per_step_after_warmup']:.0f}" if "bytes_per_step_after_warmup" in r else "-"
+        fewer_after = f"{r['fewer_bytes_after_warmup']:.1f}x" if r.get("fewer_bytes_after_warmup") else "-"
         alone = {True: "yes", False: "**no**"}.get(r.get("better_than_alone"), "-")
         seeds = ", ".join(f"{v:.4f}" for v in r["loss_per_seed"])
         out.append(f"| {name} | {spec} | {r['lr']:g} | {seeds} | {r['final_loss']:.4f} | {vs} | "
-                   f"{r['bytes_per_step']:.0f} | {fewer} | {alone} | {'-' if r['identical'] is None else r['identical']} |")
+                   f"{r['bytes_per_step']:.0f} | {fewer} | {after} | {fewer_after} | {alone} | {'-' if r['identical'] is None else r['identical']} |")
     return "\n".join(out)
 
 
