@@ -8,6 +8,12 @@ there), final held-out loss and bytes per step next to dense and next to each wo
     python benchmarks/fidelity_adam.py --quick --workers 2 --steps 6 --pretrain-steps 2 --seeds 0 \\
         --configs none alone topk onebitadam topkadam --out /tmp/fidelity-adam-smoke
 
+``--front`` picks how the workers exchange: ``horovod`` (the default, described below), ``ddp``
+(torch DDP with ``hvdcompress.ddp.comm_hook`` on torch.distributed gloo, no Horovod; DDP's buckets
+are the hook's units) or ``keras`` (the same architecture in Keras, ``hvdcompress.keras`` on Horovod
+TensorFlow); each front trains its own dense start. Bytes are also counted after the first
+``--onebitadam-warmup`` of the steps (``bytes_per_step_after_warmup``: the steady state).
+
 One launch of ``--workers`` loopback workers (one thread each). Every worker first trains the
 common starting point (``--pretrain-steps`` of dense synchronous AdamW, as diloco_wan's
 ``pretrain``), then runs one *phase* per (method, setting, seed), each from that starting point
