@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-import traceback
 
 from scenarios import kit
 
@@ -371,14 +369,7 @@ def example() -> dict:
 def _worker(rank, world, port, names, out_dir):
     kit.gloo_init(rank, world, port)
     rec = Recorder()
-    out = {"seconds": {}}
-    for name in names:
-        start = time.perf_counter()
-        try:
-            out[name] = globals()[name](rec) if name in ("every_compressor", "fused") else globals()[name]()
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    out = kit.run_scenarios(names, lambda name: globals()[name](rec) if name in ("every_compressor", "fused") else globals()[name]())
     rec.restore()
     out["log"] = rec.log
     out["horovod_imported"] = sorted(m for m, v in sys.modules.items() if m.startswith("horovod") and v is not None)

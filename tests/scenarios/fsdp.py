@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-import time
-import traceback
 
 STEPS = 4
 # (spec, residual mode): every kind of payload (summed, gathered of one shape, gathered of varying
@@ -234,14 +232,8 @@ def _worker(rank, world, port, names, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (world,))
-    out = {"seconds": {}}
-    for name in names:
-        start = time.perf_counter()
-        try:
-            out[name] = globals()[name](mesh)
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    from scenarios.kit import run_scenarios
+    out = run_scenarios(names, lambda name: globals()[name](mesh))
     dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-import traceback
 
 from scenarios import kit
 from scenarios.fsdp import _batch, _full, _numpy
@@ -261,14 +259,7 @@ def _worker(rank, world, port, names, out_dir):
     hybrid = hvdcompress.fsdp.hybrid_mesh(TOPOLOGY)
     meshes = {"world": init_device_mesh("cpu", (world,)), "hybrid": hybrid, "shard": hybrid["shard"],
               "replicate": hybrid["replicate"]}
-    out = {"seconds": {}}
-    for name in names:
-        start = time.perf_counter()
-        try:
-            out[name] = globals()[name](meshes)
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    out = kit.run_scenarios(names, lambda name: globals()[name](meshes))
     kit.gloo_finish(out, out_dir, rank)
 
 

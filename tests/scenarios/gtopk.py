@@ -16,8 +16,6 @@
 from __future__ import annotations
 
 import copy
-import time
-import traceback
 
 from scenarios import kit
 
@@ -158,14 +156,7 @@ SCENARIOS = ("exchanges", "optimizer", "hook")
 
 def _worker(rank, world, port, out_dir):
     kit.gloo_init(rank, world, port)
-    out = {"seconds": {}}
-    for name in SCENARIOS:
-        start = time.perf_counter()
-        try:
-            out[name] = globals()[name]()
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    out = kit.run_scenarios(SCENARIOS, lambda name: globals()[name]())
     kit.gloo_finish(out, out_dir, rank)
 
 

@@ -224,6 +224,24 @@ def gloo_init(rank, world, port) -> None:
                             timeout=timedelta(seconds=120))
 
 
+def run_scenarios(names, call) -> dict:
+    """In a worker: ``call(name)`` for each scenario name, in order; each one's result, or its
+    traceback as ``{"error": ...}`` (so one failing scenario leaves the others theirs), and its
+    seconds under ``"seconds"``."""
+    import time
+    import traceback
+
+    out = {"seconds": {}}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            out[name] = call(name)
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    return out
+
+
 def gloo_finish(out, out_dir, rank) -> None:
     """In a spawned worker: leave the process group and hand ``out`` to ``gloo_spawn``."""
     import pickle

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
-import traceback
 
 from scenarios import kit
 
@@ -229,14 +227,7 @@ def launcher_default(rec, topology) -> dict:
 def _worker(rank, world, port, topology, names, out_dir):
     kit.gloo_init(rank, world, port)
     rec = Recorder()
-    out = {"seconds": {}}
-    for name in names:
-        start = time.perf_counter()
-        try:
-            out[name] = globals()[name](rec, topology)
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    out = kit.run_scenarios(names, lambda name: globals()[name](rec, topology))
     rec.restore()
     out["log"] = rec.log
     kit.gloo_finish(out, out_dir, rank)

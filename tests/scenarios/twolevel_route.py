@@ -15,8 +15,6 @@ torch.distributed (Gloo) processes, 2 nodes x 2 ranks emulated with an explicit 
 
 from __future__ import annotations
 
-import time
-import traceback
 
 from scenarios import kit
 
@@ -151,14 +149,7 @@ def validated() -> dict:
 
 def _worker(rank, world, port, names, out_dir):
     kit.gloo_init(rank, world, port)
-    out = {"seconds": {}}
-    for name in names:
-        start = time.perf_counter()
-        try:
-            out[name] = globals()[name]()
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    out = kit.run_scenarios(names, lambda name: globals()[name]())
     kit.gloo_finish(out, out_dir, rank)
 
 
