@@ -9,6 +9,7 @@ import pytest
 from hvdcompress import cli
 from hvdcompress.bench import advise
 from hvdcompress.schedule.costmodel import ComputeFit
+from scenarios.kit import load_benchmark
 
 PROFILE = {"name": "tiny", "batch": 8, "layers": [
     {"name": "conv1", "params": {"weight": [64, 3, 3, 3]}, "forward_s": 0.010, "backward_s": 0.020},
@@ -73,12 +74,7 @@ def test_command_prints_writes_json_and_a_plot(profile_file, tmp_path, capsys):
 
 
 def test_acceptance_table_from_bench_json(tmp_path):
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "codec_choice.py")
-    spec = importlib.util.spec_from_file_location("codec_choice_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("codec_choice.py")
     assert any("auto+tune+choice" in c for c in mod.commands())
     # dense wins on fast links, dgc on slow ones; the choice is never worse and wins at the crossover
     times = {"10mbit": (1.0, 5.0, 9.0, 0.8), "100mbit": (0.5, 0.6, 1.2, 0.45), "1gbit": (0.4, 0.3, 0.25, 0.25),
@@ -167,14 +163,9 @@ def test_model_arguments_are_checked(capsys):
 
 
 def test_replay_recomputes_advise_from_the_saved_launch(tmp_path):
-    import importlib.util
-    import os
     from hvdcompress.schedule.costmodel import CostModel, LinearFit
     from hvdcompress.schedule.planner import Workload
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "advise_replay.py")
-    spec = importlib.util.spec_from_file_location("advise_replay_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("advise_replay.py")
     workload = Workload(("a", "b", "c"), (4e5, 4e5, 4e5), (0.01, 0.01, 0.01), 0.02, 0.001)
     samples = [[4096, 0.005], [65536, 0.006], [1048576, 0.015], [4194304, 0.045]]
     link = CostModel(2, LinearFit(5e-3, 1e-8), LinearFit(3e-3, 1e-8),

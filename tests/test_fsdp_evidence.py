@@ -3,21 +3,19 @@ FSDP2): the summary over seeds and the table from given rows, the seeded specs, 
 refused before anything is launched, and a smoke run on 2 gloo processes (2 seeds, a few steps)
 whose rows carry the state per parameter measured on the real tensors."""
 
-import importlib.util
 import json
 import os
 
 import pytest
+
+from scenarios.kit import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "fsdp_evidence.py")
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("fsdp_evidence_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("fsdp_evidence.py")
 
 
 def _row(config, seed, loss, inside=None, state=0, topology=None):

@@ -14,6 +14,7 @@ from hvdcompress.schedule.twolevel import (FLAT, GTOPK, HIERARCHICAL, TWO_LEVEL,
                                            hop_fit, plan_routes, ring_wire_bytes, step_bytes)
 from hvdcompress.spec import resolve
 from hvdcompress.topology import Topology
+from scenarios.kit import load_benchmark
 
 DGC = "dgc:ratio=0.001"
 FITS = {DGC: ComputeFit("linear", 5e-11, 9e-4), "fp16": ComputeFit("linear", 5e-12, 2e-5),
@@ -217,14 +218,10 @@ def test_two_level_projection_rows_and_command(tmp_path):
 def test_projection_script_renders_the_stored_tables(tmp_path):
     """benchmarks/two_level_projection.py: the stored JSON holds its command and inputs, and its
     tables render again from it (what docs/scaling.md shows)."""
-    import importlib.util
     import json
     import os
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("two_level_projection", os.path.join(
-        root, "benchmarks", "two_level_projection.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("two_level_projection.py")
     stored = os.path.join(root, "benchmarks", "results", "scaling", "two-level-resnet50.json")
     result = json.load(open(stored))
     assert result["command"].startswith("python benchmarks/two_level_projection.py") and result["assumed"]

@@ -4,7 +4,6 @@ the rows, ratios and table from given figures, the launcher's environment and fa
 loopback, and the quick mode end to end on network namespaces (as root with iproute2; skipped
 otherwise)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,16 +14,14 @@ import pytest
 
 from hvdcompress.bench import netns
 from hvdcompress.bench.dist_launch import RankFailure, run_ranks
+from scenarios.kit import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "two_level_evidence.py")
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("two_level_evidence_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("two_level_evidence.py")
 
 
 def test_rows_name_every_configuration_once():

@@ -224,6 +224,19 @@ def gloo_init(rank, world, port) -> None:
                             timeout=timedelta(seconds=120))
 
 
+def load_benchmark(filename):
+    """The module of ``benchmarks/<filename>`` (the benchmarks folder is not a package), loaded
+    afresh, so a test calls its pure functions and ``main``."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "benchmarks", filename)
+    spec = importlib.util.spec_from_file_location(f"bench_{os.path.splitext(filename)[0]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_scenarios(names, call) -> dict:
     """In a worker: ``call(name)`` for each scenario name, in order; each one's result, or its
     traceback as ``{"error": ...}`` (so one failing scenario leaves the others theirs), and its
