@@ -46,7 +46,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a timeout, log its output 
 #    timers, install plan, the side stream (same results, compute stream not held), CPU tensors on
 #    NCCL, the kernels' loop bounds
 CUDA_TESTS=(tests/test_devices.py tests/test_timers.py tests/test_light_install.py tests/test_install_plan.py
-            tests/test_streams.py tests/test_dist_devices.py)
+            tests/test_streams.py tests/test_dist_devices.py tests/test_profiling_device.py)
 for f in tests/test_*cuda*.py tests/test_*fused*.py; do [ -e "$f" ] && CUDA_TESTS+=("$f"); done
 step pytest 100 "$PY" -m pytest -q -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
 

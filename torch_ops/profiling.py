@@ -19,8 +19,11 @@
 Where the work runs on a CUDA device (``device=`` of the codec timings, the model's parameters in
 ``profile_workload``) every reading waits for the device first (``timing.timer_for``: a
 ``CudaTimer``), so kernels are timed, not their launches; on the CPU the host clock is read as it
-always was. A cost model whose codecs were timed on a CUDA device says so in its meta
-(``"device"``); ``load_or_profile`` uses a cached model only for the device type it was timed on.
+always was. The link fit's collectives (``time_collectives``, ``time_launch``, ``time_sequence``,
+``time_burst``) move tensors of that device too: a CUDA gradient travels by the path CUDA tensors
+take (NCCL under torch.distributed or a Horovod built with it), not by Gloo's CPU path. A cost model
+timed on a CUDA device says so in its meta (``"device"``); ``load_or_profile`` uses a cached model
+only for the device type it was timed on.
 
 Every rank ends with the *same* numbers: times are averaged over ranks with an allreduce, and the
 parameter order of rank 0 is broadcast, so every rank builds the same plan (a plan that differed
@@ -110,11 +113,14 @@ def _median_seconds(fn: Callable[[], None], repeats: int, warmup: int,
 
 def time_collectives(kinds: Iterable[str] = ("allreduce", "allgather"),
                      sizes_bytes: Sequence[int] = DEFAULT_COMM_BYTES, repeats: int = 5,
-                     warmup: int = 2, comm=None) -> Dict[str, List[Tuple[int, float]]]:
+                     warmup: int = 2, comm=None, device=None) -> Dict[str, List[Tuple[int, float]]]:
     """{kind: [(bytes each rank sends, median seconds over repeats, mean over ranks)]} for float32
-    tensors ("allreduce_half": float16, summed by the transport at its own rate); a barrier before
-    each timed call lines the ranks up."""
+    tensors ("allreduce_half": float16, summed by the transport at its own rate) on ``device``
+    (default the CPU; on a GPU each reading waits for it); a barrier before each timed call lines
+    the ranks up."""
     comm = _comm(comm)
+    device = _device(device)
+    timer = timer_for(device)
     out: Dict[str, List[Tuple[int, float]]] = {}
     for kind in kinds:
         if kind not in ("allreduce", "allgather", "allreduce_half"):
@@ -122,9 +128,9 @@ def time_collectives(kinds: Iterable[str] = ("allreduce", "allgather"),
         medians = []
         for nbytes in sizes_bytes:
             if kind == "allreduce_half":
-                x = torch.ones(max(1, int(nbytes) // 2), dtype=torch.float16)
+                x = torch.ones(max(1, int(nbytes) // 2), dtype=torch.float16, device=device)
             else:
-                x = torch.ones(max(1, int(nbytes) // 4))
+                x = torch.ones(max(1, int(nbytes) // 4), device=device)
             # one name per size, reused: Horovod's response cache then serves the repeats, as it
             # serves a training loop's exchanges (same names every step)
             if kind == "allreduce_half":
@@ -136,7 +142,7 @@ def time_collectives(kinds: Iterable[str] = ("allreduce", "allgather"),
             else:
                 def call():
                     comm.allgather(x, f"hvc.profile.ag.{nbytes}")
-            medians.append(_median_seconds(call, repeats, warmup, before=comm.barrier))
+            medians.append(_median_seconds(call, repeats, warmup, before=comm.barrier, timer=timer))
         out[kind] = list(zip((int(b) for b in sizes_bytes), _rank_mean(medians, f"hvc.profile.{kind}", comm)))
     return out
 
@@ -224,13 +230,14 @@ def time_decompression(spec, sizes: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, r
     return list(zip((int(d) for d in sizes), secs))
 
 
-def time_launch(repeats: int = 20, warmup: int = 3, comm=None) -> float:
+def time_launch(repeats: int = 20, warmup: int = 3, comm=None, device=None) -> float:
     """Median CPU seconds of handing one small collective to Horovod (the ``*_async`` call alone,
-    which runs on the training thread), over allreduce and allgather, mean over ranks."""
+    which runs on the training thread), over allreduce and allgather, of a tensor on ``device``
+    (default the CPU), mean over ranks."""
     from .collectives import Allgather, Allreduce
 
     comm = _comm(comm)
-    x = torch.ones(256)
+    x = torch.ones(256, device=_device(device))
     times = []
     for i in range(warmup + repeats):
         for kind, req in (("ar", Allreduce(x)), ("ag", Allgather(x))):
@@ -246,39 +253,43 @@ def time_launch(repeats: int = 20, warmup: int = 3, comm=None) -> float:
 BURST = 16  # collectives timed by time_burst and time_sequence
 
 
-def time_sequence(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None) -> float:
+def time_sequence(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None, device=None) -> float:
     """Seconds per collective of ``count`` small allreduces run one after another, each launched
     when the previous one completed (median over ``repeats`` after a barrier, mean over ranks):
     each is alone in Horovod's negotiation cycle and the ranks are not lined up by a barrier, as a
     group launched on its own during a step is (``CostModel.alone_alpha``). A single collective
     right after a barrier, which the alpha-beta fits time, pays less: the barrier lines the ranks
-    up with each other and with the cycle."""
+    up with each other and with the cycle. Tensors on ``device`` (default the CPU)."""
     from .collectives import Allreduce
 
     if count < 1:
         raise ValueError(f"time_sequence: count must be >= 1; got {count}")
     comm = _comm(comm)
-    xs = [torch.ones(256) for _ in range(count)]
+    device = _device(device)
+    xs = [torch.ones(256, device=device) for _ in range(count)]
 
     def call():
         for i in range(count):
             comm.wait(comm.launch((Allreduce(xs[i]),), f"hvc.profile.seq.{i}"))
 
-    return _rank_mean([_median_seconds(call, repeats, warmup, before=comm.barrier) / count], "hvc.profile.seq", comm)[0]
+    seconds = _median_seconds(call, repeats, warmup, before=comm.barrier, timer=timer_for(device))
+    return _rank_mean([seconds / count], "hvc.profile.seq", comm)[0]
 
 
-def time_burst(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None) -> float:
+def time_burst(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None, device=None) -> float:
     """Seconds per further collective of a burst: ``count`` small allreduces launched at once (one
     negotiation cycle), timed to the last completion, against one alone; (burst - one) / (count -
     1), medians over ``repeats`` after a barrier, mean over ranks. What a collective costs beyond
     its transfer when it is queued with others, as a layerwise exchange's backlog is
-    (``CostModel.queued_alpha``)."""
+    (``CostModel.queued_alpha``). Tensors on ``device`` (default the CPU)."""
     from .collectives import Allreduce
 
     if count < 2:
         raise ValueError(f"time_burst: count must be >= 2; got {count}")
     comm = _comm(comm)
-    xs = [torch.ones(256) for _ in range(count)]
+    device = _device(device)
+    timer = timer_for(device)
+    xs = [torch.ones(256, device=device) for _ in range(count)]
 
     def burst(k):
         def call():
@@ -287,8 +298,8 @@ def time_burst(count: int = BURST, repeats: int = 5, warmup: int = 2, comm=None)
                 comm.wait(h)
         return call
 
-    one = _median_seconds(burst(1), repeats, warmup, before=comm.barrier)
-    many = _median_seconds(burst(count), repeats, warmup, before=comm.barrier)
+    one = _median_seconds(burst(1), repeats, warmup, before=comm.barrier, timer=timer)
+    many = _median_seconds(burst(count), repeats, warmup, before=comm.barrier, timer=timer)
     return max(0.0, _rank_mean([(many - one) / (count - 1)], "hvc.profile.burst", comm)[0])
 
 
@@ -371,15 +382,16 @@ def _host_leader(names: Sequence[str], comm) -> bool:
 def profile_cost_model(specs: Iterable = ("none",), comm_bytes: Sequence[int] = DEFAULT_COMM_BYTES,
                        compress_elements: Sequence[int] = DEFAULT_COMPRESS_ELEMENTS, repeats: int = 5,
                        save: bool = True, path: Optional[str] = None, comm=None, device=None) -> CostModel:
-    """Time the collectives and every spec's compression (on ``device``, default the CPU), fit a
+    """Time the collectives and every spec's compression (on ``device``, default the CPU: the
+    collectives' tensors and the codecs' both), fit a
     ``CostModel`` (identical on all ranks) and, with ``save``, write it to the cache (the first rank
     of each host) and to ``path`` (rank 0 of the process set)."""
     com = _comm(comm)
     specs = [resolve(s) for s in specs]
     started = time.perf_counter()
     kinds = ("allreduce", "allgather") + (("allreduce_half",) if any(sums_half(s) for s in specs) else ())
-    comm = time_collectives(kinds, sizes_bytes=comm_bytes, repeats=repeats, comm=com)
-    launch = time_launch(comm=com)
+    comm = time_collectives(kinds, sizes_bytes=comm_bytes, repeats=repeats, comm=com, device=device)
+    launch = time_launch(comm=com, device=device)
     compress = {str(resolve(s)): time_compression(s, compress_elements, repeats, comm=com, device=device)
                 for s in specs}
     decompress = {str(resolve(s)): time_decompression(s, compress_elements, repeats, comm=com, device=device)
@@ -458,11 +470,11 @@ def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=No
     missing = [s for s in specs if not (model.has_compress_fit(s) and model.has_decompress_fit(s))]
     extra = {}
     if transport and model.allreduce_half is None and any(sums_half(s) for s in specs):
-        samples = time_collectives(("allreduce_half",), comm_bytes or DEFAULT_COMM_BYTES[:6], comm=comm)
+        samples = time_collectives(("allreduce_half",), comm_bytes or DEFAULT_COMM_BYTES[:6], comm=comm, device=device)
         extra["allreduce_half"] = fit_half(samples["allreduce_half"])
         extra["meta"] = dict(model.meta, samples={**dict(model.meta.get("samples", {})), **samples})
     if transport and "step_start_ups" not in model.meta:
-        timed = {"alone_s": time_sequence(comm=comm), "queued_s": time_burst(comm=comm)}
+        timed = {"alone_s": time_sequence(comm=comm, device=device), "queued_s": time_burst(comm=comm, device=device)}
         extra["meta"] = dict(extra.get("meta", model.meta), step_start_ups=timed)
     if extra:
         model = replace(model, **extra)
