@@ -16,7 +16,11 @@ with its measured validation), for ``--steps`` steps:
 * per ``--spec``: the spec flat and two-level (dense inside the node, the spec across);
 * the default: ``--choice-spec`` with ``topology`` and ``codec_choice`` left to their defaults (the
   launcher's ``LOCAL_WORLD_SIZE``, 2 here, makes it two-level; the per-group codec choice on);
-  every other row has ``codec_choice="off"``, so it is the configuration it names.
+  every other row has ``codec_choice="off"``, so it is the configuration it names;
+* with ``--front ddp``, the default through the DDP hook too (layout "choice (ddp)":
+  ``hvdcompress.ddp.comm_hook(--choice-spec)`` on ``DistributedDataParallel``, topology left to the
+  launcher's, so each bucket chooses flat or two-level, measured; no cost-model schedule, so no
+  prediction).
 
 Each row reports: the step time (median over the last ``--measure`` steps of the slowest rank's
 step; a barrier starts every step), whether the plan (profiling, measured validation) was settled
@@ -41,6 +45,9 @@ The model is a wide MLP on the 8x8 digits (``hvdcompress.datasets.load_digits``)
 
     sudo python benchmarks/two_level_evidence.py --out benchmarks/results/scaling/two-level-evidence
     sudo python benchmarks/two_level_evidence.py --quick --out /tmp/tl-quick   # smoke: < 2 minutes
+    # the default where two-level wins: qsgd at 100 Mbit/s, through both front ends
+    sudo python benchmarks/two_level_evidence.py --links 100mbit --spec qsgd --choice-spec qsgd --front optimizer \
+        --front ddp --out benchmarks/results/scaling/two-level-default-qsgd
 
 The full run is sized for about 15 minutes on a quiet 2-core machine. A smoke run proves only
 that it runs; the measurement needs a quiet machine.
@@ -68,17 +75,25 @@ QUICK = dict(width=128, depth=1, steps=10, measure=4, links="1gbit", repeats=2)
 PROFILE_MAX_BYTES = 4 << 20  # collectives timed up to 4 MiB per rank: the fits are linear in bytes
 PROFILE_MAX_ELEMENTS = 1 << 20  # codecs timed up to 1 Mi entries: every rank times them at once on 2 cores
 TARGET_SPEEDUP, TARGET_CHOICE = 1.5, 1.05  # issue 43: two-level >= 1.5x flat; the default within 5% of the best flat
+FRONTS = ("optimizer", "ddp")  # --front: the default row through DistributedOptimizer, through the DDP hook
+CHOICES = {"optimizer": "choice", "ddp": "choice (ddp)"}  # the default row's layout per front
 
 
-def rows_for(specs, choice_spec: str, topology: str) -> List[dict]:
+def rows_for(specs, choice_spec: str, topology: str, fronts=("optimizer",)) -> List[dict]:
     """The configurations of one link, in run order (module doc); ``layout`` is a key of
-    ``hvdcompress.schedule.scaling.LAYOUT_ROUTES`` or "choice"."""
+    ``hvdcompress.schedule.scaling.LAYOUT_ROUTES`` or a default row's (``CHOICES``, one per front)."""
     out = [dict(layout="flat dense", spec="none", topology="flat", codec_choice="off"),
            dict(layout="hierarchical dense", spec="none", topology=topology, codec_choice="off")]
     for s in specs:
         out += [dict(layout="flat spec", spec=s, topology="flat", codec_choice="off"),
                 dict(layout="two-level spec", spec=s, topology=topology, codec_choice="off")]
-    return out + [dict(layout="choice", spec=choice_spec, topology=None, codec_choice=None)]
+    return out + [dict(layout=CHOICES[f], spec=choice_spec, topology=None, codec_choice=None)
+                  for f in FRONTS if f in fronts]
+
+
+def is_choice(row: dict) -> bool:
+    """A default row (the choice on), of either front."""
+    return row["layout"] in CHOICES.values()
 
 
 # -- one rank ------------------------------------------------------------------------------------------
@@ -133,22 +148,71 @@ def predicted(row: dict, workload, fitted: dict, topology) -> dict:
             **({"counts": got["counts"]} if "counts" in got else {})}
 
 
+class _Front:
+    """What a row trains through: ``DistributedOptimizer(backend="torch")``, or for the DDP row the
+    DDP hook on ``DistributedDataParallel`` (module doc): the module to call, the optimizer to
+    step, the stats, whether its decisions are settled, and what it kept."""
+
+    def __init__(self, row: dict, cfg: dict, model):
+        import torch
+        sgd = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        self.ddp = row["layout"] == CHOICES["ddp"]
+        if self.ddp:
+            import hvdcompress.ddp as hddp
+            self.net = torch.nn.parallel.DistributedDataParallel(model)
+            self.hook, hook = hddp.comm_hook(row["spec"], model=self.net, optimizer=sgd, topology=row["topology"])
+            self.net.register_comm_hook(self.hook, hook)
+            self.opt, self.stats = sgd, self.hook.stats
+        else:
+            import hvdcompress.torch as hvc
+            self.net = model
+            self.opt = hvc.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                                compression=row["spec"], backend="torch", topology=row["topology"],
+                                                codec_choice=row["codec_choice"])
+            self.stats = self.opt.stats
+
+    @property
+    def settled(self) -> bool:
+        return self.hook.routes_settled if self.ddp else self.opt.engine.scheduler.done
+
+    def described(self) -> dict:
+        """topology_used, codec_choice_used and the plan kept (for the DDP row: its buckets' routes)."""
+        if self.ddp:
+            choice = self.hook.route_choice
+            record = choice.record if choice is not None else None
+            return dict(topology_used=str(getattr(self.hook.transport, "topology", "flat")), codec_choice_used=None,
+                        plan={"schedule": "ddp buckets", "groups": len(choice.groups) if choice is not None else None,
+                              "codecs": None, "kept": record["kept_label"] if record else None, "revalidations": None,
+                              "routes": dict(self.stats.routes) or None})
+        opt, plan = self.opt, self.opt.plan
+        tuned = plan.tuning if plan is not None and isinstance(plan.tuning, dict) else {}
+        return dict(topology_used=str(getattr(opt.engine.transport, "topology", "flat")),
+                    codec_choice_used=opt.codec_choice,
+                    plan={"schedule": plan.schedule if plan else None, "groups": len(opt.groups),
+                          "codecs": list(plan.codecs) if plan is not None and plan.codecs else None,
+                          "kept": tuned.get("kept_label"), "revalidations": tuned.get("revalidations"),
+                          "routes": dict(opt.stats.routes) or None})
+
+    @property
+    def workload(self):
+        return None if self.ddp else self.opt.workload
+
+
 def run_row(row: dict, cfg: dict, data):
     """One configuration on this rank: trained, timed, evaluated. Returns the figures every rank
-    agrees on and the workload the optimizer profiled (None where its plan needed none)."""
+    agrees on and the workload the optimizer profiled (None where its plan needed none, and for
+    the DDP row)."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
-    import hvdcompress.torch as hvc
     from hvdcompress.bench.worker_common import read_counters
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg["seed"])
     model = mlp(cfg["width"], cfg["depth"])
-    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9),
-                                   named_parameters=model.named_parameters(), compression=row["spec"],
-                                   backend="torch", topology=row["topology"], codec_choice=row["codec_choice"])
+    front = _Front(row, cfg, model)
+    opt, stats = front.opt, front.stats
     x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     rng = np.random.default_rng([cfg["seed"], rank])
     start = cfg["steps"] - cfg["measure"]
@@ -156,20 +220,20 @@ def run_row(row: dict, cfg: dict, data):
     for step in range(cfg["steps"]):
         idx = torch.from_numpy(rng.integers(0, len(y_train), cfg["batch_size"]))
         if step == start:
-            before = (opt.stats.total_bytes, dict(opt.stats.total_hop_bytes), read_counters(cfg["iface"]))
+            before = (stats.total_bytes, dict(stats.total_hop_bytes), read_counters(cfg["iface"]))
         dist.barrier()
         began = time.perf_counter()
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+        torch.nn.functional.cross_entropy(front.net(x_train[idx]), y_train[idx]).backward()
         opt.step()
         if step >= start:
             times.append(time.perf_counter() - began)
-        if settled is None and opt.engine.scheduler.done:
+        if settled is None and front.settled:
             settled = step + 1
     n = cfg["measure"]
     counters = read_counters(cfg["iface"])
-    hops = {k: (v - before[1].get(k, 0)) / n for k, v in opt.stats.total_hop_bytes.items()}
-    mine = {"times": times, "payload": (opt.stats.total_bytes - before[0]) / n, "hops": hops,
+    hops = {k: (v - before[1].get(k, 0)) / n for k, v in stats.total_hop_bytes.items()}
+    mine = {"times": times, "payload": (stats.total_bytes - before[0]) / n, "hops": hops,
             "link": max(counters[k] - before[2][k] for k in counters) / n if counters else None}
     every = [None] * world
     dist.all_gather_object(every, mine)
@@ -180,20 +244,14 @@ def run_row(row: dict, cfg: dict, data):
         accuracy = float((model(torch.from_numpy(data.x_test)).argmax(1) == torch.from_numpy(data.y_test))
                          .float().mean())
     slowest = [max(ts) for ts in zip(*[e["times"] for e in every])]
-    plan = opt.plan
-    tuned = plan.tuning if plan is not None and isinstance(plan.tuning, dict) else {}
-    return dict(row, topology_used=str(getattr(opt.engine.transport, "topology", "flat")),
-                codec_choice_used=opt.codec_choice, median_step_s=statistics.median(slowest),
+    return dict(row, **front.described(), median_step_s=statistics.median(slowest),
                 settled_at_step=settled, settled_before_measure=settled is not None and settled <= start,
                 link_bytes_per_step=max((e["link"] or 0) for e in every) if cfg["iface"] else None,
                 payload_bytes_per_rank=statistics.fmean(e["payload"] for e in every),
                 hop_bytes_per_rank={k: statistics.fmean(e["hops"].get(k, 0.0) for e in every)
                                     for k in every[0]["hops"]} or None,
-                held_out_accuracy=accuracy, identical=all(bool(torch.equal(copies[0], c)) for c in copies),
-                plan={"schedule": plan.schedule if plan else None, "groups": len(opt.groups),
-                      "codecs": list(plan.codecs) if plan is not None and plan.codecs else None,
-                      "kept": tuned.get("kept_label"), "revalidations": tuned.get("revalidations"),
-                      "routes": dict(opt.stats.routes) or None}), opt.workload
+                held_out_accuracy=accuracy, identical=all(bool(torch.equal(copies[0], c)) for c in copies)), \
+        front.workload
 
 
 def worker_main(cfg_json: str, out_path: str) -> None:
@@ -220,7 +278,7 @@ def worker_main(cfg_json: str, out_path: str) -> None:
         if dist.get_rank() == 0:
             print(f"links fitted in {time.perf_counter() - began:.1f} s", flush=True)
         rows, workloads = [], []
-        for row in rows_for(cfg["specs"], cfg["choice_spec"], cfg["topology"]):
+        for row in rows_for(cfg["specs"], cfg["choice_spec"], cfg["topology"], cfg.get("fronts", ("optimizer",))):
             started = time.perf_counter()
             got, workload = run_row(row, cfg, data)
             got["wall_s"] = round(time.perf_counter() - started, 1)
@@ -233,6 +291,9 @@ def worker_main(cfg_json: str, out_path: str) -> None:
             # a plan that needed no profiling (PowerSGD's layerwise) left no workload: the first row's stands in
             first = next((i for i, w in enumerate(workloads) if w is not None), None)
             for row, workload in zip(rows, workloads):
+                if row["layout"] == CHOICES["ddp"]:  # no cost-model schedule: nothing to predict with
+                    row["predicted"], row["workload_of"] = None, None
+                    continue
                 use = workload if workload is not None else workloads[first] if first is not None else None
                 row["predicted"] = predicted(row, use, fitted, topology) if use is not None else None
                 row["workload_of"] = "this row" if workload is not None else \
@@ -283,8 +344,8 @@ def add_ratios(rows: List[dict]) -> List[dict]:
                 r["accuracy_vs_flat"] = r["held_out_accuracy"] - base["held_out_accuracy"]
             p = r.get("predicted")
             r["measured_over_predicted"] = r["median_step_s"] / p["step_seconds"] if p else None
-        choice = next((r for r in mine if r["layout"] == "choice"), None)
-        fixed = [r for r in mine if r["layout"] != "choice"]
+        choice = next((r for r in mine if r["layout"] == CHOICES["optimizer"]), None)
+        fixed = [r for r in mine if not is_choice(r)]
         best_flat = min(flat.values(), key=lambda r: r["median_step_s"])
         best = min(fixed, key=lambda r: r["median_step_s"])
         summary = {"link": link, "best_flat": f"{best_flat['layout']} {best_flat['spec']}",
@@ -296,6 +357,11 @@ def add_ratios(rows: List[dict]) -> List[dict]:
                            choice_over_best_fixed=choice["median_step_s"] / best["median_step_s"],
                            choice_within_target=choice["median_step_s"] <= TARGET_CHOICE * best_flat["median_step_s"],
                            choice_settled=choice["settled_before_measure"])
+        ddp = next((r for r in mine if r["layout"] == CHOICES["ddp"]), None)
+        if ddp is not None:
+            summary.update(ddp_choice_over_best_flat=ddp["median_step_s"] / best_flat["median_step_s"],
+                           ddp_choice_over_best_fixed=ddp["median_step_s"] / best["median_step_s"],
+                           ddp_choice_settled=ddp["settled_before_measure"])
         summaries.append(summary)
     return summaries
 
@@ -317,8 +383,8 @@ def markdown(result: dict) -> str:
         p = r.get("predicted") or {}
         hops = r.get("hop_bytes_per_rank")
         payload = f"{_mb(hops.get('local'))} / {_mb(hops.get('cross'))}" if hops else f"{_mb(r['payload_bytes_per_rank'])} (flat)"
-        spec = r["spec"] + (f" ({r['plan']['kept']})" if r["layout"] == "choice" and r["plan"].get("kept") else "")
-        if r["layout"] == "choice" and r["plan"].get("routes"):  # the route and spec of each group, counted
+        spec = r["spec"] + (f" ({r['plan']['kept']})" if is_choice(r) and r["plan"].get("kept") else "")
+        if is_choice(r) and r["plan"].get("routes"):  # the route and spec of each group, counted
             routes = list(r["plan"]["routes"].values())
             spec += "; " + ", ".join(f"{routes.count(x)}x {x}" for x in sorted(set(routes)))
         out.append("| " + " | ".join([
@@ -339,6 +405,9 @@ def markdown(result: dict) -> str:
             line += (f"; the default takes {s['choice_over_best_flat']:.3f}x the best flat row's step "
                      f"({'within' if s['choice_within_target'] else 'OUTSIDE'} the {TARGET_CHOICE:g}x target; "
                      f"{s['choice_over_best_fixed']:.3f}x the best row, {s['best_fixed']})")
+        if "ddp_choice_over_best_flat" in s:
+            line += (f"; the DDP hook's default takes {s['ddp_choice_over_best_flat']:.3f}x the best flat row's step "
+                     f"({s['ddp_choice_over_best_fixed']:.3f}x the best row)")
         out.append(line)
     return "\n".join(out) + "\n"
 
@@ -348,6 +417,8 @@ def main(argv=None) -> int:
     p.add_argument("--links", default=LINKS, help="comma-separated rates of the links between nodes (tbf)")
     p.add_argument("--spec", action="append", default=None, help=f"repeatable; default: {', '.join(SPECS)}")
     p.add_argument("--choice-spec", default=None, help="the default row's spec (default: the first --spec)")
+    p.add_argument("--front", action="append", choices=FRONTS, default=None,
+                   help="repeatable: the front ends the default row runs through (default: optimizer)")
     p.add_argument("--topology", default=TOPOLOGY, help="NxL: N nodes of L ranks")
     p.add_argument("--steps", type=int, default=80, help="training steps per row")
     p.add_argument("--measure", type=int, default=20, help="the last steps, timed")
@@ -387,7 +458,8 @@ def main(argv=None) -> int:
         p.error(f"the emulated network needs network namespaces: {why}")
     parameters = sum(o * i + o for i, o in zip([64] + [args.width] * args.depth, [args.width] * args.depth + [10]))
     cfg = {"workers": topology.world, "topology": args.topology, "specs": specs,
-           "choice_spec": args.choice_spec or specs[0], "steps": args.steps, "measure": args.measure,
+           "choice_spec": args.choice_spec or specs[0], "fronts": list(dict.fromkeys(args.front or ["optimizer"])),
+           "steps": args.steps, "measure": args.measure,
            "width": args.width, "depth": args.depth, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
            "repeats": args.repeats, "parameters": parameters, "gradient_bytes": 4 * parameters}
     rows, fits = [], {}

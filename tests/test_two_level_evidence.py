@@ -36,6 +36,17 @@ def test_rows_name_every_configuration_once():
     assert {r["layout"] for r in rows} - {"choice"} <= set(LAYOUT_ROUTES)  # what compare_two_level takes
 
 
+def test_the_ddp_front_adds_its_own_default_row():
+    bench = _bench()
+    rows = bench.rows_for(["qsgd"], "qsgd", "2x2", fronts=("ddp", "optimizer"))
+    assert [(r["layout"], r["spec"], r["topology"]) for r in rows[-2:]] == [
+        ("choice", "qsgd", None), ("choice (ddp)", "qsgd", None)]  # the launcher's topology: buckets choose
+    assert [r["layout"] for r in bench.rows_for(["qsgd"], "qsgd", "2x2", fronts=("ddp",))][-1] == "choice (ddp)"
+    assert bench.is_choice(rows[-1]) and bench.is_choice(rows[-2]) and not bench.is_choice(rows[0])
+    with pytest.raises(SystemExit):
+        bench.main(["--front", "horovod"])
+
+
 def _row(layout, spec, seconds, accuracy, predicted=None):
     return {"link": "100mbit (tbf, emulated)", "layout": layout, "spec": spec, "median_step_s": seconds,
             "held_out_accuracy": accuracy, "predicted": {"step_seconds": predicted, "inter_bytes_per_node": 1e6}
@@ -60,6 +71,14 @@ def test_ratios_and_table_compare_like_with_like():
                             "summary": [summary], "model": {"parameters": 1000, "gradient_bytes": 4000}})
     assert "EMULATED" in table and table.count("(tbf, emulated)") == len(rows) + 1
     assert "| 3.00x |" in table and "+3.00 pt" in table and "within the 1.05x target" in table
+    ddp = _row("choice (ddp)", "dgc", 0.12, 0.92)
+    ddp["plan"] = {"kept": "all flat", "routes": {"a": "flat dgc", "b": "flat dgc"}}
+    (summary,) = bench.add_ratios(rows + [ddp])
+    assert summary["best_fixed"] == "two-level spec dgc"  # a default row is no fixed configuration
+    assert summary["ddp_choice_over_best_flat"] == pytest.approx(0.4) and summary["ddp_choice_settled"]
+    table = bench.markdown({"workers": 4, "topology": "2x2", "steps": 10, "measure": 4, "rows": rows + [ddp],
+                            "summary": [summary], "model": {"parameters": 1000, "gradient_bytes": 4000}})
+    assert "`dgc (all flat); 2x flat dgc`" in table and "the DDP hook's default takes 0.400x" in table
 
 
 def test_refuses_bad_arguments_before_launching():

@@ -28,8 +28,24 @@ allreduces in its background thread), so the hook batches (``TorchDistCommunicat
   (torch.distributed matches collectives by issue order), and completes the futures DDP waits for.
 
 With ``topology=`` naming more than one node of more than one rank (default: the launcher's
-``LOCAL_WORLD_SIZE``), every exchange is two-level (``torch_ops.twolevel``: dense inside a node,
-the compressor across nodes on each rank's part), through the same session.
+``LOCAL_WORLD_SIZE``), exchanges are two-level (``torch_ops.twolevel``: dense inside a node, the
+compressor across nodes on each rank's part), through the same session. With ``routes="auto"``
+(the default on the launcher's topology) each bucket goes flat or two-level, as the optimizer's
+groups do (``torch_ops.twolevel.RouteChoice``), decided from what the hook has, with no scheduler:
+
+1. the first step goes flat; at its end each hop and the flat link are fitted
+   (``torch_ops.profiling.profile_hops``; the flat model the cached one, ``load_or_profile``, or
+   the ``cost_model=`` given), collectives on every rank at the same point;
+2. at the end of every step whose buckets are not the ones assigned (the first, and the first
+   after DDP rebuilt its buckets), each bucket gets the route ``choose_routes`` predicts faster for
+   the spec, and the measured trial starts again: the model's routes, all flat, all two-level, each
+   a settling step and ``tune_steps`` measured steps (the time from the end of one step's last
+   bucket to the next's); the times are gathered and every rank keeps the same routes
+   (``tuning.select``).
+
+A bucket that changes route keeps or folds its state as the optimizer's groups do (the
+``RouteChoice`` doc). ``state.stats.routes`` names each bucket's route and spec; ``state_dict()``
+carries the decision (``ddp_routes``): a resumed run keeps it and measures nothing.
 
 A fused collective's layout depends only on the units and the parameter order, not on DDP's
 current buckets, so a resumed run adds in the same order as the run it resumes, on any number of
@@ -64,9 +80,41 @@ from hvdcompress.spec import LAYERWISE, resolve
 from .arguments import check_devices, check_topology
 from .compressors import TakesMomentum, compressor_class
 from .grouping import Group
+from .scheduling import DEFAULT_TUNE_STEPS, check_tune_steps
 from .session import ExchangeSession, SessionFront, exchange_name
+from .timing import HOST_TIMER, timer_for
 
 State = Dict[str, torch.Tensor]
+ROUTES = ("auto", "two-level")  # routes=: each bucket flat or two-level as measured; every bucket two-level
+
+
+def check_routes(routes, cost_model, compressor) -> None:
+    """``routes=`` (None, "auto", "two-level") and ``cost_model=`` (None or a ``TwoLevelCostModel``)
+    of the hook: ValueError naming the argument and what it accepts, on every rank alike."""
+    from hvdcompress.schedule.twolevel import TwoLevelCostModel
+    if routes is not None and routes not in ROUTES:
+        raise ValueError("routes: must be None (the default: 'auto' on the launcher's topology, else 'two-level'), "
+                         "'auto' (each bucket flat or two-level, measured) or 'two-level' (every bucket); "
+                         f"got {routes!r}")
+    if routes == "auto" and compressor.returns_update:
+        raise ValueError(f"routes='auto': '{compressor.spec.name}' exchanges the optimizer's update, whose variance is "
+                         "no sum over ranks, so a bucket cannot change route; accepted: routes='two-level' or None")
+    if cost_model is not None and not isinstance(cost_model, TwoLevelCostModel):
+        raise ValueError("cost_model: expected None or a hvdcompress.schedule.twolevel.TwoLevelCostModel (the links "
+                         f"the route choice predicts with); got {type(cost_model).__name__}")
+
+
+def chooses_routes(routes, topology, resolved, tune_steps: int, compressor) -> bool:
+    """Whether the buckets of a ``resolved`` topology choose flat or two-level each, for
+    ``routes=`` and ``topology=`` as given (checked): a topology of more than one node of more
+    than one rank, a compressor whose state is a sum over ranks, and ``routes="auto"``, or None
+    with the launcher's topology (``topology`` None) and ``tune_steps`` > 0, as the optimizer's
+    default path. Pure."""
+    if resolved.flat or compressor.returns_update:
+        return False
+    if routes is None:
+        return topology is None and tune_steps > 0
+    return routes == "auto"
 
 
 class CommHookState(SessionFront):
@@ -76,7 +124,8 @@ class CommHookState(SessionFront):
     argument is checked before any collective, on every rank."""
 
     def __init__(self, spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                 process_group=None, topology=None):
+                 process_group=None, topology=None, routes=None, tune_steps: int = DEFAULT_TUNE_STEPS,
+                 cost_model=None):
         spec = resolve(spec)  # a bad spec: ValueError here, on every rank
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model: expected the DDP model (a torch.nn.Module); got {type(model).__name__}")
@@ -104,6 +153,13 @@ class CommHookState(SessionFront):
         self.layerwise = self.compressor.merge == LAYERWISE
         self._group = process_group if process_group is not None else getattr(model, "process_group", None)
         self._topology = topology  # resolved with the transport (now, when torch.distributed is up)
+        self.tune_steps = check_tune_steps(tune_steps)
+        check_routes(routes, cost_model, self.compressor)
+        self._routes, self._cost_model = routes, cost_model
+        self._decided = False  # the routes are settled (measured, or loaded as settled): nothing is measured
+        self._saved_routes: Optional[dict] = None  # loaded before the transport was made
+        self._clock: Optional[float] = None  # when the last step's route bookkeeping ended
+        self._step_groups: List[Tuple[Tuple[str, ...], int]] = []  # this step's exchanges: members, bytes
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             self.transport  # noqa: B018 -- a bad topology: ValueError here, on every rank
@@ -127,8 +183,30 @@ class CommHookState(SessionFront):
             from .dist_collectives import TorchDistCommunicator
             from .twolevel import two_level_transport
             comm = TorchDistCommunicator(self._group)
-            self.session.transport = two_level_transport(comm, check_topology(self._topology, comm))
+            layout = check_topology(self._topology, comm)
+            chooses = chooses_routes(self._routes, self._topology, layout, self.tune_steps, self.compressor)
+            given = self._cost_model if chooses else None
+            if given is not None and given.topology != layout:
+                raise ValueError(f"cost_model: a TwoLevelCostModel of topology {given.topology}, but the exchanges "
+                                 f"run on {layout}")
+            transport = two_level_transport(comm, layout, chooses)
+            if chooses:
+                transport.route_choice.given = given
+            self.session.transport = transport
+            if self._saved_routes is not None:
+                self._load_routes(self._saved_routes)
         return self.session.transport
+
+    @property
+    def routes_settled(self) -> bool:
+        """No route decision is pending: the buckets do not choose (``routes``), or their routes
+        are fitted and measured (or loaded as settled)."""
+        return self.route_choice is None or self._decided
+
+    @property
+    def route_choice(self):
+        """The transport's ``torch_ops.twolevel.RouteChoice`` where buckets choose their route, else None."""
+        return getattr(self.transport, "route_choice", None)
 
     @property
     def world(self) -> int:
@@ -177,6 +255,7 @@ class CommHookState(SessionFront):
         where = {n: (shape, offset) for n, shape, offset in members}
         session, transport = self.session, self.session.streams.transport(self.transport, buf.device)
         step, epoch = session.step, self.epoch
+        choice = self.route_choice
         parts = []
         with torch.no_grad():
             for unit in self._units_of(members):
@@ -191,6 +270,9 @@ class CommHookState(SessionFront):
                             x = buf[spans[0][0]:spans[0][0] + group.numel]  # a view: the result is built in place
                         else:
                             x = torch.cat([buf[o:o + m] for o, m in spans])
+                        if choice is not None:
+                            choice.sees(group.key, names)
+                            self._step_groups.append((names, group.numel * x.element_size()))
                         ex = session.start(x, names, key=group.key, step=step, name=exchange_name(group.key),
                                            shape=group.shape, members=group.layout, epoch=epoch, out=x)
                         session.pending.add(self._order[names[0]], ex, step)
@@ -221,8 +303,43 @@ class CommHookState(SessionFront):
                 dense += buf.numel() * buf.element_size()
         buckets, self._buckets = self._buckets, []
         self.session.end_step(exchanges, dense)
+        choice = self.route_choice
+        if choice is not None:
+            self._route_step(choice, buckets[0][1].device)
         for fut, buf, _ in buckets:
             fut.set_result(buf)
+
+    # -- flat or two-level per bucket ----------------------------------------------------------------
+    def _route_step(self, choice, device) -> None:
+        """The route bookkeeping at the end of a step (module doc), at the same point on every rank:
+        fit the links once, assign routes to new buckets and (re)start the measured trial, or count
+        this step in the trial."""
+        timer = HOST_TIMER if self._decided else timer_for(device)
+        ended = timer.now()
+        seconds = None if self._clock is None else ended - self._clock
+        groups, self._step_groups = self._step_groups, []
+        if not self._decided and choice.model is None:
+            self._fit_routes(choice, device)
+        if set(g for g, _ in groups) != set(choice.groups):
+            choice.assign([g for g, _ in groups], [b for _, b in groups], [str(self.spec)] * len(groups))
+            if choice.model is not None:
+                choice.start_trial(self.tune_steps)
+                self._decided = not choice.validating
+        elif choice.validating:
+            self._decided = choice.trial_step(seconds, self.transport)
+        self._clock = None if self._decided else timer.now()
+
+    def _fit_routes(self, choice, device) -> None:
+        """Each hop's fit and the flat model (the given ``cost_model``'s, with fits for the spec,
+        else the cached or profiled one): collectives on every rank."""
+        from .profiling import load_or_profile, with_fits
+        world = self.transport.world
+        total = float(sum(p.numel() * p.element_size() for p in self.session.params.values()))
+        if choice.given is not None:
+            flat = with_fits(choice.given.flat, [self.spec], comm=world, device=device)
+        else:
+            flat = load_or_profile([self.spec], max_bytes=total, comm=world, device=device)
+        choice.fit(flat, max_bytes=total)
 
     # -- state ---------------------------------------------------------------------------------------
     def param_state(self) -> Dict[str, State]:
@@ -235,6 +352,9 @@ class CommHookState(SessionFront):
             raise AssertionError("hvdcompress.ddp: state_dict() during backward; call it between steps")
         saved = self.session.pack()
         saved["ddp_groups"] = [list(g) for g in dict.fromkeys(self._layout.values())]
+        choice = self.route_choice if self.session.transport is not None else None
+        if choice is not None:  # the routes in use, and whether they are settled
+            saved["ddp_routes"] = {"choice": choice.to_dict(), "decided": self._decided}
         return saved
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -250,6 +370,21 @@ class CommHookState(SessionFront):
             raise AssertionError("hvdcompress.ddp: load_state_dict() during backward; call it between steps")
         self.session.load(state_dict)
         self._layout = {n: g for g in groups for n in g}
+        saved = state_dict.get("ddp_routes")
+        if saved is not None and self.session.transport is None:
+            self._saved_routes = saved  # applied when the transport is made
+        elif saved is not None:
+            self._load_routes(saved)
+
+    def _load_routes(self, saved: dict) -> None:
+        """A checkpoint's routes: settled ones are kept and nothing is measured; routes saved
+        before the decision are used until it is made again (fit, trial)."""
+        self._saved_routes = None
+        choice = self.route_choice
+        if choice is None:  # saved with the route choice, resumed without it: every bucket two-level
+            return
+        choice.load(saved["choice"])
+        self._decided, self._clock, self._step_groups = bool(saved["decided"]), None, []
 
     def remove(self) -> None:
         """Detach the optimizer hooks this state installed (the DDP hook itself cannot be removed)."""
@@ -265,7 +400,8 @@ def hook(state, bucket):  # no annotations: DDP compares them with real types (p
 
 
 def comm_hook(spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-              process_group=None, topology=None):
+              process_group=None, topology=None, routes=None, tune_steps: int = DEFAULT_TUNE_STEPS,
+              cost_model=None):
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     spec: a compression spec (``"topk:ratio=0.01"``, ``hvdcompress.Compression.dgc(...)``); a bad
@@ -279,10 +415,21 @@ def comm_hook(spec, model: torch.nn.Module, optimizer: Optional[torch.optim.Opti
         after this call, before the first backward: as Lightning's ``DDPStrategy`` needs).
     topology: None (default): the launcher's (torchrun's ``LOCAL_WORLD_SIZE``), flat on a
         process group smaller than the job; "flat"; "NxL" (N nodes of L ranks) or "L"; a
-        ``hvdcompress.topology.Topology``. More than one node of more than one rank: every
-        exchange is two-level (``torch_ops.twolevel``: dense inside a node, the compressor
-        across nodes). A bad value raises ValueError here when torch.distributed is initialized,
-        else at the first bucket, on every rank.
+        ``hvdcompress.topology.Topology``. More than one node of more than one rank: exchanges
+        are two-level (``torch_ops.twolevel``: dense inside a node, the compressor across
+        nodes), per bucket or all of them as ``routes`` says. A bad value raises ValueError here
+        when torch.distributed is initialized, else at the first bucket, on every rank.
+    routes: on a two-level topology, "auto": each bucket flat or two-level, as predicted from
+        each hop's fit and then measured (module doc); "two-level": every bucket two-level. None
+        (default): "auto" on the launcher's topology (``topology`` None) with ``tune_steps`` > 0,
+        else "two-level" (as the optimizer, where an explicit topology without the codec choice
+        sends every group two-level). Not for a compressor that exchanges the optimizer's update
+        (1-bit Adam, top-k Adam): "auto" is a ValueError there, None "two-level".
+    tune_steps: measured steps per trial of the route choice (int in [0, 100], default 3; 0: the
+        model's routes, unmeasured), as the optimizer's measured validation.
+    cost_model: a ``hvdcompress.schedule.twolevel.TwoLevelCostModel`` of the topology: the route
+        choice predicts with its links instead of timing them (default: each hop timed, the flat
+        model cached or profiled, at the end of the first step).
     """
-    state = CommHookState(spec, model, optimizer, process_group, topology)
+    state = CommHookState(spec, model, optimizer, process_group, topology, routes, tune_steps, cost_model)
     return state, hook

@@ -286,6 +286,10 @@ class RouteChoice:
        the same one (``tuning.select``: the model's unless another is faster beyond the measured
        noise).
 
+    The optimizer's scheduler drives these steps (``torch_ops.scheduling``); the DDP hook drives
+    them from its buckets (``torch_ops.ddp_hook``: fit after the first step, ``assign`` whenever the
+    buckets change, saying each bucket's members first with ``sees``).
+
     State per route: error-feedback state (residuals, momenta, velocities: every floating entry
     as large as the tensor) is a sum over ranks on both routes. Flat, each rank holds what it held
     back of the whole tensor; two-level, local rank l holds what its node held back of part l,
@@ -304,6 +308,7 @@ class RouteChoice:
         self.specs: Dict[str, str] = {}  # group key -> the spec it is sent with
         self.record: Optional[dict] = None  # the last measured validation
         self._keys: Tuple[str, ...] = ()  # the groups in use, launch order
+        self._members: Dict[str, Tuple[str, ...]] = {}  # group key -> its members, as assigned
         self._last: Dict[str, str] = {}  # group key -> route of its last exchange (this grouping)
         self._labels: Dict[str, str] = {}
         self._trial: Optional[dict] = None
@@ -321,6 +326,23 @@ class RouteChoice:
         spec = self.specs.get(key)
         self._labels[key] = route if spec is None else label(Route(route), spec)
         return route, fold
+
+    def sees(self, key: str, members: Sequence[str]) -> None:
+        """Group ``key`` starts with these members. A key names its first member and their count,
+        so a front end whose groups change between steps without a new ``assign`` (DDP's
+        buckets, rebuilt after the first step) says who is in it: where the key was assigned with
+        other members, the group goes flat until the next ``assign`` (``groups`` still names the
+        assigned members, so the caller sees the change) and its layout is forgotten (its first
+        two-level exchange folds)."""
+        members = tuple(members)
+        if self._members.get(key, members) != members:
+            self.routes.pop(key, None)
+            self._last.pop(key, None)
+
+    @property
+    def groups(self) -> Tuple[Tuple[str, ...], ...]:
+        """The members of each group assigned (``assign``), launch order."""
+        return tuple(self._members[k] for k in self._keys)
 
     def take_labels(self) -> Dict[str, str]:
         out, self._labels = self._labels, {}
@@ -348,10 +370,14 @@ class RouteChoice:
         """The groups in use from the next step on (names, bytes, the spec each is sent with):
         the model's route for each; without a fitted model, the route a group already has (as
         after a resume), else flat."""
-        keys = tuple(MergedGroup(tuple(g), ((1,),) * len(g)).key for g in groups)
+        groups = tuple(tuple(g) for g in groups)
+        keys = tuple(MergedGroup(g, ((1,),) * len(g)).key for g in groups)
+        members = dict(zip(keys, groups))
         if set(keys) != set(self._keys):  # a regrouping: the groups that stayed keep their layout
             self._last = {k: r for k, r in self._last.items() if k in keys}
-        self._keys = keys
+        # a key now naming other members (the same first member and count) is another group
+        self._last = {k: r for k, r in self._last.items() if self._members.get(k, members.get(k)) == members.get(k)}
+        self._keys, self._members = keys, members
         self.specs = dict(zip(keys, map(str, specs)))
         if self.model is None:
             self.routes = {k: self.routes.get(k, FLAT) for k in keys}
@@ -416,3 +442,4 @@ class RouteChoice:
             return
         self.routes, self.modelled = dict(saved["routes"]), dict(saved.get("modelled", {}))
         self.record, self._trial, self._last = saved.get("record"), None, {}
+        self._keys, self._members = (), {}  # the groups are assigned again
