@@ -141,6 +141,7 @@ def test_quick_mode_on_an_emulated_two_level_network(tmp_path):
         assert r["identical"], r  # every rank ends with the same parameters
         assert r["median_step_s"] > 0 and 0 <= r["held_out_accuracy"] <= 1 and r["link_bytes_per_step"] > 0
         assert r["predicted"]["step_seconds"] > 0 and r["measured_over_predicted"] > 0
+        assert r["workload_of"] == "compute only"  # the simulator's check: no exchange's contention in it
         two_level = r["topology_used"] != "flat"
         assert two_level == (r["layout"] not in ("flat dense", "flat spec")), r
         if two_level:  # payload per hop: inside the node the whole gradient, across a part of it
