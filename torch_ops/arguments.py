@@ -145,7 +145,9 @@ def _horovod_topology(topology, topo, transport):
     transport must span the whole job. The launcher's (``topology`` None) is flat otherwise; an
     explicit one is a ValueError saying what to do."""
     from hvdcompress.topology import FORMS, Topology
-    from .collectives import can_make_process_sets
+    from .collectives import can_make_process_sets, launcher_homogeneous
+    if topology is None and not launcher_homogeneous():  # ranks would read different layouts
+        return Topology(topo.world, topo.world)
     whole = transport.size() == transport.world_size()
     if whole and can_make_process_sets(topo.local_groups() + topo.cross_groups()):
         return topo

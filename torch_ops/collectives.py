@@ -265,19 +265,34 @@ def process_sets(groups: Sequence[Sequence[int]]) -> List[Any]:
     return out
 
 
+def launcher_homogeneous(env=None) -> bool:
+    """Whether the launcher's layout has the same number of ranks on every node, as far as this
+    rank can tell: horovodrun's ``HOROVOD_LOCAL_SIZE`` x ``HOROVOD_CROSS_SIZE`` (the nodes holding
+    this local rank) is ``HOROVOD_SIZE`` (``-H a:4,b:2`` fails it on every rank), or it does not say.
+    A two-level default needs it: ranks that read different local sizes would make different sets."""
+    import os
+    env = os.environ if env is None else env
+    try:
+        local, cross, size = (int(env[k]) for k in ("HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_SIZE", "HOROVOD_SIZE"))
+    except (KeyError, ValueError):
+        return True
+    return local * cross == size
+
+
 def launcher_groups(env=None) -> List[Tuple[int, ...]]:
-    """The node and cross-node groups of the launcher's topology (``HOROVOD_SIZE`` and
-    ``HOROVOD_LOCAL_SIZE``, as horovodrun sets them; ``hvdcompress.topology.resolve_topology``),
-    nodes first; none when it is flat or the launcher does not say. Pure."""
+    """The node and cross-node groups of the launcher's topology (``HOROVOD_SIZE`` or Open MPI's
+    world size, and ``HOROVOD_LOCAL_SIZE``, as horovodrun sets them;
+    ``hvdcompress.topology.resolve_topology``), nodes first; none when it is flat, not the same on
+    every node (``launcher_homogeneous``) or the launcher does not say. Pure."""
     import os
 
     from hvdcompress.topology import resolve_topology
     env = os.environ if env is None else env
     try:
-        world = int(env.get("HOROVOD_SIZE", ""))
+        world = int(env.get("HOROVOD_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or "")
     except ValueError:
         return []
-    if world < 1:
+    if world < 1 or not launcher_homogeneous(env):
         return []
     topo = resolve_topology(None, world, env)
     return [] if topo.flat else list(topo.local_groups() + topo.cross_groups())

@@ -92,13 +92,18 @@ def launcher_default(rec) -> dict:
     import horovod.torch as hvd
     import torch
     out = {}
-    saved = os.environ.get("HOROVOD_LOCAL_SIZE")
-    os.environ["HOROVOD_LOCAL_SIZE"] = "2"
+    launcher = {"HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_SIZE": "2"}  # a launcher of 2 nodes of 2
+    saved = {k: os.environ.get(k) for k in launcher}
+    os.environ.update(launcher)
     try:
         for arg in (None, "flat"):
             out[str(arg)] = type(_optimizer(_model(), "topk:ratio=0.1", arg).engine.transport).__name__
     finally:
-        os.environ["HOROVOD_LOCAL_SIZE"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     from torch_ops.collectives import process_sets
     try:
         _optimizer(_model(), "topk:ratio=0.1", TOPOLOGY, process_set=process_sets(NODE_SETS)[hvd.rank() // 2])
