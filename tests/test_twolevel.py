@@ -117,6 +117,11 @@ def test_check_topology_on_horovod(monkeypatch):
     assert check_topology(None, _horovod_transport()) == Topology(4, 2)
     with pytest.raises(ValueError, match="topology='2x2'.*whole job"):
         check_topology("2x2", _horovod_transport(4, 8))
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")  # a world that changes size: flat, explicit refused
+    assert check_topology(None, _horovod_transport()).flat
+    with pytest.raises(ValueError, match="topology='2x2'.*Horovod Elastic"):
+        check_topology("2x2", _horovod_transport())
+    monkeypatch.delenv("HOROVOD_ELASTIC")
     monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "true")  # Horovod reads an integer: not on
     with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS"):
         check_topology("2x2", _horovod_transport())

@@ -146,8 +146,13 @@ def _horovod_topology(topology, topo, transport):
     explicit one is a ValueError saying what to do."""
     from hvdcompress.topology import FORMS, Topology
     from .collectives import can_make_process_sets, launcher_homogeneous
-    if topology is None and not launcher_homogeneous():  # ranks would read different layouts
-        return Topology(topo.world, topo.world)
+    from .elastic import elastic_mode
+    if topology is None and (elastic_mode() or not launcher_homogeneous()):  # a changing world; or ranks
+        return Topology(topo.world, topo.world)                             # that read different layouts
+    if elastic_mode():
+        raise ValueError(f"topology={topology!r}: a two-level exchange does not run under Horovod Elastic (the "
+                         "world changes size, its process sets would not follow); accepted here: topology='flat' "
+                         f"or None. Forms: {FORMS}")
     whole = transport.size() == transport.world_size()
     if whole and can_make_process_sets(topo.local_groups() + topo.cross_groups()):
         return topo

@@ -303,13 +303,16 @@ def init(comm=None, process_sets=None):
     cross-node sets of the launcher's topology (``launcher_groups``: several nodes of several
     ranks), so that a two-level exchange on the launcher's topology needs no other call. With
     ``process_sets="dynamic"`` Horovod adds sets later, so none is added here. The sets are
-    registered on the whole job only (``comm`` None)."""
+    registered on the whole job only (``comm`` None), and not under Horovod Elastic (its world
+    changes size)."""
     import horovod.torch as hvd
+
+    from .elastic import elastic_mode
     if isinstance(process_sets, str):
         return hvd.init(comm, process_sets=process_sets)
     given = list(process_sets or [])
     have = {tuple(ps.ranks) for ps in given if ps.ranks is not None} | set(_SETS)
-    groups = launcher_groups() if comm is None and not hvd.is_initialized() else []
+    groups = launcher_groups() if comm is None and not hvd.is_initialized() and not elastic_mode() else []
     extra = [hvd.ProcessSet(list(g)) for g in groups if tuple(g) not in have]
     result = hvd.init(comm, process_sets=given + extra)
     for ps in given + extra:
