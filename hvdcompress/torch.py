@@ -21,7 +21,10 @@ Names:
   compression specs (``hvdcompress specs`` lists them; docs/algorithms.md has every parameter).
 * ``elastic``: Horovod's ``hvd.elastic`` names, with ``elastic.TorchState`` carrying our
   optimizers through resets (docs/reliability.md).
-* Horovod's own, handed on unchanged when Horovod is installed: ``init``, ``shutdown``, ``is_initialized``, ``rank``,
+* ``init(comm=None, process_sets=None)``: Horovod's ``hvd.init``, which also registers the process
+  sets of the launcher's nodes when it has several nodes of several ranks (the two-level exchange
+  runs on them: ``topology=``, docs/two-level.md).
+* Horovod's own, handed on unchanged when Horovod is installed: ``shutdown``, ``is_initialized``, ``rank``,
   ``size``, ``local_rank``, ``local_size``, ``Average``, ``Sum``, ``allreduce``, ``allgather``,
   ``broadcast_object``, ``broadcast_parameters``, ``broadcast_optimizer_state``.
 * ``Compressor``, ``ExchangeContext``, ``COMPRESSORS``, ``build_compressor``: the backend's
@@ -48,6 +51,7 @@ except ImportError as _e:  # torch.distributed only
     _hvd, _missing = None, str(_e)
 else:
     globals().update({n: getattr(_hvd, n) for n in _HOROVOD_NAMES})
+    from torch_ops.collectives import init  # noqa: F811  (hvd.init, plus the launcher's node process sets)
 
 
 def __getattr__(name):

@@ -59,15 +59,88 @@ class _Elsewhere:
 
 
 def test_check_topology_off_torch_distributed(monkeypatch):
-    """On Horovod an explicit two-level topology is refused, the launcher's is ignored (flat)."""
+    """On a transport that is neither torch.distributed's nor Horovod's an explicit two-level
+    topology is refused, the launcher's is ignored (flat)."""
     from torch_ops.arguments import check_topology
-    with pytest.raises(ValueError, match="topology='2x2': a two-level exchange runs on torch.distributed only"):
+    with pytest.raises(ValueError, match="topology='2x2': a two-level exchange runs on torch.distributed"):
         check_topology("2x2", _Elsewhere())
     assert check_topology("flat", _Elsewhere()).flat and check_topology("4", _Elsewhere()).flat
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert check_topology(None, _Elsewhere()).flat
     with pytest.raises(ValueError, match="accepted"):
         check_topology("3x3", _Elsewhere())
+
+
+def _horovod_transport(size=4, world=4):
+    """Horovod's ``Communicator`` of ``size`` ranks in a job of ``world``, without Horovod running
+    (only what ``check_topology`` asks of it)."""
+    from torch_ops.collectives import Communicator
+
+    class Stub(Communicator):
+        def __init__(self):
+            pass
+
+        def size(self):
+            return size
+
+        def world_size(self):
+            return world
+
+        def included(self):
+            return True
+
+    return Stub()
+
+
+def test_check_topology_on_horovod(monkeypatch):
+    """On Horovod a two-level topology needs its node sets (registered by hvdcompress.torch.init,
+    or added with dynamic process sets) and the whole job: else the launcher's is flat and an
+    explicit one a ValueError saying what to do, before any collective."""
+    from torch_ops.arguments import check_topology
+    monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS", raising=False)
+    monkeypatch.setenv("HOROVOD_LOCAL_SIZE", "2")
+    monkeypatch.setenv("HOROVOD_SIZE", "4")
+    monkeypatch.delenv("HOROVOD_CROSS_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert check_topology(None, _horovod_transport()).flat
+    with pytest.raises(ValueError, match="topology='2x2'.*hvdcompress.torch.init().*process_sets='dynamic'"):
+        check_topology("2x2", _horovod_transport())
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+    assert check_topology(None, _horovod_transport()) == Topology(4, 2)
+    assert check_topology("2x2", _horovod_transport()) == Topology(4, 2)
+    assert check_topology("flat", _horovod_transport()).flat
+    assert check_topology(None, _horovod_transport(4, 8)).flat  # a process set smaller than the job
+    monkeypatch.setenv("HOROVOD_CROSS_SIZE", "1")  # 2 local x 1 cross != 4: nodes of unequal sizes
+    assert check_topology(None, _horovod_transport()).flat
+    assert check_topology("2x2", _horovod_transport()) == Topology(4, 2)  # explicit: the user's layout
+    monkeypatch.setenv("HOROVOD_CROSS_SIZE", "2")
+    assert check_topology(None, _horovod_transport()) == Topology(4, 2)
+    with pytest.raises(ValueError, match="topology='2x2'.*whole job"):
+        check_topology("2x2", _horovod_transport(4, 8))
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")  # a world that changes size: flat, explicit refused
+    assert check_topology(None, _horovod_transport()).flat
+    with pytest.raises(ValueError, match="topology='2x2'.*Horovod Elastic"):
+        check_topology("2x2", _horovod_transport())
+    monkeypatch.delenv("HOROVOD_ELASTIC")
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "true")  # Horovod reads an integer: not on
+    with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS"):
+        check_topology("2x2", _horovod_transport())
+
+
+def test_launcher_groups_are_the_node_and_cross_sets():
+    from torch_ops.collectives import launcher_groups
+    assert launcher_groups({"HOROVOD_SIZE": "6", "HOROVOD_LOCAL_SIZE": "2"}) == [
+        (0, 1), (2, 3), (4, 5), (0, 2, 4), (1, 3, 5)]
+    assert launcher_groups({"HOROVOD_SIZE": "4", "HOROVOD_LOCAL_SIZE": "4"}) == []  # one node
+    assert launcher_groups({"HOROVOD_SIZE": "4", "HOROVOD_LOCAL_SIZE": "1"}) == []  # one rank per node
+    assert launcher_groups({"HOROVOD_LOCAL_SIZE": "2"}) == []  # no launcher's size
+    assert launcher_groups({"HOROVOD_SIZE": "6", "HOROVOD_LOCAL_SIZE": "4"}) == []  # not whole nodes
+    assert launcher_groups({"HOROVOD_SIZE": "4", "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_SIZE": "2"}) == [
+        (0, 1), (2, 3), (0, 2), (1, 3)]
+    # horovodrun -H a:4,b:2: rank 0 reads local 4 of cross 2, rank 4 local 2 of cross 2: no sets on either
+    assert launcher_groups({"HOROVOD_SIZE": "6", "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_SIZE": "2"}) == []
+    assert launcher_groups({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == [
+        (0, 1), (2, 3), (0, 2), (1, 3)]
 
 
 # -- the oracle -----------------------------------------------------------------------------------
@@ -212,3 +285,87 @@ def test_a_non_finite_gradient_on_one_rank_is_nan_on_every_rank(world):
         assert got[0]["finite"] and got[2]["finite"] and got[1]["all_nan"], got
         assert all(got[s]["state_finite"] and got[s]["identical"] for s in range(3)), got
         assert got[2]["state_keys"] == ["residual"]
+
+
+# -- Horovod: the optimizer's two-level exchange on process sets ----------------------------------
+
+from scenarios import twolevel_horovod as hsc  # noqa: E402
+from scenarios.kit import extended  # noqa: E402
+
+# the route choice (profiling each hop, measuring the candidates and the routes: tens of steps on
+# 4 workers) repeats what tests/test_two_level_route.py checks on torch.distributed: extended tier
+HOROVOD_NAMES = ["every_spec", "launcher_default"] + (["route_choice"] if extended() else [])
+
+
+@pytest.fixture(scope="module")
+def horovod_two_by_two():
+    return hsc.launch(HOROVOD_NAMES)
+
+
+def _oracle_mismatches(results, topo):
+    """Replay every logged exchange of ``results`` through ``simulate_two_level``; the tags seen and
+    the places where a rank's result or state differs from the oracle's (or from rank 0's)."""
+    logs = [r["log"] for r in results]
+    assert len({len(log) for log in logs}) == 1 and logs[0]
+    seen, bad = set(), []
+    for entries in zip(*logs):
+        e0 = entries[0]
+        assert all((e["tag"], e["key"], e["step"]) == (e0["tag"], e0["key"], e0["step"]) for e in entries)
+        spec = parse_spec(e0["spec"])
+        states = [copy.deepcopy(e["before"]) for e in entries]
+        want, after, _ = simulate_two_level(spec, [e["x"] for e in entries], topo, states, key=e0["key"],
+                                            step=e0["step"], scale=e0["scale"], shape=e0["shape"],
+                                            epoch=e0["epoch"], members=e0["members"])
+        tol = _tolerance(spec, topo.nodes)
+        for r, e in enumerate(entries):
+            where = (e0["tag"], e0["key"], e0["step"], r)
+            if not (np.array_equal(e["result"], e0["result"], equal_nan=True) and _same(e["result"], want, tol)):
+                bad.append(where)
+            if sorted(e["after"]) != sorted(after[r]) or not all(_same(e["after"][k], v, tol)
+                                                                 for k, v in after[r].items()):
+                bad.append(where + ("state",))
+        seen.add(e0["tag"])
+    return seen, bad
+
+
+@pytest.mark.multiprocess
+def test_horovod_every_exchange_equals_the_two_level_oracle(horovod_two_by_two):
+    seen, bad = _oracle_mismatches(horovod_two_by_two, Topology(4, 2))
+    assert not bad, bad[:5]
+    assert seen == {(p, s) for s in hsc.SPECS for p in ("opt", "opt-resumed")}
+
+
+@pytest.mark.multiprocess
+def test_horovod_replicas_identical_resumed_exactly_on_process_sets(horovod_two_by_two):
+    for rank, got in enumerate(part(horovod_two_by_two, "every_spec")):
+        assert set(got) == set(hsc.SPECS)
+        for spec, run in got.items():
+            assert all(run["identical"]) and run["resumed_equal"] and run["moved"] > 0, spec
+            assert run["transports"] == ["TwoLevelTransport", "Communicator", "Communicator"], spec
+            assert run["sets"] == [list(Topology(4, 2).local_group(rank)), list(Topology(4, 2).cross_group(rank))]
+            assert run["hops"]["local"] > 0 and run["hops"]["cross"] > 0, spec
+            assert run["bytes"] == run["hops"]["local"] + run["hops"]["cross"], spec
+            if spec != "none":
+                assert run["hops"]["cross"] * 4 < run["hops"]["local"], spec  # compressed across, dense inside
+
+
+@pytest.mark.multiprocess
+def test_horovod_launcher_default_flat_opt_out_and_refusal(horovod_two_by_two):
+    for got in part(horovod_two_by_two, "launcher_default"):
+        assert got["None"] == "TwoLevelTransport" and got["flat"] == "Communicator"
+        assert got["subset"].startswith("topology='2x2'") and "'flat'" in got["subset"], got["subset"]
+        assert got["after"] == 4.0  # the next collective still lines up
+
+
+@pytest.mark.multiprocess
+@pytest.mark.extended
+def test_horovod_route_choice_profiles_hops_and_decides_alike(horovod_two_by_two):
+    runs = part(horovod_two_by_two, "route_choice")
+    assert all(s["identical"] for run in runs for s in run["steps"])
+    first = runs[0]
+    assert first["model"] and first["record"] is not None and first["saved_routes"]["routes"] == first["routes"]
+    assert set(first["routes"].values()) <= {"flat", "two-level"}
+    assert any(line.startswith("routes: ") for line in first["notes"])
+    for run in runs[1:]:
+        assert run["routes"] == first["routes"] and run["record"]["kept"] == first["record"]["kept"]
+        assert run["steps"][-1]["routes"] == first["steps"][-1]["routes"]

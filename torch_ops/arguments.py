@@ -115,9 +115,10 @@ def check_devices(parameter: str, tensors) -> torch.device:
 def check_topology(topology, transport, default_flat: bool = False):
     """The ``topology=`` argument of a front end on ``transport`` -> a ``hvdcompress.topology.Topology``
     (flat: one level). None takes the launcher's (``LOCAL_WORLD_SIZE`` / ``HOROVOD_LOCAL_SIZE``)
-    where a two-level exchange can run (a torch.distributed transport on the whole job), else flat;
-    anything else is explicit and must be runnable. ValueError naming ``topology`` and the accepted
-    forms, raised by every rank alike before any collective."""
+    where a two-level exchange can run (a torch.distributed transport on the whole job, or Horovod's
+    on the whole job with its node process sets at hand: ``collectives.can_make_process_sets``),
+    else flat; anything else is explicit and must be runnable. ValueError naming ``topology`` and
+    the accepted forms, raised by every rank alike before any collective."""
     from hvdcompress.topology import FORMS, Topology, resolve_topology
     world = transport.size()
     if topology is None and (default_flat or not transport.included() or not _whole_job(transport)):
@@ -125,14 +126,45 @@ def check_topology(topology, transport, default_flat: bool = False):
     topo = resolve_topology(topology, world)
     if topo.flat:
         return topo
+    from .collectives import Communicator
     from .dist_collectives import TorchDistCommunicator
+    if isinstance(transport, Communicator):
+        return _horovod_topology(topology, topo, transport)
     if not isinstance(transport, TorchDistCommunicator):
         if topology is None:  # the launcher's layout, on a transport without two levels: flat
             return Topology(world, world)
-        raise ValueError(f"topology={topology!r}: a two-level exchange runs on torch.distributed only "
-                         f"(backend='torch', or the DDP hook), not on {type(transport).__name__} (Horovod); "
+        raise ValueError(f"topology={topology!r}: a two-level exchange runs on torch.distributed (backend='torch', "
+                         f"or the DDP hook) or Horovod's transport, not on {type(transport).__name__}; "
                          f"accepted here: topology='flat' or None. Forms: {FORMS}")
     return topo
+
+
+def _horovod_topology(topology, topo, transport):
+    """``topo`` (two-level) on Horovod's transport: its node and cross-node process sets must be at
+    hand (registered by ``hvdcompress.torch.init``, or Horovod adds sets after its init) and the
+    transport must span the whole job. The launcher's (``topology`` None) is flat otherwise; an
+    explicit one is a ValueError saying what to do."""
+    from hvdcompress.topology import FORMS, Topology
+    from .collectives import can_make_process_sets, launcher_homogeneous
+    from .elastic import elastic_mode
+    if topology is None and (elastic_mode() or not launcher_homogeneous()):  # a changing world; or ranks
+        return Topology(topo.world, topo.world)                             # that read different layouts
+    if elastic_mode():
+        raise ValueError(f"topology={topology!r}: a two-level exchange does not run under Horovod Elastic (the "
+                         "world changes size, its process sets would not follow); accepted here: topology='flat' "
+                         f"or None. Forms: {FORMS}")
+    whole = transport.size() == transport.world_size()
+    if whole and can_make_process_sets(topo.local_groups() + topo.cross_groups()):
+        return topo
+    if topology is None:
+        return Topology(topo.world, topo.world)
+    why = (f"on Horovod it runs on the whole job (process_set of {transport.size()} of {transport.world_size()} "
+           "ranks here)" if not whole else
+           "on Horovod it needs the node and cross-node process sets: call hvdcompress.torch.init() instead of "
+           "hvd.init() (it registers the launcher's), or hvd.init(process_sets='dynamic') / "
+           "HOROVOD_DYNAMIC_PROCESS_SETS=1 (any topology)")
+    raise ValueError(f"topology={topology!r}: a two-level exchange {why}; accepted here: topology='flat' or None. "
+                     f"Forms: {FORMS}")
 
 
 def _whole_job(transport) -> bool:

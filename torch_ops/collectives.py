@@ -124,6 +124,10 @@ class Communicator:
     def included(self) -> bool:
         return bool(self.process_set.included())
 
+    def world_size(self) -> int:
+        """The whole job's size (``hvd.size()``), which a process set may be part of."""
+        return self._hvd.size()
+
     def versions(self) -> Dict[str, str]:
         """The transport's name and version (recorded with profiled cost models)."""
         import horovod
@@ -215,6 +219,106 @@ class Communicator:
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         """``obj`` of the rank with index ``root`` in the process set, on every rank of the set."""
         return self.allgather_object(obj if self.rank() == root else None, name)[root]
+
+
+# -- the process sets of a two-level topology ------------------------------------------------------
+# The Horovod process sets hvdcompress registered, by their ranks (global, sorted): the sets a
+# two-level exchange runs on (a node's ranks, the ranks at one local position of every node).
+# Horovod has no public lookup of a set by its ranks, so the sets made here are kept here.
+_SETS: Dict[Tuple[int, ...], Any] = {}
+
+DYNAMIC_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
+
+
+def dynamic_process_sets() -> bool:
+    """Whether Horovod lets process sets be added after ``hvd.init`` (``HOROVOD_DYNAMIC_PROCESS_SETS``
+    a positive integer, as Horovod reads it; ``hvd.init(process_sets="dynamic")`` sets it)."""
+    import os
+    try:
+        return int(os.environ.get(DYNAMIC_ENV, "0").strip() or 0) > 0
+    except ValueError:
+        return False
+
+
+def can_make_process_sets(groups: Sequence[Sequence[int]]) -> bool:
+    """Whether ``process_sets(groups)`` can give every set: each was registered here already, or
+    Horovod adds sets after its init. A pure local check: no collective."""
+    return all(tuple(sorted(g)) in _SETS for g in groups) or dynamic_process_sets()
+
+
+def process_sets(groups: Sequence[Sequence[int]]) -> List[Any]:
+    """One Horovod process set per group of global ranks, in order: the one registered here if
+    there is one (``init`` made it, or an earlier call), else ``hvd.add_process_set`` (every rank
+    must call this with the same groups in the same order: Horovod registers a set on all ranks).
+    ValueError when a set is missing and Horovod was not initialized for dynamic sets."""
+    import horovod.torch as hvd
+    out = []
+    for g in groups:
+        ranks = tuple(sorted(int(r) for r in g))
+        if ranks not in _SETS:
+            if not dynamic_process_sets():
+                raise ValueError(f"process set {list(ranks)}: not registered, and Horovod adds sets only with "
+                                 f"{DYNAMIC_ENV}=1 (hvdcompress.torch.init() registers the launcher's node sets; "
+                                 "hvd.init(process_sets='dynamic') lets any topology be made)")
+            _SETS[ranks] = hvd.add_process_set(list(ranks))
+        out.append(_SETS[ranks])
+    return out
+
+
+def launcher_homogeneous(env=None) -> bool:
+    """Whether the launcher's layout has the same number of ranks on every node, as far as this
+    rank can tell: horovodrun's ``HOROVOD_LOCAL_SIZE`` x ``HOROVOD_CROSS_SIZE`` (the nodes holding
+    this local rank) is ``HOROVOD_SIZE`` (``-H a:4,b:2`` fails it on every rank), or it does not say.
+    A two-level default needs it: ranks that read different local sizes would make different sets."""
+    import os
+    env = os.environ if env is None else env
+    try:
+        local, cross, size = (int(env[k]) for k in ("HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_SIZE", "HOROVOD_SIZE"))
+    except (KeyError, ValueError):
+        return True
+    return local * cross == size
+
+
+def launcher_groups(env=None) -> List[Tuple[int, ...]]:
+    """The node and cross-node groups of the launcher's topology (``HOROVOD_SIZE`` or Open MPI's
+    world size, and ``HOROVOD_LOCAL_SIZE``, as horovodrun sets them;
+    ``hvdcompress.topology.resolve_topology``), nodes first; none when it is flat, not the same on
+    every node (``launcher_homogeneous``) or the launcher does not say. Pure."""
+    import os
+
+    from hvdcompress.topology import resolve_topology
+    env = os.environ if env is None else env
+    try:
+        world = int(env.get("HOROVOD_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or "")
+    except ValueError:
+        return []
+    if world < 1 or not launcher_homogeneous(env):
+        return []
+    topo = resolve_topology(None, world, env)
+    return [] if topo.flat else list(topo.local_groups() + topo.cross_groups())
+
+
+def init(comm=None, process_sets=None):
+    """``hvd.init(comm, process_sets)``, registering beside the given sets the node and
+    cross-node sets of the launcher's topology (``launcher_groups``: several nodes of several
+    ranks), so that a two-level exchange on the launcher's topology needs no other call. With
+    ``process_sets="dynamic"`` Horovod adds sets later, so none is added here. The sets are
+    registered on the whole job only (``comm`` None), and not under Horovod Elastic (its world
+    changes size)."""
+    import horovod.torch as hvd
+
+    from .elastic import elastic_mode
+    if isinstance(process_sets, str):
+        return hvd.init(comm, process_sets=process_sets)
+    given = list(process_sets or [])
+    have = {tuple(ps.ranks) for ps in given if ps.ranks is not None} | set(_SETS)
+    groups = launcher_groups() if comm is None and not hvd.is_initialized() and not elastic_mode() else []
+    extra = [hvd.ProcessSet(list(g)) for g in groups if tuple(g) not in have]
+    result = hvd.init(comm, process_sets=given + extra)
+    for ps in given + extra:
+        if ps.ranks is not None and ps.process_set_id is not None:
+            _SETS.setdefault(tuple(ps.ranks), ps)
+    return result
 
 
 def pickled(obj: Any, device: Optional[torch.device] = None) -> torch.Tensor:

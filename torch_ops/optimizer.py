@@ -312,12 +312,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             compressor's own plan. ``opt.codec_choice`` says what was resolved.
 
     Nodes (``torch_ops.twolevel``, docs/two-level.md):
-        topology: None (default): the launcher's (torchrun's ``LOCAL_WORLD_SIZE``) on
-            backend="torch", flat on Horovod; "flat": one level; "NxL": N nodes of L ranks (ranks
-            numbered node by node), or "L"; a ``hvdcompress.topology.Topology``. Where it has
-            more than one node of more than one rank (backend="torch" only), every exchange is
-            two-level: a dense reduce-scatter inside the node, the compressor across nodes on
-            each rank's part, an allgather inside the node.
+        topology: None (default): the launcher's (torchrun's ``LOCAL_WORLD_SIZE``, horovodrun's
+            ``HOROVOD_LOCAL_SIZE``; on Horovod where its node process sets are at hand:
+            ``hvdcompress.torch.init()`` registers them, else flat); "flat": one level; "NxL": N
+            nodes of L ranks (ranks numbered node by node), or "L"; a
+            ``hvdcompress.topology.Topology``. Where it has more than one node of more than one
+            rank, exchanges are two-level: a dense reduce-scatter inside the node, the compressor
+            across nodes on each rank's part, an allgather inside the node (on Horovod through
+            process sets: an explicit one needs ``hvdcompress.torch.init()``'s sets or
+            ``hvd.init(process_sets="dynamic")``, and the whole job as ``process_set``).
 
     Training across high-latency links (``torch_ops.delayed`` states the math):
         delay: steps between launching an exchange and applying its result (int >= 0; 0, the

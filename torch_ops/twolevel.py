@@ -247,22 +247,31 @@ class TwoLevelTransport:
 
 def two_level_transport(transport, topology: Topology, choose_routes: bool = False):
     """``transport`` itself when ``topology`` is flat, else a ``TwoLevelTransport`` over it and the
-    node and cross-node groups, made here (``dist_collectives.new_subgroups``: every rank makes
-    every group, in the same order), choosing flat or two-level per group with ``choose_routes``
-    (``RouteChoice``; else every group two-level). Needs a torch.distributed transport (ValueError
-    otherwise, raised by every rank before any collective)."""
+    node and cross-node groups, made here (every rank makes every group, in the same order): on
+    torch.distributed process groups (``dist_collectives.new_subgroups``), on Horovod process sets
+    (``collectives.process_sets``: the ones ``hvdcompress.torch.init`` registered, or added now
+    where Horovod allows it), choosing flat or two-level per group with ``choose_routes``
+    (``RouteChoice``; else every group two-level). ValueError otherwise, raised by every rank
+    before any collective (``arguments.check_topology`` says which topologies run where)."""
     if topology.flat:
         return transport
+    from .collectives import Communicator
     from .dist_collectives import TorchDistCommunicator, new_subgroups
-    if not isinstance(transport, TorchDistCommunicator):
+    if not isinstance(transport, (TorchDistCommunicator, Communicator)):
         raise ValueError(f"topology={topology}: a two-level exchange runs on torch.distributed (backend='torch', "
-                         f"or the DDP hook); this transport is {type(transport).__name__}. Accepted here: "
-                         "topology='flat' (or None)")
+                         f"or the DDP hook) or Horovod; this transport is {type(transport).__name__}. Accepted "
+                         "here: topology='flat' (or None)")
     if topology.world != transport.size():
         raise ValueError(f"topology={topology}: a layout of {topology.world} ranks, but the process group has "
                          f"{transport.size()}")
-    groups = new_subgroups(topology.local_groups() + topology.cross_groups(), transport.group)
     rank = transport.rank()
+    layout = topology.local_groups() + topology.cross_groups()
+    if isinstance(transport, Communicator):
+        from .collectives import process_sets
+        sets = process_sets(layout)
+        local, cross = sets[topology.node_of(rank)], sets[topology.nodes + topology.local_rank(rank)]
+        return TwoLevelTransport(transport, Communicator(local), Communicator(cross), topology, choose_routes)
+    groups = new_subgroups(layout, transport.group)
     local = groups[topology.node_of(rank)]
     cross = groups[topology.nodes + topology.local_rank(rank)]
     return TwoLevelTransport(transport, TorchDistCommunicator(local), TorchDistCommunicator(cross), topology,
