@@ -61,6 +61,16 @@ def test_gradient_tape_leaves_identical_parameters_and_topk_1_equals_dense(resul
         assert r["ratio1_max_diff"] == 0.0  # a+b is exact whatever the order with 2 ranks
 
 
+def test_a_training_step_is_traced_once(results):
+    # the state the exchange creates in the step's first trace (residuals, the clock, a stateless
+    # spec's cached object) and the wrapped Keras optimizer's slots must not make TensorFlow trace
+    # the step a second time (tf_ops.variables); the tape's own optimizer is built beforehand
+    for r in _part(results, "tape"):
+        assert r["traces"] == {s: 1 for s in TAPE_SPECS}, r["traces"]
+    for r in _part(results, "keras"):
+        assert r["traces"] and all(n == 1 for n in r["traces"].values()), r["traces"]
+
+
 def test_checkpoint_resume_continues_bit_identically(results):
     for r in _part(results, "resume"):
         for label, res in r.items():

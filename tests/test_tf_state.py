@@ -39,6 +39,19 @@ def _run(comp, steps, graph):
     return [np.concatenate([r.numpy().ravel() for r in fn(_grads(s))]) for s in steps]
 
 
+@pytest.mark.parametrize("spec, kw", [("topk:ratio=0.05", {}), ("dgc:ratio=0.05,min_sparse_numel=64", {"schedule": "single"}),
+                                      ("none", {"delay": 1, "sync_every": 2})])
+def test_an_exchange_in_a_tf_function_is_traced_once(spec, kw):
+    # the state made in the first trace (slots, a merged group's working state, the clock, delayed
+    # averaging's corrections) is created eagerly and must not make TensorFlow trace again
+    comp = hvc.GradientCompression(spec, transport=OneRankTransport(), **kw)
+    fn = tf.function(lambda gs: comp.exchange(gs, world_size=1, scale=1.0))
+    for step in range(3):
+        fn(_grads(step))
+    assert fn.experimental_get_tracing_count() == 1
+    assert int(comp.step.numpy()) > 0  # the traced exchange ran (sync_every=2: every second step)
+
+
 @pytest.mark.parametrize("spec, graph", [("topk:ratio=0.05", False), ("randomk:ratio=0.1,seed=4", True),
                                          ("dgc:ratio=0.02,warmup_epochs=2,min_sparse_numel=256", True)])
 def test_checkpoint_restores_state_and_the_run_continues_identically(tmp_path, spec, graph):

@@ -16,14 +16,15 @@ from typing import Callable, List, Optional
 
 import tensorflow as tf
 
+from .variables import state_variable
+
 
 class LocalAccumulator(tf.Module):
     def __init__(self, passes: int, average: bool, name: str = "hvc_accumulate"):
         super().__init__(name=name)
         self.passes = passes
         self.average = average
-        with tf.init_scope():
-            self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="counter")
+        self.counter = state_variable(0, dtype=tf.int64, trainable=False, name="counter")
         self.sums: List[Optional[tf.Variable]] = []
 
     def _ensure(self, grads) -> None:
@@ -31,9 +32,7 @@ class LocalAccumulator(tf.Module):
             if i == len(self.sums):
                 self.sums.append(None)
             if g is not None and self.sums[i] is None:
-                with tf.init_scope():
-                    self.sums[i] = tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False,
-                                               name=f"{self.name}_{i}")
+                self.sums[i] = state_variable(lambda: tf.zeros(g.shape, g.dtype), trainable=False, name=f"{self.name}_{i}")
 
     def accumulate(self, grads: List[Optional[tf.Tensor]],
                    exchange: Callable[[List[tf.Tensor]], List[tf.Tensor]]) -> List[Optional[tf.Tensor]]:

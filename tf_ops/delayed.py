@@ -69,6 +69,7 @@ import tensorflow as tf
 from hvdcompress.delay import check_delay, check_sync_every
 
 from .policy import PolicyHost, SyncPolicy
+from .variables import state_variable
 
 
 class DelayedAveraging(tf.Module, SyncPolicy):
@@ -85,9 +86,8 @@ class DelayedAveraging(tf.Module, SyncPolicy):
         self.delay = check_delay(delay)
         self.every = check_sync_every(sync_every)
         self.momentum = momentum  # (m, nesterov): the local term is a local velocity (module doc)
-        with tf.init_scope():
-            self.calls = tf.Variable(0, dtype=tf.int64, trainable=False, name="calls")
-            self.config = tf.Variable([self.delay, self.every], dtype=tf.int64, trainable=False, name="config")
+        self.calls = state_variable(0, dtype=tf.int64, trainable=False, name="calls")
+        self.config = state_variable([self.delay, self.every], dtype=tf.int64, trainable=False, name="config")
         self.ring: List[Optional[tf.Variable]] = []
         self.acc: List[Optional[tf.Variable]] = []
         self.vel: List[Optional[tf.Variable]] = []
@@ -118,8 +118,7 @@ class DelayedAveraging(tf.Module, SyncPolicy):
                     continue
                 var = store[i]
                 if var is None:
-                    with tf.init_scope():
-                        store[i] = tf.Variable(tf.zeros(shape, g.dtype), trainable=False, name=f"{label}_{i}")
+                    store[i] = state_variable(lambda: tf.zeros(shape, g.dtype), trainable=False, name=f"{label}_{i}")
                 elif var.shape.as_list() != shape or var.dtype != g.dtype:
                     raise ValueError(f"delayed averaging state: gradient {i} needs {label} {shape} of "
                                      f"{g.dtype.name}, it has {var.shape.as_list()} of {var.dtype.name}; one "

@@ -38,6 +38,7 @@ from hvdcompress.diloco import OUTER_LR, OUTER_MOMENTUM, OUTER_NESTEROV, check_a
 from hvdcompress.stats import WireStats
 
 from .session import ExchangeSession, Untracked, exchange_name
+from .variables import created_eagerly
 
 
 class DiLoCo(tf.Module):
@@ -70,7 +71,7 @@ class DiLoCo(tf.Module):
         self.fragments = split_fragments([int(v.shape.num_elements()) for v in variables], self.cfg.fragments)
         self.lr, self.momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
         self._process_set = process_set
-        with tf.init_scope():
+        with tf.init_scope(), created_eagerly():
             self.global_params = [tf.Variable(v, trainable=False, name=f"global_{i}") for i, v in enumerate(variables)]
             self.momentum_buffers = [tf.Variable(tf.zeros_like(v), trainable=False, name=f"outer_momentum_{i}")
                                      for i, v in enumerate(variables)]

@@ -39,6 +39,7 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 
 from .collectives import Flag
+from .variables import state_variable
 
 
 def _zero_non_finite(state: Dict[str, tf.Variable]) -> tf.Tensor:
@@ -119,8 +120,7 @@ class RestoreMarker(trackable.Trackable):
     the next exchange checks that the restored state is finite (``check_restored``)."""
 
     def __init__(self):
-        with tf.init_scope():
-            self._holder = [tf.Variable(False, trainable=False, name="restored_state_unchecked")]
+        self._holder = [state_variable(False, trainable=False, name="restored_state_unchecked")]
 
     @property
     def pending(self) -> tf.Variable:

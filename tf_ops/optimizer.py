@@ -52,6 +52,7 @@ from .accumulate import LocalAccumulator
 from .compression import GradientCompression
 from .compressors import compressor_class
 from .exchanger import make_exchanger
+from .variables import created_eagerly
 
 
 class _KerasMixin:
@@ -102,13 +103,17 @@ class _KerasMixin:
         self.gradient_compression.flush(self, variables, lambda pairs: base.apply_gradients(pairs))
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        # the wrapped optimizer creates its slots eagerly inside the first trace of the training step;
+        # created_eagerly keeps that from tracing the step a second time (tf_ops.variables)
         acc = self._hvc_accumulator
         if acc is None:
-            return super(_KerasMixin, self).apply_gradients(grads_and_vars, *args, **kwargs)
+            with created_eagerly():
+                return super(_KerasMixin, self).apply_gradients(grads_and_vars, *args, **kwargs)
         grads_and_vars = list(grads_and_vars)
 
         def apply():
-            super(_KerasMixin, self).apply_gradients(grads_and_vars, *args, **kwargs)
+            with created_eagerly():
+                super(_KerasMixin, self).apply_gradients(grads_and_vars, *args, **kwargs)
             return tf.constant(True)
 
         def skip():  # a pass that only accumulated: no update, but the iteration counts

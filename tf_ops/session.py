@@ -40,6 +40,7 @@ from .compressors import ExchangeContext, build_compressor
 from .nonfinite import RestoreMarker, guard
 from .slots import ensure_slots, group_state, step_density
 from .grouping import Group, split_state
+from .variables import state_variable
 
 State = Dict[str, tf.Variable]
 
@@ -61,8 +62,7 @@ def rank_in(process_set) -> int:
 
 
 def _counter(name: str, value=0) -> tf.Variable:
-    with tf.init_scope():
-        return tf.Variable(value, dtype=tf.int64, trainable=False, name=name)
+    return state_variable(value, dtype=tf.int64, trainable=False, name=name)
 
 
 class ExchangeSession:
@@ -107,14 +107,13 @@ class ExchangeSession:
         """Create the exchange counter ``step``, ``epoch``, ``epoch_set`` (set_epoch was called:
         the warm-up follows it, else it counts epochs of warmup_epoch_steps), ``spec_text`` and,
         for a ratio-based compressor, ``density``."""
-        with tf.init_scope():
-            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-            self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
-            self.spec_text = tf.Variable(str(self.spec), dtype=tf.string, trainable=False, name="spec")
-            self.epoch_set = tf.Variable(False, trainable=False, name="epoch_set")
-            self.density = (tf.Variable(self.compressor.scheduled_density(0), dtype=tf.float64,
-                                        trainable=False, name="density")
-                            if self.compressor.has_density else None)
+        self.step = state_variable(0, dtype=tf.int64, trainable=False, name="step")
+        self.epoch = state_variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        self.spec_text = state_variable(str(self.spec), dtype=tf.string, trainable=False, name="spec")
+        self.epoch_set = state_variable(False, trainable=False, name="epoch_set")
+        self.density = (state_variable(self.compressor.scheduled_density(0), dtype=tf.float64,
+                                       trainable=False, name="density")
+                        if self.compressor.has_density else None)
 
     @staticmethod
     def counter(name: str, value=0) -> tf.Variable:

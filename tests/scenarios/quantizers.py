@@ -450,6 +450,7 @@ def _tf_tie():
     w = tf.Variable(tf.zeros([5]))
     comp = hvc.GradientCompression("signsgd")
     sgd = tf.keras.optimizers.SGD(1.0)
+    sgd.build([w])  # its slots now: made in the step's first trace, they would trace it twice
 
     @tf.function
     def step(g):

@@ -192,6 +192,7 @@ def _tape(comp, first, last, model=None, opt=None, checks=None):
     import tensorflow as tf
     if model is None:
         model, opt = kit.keras_mlp(), tf.keras.optimizers.SGD(0.1)
+    opt.build(model.trainable_variables)  # its slots now: made in the step's first trace, they would trace it twice
     loss_fn = kit.keras_loss()
 
     @tf.function

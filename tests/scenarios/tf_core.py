@@ -21,6 +21,7 @@ TAPE_SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "randomk:ratio=0.1,seed
               "dgc:ratio=0.05,nesterov=true,clip_norm=1.0,fp16_values=true,min_sparse_numel=256"]
 STATELESS = ("none", "fp16", "bf16")  # may be given to a tape as a plain spec
 USED = {}  # id(model) -> the GradientCompression its tape used
+STEPS = {}  # id(model) -> its tape's training step (a tf.function: how often it was traced)
 RESUME = [("keras", "topk:ratio=0.05"), ("tape", "dgc:ratio=0.05,warmup_epochs=3,min_sparse_numel=256")]
 # Keras' save_weights/load_weights carrying a residual is resumed in the default suite by
 # test_quantizers_multiprocess (PowerSGD, QSGD: the same _keras runs) and test_tf_delayed (top-k with
@@ -53,6 +54,7 @@ def _tape(compression, steps=6, momentum=0.0, epoch_every=2):
     import tensorflow as tf
     model = kit.keras_mlp()
     opt = tf.keras.optimizers.SGD(0.1, momentum=momentum)
+    opt.build(model.trainable_variables)  # its slots now: made in the step's first trace, they would trace it twice
     loss_fn = kit.keras_loss()
 
     @tf.function
@@ -62,6 +64,7 @@ def _tape(compression, steps=6, momentum=0.0, epoch_every=2):
         tape = hvc.DistributedGradientTape(tape, compression=compression)
         USED[id(model)] = tape.compression  # (when traced) the object that does the exchange
         opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    STEPS[id(model)] = step_fn
 
     def run(first, last):
         for step in range(first, last):
@@ -75,7 +78,7 @@ def _tape(compression, steps=6, momentum=0.0, epoch_every=2):
 def keras_paths() -> dict:
     """The Keras optimizer's own features; every compressor is covered on the (cheaper) tape path."""
     import hvdcompress.keras as hvc
-    out = {"identical": {}, "moved": {}}
+    out = {"identical": {}, "moved": {}, "traces": {}}
     start = kit.tf_flat(kit.keras_mlp()).numpy()
     for label, kwargs in (("topk", dict(spec="topk:ratio=0.05")),
                           ("legacy+randomk", dict(spec="randomk:ratio=0.1,seed=1", legacy=True)),
@@ -86,6 +89,7 @@ def keras_paths() -> dict:
         run(0, 6)
         out["identical"][label] = kit.tf_identical(model)
         out["moved"][label] = float(abs(kit.tf_flat(model).numpy() - start).max())
+        out["traces"][label] = model.train_function.experimental_get_tracing_count()
     out["bpps2_iterations_exchanges"] = (int(opt.iterations.numpy()), opt.stats.steps)
     model, opt, run = _keras("dgc:ratio=0.05,min_sparse_numel=256", momentum=0.8)
     out["dgc_momentum_taken_over"] = (opt.compression["momentum"], float(opt.get_config()["momentum"]))
@@ -98,12 +102,13 @@ def keras_paths() -> dict:
     out["fit_density"] = hist.history["density"]
     out["fit_wire"] = hist.history["wire_bytes_per_step"]
     out["identical"]["fit+callbacks"] = kit.tf_identical(model)
+    out["traces"]["fit+callbacks"] = model.train_function.experimental_get_tracing_count()
     return out
 
 
 def tape_paths() -> dict:
     import hvdcompress.tensorflow as hvc
-    out = {"identical": {}, "bytes": {}, "moved": {}}
+    out = {"identical": {}, "bytes": {}, "moved": {}, "traces": {}}
     start = kit.tf_flat(kit.keras_mlp()).numpy()
     flats = {}
     for spec in TAPE_SPECS:
@@ -113,6 +118,7 @@ def tape_paths() -> dict:
         out["identical"][spec] = kit.tf_identical(model)
         out["moved"][spec] = float(abs(flats[spec] - start).max())
         out["bytes"][spec] = USED[id(model)].stats.as_dict()
+        out["traces"][spec] = STEPS[id(model)].experimental_get_tracing_count()
     # top-k at ratio 1 against the dense run above (same model, batches and steps: one trace fewer)
     dense = flats["none"]
     full = kit.tf_flat(_tape(hvc.GradientCompression("topk:ratio=1.0"))[0]).numpy()

@@ -45,6 +45,7 @@ def _tape_trainer(model, opt, comp, graph=False, **tape_kw):
     import hvdcompress.tensorflow as hvc
     import tensorflow as tf
     loss_fn = kit.keras_loss()
+    opt.build(model.trainable_variables)  # its slots now: made in the step's first trace, they would trace it twice
 
     def step(x, y):
         with tf.GradientTape() as tape:
@@ -69,6 +70,7 @@ def unrolled_identity() -> dict:
     for n, (delay, every, op) in enumerate(IDENTITY):
         w = tf.Variable(tf.zeros(6))
         opt = tf.keras.optimizers.SGD(LR)
+        opt.build([w])  # its slots now: made in the step's first trace, they would trace it twice
         comp = hvc.GradientCompression("none", delay=delay, sync_every=every)
 
         def step(c):
@@ -96,6 +98,7 @@ def unrolled_identity_with_momentum() -> dict:
     for n, (delay, every, op) in enumerate(IDENTITY_MOMENTUM):
         w = tf.Variable(tf.zeros(6))
         opt = tf.keras.optimizers.SGD(LR)
+        opt.build([w])  # its slots now: made in the step's first trace, they would trace it twice
         comp = hvc.GradientCompression(MOMENTUM_SPEC, delay=delay, sync_every=every)
 
         def step(c):

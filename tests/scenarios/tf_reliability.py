@@ -81,6 +81,7 @@ def tape_faults(spec, graph=True) -> dict:
     model = _model()
     poison = _poison(model)
     opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    opt.build(model.trainable_variables)  # its slots now: made in the step's first trace, they would trace it twice
     comp = hvc.GradientCompression(spec)
     loss_fn = kit.keras_loss()
 
@@ -117,6 +118,7 @@ def plain_step_applies_it(spec) -> dict:
     model = _model()
     poison = _poison(model)
     opt = tf.keras.optimizers.SGD(0.05)
+    opt.build(model.trainable_variables)  # its slots now: made in the step's first trace, they would trace it twice
     comp = hvc.GradientCompression(spec)
     loss_fn = kit.keras_loss()
 

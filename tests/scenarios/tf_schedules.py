@@ -42,6 +42,7 @@ def _tape_loop(compression, steps=STEPS, **kw):
     import tensorflow as tf
     model = _model()
     opt = tf.keras.optimizers.SGD(0.1)
+    opt.build(model.trainable_variables)  # its slots now: made in the step's first trace, they would trace it twice
     loss_fn = _loss()
     used = []
 
@@ -146,6 +147,7 @@ def _codec_phase(model, opt, compression, steps, given=None):
     import hvdcompress.tensorflow as hvc
     import tensorflow as tf
     loss_fn = _loss()
+    opt.build(model.trainable_variables)  # its slots now: made in the step's first trace, they would trace it twice
 
     @tf.function
     def step_fn(x, y):

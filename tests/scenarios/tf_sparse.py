@@ -77,6 +77,7 @@ def tape(spec: str, sparse_as_dense: bool) -> dict:
            "last_bytes": compression.stats.last_bytes,
            "rows": int(x.size)}
     opt = tf.keras.optimizers.SGD(0.5)
+    opt.build(model.trainable_variables)  # its slots now: made in the step's first trace, they would trace it twice
 
     @tf.function
     def step(x, y):

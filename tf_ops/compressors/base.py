@@ -35,6 +35,7 @@ from hvdcompress.spec import CompressionSpec, info_for, num_selected
 
 from ..collectives import Allgather, Allreduce, Exchange
 from ..memory import Memory, memory_for
+from ..variables import state_variable
 
 Scalar = Union[int, float, tf.Tensor]
 
@@ -143,9 +144,9 @@ class Compressor(Registered, ABC):
         # the fill value goes through numpy: TF's eager cache of scalar constants keys them by
         # value, and -0.0 == 0.0, so tf.constant(-0.0) can return an earlier +0.0 (order-dependent)
         dtype = tf.as_dtype(dtype)
-        with tf.init_scope():
-            init = tf.constant(np.asarray(self.initial_value(slot), dtype=dtype.as_numpy_dtype))
-            return tf.Variable(tf.fill([numel], init), trainable=False, name=name or slot)
+        def initial():
+            return tf.fill([numel], tf.constant(np.asarray(self.initial_value(slot), dtype=dtype.as_numpy_dtype)))
+        return state_variable(initial, trainable=False, name=name or slot)
 
     @property
     def stateful(self) -> bool:
