@@ -26,8 +26,9 @@ Methods (``--configs``; all by default): ``alone`` (AdamW without any exchange: 
 trains on its own data; its loss is the mean over ranks) and every registered spec through the
 PyTorch ``DistributedOptimizer`` (Horovod, schedule ``layerwise``: every tensor compressed on its
 own, as in the papers) at its setting in ``SETTINGS`` (``{ratio}``: swept over ``--ratios``;
-``{warmup}``: ``onebitadam``'s and ``topkadam``'s dense warm-up, ``--onebitadam-warmup`` of the
-steps; a spec without an entry runs with its defaults). Specs that keep SGD's momentum in their
+``{warmup}``: the frozen-variance Adams' dense warm-up, ``--onebitadam-warmup`` of the
+steps; a spec without an entry runs with its defaults; a variant, e.g. ``topkadam-bf16``, is a name
+of its own for another setting of a registered spec). Specs that keep SGD's momentum in their
 memory run with ``momentum=0`` (AdamW keeps its own); ``onebitadam`` and ``topkadam`` take AdamW over; ``dgc`` warns (its rule
 under Adam, docs/fidelity.md).
 
@@ -74,6 +75,14 @@ SETTINGS = {
     "terngrad": "terngrad",
     "qsgd": "qsgd:levels=7,bucket=512",
     "powersgd": "powersgd:rank=2",
+    "qsgdadam": "qsgdadam:warmup_steps={warmup}",
+    # variants: a name of its own, the spec in its template (kept apart from the registered names)
+    "qsgdadam-l1": "qsgdadam:levels=1,bucket=512,warmup_steps={warmup}",
+    "qsgdadam-l7": "qsgdadam:levels=7,bucket=512,warmup_steps={warmup}",
+    "qsgdadam-l7-moment": "qsgdadam:levels=7,bucket=512,space=moment,warmup_steps={warmup}",
+    "onebitadam-bf16": "onebitadam:warmup_steps={warmup},warmup_codec=bf16",
+    "topkadam-bf16": "topkadam:ratio={ratio},warmup_steps={warmup},warmup_codec=bf16",
+    "topkadam-0.005-bf16": "topkadam:ratio=0.005,warmup_steps={warmup},warmup_codec=bf16",
 }
 TEST_ONLY = {"toysign"}
 
@@ -85,6 +94,7 @@ def configs() -> dict:
     names = [n for n in registered() if n not in TEST_ONLY]
     out = {n: s for n, s in SETTINGS.items() if n == "alone" or n in names}
     out.update({n: n for n in sorted(names) if n not in out})
+    out.update({n: s for n, s in SETTINGS.items() if n not in out and s.split(":")[0] in names})  # variants
     return out
 
 
@@ -104,7 +114,7 @@ def settings(template, ratios, warmup):
 # no Horovod); "keras": ``hvdcompress.keras.DistributedOptimizer`` on Horovod TensorFlow, the same
 # architecture written in Keras. Bytes: the Horovod front counts what the communicator is handed; the
 # other two read the exchange's own count (``stats.total_bytes``, the same payload sizes).
-ADAM_TAKEOVER = ("onebitadam", "topkadam")  # replace AdamW's update: Keras wraps SGD(momentum=0) for them
+ADAM_TAKEOVER = ("onebitadam", "topkadam", "qsgdadam")  # replace AdamW's update: Keras wraps SGD(momentum=0) for them
 
 
 class TorchFront:
