@@ -79,6 +79,7 @@ SETTINGS = {
     # variants: a name of its own, the spec in its template (kept apart from the registered names)
     "qsgdadam-l1": "qsgdadam:levels=1,bucket=512,warmup_steps={warmup}",
     "qsgdadam-l7": "qsgdadam:levels=7,bucket=512,warmup_steps={warmup}",
+    "qsgdadam-l1-moment": "qsgdadam:levels=1,bucket=512,space=moment,warmup_steps={warmup}",
     "qsgdadam-l7-moment": "qsgdadam:levels=7,bucket=512,space=moment,warmup_steps={warmup}",
     "onebitadam-bf16": "onebitadam:warmup_steps={warmup},warmup_codec=bf16",
     "topkadam-bf16": "topkadam:ratio={ratio},warmup_steps={warmup},warmup_codec=bf16",
