@@ -27,8 +27,8 @@ trains on its own data; its loss is the mean over ranks) and every registered sp
 PyTorch ``DistributedOptimizer`` (Horovod, schedule ``layerwise``: every tensor compressed on its
 own, as in the papers) at its setting in ``SETTINGS`` (``{ratio}``: swept over ``--ratios``;
 ``{warmup}``: the frozen-variance Adams' dense warm-up, ``--onebitadam-warmup`` of the
-steps; a spec without an entry runs with its defaults; a variant, e.g. ``topkadam-bf16``, is a name
-of its own for another setting of a registered spec). Specs that keep SGD's momentum in their
+steps; a spec without an entry runs with its defaults; ``VARIANTS``, e.g. ``topkadam-bf16``: other
+settings of a registered spec, each a name of its own, run only when named). Specs that keep SGD's momentum in their
 memory run with ``momentum=0`` (AdamW keeps its own); ``onebitadam`` and ``topkadam`` take AdamW over; ``dgc`` warns (its rule
 under Adam, docs/fidelity.md).
 
@@ -76,7 +76,9 @@ SETTINGS = {
     "qsgd": "qsgd:levels=7,bucket=512",
     "powersgd": "powersgd:rank=2",
     "qsgdadam": "qsgdadam:warmup_steps={warmup}",
-    # variants: a name of its own, the spec in its template (kept apart from the registered names)
+}
+# Other settings of registered specs, each a name of its own; run only when named in --configs.
+VARIANTS = {
     "qsgdadam-l1": "qsgdadam:levels=1,bucket=512,warmup_steps={warmup}",
     "qsgdadam-l7": "qsgdadam:levels=7,bucket=512,warmup_steps={warmup}",
     "qsgdadam-l1-moment": "qsgdadam:levels=1,bucket=512,space=moment,warmup_steps={warmup}",
@@ -95,7 +97,7 @@ def configs() -> dict:
     names = [n for n in registered() if n not in TEST_ONLY]
     out = {n: s for n, s in SETTINGS.items() if n == "alone" or n in names}
     out.update({n: n for n in sorted(names) if n not in out})
-    out.update({n: s for n, s in SETTINGS.items() if n not in out and s.split(":")[0] in names})  # variants
+    out.update({n: s for n, s in VARIANTS.items() if s.split(":")[0] in names})
     return out
 
 
@@ -489,7 +491,7 @@ def run(args, argv) -> int:
     from hvdcompress.bench.launch import Placement, WorkerFailure, run_workers
 
     every = configs()
-    chosen = args.configs or list(every)
+    chosen = args.configs or [c for c in every if c not in VARIANTS]
     unknown = [c for c in chosen if c not in every]
     if unknown:
         print(f"unknown configs {unknown}; known: {', '.join(every)}", file=sys.stderr)
