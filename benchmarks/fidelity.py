@@ -63,7 +63,7 @@ SIGN_LR_SCALE = 0.01
 # switch: DGC and the sketch accumulate the velocity they did not send
 ACCUMULATING = ("dgc", "sketch")
 # compressors that replace Adam's update (the SGD here cannot run them): benchmarks/fidelity_adam.py
-ADAM_ONLY = ("onebitadam", "topkadam")
+ADAM_ONLY = ("onebitadam", "topkadam", "qsgdadam")
 
 
 def configs() -> dict:

@@ -26,8 +26,9 @@ Methods (``--configs``; all by default): ``alone`` (AdamW without any exchange: 
 trains on its own data; its loss is the mean over ranks) and every registered spec through the
 PyTorch ``DistributedOptimizer`` (Horovod, schedule ``layerwise``: every tensor compressed on its
 own, as in the papers) at its setting in ``SETTINGS`` (``{ratio}``: swept over ``--ratios``;
-``{warmup}``: ``onebitadam``'s and ``topkadam``'s dense warm-up, ``--onebitadam-warmup`` of the
-steps; a spec without an entry runs with its defaults). Specs that keep SGD's momentum in their
+``{warmup}``: the frozen-variance Adams' dense warm-up, ``--onebitadam-warmup`` of the
+steps; a spec without an entry runs with its defaults; ``VARIANTS``, e.g. ``topkadam-bf16``: other
+settings of a registered spec, each a name of its own, run only when named). Specs that keep SGD's momentum in their
 memory run with ``momentum=0`` (AdamW keeps its own); ``onebitadam`` and ``topkadam`` take AdamW over; ``dgc`` warns (its rule
 under Adam, docs/fidelity.md).
 
@@ -74,6 +75,17 @@ SETTINGS = {
     "terngrad": "terngrad",
     "qsgd": "qsgd:levels=7,bucket=512",
     "powersgd": "powersgd:rank=2",
+    "qsgdadam": "qsgdadam:warmup_steps={warmup}",
+}
+# Other settings of registered specs, each a name of its own; run only when named in --configs.
+VARIANTS = {
+    "qsgdadam-l1": "qsgdadam:levels=1,bucket=512,warmup_steps={warmup}",
+    "qsgdadam-l7": "qsgdadam:levels=7,bucket=512,warmup_steps={warmup}",
+    "qsgdadam-l1-moment": "qsgdadam:levels=1,bucket=512,space=moment,warmup_steps={warmup}",
+    "qsgdadam-l7-moment": "qsgdadam:levels=7,bucket=512,space=moment,warmup_steps={warmup}",
+    "onebitadam-bf16": "onebitadam:warmup_steps={warmup},warmup_codec=bf16",
+    "topkadam-bf16": "topkadam:ratio={ratio},warmup_steps={warmup},warmup_codec=bf16",
+    "topkadam-0.005-bf16": "topkadam:ratio=0.005,warmup_steps={warmup},warmup_codec=bf16",
 }
 TEST_ONLY = {"toysign"}
 
@@ -85,6 +97,7 @@ def configs() -> dict:
     names = [n for n in registered() if n not in TEST_ONLY]
     out = {n: s for n, s in SETTINGS.items() if n == "alone" or n in names}
     out.update({n: n for n in sorted(names) if n not in out})
+    out.update({n: s for n, s in VARIANTS.items() if s.split(":")[0] in names})
     return out
 
 
@@ -104,7 +117,7 @@ def settings(template, ratios, warmup):
 # no Horovod); "keras": ``hvdcompress.keras.DistributedOptimizer`` on Horovod TensorFlow, the same
 # architecture written in Keras. Bytes: the Horovod front counts what the communicator is handed; the
 # other two read the exchange's own count (``stats.total_bytes``, the same payload sizes).
-ADAM_TAKEOVER = ("onebitadam", "topkadam")  # replace AdamW's update: Keras wraps SGD(momentum=0) for them
+ADAM_TAKEOVER = ("onebitadam", "topkadam", "qsgdadam")  # replace AdamW's update: Keras wraps SGD(momentum=0) for them
 
 
 class TorchFront:
@@ -478,7 +491,7 @@ def run(args, argv) -> int:
     from hvdcompress.bench.launch import Placement, WorkerFailure, run_workers
 
     every = configs()
-    chosen = args.configs or list(every)
+    chosen = args.configs or [c for c in every if c not in VARIANTS]
     unknown = [c for c in chosen if c not in every]
     if unknown:
         print(f"unknown configs {unknown}; known: {', '.join(every)}", file=sys.stderr)

@@ -16,7 +16,7 @@ the compressor: ``dampening`` != 0 (the memory computes ``u = m*u + g``, undampe
 Keras's ``weight_decay`` is decoupled (applied to the variables, never through the momentum, in
 dense training too), so it needs no taking over: the Keras optimizer keeps applying it.
 
-Adam: ``onebitadam`` and ``topkadam`` compute Adam's direction themselves, so they take an
+Adam: ``onebitadam``, ``topkadam`` and ``qsgdadam`` compute Adam's direction themselves, so they take an
 Adam/AdamW optimizer's betas and eps over (``take_over_adam``) and apply AdamW's step for it;
 DGC's momentum correction is SGD's, so DGC under Adam is refused or warned about (``check_dgc_under_adam``).
 """

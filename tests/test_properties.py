@@ -86,9 +86,11 @@ VARIANTS = {
                    "sparseloco:ratio=0.2,bits=3,residual=false"],
     # step 0 is the dense warm-up, step 1 the 1-bit moment
     "onebitadam": ["onebitadam:warmup_steps=1", "onebitadam:warmup_steps=1,scope=column,beta1=0.5",
-                   "onebitadam:warmup_steps=1,space=moment"],
+                   "onebitadam:warmup_steps=1,space=moment", "onebitadam:warmup_steps=1,warmup_codec=bf16"],
     "topkadam": ["topkadam:warmup_steps=1,ratio=0.3", "topkadam:warmup_steps=1,ratio=1.0,beta1=0.5",
-                 "topkadam:warmup_steps=1,ratio=0.3,space=direction"],
+                 "topkadam:warmup_steps=1,ratio=0.3,space=direction", "topkadam:warmup_steps=1,ratio=0.3,warmup_codec=fp16"],
+    "qsgdadam": ["qsgdadam:warmup_steps=1", "qsgdadam:warmup_steps=1,levels=1,bucket=0,space=moment",
+                 "qsgdadam:warmup_steps=1,levels=3,bucket=5,seed=11,warmup_codec=bf16"],
     "gtopk": ["gtopk:ratio=0.1", "gtopk:ratio=1.0", "gtopk:ratio=0.3,residual=false"],
 }
 TEST_ONLY = {"toysign"}  # tests/toy_algorithm: the contract's worked example, not a library algorithm
@@ -123,11 +125,12 @@ shapes = st.one_of(
 def _max_magnitude(spec, dtype: str = "float32") -> float:
     """The largest |value| generated for ``spec``: where its arithmetic cannot overflow (module doc)."""
     limit = 1e30
-    if spec.name == "fp16" or (spec.name == "dgc" and spec["fp16_values"]) or dtype == "float16":
+    if (spec.name == "fp16" or (spec.name == "dgc" and spec["fp16_values"]) or dtype == "float16"
+            or spec.params.get("warmup_codec") == "fp16"):
         limit = 65504.0 / 4  # sums of 3 ranks, plus a residual, stay finite in half precision
     if spec.name == "powersgd":
         limit = min(limit, 1e4 if dtype != "float16" else 1.0)
-    if spec.name in ("onebitadam", "topkadam"):
+    if spec.name in ("onebitadam", "topkadam", "qsgdadam"):
         limit = min(limit, 1e18)  # their second moment squares the gradient
     if spec.name in ("dgc", "sketch") and dtype == "float16":
         limit = min(limit, 10.0)  # momentum and velocity accumulate (sketch: and are summed per cell)
@@ -239,6 +242,11 @@ def _same(got, want, tol, label):
 
 
 # -- what is on the wire -----------------------------------------------------------------------------
+def _warm_bytes(spec) -> int:
+    """Bytes an entry of a frozen-variance Adam's warm-up: float32, or 16-bit codes (warmup_codec)."""
+    return 4 if spec["warmup_codec"] == "none" else 2
+
+
 def _check_wire(spec, shape, world, nbytes, itemsize, label, step=0, declared=True):
     """The bytes one rank sent against what the algorithm declares for a tensor of its size.
 
@@ -279,13 +287,13 @@ def _check_wire(spec, shape, world, nbytes, itemsize, label, step=0, declared=Tr
                 assert nbytes == declared, (label, nbytes, declared)
     elif spec.name == "onebitadam":  # the warm-up sends the float32 gradient, then onebit's payload
         if step < spec["warmup_steps"]:
-            assert nbytes == d * 4, (label, nbytes, d * 4)
+            assert nbytes == d * _warm_bytes(spec), (label, nbytes, d * _warm_bytes(spec))
         else:
             assert nbytes == payload_bytes("onebit", spec.params, d, shape=shape), (label, nbytes)
             if spec["scope"] == "tensor" or len(shape) == 2 and shape[0] == shape[1]:
                 assert nbytes == declared, (label, nbytes, declared)
-    elif spec.name == "topkadam":  # the warm-up sends the float32 gradient, then topk's payload of the moment
-        assert nbytes == (d * 4 if step < spec["warmup_steps"] else declared), (label, nbytes, declared)
+    elif spec.name in ("topkadam", "qsgdadam"):  # the warm-up sends the gradient, then the moment's payload
+        assert nbytes == (d * _warm_bytes(spec) if step < spec["warmup_steps"] else declared), (label, nbytes, declared)
     elif spec.name == "gtopk":  # what a rank sends depends on its place in the rounds (fold, pairs, unfold)
         ranks = sent_bytes(world, num_selected(spec["ratio"], d), itemsize, int(index_bytes(d)))
         assert nbytes in ranks and max(ranks) <= declared, (label, nbytes, ranks, declared)

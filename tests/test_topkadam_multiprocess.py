@@ -76,3 +76,46 @@ def test_keras_sgd_applies_the_direction_identical_near_the_oracle_and_resumes(t
         assert r["after"] == 2.0
     # Keras applies the decay and the step in its own order of float32 operations
     assert tf_results[0]["training"]["oracle_diff"] < 1e-5, tf_results[0]["training"]["oracle_diff"]
+
+
+# -- qsgdadam and the 16-bit warm-up (warmup_codec), in the same launches -----------------------------
+@pytest.mark.parametrize("entry", ["qsgdadam", "fp16_warmup"])
+def test_torch_qsgdadam_and_a_16_bit_warm_up_follow_the_oracle_and_resume(torch_results, entry):
+    for r in torch_results:
+        t = _ok(r[entry]["training"])
+        assert all(t["identical"]), t["identical"]
+        assert t["oracle_diff"] is None or t["oracle_diff"] == 0.0, t["oracle_diff"]
+        assert "beta2=0.95" in t["spec"] and t["adam_state"] == 0, t
+        warm, compressed = t["sent"][:3], t["sent"][3:]
+        assert set(warm) == {r["dense"] // 2}, (warm, r["dense"])  # 2 bytes an entry: fp16 or bf16 codes
+        want = r[entry].get("compressed", r["compressed"])  # qsgd's payload, or topk's
+        assert set(compressed) == {want}, (compressed, want)
+        res = _ok(r[entry]["resume"])
+        assert res["equal"] and all(res["identical"]) and res["state"] == ["m", "residual", "v"], res
+        assert r["after"] == 2.0
+    assert all(torch_results[0][e]["training"]["oracle_diff"] == 0.0 for e in ("qsgdadam", "fp16_warmup"))
+
+
+@pytest.mark.parametrize("label, needle", [
+    ("levels_zero", "qsgdadam: parameter 'levels' must be int in [1, 127]; got 0"),
+    ("warmup_codec", "qsgdadam: parameter 'warmup_codec' must be one of"),
+    ("sgd_momentum", "momentum=0.9 (parameter group 0) would apply a second momentum"),
+])
+def test_torch_qsgdadam_bad_combinations_raise_on_every_rank(torch_results, label, needle):
+    for r in torch_results:
+        msg = _ok(r["qsgdadam"]["refused"])[label]
+        assert msg is not None and needle in msg, msg
+
+
+@pytest.mark.parametrize("entry", ["qsgdadam", "fp16_warmup"])
+def test_keras_qsgdadam_and_a_16_bit_warm_up_follow_the_oracle_and_resume(tf_results, entry):
+    for r in tf_results:
+        t, base = _ok(r[entry]), r["training"]
+        assert all(t["identical"]), t["identical"]
+        assert set(t["sent"][:3]) == {base["sent"][0] // 2}, (t["sent"], base["sent"])  # half of float32's warm-up
+        assert len(set(t["sent"][3:])) == 1, t["sent"]
+        if entry == "fp16_warmup":
+            assert t["sent"][3:] == base["sent"][3:]  # the same topk payload after the warm-up
+        assert t["resume"]["equal"] and t["resume"]["identical"], t["resume"]
+        assert t["resume"]["state"] == ["m", "residual", "v"]
+    assert tf_results[0][entry]["oracle_diff"] < 1e-5, tf_results[0][entry]["oracle_diff"]

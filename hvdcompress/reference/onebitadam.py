@@ -10,6 +10,12 @@ Warm-up, steps t = 1 .. T_w (``warmup_steps``): dense Adam. The gradients are av
 
     g = mean_i g_i;  m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g
 
+``warmup_codec`` sends that gradient in 16 bits, halving the warm-up's bytes (the warm-up is
+dense, so it dominates the bytes of a short run): ``fp16`` is the ``fp16`` spec's exchange
+(g = fp16(sum_i fp16(g_i)) * (1/N), the sum rounded to half after each add), ``bf16`` the ``bf16``
+spec's (g = (sum_i bf16(g_i), in float32, in rank order) * (1/N)); the moments are then updated from
+that g as above. ``none`` (the default) is the float32 allreduce.
+
 Compression, t > T_w: v is frozen at v_{T_w}, so Adam's denominator is frozen too and identical
 on every rank, den = sqrt(v) * f2 + eps (f2 below, at T_w), and Adam's update is linear in the first
 moment: d = f1 * m / den. Each rank i updates its own copy of the moment from the last averaged one,
@@ -87,6 +93,7 @@ def _optional_beta(name: str, default: float) -> Param:
 
 
 SPACES = ("direction", "moment")
+WARMUP_CODECS = ("none", "fp16", "bf16")
 
 
 def adam_params(space: str = "direction") -> tuple:
@@ -101,7 +108,10 @@ def adam_params(space: str = "direction") -> tuple:
             Param("space", str, space, "what is compressed after the warm-up: 'direction' (the first moment "
                   "divided by the frozen denominator: the codec's error in the update's units) or 'moment' (the "
                   "paper's Algorithm 1; diverges where a coordinate's variance is tiny next to its tensor's)",
-                  choices=SPACES))
+                  choices=SPACES),
+            Param("warmup_codec", str, "none", "how the warm-up's dense gradient travels: 'none' (float32 "
+                  "allreduce), 'fp16' (fp16's allreduce: half the bytes, summed in half) or 'bf16' (bf16's "
+                  "gather: half the bytes, summed in float32)", choices=WARMUP_CODECS))
 
 
 register("onebitadam", GATHERED, "1-bit Adam: dense Adam for warmup_steps, then the second moment is frozen "
@@ -128,6 +138,12 @@ def bias_corrections(spec: CompressionSpec, step: int):
     t = step + 1
     tv = min(t, int(spec["warmup_steps"]))
     return 1.0 / (1.0 - c["beta1"] ** t), 1.0 / math.sqrt(1.0 - c["beta2"] ** tv)
+
+
+def warmup_spec(spec: CompressionSpec) -> CompressionSpec:
+    """The dense spec (``fp16`` or ``bf16``, no residual) that carries the warm-up's gradient when
+    ``warmup_codec`` is not "none"."""
+    return CompressionSpec(spec["warmup_codec"], {"residual": False})
 
 
 def inner_spec(spec: CompressionSpec) -> CompressionSpec:
@@ -172,8 +188,12 @@ class FrozenVarianceAdamOracle(Oracle):
                 st[k] = np.zeros_like(g)
         f1, f2 = bias_corrections(self.spec, ctx.step)
         if ctx.step < self.spec["warmup_steps"]:
-            (total,) = yield (Allreduce(g.copy()),)
-            mean = (total * F32(ctx.scale)).astype(F32)
+            if self.spec["warmup_codec"] == "none":
+                (total,) = yield (Allreduce(g.copy()),)
+                mean = (total * F32(ctx.scale)).astype(F32)
+            else:
+                mean = yield from oracle_for(warmup_spec(self.spec)).exchange(g.copy(), ctx)
+                mean = np.asarray(mean, dtype=F32)
             st["m"] = (st["m"] * b1 + mean * one_b1).astype(F32)
             st["v"] = (st["v"] * b2 + (mean * mean) * one_b2).astype(F32)
             denom = denominator(st["v"], f2, eps)

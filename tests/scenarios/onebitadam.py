@@ -5,7 +5,8 @@ trains the standard MLP; every step the parameters are identical on every rank, 
 replays the step with the numpy oracle from every rank's local gradients (gathered), starting
 from the same parameters, and compares; a checkpoint taken after the warm-up resumes exactly; the
 bad combinations raise on every rank before any collective. ``torch_topkadam``: the same for
-``topkadam`` (its own launch entry), a bad ``ratio`` refused.
+``topkadam`` (its own launch entry), a bad ``ratio`` refused; in the same entry ``qsgdadam`` (its warm-up
+sent as bf16: ``warmup_codec``; a bad ``levels`` refused) and ``topkadam`` with an fp16 warm-up.
 Keras (2 workers, the shared TF launch): the same training with Keras SGD (momentum 0, decoupled
 weight decay: AdamW's update on the exchanged direction), identical on every rank, resumed from a
 checkpoint exactly; ``tf_topkadam`` the same for ``topkadam``.
@@ -21,6 +22,9 @@ from scenarios.kit import guard
 
 SPEC = "onebitadam:warmup_steps=3"
 TOPKADAM_SPEC = "topkadam:warmup_steps=3,ratio=0.1"
+# qsgdadam with its warm-up sent as bf16; topkadam with its warm-up sent as fp16 (warmup_codec)
+QSGDADAM_SPEC = "qsgdadam:warmup_steps=3,levels=3,bucket=16,warmup_codec=bf16"
+FP16_WARMUP_SPEC = "topkadam:warmup_steps=3,ratio=0.1,warmup_codec=fp16"
 STEPS = 7
 LR, WD = 0.01, 0.05
 
@@ -143,6 +147,23 @@ def _topkadam_refused():
     return _refusals(cases)
 
 
+def _qsgdadam_refused():
+    import torch
+    cases = {"levels_zero": (lambda ps: torch.optim.AdamW(ps, lr=0.1), "qsgdadam:levels=0"),
+             "warmup_codec": (lambda ps: torch.optim.AdamW(ps, lr=0.1), "qsgdadam:warmup_codec=int8"),
+             "sgd_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), QSGDADAM_SPEC)}
+    return _refusals(cases)
+
+
+def _qsgdadam_payload(spec) -> int:
+    """qsgd's payload of the MLP's float32 moments, tensor by tensor: what a step after the warm-up sends."""
+    from hvdcompress import parse_spec
+    from hvdcompress.registry import info_for
+    from scenarios.kit import torch_mlp
+    spec = parse_spec(spec)
+    return int(sum(r.nbytes for p in torch_mlp().parameters() for r in info_for("qsgdadam").rounds(spec.params, p.numel())))
+
+
 def torch_topkadam() -> dict:
     """topkadam (1-bit Adam's framework with top-k) through the same checks: AdamW taken over,
     identical every step and equal to the oracle's replay, the warm-up's dense bytes then topk's
@@ -158,7 +179,12 @@ def torch_topkadam() -> dict:
     ratio = parse_spec(TOPKADAM_SPEC)["ratio"]
     out = {"training": guard(_torch_training, TOPKADAM_SPEC), "resume": guard(_torch_resume, TOPKADAM_SPEC),
            "refused": guard(_topkadam_refused),
-           "compressed": sum(num_selected(ratio, p.numel()) * 8 for p in torch_mlp().parameters())}
+           "compressed": sum(num_selected(ratio, p.numel()) * 8 for p in torch_mlp().parameters()),
+           "dense": sum(p.numel() * 4 for p in torch_mlp().parameters())}
+    out["qsgdadam"] = {"training": guard(_torch_training, QSGDADAM_SPEC), "resume": guard(_torch_resume, QSGDADAM_SPEC),
+                       "refused": guard(_qsgdadam_refused), "compressed": _qsgdadam_payload(QSGDADAM_SPEC)}
+    out["fp16_warmup"] = {"training": guard(_torch_training, FP16_WARMUP_SPEC),
+                          "resume": guard(_torch_resume, FP16_WARMUP_SPEC)}
     out["after"] = float(hvd.allreduce(torch.ones(1), name="topkadam.after", op=hvd.Sum))
     return out
 
@@ -206,8 +232,8 @@ def _keras_training(tmp, text=SPEC):
         states = {n: [{} for _ in everyone] for n in names}
         for step in range(STEPS):
             for i, n in enumerate(names):
-                d, states[n], _ = simulate(spec, [r[step][i] for r in everyone], states[n], key=n, step=step,
-                                           shape=params[i].shape)
+                d, states[n], _ = simulate(spec, [r[step][i] for r in everyone], states[n], key=str(i), step=step,
+                                           shape=params[i].shape)  # key: the gradient's position, as Keras's
                 p = params[i] - params[i] * F(WD) * F(LR)
                 params[i] = (p - d.reshape(p.shape) * F(LR)).astype(F)
         diff = max(float(np.abs(v.numpy() - q).max()) for v, q in zip(model.trainable_variables, params))
@@ -254,7 +280,8 @@ def tf_all() -> dict:
 
 def tf_topkadam() -> dict:
     """topkadam through the Keras checks of ``tf_all``: identical every step, the oracle's replay
-    within float32 rounding, exact resume; a bad ratio refused on every rank."""
+    within float32 rounding, exact resume; a bad ratio refused on every rank. The same training
+    for ``qsgdadam`` (bf16 warm-up) and ``topkadam`` with an fp16 warm-up."""
     import tempfile
     import horovod.tensorflow as hvd
     import hvdcompress.keras as hvc
@@ -273,6 +300,8 @@ def tf_topkadam() -> dict:
         except ValueError as e:
             return str(e)
 
-    out = {"training": guard(_keras_training, tempfile.mkdtemp(), TOPKADAM_SPEC), "refused": refused()}
+    out = {"training": guard(_keras_training, tempfile.mkdtemp(), TOPKADAM_SPEC), "refused": refused(),
+           "qsgdadam": guard(_keras_training, tempfile.mkdtemp(), QSGDADAM_SPEC),
+           "fp16_warmup": guard(_keras_training, tempfile.mkdtemp(), FP16_WARMUP_SPEC)}
     out["after"] = float(hvd.allreduce(tf.ones([1]), name="topkadam_after", op=hvd.Sum).numpy()[0])
     return out

@@ -8,6 +8,9 @@ the float32 gradient's bytes during the warm-up (an exact average: the rows summ
 as an allreduce of two ranks) and ``onebit``'s packed payload after it (its compressor's ops,
 error feedback on; the moment divided by the frozen denominator, recomputed from ``v``, unless
 ``space=moment``); a ``tf.cond`` picks what is sent and how it is read, so only one is computed.
+With ``warmup_codec`` the warm-up's buffer holds the gradient's fp16 or bf16 codes (2 bytes an
+entry): fp16 rows are summed in half in rank order (the ``fp16`` spec's allreduce), bf16 rows
+decoded and summed in float32 (the ``bf16`` spec's gather).
 
 Keras: the optimizer must apply the direction as it is, which Keras SGD with momentum 0 does, its
 ``weight_decay`` decoupled as AdamW's (``hvdcompress.momentum.take_over_keras_adam``); a Keras
@@ -87,8 +90,11 @@ class FrozenVarianceAdam(Compressor):
         local = m * b1 + g * one_b1
         frozen = self._denominator(v.read_value(), f2, eps)  # den, used after the warm-up, when v no longer moves
 
-        def dense_bytes():
-            return tf.reshape(tf.bitcast(g, tf.uint8), [-1])
+        codec = self.spec["warmup_codec"]
+        half = {"fp16": tf.float16, "bf16": tf.bfloat16}.get(codec)
+
+        def dense_bytes():  # float32, or the 16-bit codes of warmup_codec (fp16 and bf16 round to nearest even)
+            return tf.reshape(tf.bitcast(g if half is None else tf.cast(g, half), tf.uint8), [-1])
 
         def sent():
             return self.packed(local / frozen if direction else local, ctx)
@@ -96,11 +102,16 @@ class FrozenVarianceAdam(Compressor):
         (gathered,) = yield (Allgather(tf.cond(warm, dense_bytes, sent)),)
 
         def warm_moments():
-            rows = tf.bitcast(tf.reshape(gathered, [ctx.world_size, numel, 4]), tf.float32)
+            if half is None:
+                rows = tf.bitcast(tf.reshape(gathered, [ctx.world_size, numel, 4]), tf.float32)
+            else:
+                rows = tf.bitcast(tf.reshape(gathered, [ctx.world_size, numel, 2]), half)
+                if codec == "bf16":  # bf16's exchange: decoded, then summed in float32
+                    rows = tf.cast(rows, tf.float32)
             total = rows[0]
-            for r in range(1, ctx.world_size):  # rank order
+            for r in range(1, ctx.world_size):  # rank order (fp16: summed in half, as fp16's allreduce)
                 total = total + rows[r]
-            mean = total * f32(ctx.scale)
+            mean = tf.cast(total, tf.float32) * f32(ctx.scale)
             return m * b1 + mean * one_b1, v * b2 + (mean * mean) * one_b2
 
         def compressed_moments():
@@ -139,11 +150,9 @@ class FrozenVarianceAdam(Compressor):
         return at(f1), at(f2)
 
 
-class OneBitAdamCompressor(FrozenVarianceAdam):
-    name = "onebitadam"
-
-    def __init__(self, spec):
-        super().__init__(spec, OneBitCompressor(inner_spec(spec)))
+class PackedMomentAdam(FrozenVarianceAdam):
+    """A frozen-variance Adam whose moment codec is a packed quantizer (one uint8 payload a rank:
+    ``onebit`` here, ``qsgd`` in ``qsgdadam``)."""
 
     def packed(self, local, ctx):
         a = self.moment.memory.compensate(local, ctx.state)
@@ -154,3 +163,10 @@ class OneBitAdamCompressor(FrozenVarianceAdam):
 
     def decoded_sum(self, gathered, local, ctx):
         return self.moment.aggregate((gathered,), local, None, ctx)
+
+
+class OneBitAdamCompressor(PackedMomentAdam):
+    name = "onebitadam"
+
+    def __init__(self, spec):
+        super().__init__(spec, OneBitCompressor(inner_spec(spec)))

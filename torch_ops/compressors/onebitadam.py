@@ -10,7 +10,8 @@ payload (its compressor, error feedback on). With ``optimizer=`` an Adam or Adam
 ``before_step`` applies AdamW's step for it, ``p = p*(1 - lr*wd) - lr*d``, with the group's current
 learning rate and weight decay, then clears ``p.grad`` so the wrapped optimizer's own step leaves
 the parameter alone (it keeps no moments of its own). SGD without momentum is accepted as it is:
-its step on ``d`` is the same update.
+its step on ``d`` is the same update. With ``warmup_codec`` the warm-up's gradient travels as the
+``fp16`` or ``bf16`` compressor's exchange.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import torch
 
 from hvdcompress.contract import ExchangeContext
 from hvdcompress.momentum import is_adam_group, take_over_adam
-from hvdcompress.reference.onebitadam import adam_constants, bias_corrections, inner_spec
+from hvdcompress.reference.onebitadam import adam_constants, bias_corrections, inner_spec, warmup_spec
 from hvdcompress.spec import CompressionSpec
 
 from ..collectives import Allreduce
 from .base import Compressor
+from .dense import BF16Compressor, FP16Compressor
 from .quantizers import OneBitCompressor
 
 
@@ -45,6 +47,9 @@ class FrozenVarianceAdam(Compressor):
     def __init__(self, spec: CompressionSpec, moment: Compressor):
         super().__init__(spec)
         self.moment = moment
+        codec = spec["warmup_codec"]
+        self.warmup = None if codec == "none" else {"fp16": FP16Compressor, "bf16": BF16Compressor}[codec](
+            warmup_spec(spec))  # the warm-up's 16-bit exchange (the oracle's warmup_codec)
 
     @classmethod
     def adapt_optimizer(cls, spec: CompressionSpec, param_groups: List[Dict[str, Any]]) -> CompressionSpec:
@@ -86,8 +91,11 @@ class FrozenVarianceAdam(Compressor):
         v = self._moment_state(ctx, "v", g)
         f1, f2 = bias_corrections(self.spec, ctx.step)
         if ctx.step < self.spec["warmup_steps"]:
-            (total,) = yield (Allreduce(g.clone()),)
-            mean = total * _f32(ctx.scale)
+            if self.warmup is None:
+                (total,) = yield (Allreduce(g.clone()),)
+                mean = total * _f32(ctx.scale)
+            else:
+                mean = (yield from self.warmup.exchange(g.clone(), ctx)).to(torch.float32)
             m.mul_(b1).add_(mean * one_b1)
             v.mul_(b2).add_((mean * mean) * one_b2)
             denom = self._denominator(v, f2, eps)
