@@ -89,7 +89,7 @@ VARIANTS = {
                    "onebitadam:warmup_steps=1,space=moment", "onebitadam:warmup_steps=1,warmup_codec=bf16"],
     "topkadam": ["topkadam:warmup_steps=1,ratio=0.3", "topkadam:warmup_steps=1,ratio=1.0,beta1=0.5",
                  "topkadam:warmup_steps=1,ratio=0.3,space=direction", "topkadam:warmup_steps=1,ratio=0.3,warmup_codec=fp16"],
-    "qsgdadam": ["qsgdadam:warmup_steps=1", "qsgdadam:warmup_steps=1,levels=1,bucket=0,space=moment",
+    "qsgdadam": ["qsgdadam:warmup_steps=1", "qsgdadam:warmup_steps=1,levels=7,bucket=16,space=moment",
                  "qsgdadam:warmup_steps=1,levels=3,bucket=5,seed=11,warmup_codec=bf16"],
     "gtopk": ["gtopk:ratio=0.1", "gtopk:ratio=1.0", "gtopk:ratio=0.3,residual=false"],
 }

@@ -39,7 +39,7 @@ def _qsgd_dense(levels, bucket, seed, workers, warm, key):
     return compress
 
 
-@pytest.mark.parametrize("space, levels, bucket", [("direction", 15, 4), ("moment", 7, 0)])
+@pytest.mark.parametrize("space, levels, bucket", [("direction", 15, 4), ("moment", 7, 16)])
 def test_oracle_follows_the_papers_algorithm_with_qsgd_on_a_quadratic(space, levels, bucket):
     rng = np.random.default_rng(3)
     workers, n, steps, warm, lr, wd = 3, 12, 12, 5, 0.05, 0.1
@@ -63,7 +63,7 @@ def test_oracle_follows_the_papers_algorithm_with_qsgd_on_a_quadratic(space, lev
 
 
 def test_the_averaged_moment_is_the_mean_of_the_decoded_codes_and_the_rest_stays_in_the_residual():
-    spec = parse_spec("qsgdadam:warmup_steps=1,levels=1,bucket=8")
+    spec = parse_spec("qsgdadam:warmup_steps=1,levels=3,bucket=4")
     rng = np.random.default_rng(0)
     n = 40
     _, states, _ = simulate(spec, [rng.standard_normal(n).astype(F32) for _ in range(2)], [{}, {}], step=0)
@@ -75,15 +75,15 @@ def test_the_averaged_moment_is_the_mean_of_the_decoded_codes_and_the_rest_stays
     for r in range(2):
         u = ((m0 * F32(0.9) + g[r] * F32(1.0 - 0.9)).astype(F32) / den).astype(F32)  # e_i = 0 before
         decoded.append((u - states[r]["residual"]).astype(F32))
-        levels = np.abs(decoded[-1]).reshape(-1, 8)
-        norms = np.sqrt((u.astype(np.float64) ** 2).reshape(-1, 8).sum(1))
-        assert np.allclose(levels[levels > 0], np.repeat(norms, 8).reshape(-1, 8)[levels > 0], rtol=1e-6)  # 0 or +-w
+        norms = np.sqrt((u.astype(np.float64) ** 2).reshape(-1, 4).sum(1))
+        level = np.abs(decoded[-1]).reshape(-1, 4) * 3 / norms[:, None]  # |code| in {0, 1, 2, 3}: l * w / s
+        assert np.allclose(level, np.round(level), atol=1e-5) and level.max() <= 3 + 1e-5
     assert np.allclose(states[0]["m"], (decoded[0] + decoded[1]) / 2 * den, rtol=1e-5, atol=1e-12)
     assert np.array_equal(states[0]["v"], v0)  # frozen
-    assert sent[0][-1][0].nbytes == n * 2 // 8 + 4 * (n // 8)  # 2-bit codes, one float32 norm per 8 entries
+    assert sent[0][-1][0].nbytes == n * 3 // 8 + 4 * (n // 4)  # 3-bit codes, one float32 norm per 4 entries
 
 
-@pytest.mark.parametrize("levels, bucket, d, nbytes", [(1, 512, 1000, 250 + 8), (7, 0, 100, 50 + 4), (3, 16, 35, 14 + 12)])
+@pytest.mark.parametrize("levels, bucket, d, nbytes", [(31, 512, 1000, 750 + 8), (7, 16, 100, 50 + 28), (3, 4, 35, 14 + 36)])
 def test_declared_wire_is_qsgds_payload_after_the_warm_up(levels, bucket, d, nbytes):
     spec = parse_spec(f"qsgdadam:warmup_steps=1,levels={levels},bucket={bucket}")
     (rnd,) = info_for("qsgdadam").rounds(spec.params, d, 2)
@@ -132,3 +132,15 @@ def test_bad_parameters_name_the_parameter_and_range():
         with pytest.raises(ValueError, match=rf"{name}: parameter 'warmup_codec' must be one of none, fp16, bf16"):
             parse_spec(f"{name}:warmup_codec=int8")
     assert parse_spec("qsgdadam")["space"] == "direction" and parse_spec("onebitadam")["warmup_codec"] == "none"
+
+
+@pytest.mark.parametrize("text, hint", [("qsgdadam:levels=7,bucket=512", "bound 3.23). Accepted e.g.: bucket <= 16 at levels=7"),
+                                        ("qsgdadam:levels=1,bucket=512", "bound 22.6). Accepted e.g.: levels >= 31 at bucket=512"),
+                                        ("qsgdadam:bucket=0", "bucket=0. Accepted e.g.: bucket <= 128 at levels=15")])
+def test_settings_where_error_feedback_diverges_are_refused(text, hint):
+    """Error feedback around QSGD's unbiased codes diverges once their variance bound reaches 1 (it did on the
+    char LM at levels 1 and 7 on 512-entry buckets): refused at parse time, naming both parameters."""
+    with pytest.raises(ValueError, match="qsgdadam: parameters 'levels' and 'bucket' must keep QSGD's variance bound") as got:
+        parse_spec(text)
+    assert hint in str(got.value)
+    assert parse_spec("qsgdadam:levels=31,bucket=512")["levels"] == 31  # bound 0.53

@@ -28,8 +28,12 @@ bucket of n entries, and about sqrt(2n/pi)/s on a dense bucket (every entry of A
 update is of the same order): the codes that reach >= 8x fewer bytes (s <= 7 on 512 entries) sit
 above 1. On the char LM under AdamW of docs/fidelity.md (AdamW) it diverged at levels 1 and 7 on
 512-entry buckets, in both spaces: at these rates QSGD's unbiased codes cannot carry the moment
-with error feedback. The defaults (levels 7, bucket 512) are ``qsgd``'s own. The bytes: 2 bits a code for s = 1 plus
-32/``bucket`` bits of norm, so at most 16x fewer than float32 (at ``bucket=0``: one norm per tensor).
+with error feedback. So the spec refuses a setting whose bound min(n/s^2, sqrt(n)/s) is not below 1
+(``OMEGA_BOUND``; ``bucket=0``, one norm per tensor of any size, is refused with it), and its
+defaults, levels 15 on 128-entry buckets (bound 0.57, 5-bit codes: about 6.2x fewer bytes than
+float32), are the first stable setting, chosen by that bound and **not measured in training**. The
+bytes: ceil(log2(2s+1)) bits a code plus 32/``bucket`` bits of norm; even 2-bit codes (s = 1, which
+the bound refuses below 4-entry buckets) give at most 16x fewer than float32.
 
 The update, the take-over of an Adam/AdamW optimizer and the state (``m``, ``v``, ``residual``)
 are 1-bit Adam's. The stochastic rounding's uniforms are qsgd's: seeded by (``seed``, step,
@@ -45,6 +49,27 @@ from ..spec import GATHERED, PER_MEMBER, CompressionSpec, Param, Round, register
 from .onebitadam import FrozenVarianceAdamOracle, adam_params
 
 SCALE_BYTES = 4
+OMEGA_BOUND = 1.0  # error feedback around an unbiased code: stable while its relative variance is below 1
+
+
+def omega(levels: int, bucket: int) -> float:
+    """QSGD's bound on the relative variance of one bucket's codes: min(n/s^2, sqrt(n)/s)."""
+    return min(bucket / levels ** 2, bucket ** 0.5 / levels)
+
+
+def _check(p) -> None:
+    if p["bucket"] == 0 or omega(p["levels"], p["bucket"]) >= OMEGA_BOUND:
+        stable = [(s, b) for s in (3, 7, 15, 31) for b in (4, 16, 64, 128, 512) if omega(s, b) < OMEGA_BOUND]
+        best = max((b for s, b in stable if s == p["levels"]), default=None)
+        hint = (f"bucket <= {best} at levels={p['levels']}" if best else
+                f"levels >= {min(s for s, b in stable if b == p['bucket'])} at bucket={p['bucket']}"
+                if p["bucket"] and any(b == p["bucket"] for _, b in stable) else "levels=15, bucket=128")
+        raise ValueError(f"qsgdadam: parameters 'levels' and 'bucket' must keep QSGD's variance bound "
+                         f"min(bucket/levels^2, sqrt(bucket)/levels) below {OMEGA_BOUND:g} (error feedback around "
+                         f"an unbiased code diverges above it; bucket 0 is one norm per tensor, refused); got "
+                         f"levels={p['levels']}, bucket={p['bucket']}"
+                         + (f" (bound {omega(p['levels'], p['bucket']):.3g})" if p["bucket"] else "")
+                         + f". Accepted e.g.: {hint}")
 
 
 def _wire(params, d, itemsize, world, density):
@@ -60,12 +85,13 @@ def _wire(params, d, itemsize, world, density):
 register("qsgdadam", GATHERED, "QSGD Adam: dense Adam for warmup_steps, then the second moment is frozen and "
          "the first moment is exchanged as QSGD's codes (s levels, stochastic rounding, one L2 norm per bucket) "
          "with error feedback; the result is Adam's direction (takes an Adam/AdamW optimizer over)",
-         Param("levels", int, 7, "s, QSGD's levels per sign (codes in [-s, s], ceil(log2(2s+1)) bits each)",
-               low=1, high=127),
-         Param("bucket", int, 512, "entries per norm (0: one norm per tensor)", low=0, high=2 ** 31 - 1),
+         Param("levels", int, 15, "s, QSGD's levels per sign (codes in [-s, s], ceil(log2(2s+1)) bits each); "
+               "min(bucket/s^2, sqrt(bucket)/s) must be below 1", low=1, high=127),
+         Param("bucket", int, 128, "entries per norm (0, one norm per tensor, is refused: see levels)", low=0,
+               high=2 ** 31 - 1),
          Param("seed", int, 0, "seed of the stochastic rounding (with step, tensor name, rank)", low=0,
                high=2 ** 32 - 1),
-         *adam_params(), wire=_wire, merge=PER_MEMBER, same_shape=True)
+         *adam_params(), check=_check, wire=_wire, merge=PER_MEMBER, same_shape=True)
 
 
 def inner_spec(spec: CompressionSpec) -> CompressionSpec:

@@ -23,7 +23,7 @@ from scenarios.kit import guard
 SPEC = "onebitadam:warmup_steps=3"
 TOPKADAM_SPEC = "topkadam:warmup_steps=3,ratio=0.1"
 # qsgdadam with its warm-up sent as bf16; topkadam with its warm-up sent as fp16 (warmup_codec)
-QSGDADAM_SPEC = "qsgdadam:warmup_steps=3,levels=3,bucket=16,warmup_codec=bf16"
+QSGDADAM_SPEC = "qsgdadam:warmup_steps=3,levels=7,bucket=16,warmup_codec=bf16"
 FP16_WARMUP_SPEC = "topkadam:warmup_steps=3,ratio=0.1,warmup_codec=fp16"
 STEPS = 7
 LR, WD = 0.01, 0.05
