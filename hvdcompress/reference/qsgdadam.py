@@ -31,7 +31,8 @@ above 1. On the char LM under AdamW of docs/fidelity.md (AdamW) it diverged at l
 with error feedback. So the spec refuses a setting whose bound min(n/s^2, sqrt(n)/s) is not below 1
 (``OMEGA_BOUND``; ``bucket=0``, one norm per tensor of any size, is refused with it), and its
 defaults, levels 15 on 128-entry buckets (bound 0.57, 5-bit codes: about 6.2x fewer bytes than
-float32), are the first stable setting, chosen by that bound and **not measured in training**. The
+float32), are the first stable setting, chosen by that bound (on the char LM of docs/fidelity.md
+it ended -0.06% from dense's loss, three seeds). The
 bytes: ceil(log2(2s+1)) bits a code plus 32/``bucket`` bits of norm; even 2-bit codes (s = 1, which
 the bound refuses below 4-entry buckets) give at most 16x fewer than float32.
 
