@@ -54,6 +54,16 @@ def test_link_fit_tensors_follow_the_device():
     assert comm.devices == ["meta"] * 13
 
 
+def test_hop_fits_follow_the_device():
+    """The two-level route choice's per-hop fits (``profile_hops``) time tensors of the gradients' device too."""
+    from hvdcompress.topology import Topology
+
+    local, cross = RecordingTransport(), RecordingTransport()
+    fits = profiling.profile_hops(local, cross, Topology(4, 2), max_bytes=65536, repeats=1, device="meta")
+    assert set(fits) == {"intra", "inter"}
+    assert set(local.devices) == set(cross.devices) == {"meta"} and local.devices
+
+
 def test_link_fit_defaults_to_the_cpu():
     comm = RecordingTransport()
     profiling.time_collectives(("allreduce",), (4096,), repeats=1, warmup=0, comm=comm)

@@ -339,7 +339,7 @@ class CommHookState(SessionFront):
             flat = with_fits(choice.given.flat, [self.spec], comm=world, device=device)
         else:
             flat = load_or_profile([self.spec], max_bytes=total, comm=world, device=device)
-        choice.fit(flat, max_bytes=total)
+        choice.fit(flat, max_bytes=total, device=device)
 
     # -- state ---------------------------------------------------------------------------------------
     def param_state(self) -> Dict[str, State]:

@@ -490,16 +490,17 @@ def with_fits(model: CostModel, specs: Iterable, comm=None, compress_elements=No
 
 
 def profile_hops(local, cross, topology, max_bytes: Optional[float] = None, repeats: int = 3,
-                 world=None) -> Dict[str, CostModel]:
+                 world=None, device=None) -> Dict[str, CostModel]:
     """A ``CostModel`` of each hop of a two-level topology: ``intra`` timed on ``local`` (the node's
     ranks, every node at once) and ``inter`` on ``cross`` (the ranks at one local position, every
     position at once: the node's links shared as a two-level exchange shares them), collectives up
     to ``max_bytes``. Each node times its own link, so the fits of rank 0 are broadcast on
-    ``world`` (every rank of it calls this at the same point) and every rank decides alike."""
+    ``world`` (every rank of it calls this at the same point) and every rank decides alike. Tensors
+    on ``device`` (default the CPU), as the gradients the hops will carry."""
     sizes = comm_sizes_up_to(max_bytes)
     fits = {}
     for name, comm, ranks in (("intra", local, topology.local_size), ("inter", cross, topology.nodes)):
-        timed = time_collectives(("allreduce", "allgather"), sizes, repeats=repeats, comm=comm)
+        timed = time_collectives(("allreduce", "allgather"), sizes, repeats=repeats, comm=comm, device=device)
         fits[name] = fit_cost_model(ranks, timed["allreduce"], timed["allgather"],
                                     meta={"timed_on": f"{name} groups, all at once"}).to_dict()
     if world is not None:

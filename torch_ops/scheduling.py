@@ -390,7 +390,7 @@ class Scheduler:
                                                 device=self.device)
         calibrated = self._calibrate(model)  # identical on every rank: from gathered readings
         if self.routes is not None:  # each hop's fit beside the flat one (a collective on every rank)
-            self.routes.fit(calibrated, max_bytes=sum(self.sizes.values()))
+            self.routes.fit(calibrated, max_bytes=sum(self.sizes.values()), device=self.device)
         plan, candidates = _broadcast_result(self._comm(), lambda: self._model_plan(calibrated), "hvc.plan.model")
         note = ("cost model calibrated to the profiled steps: compression x{compress:.3g}, "
                 "decompression x{decompress:.3g}, exchange skew {skew:.3g}".format(**self.calibration))

@@ -362,15 +362,16 @@ class RouteChoice:
     def validating(self) -> bool:
         return self._trial is not None
 
-    def fit(self, flat_model, max_bytes: Optional[float] = None) -> TwoLevelCostModel:
+    def fit(self, flat_model, max_bytes: Optional[float] = None, device=None) -> TwoLevelCostModel:
         """The two-level cost model: ``flat_model`` (the scheduler's, world-sized) and each hop's
-        fit (given, else timed now: a collective on every rank, at the same step)."""
+        fit (given, else timed now on ``device``, the gradients': a collective on every rank, at the
+        same step)."""
         t = self.transport
         if self.given is not None:
             intra, inter, nics = self.given.intra, self.given.inter, self.given.nics_per_node
         else:
             from .profiling import profile_hops
-            hops = profile_hops(t.local, t.cross, t.topology, max_bytes, world=t.world)
+            hops = profile_hops(t.local, t.cross, t.topology, max_bytes, world=t.world, device=device)
             intra, inter, nics = hops["intra"], hops["inter"], t.topology.local_size  # timed all at once
         self.model = TwoLevelCostModel(t.topology, flat_model, intra, inter, nics)
         return self.model
