@@ -93,7 +93,6 @@ def _hook_run(spec, topology, steps, first=0, saved=None, rec=None, tag=None):
 def _opt_run(spec, topology, steps, first=0, saved=None, rec=None, tag=None):
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
     import hvdcompress.torch as hvc
     from hvdcompress.spec import LAYERWISE, resolve
     model = _model()
@@ -101,6 +100,14 @@ def _opt_run(spec, topology, steps, first=0, saved=None, rec=None, tag=None):
     opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
                                    named_parameters=model.named_parameters(), compression=spec,
                                    schedule=schedule, backend="torch", topology=topology)
+    return recorded_steps(model, opt, dist.get_rank(), steps, first, saved, rec, tag, kit.dist_identical)
+
+
+def recorded_steps(model, opt, rank, steps, first, saved, rec, tag, same):
+    """``steps`` optimizer steps from step ``first`` (after loading ``saved``, a checkpoint), each
+    logged under ``tag`` by ``rec``; per step ``same(model)`` (replicas identical), and the
+    checkpoint after SAVE_AT steps of a fresh run. Returns (model, opt, identical, checkpoint)."""
+    import torch.nn as nn
     if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -108,11 +115,11 @@ def _opt_run(spec, topology, steps, first=0, saved=None, rec=None, tag=None):
     for step in range(first, first + steps):
         rec.tag = tag
         opt.zero_grad()
-        x, y = _batch(dist.get_rank(), step)
+        x, y = _batch(rank, step)
         nn.CrossEntropyLoss()(model(x), y).backward()
         opt.step()
         rec.tag = None
-        identical.append(kit.dist_identical(model))
+        identical.append(same(model))
         if step + 1 == SAVE_AT and saved is None:
             checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
     return model, opt, identical, checkpoint

@@ -13,25 +13,20 @@ both ways a set is made are used. Every two-level exchange is logged at its oute
 
 from __future__ import annotations
 
-import copy
 import os
 
 from scenarios import kit
+from scenarios.twolevel import SAVE_AT, recorded_steps
 
 TOPOLOGY = "2x2"
 SPECS = ("none", "qsgd:levels=3,bucket=64", "topk:ratio=0.1", "powersgd:rank=2")
 STEPS = 3
-SAVE_AT = 2
 MLP = (12, 24, 24, 4)
 NODE_SETS = [(0, 1), (2, 3)]
 
 
 def _model():
     return kit.torch_mlp(MLP)
-
-
-def _batch(rank, step):
-    return kit.torch_batch(rank, step, n=8, features=MLP[0])
 
 
 def _optimizer(model, spec, topology, **kw):
@@ -46,24 +41,11 @@ def _optimizer(model, spec, topology, **kw):
 
 def _run(spec, steps, first=0, saved=None, rec=None, tag=None):
     import horovod.torch as hvd
-    import torch.nn as nn
     model = _model()
     opt = _optimizer(model, spec, TOPOLOGY)
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-    identical, checkpoint = [], None
-    for step in range(first, first + steps):
-        rec.tag = tag
-        opt.zero_grad()
-        x, y = _batch(hvd.rank(), step)
-        nn.CrossEntropyLoss()(model(x), y).backward()
-        opt.step()
-        rec.tag = None
-        identical.append(kit.torch_identical(model, name=f"check.{tag}.{step}"))
-        if step + 1 == SAVE_AT and saved is None:
-            checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
-    return model, opt, identical, checkpoint
+    checks = iter(range(first, first + steps))
+    return recorded_steps(model, opt, hvd.rank(), steps, first, saved, rec, tag,
+                          lambda m: kit.torch_identical(m, name=f"check.{tag}.{next(checks)}"))
 
 
 def every_spec(rec) -> dict:
