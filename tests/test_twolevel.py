@@ -177,9 +177,9 @@ def test_oracle_cross_exchange_is_the_spec_on_node_sums():
 
 # -- real processes -------------------------------------------------------------------------------
 
-from scenarios.twolevel import BAD, SPECS, launch  # noqa: E402
+from scenarios.twolevel import BAD, DELAYED, SPECS, launch  # noqa: E402
 
-NAMES = ["every_spec", "nonfinite", "bad_topology", "launcher_default"]
+NAMES = ["every_spec", "delayed", "nonfinite", "bad_topology", "launcher_default"]
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +244,8 @@ def _oracle_mismatches(results, topo):
     for entries in zip(*logs):
         e0 = entries[0]
         assert all((e["tag"], e["key"], e["step"]) == (e0["tag"], e0["key"], e0["step"]) for e in entries)
+        if e0["tag"][0].startswith("delayed"):
+            continue  # in flight together: _chained_mismatches
         spec = parse_spec(e0["spec"])
         states = [copy.deepcopy(e["before"]) for e in entries]
         want, after, _ = simulate_two_level(spec, [e["x"] for e in entries], topo, states, key=e0["key"],
@@ -261,12 +263,56 @@ def _oracle_mismatches(results, topo):
     return seen, bad
 
 
+def _chained_mismatches(results, topo, prefix):
+    """For exchanges that are in flight together (delayed averaging), the state a rank logs at the
+    start or end of one exchange may already hold another's update. So per (tag, key), the oracle
+    replays them in step order from the first one's logged state, carrying its own state: each
+    rank's result must equal the oracle's, and the last state logged the oracle's final state."""
+    logs = [r["log"] for r in results]
+    assert len({len(log) for log in logs}) == 1
+    chains = {}
+    for i, entries in enumerate(zip(*logs)):
+        if entries[0]["tag"][0].startswith(prefix):
+            chains.setdefault((entries[0]["tag"], entries[0]["key"]), []).append((i, entries))
+    bad = []
+    for (tag, key), seq in chains.items():
+        states = [copy.deepcopy(e["before"]) for e in min(seq, key=lambda c: c[1][0]["step"])[1]]
+        for _, entries in sorted(seq, key=lambda c: c[1][0]["step"]):
+            e0 = entries[0]
+            assert all((e["tag"], e["key"], e["step"]) == (tag, key, e0["step"]) for e in entries)
+            want, states, _ = simulate_two_level(parse_spec(e0["spec"]), [e["x"] for e in entries], topo, states,
+                                                 key=key, step=e0["step"], scale=e0["scale"], shape=e0["shape"],
+                                                 epoch=e0["epoch"], members=e0["members"])
+            tol = _tolerance(parse_spec(e0["spec"]), topo.nodes)
+            bad += [(tag, key, e0["step"], r) for r, e in enumerate(entries) if not _same(e["result"], want, tol)]
+        last = max(seq, key=lambda c: c[0])[1]
+        bad += [(tag, key, "final", r) for r, e in enumerate(last)
+                if sorted(e["after"]) != sorted(states[r])
+                or not all(_same(e["after"][k], v, _tolerance(parse_spec(e["spec"]), topo.nodes))
+                           for k, v in states[r].items())]
+    return set(chains), bad
+
+
 @pytest.mark.multiprocess
 def test_every_exchange_equals_the_two_level_oracle(world):
     results, layout = world
     seen, bad = _oracle_mismatches(results, resolve_topology(layout, len(results)))
     assert not bad, bad[:5]  # (tag, key, step, rank[, "state"]): result or state off the oracle or rank 0
     assert {t for t in seen if not t[0].endswith("resumed")} == {(p, s) for s in SPECS for p in ("hook", "opt")}
+
+
+@pytest.mark.multiprocess
+def test_delayed_averaging_goes_two_level_and_flushes_to_identical_replicas(world):
+    results, layout = world
+    for got in part(results, "delayed"):
+        assert set(got) == {s for s, _, _ in DELAYED}
+        for spec, run in got.items():
+            assert run["transport"] == "TwoLevelTransport", spec
+            assert run["identical"] and run["resumed_equal"], spec
+            assert run["hops"]["local"] > 0 and run["hops"]["cross"] > 0, spec
+    chains, bad = _chained_mismatches(results, resolve_topology(layout, len(results)), "delayed")
+    assert not bad, bad[:5]  # (tag, key, step or "final", rank): a result or the last state off the oracle
+    assert {tag for tag, _ in chains} == {(t, s) for s, _, _ in DELAYED for t in ("delayed", "delayed-resumed")}
 
 
 @pytest.mark.multiprocess

@@ -145,6 +145,53 @@ def every_spec(rec, topology) -> dict:
     return out
 
 
+DELAYED = (("topk:ratio=0.1", 2, 1), ("qsgd:levels=3,bucket=64", 1, 2))  # (spec, delay, sync_every)
+DELAYED_STEPS = 5
+
+
+def _delayed_run(spec, delay, every, topology, first, saved, rec, tag):
+    """``DELAYED_STEPS - first`` steps of delayed averaging from step ``first`` (after loading
+    ``saved``), then ``flush``; the checkpoint taken after SAVE_AT steps of a fresh run."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import hvdcompress.torch as hvc
+    model = _model()
+    opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compression=spec, schedule="single",
+                                   backend="torch", topology=topology, delay=delay, sync_every=every)
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    checkpoint, rec.tag = None, tag
+    for step in range(first, DELAYED_STEPS):
+        opt.zero_grad()
+        x, y = _batch(dist.get_rank(), step)
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        if step + 1 == SAVE_AT and saved is None:
+            checkpoint = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    opt.flush()
+    rec.tag = None
+    return model, opt, checkpoint
+
+
+def delayed(rec, topology) -> dict:
+    """Delayed averaging (``delay``, ``sync_every``) on the two-level exchange: every exchange the
+    policy launches is a two-level one (logged for the oracle), replicas identical after ``flush``,
+    and a run resumed from a checkpoint taken with exchanges in flight ends where the first did."""
+    import torch
+    out = {}
+    for spec, delay, every in DELAYED:
+        model, opt, ckpt = _delayed_run(spec, delay, every, topology, 0, None, rec, ("delayed", spec))
+        resumed, _, _ = _delayed_run(spec, delay, every, topology, SAVE_AT, ckpt, rec, ("delayed-resumed", spec))
+        out[spec] = {"identical": kit.dist_identical(model),
+                     "resumed_equal": bool(torch.equal(kit.torch_flat(model), kit.torch_flat(resumed))),
+                     "transport": type(opt.engine.transport).__name__,
+                     "hops": dict(opt.stats.total_hop_bytes)}
+    return out
+
+
 def bad_topology(rec, topology) -> dict:
     """Every bad ``topology=`` is a ValueError on every rank, before any collective (the world's
     next collective still lines up), from both front ends."""
