@@ -471,9 +471,9 @@ def recheck(result: dict, cpu_source: dict) -> List[dict]:
             source = measured.get((r["link"], r["layout"], r["spec"]))
             of = "the same row of the CPU source" if source is not None else None
         if source is None and is_choice(r):
-            routes = set((r.get("plan") or {}).get("routes", {}).values())
+            routes = _routes(r)
             fixed = [m for m in measured.values() if m["link"] == r["link"] and not is_choice(m)
-                     and len(routes) == 1 and routes == set((m.get("plan") or {}).get("routes", {}).values())]
+                     and len(routes) == 1 and routes == _routes(m)]
             source, of = (fixed[0], f"the CPU source's {fixed[0]['layout']} {fixed[0]['spec']}") if fixed \
                 else (None, None)
         row = {k: r[k] for k in ("link", "layout", "spec", "median_step_s")}
@@ -486,6 +486,17 @@ def recheck(result: dict, cpu_source: dict) -> List[dict]:
                        measured_over_contended=r["median_step_s"] / step)
         out.append(row)
     return out
+
+
+def _routes(row: dict) -> set:
+    """The routes a row's groups took ("flat dgc:ratio=0.001", ...): as its plan recorded them (a
+    default row), or its layout's (a fixed row)."""
+    from hvdcompress.schedule.scaling import LAYOUT_ROUTES
+    from hvdcompress.schedule.twolevel import label
+    got = set(((row.get("plan") or {}).get("routes") or {}).values())
+    if not got and row["layout"] in LAYOUT_ROUTES:
+        got = {label(LAYOUT_ROUTES[row["layout"]], row["spec"])}
+    return got
 
 
 def recheck_markdown(rows: List[dict], note: str) -> str:

@@ -130,3 +130,26 @@ def test_the_command_line_takes_cores(tmp_path, capsys):
     assert shared["two_level"]["cores"] == 1 and all("contended_step_seconds" in r for r in shared["rows"])
     with pytest.raises(SystemExit):
         scaling.main(argv + ["--cores", "0"])
+
+
+def test_the_projection_changes_only_where_cores_say_ranks_share(tmp_path):
+    """benchmarks/two_level_projection.py: GPUs (no --cores) as before; --cores adds a column."""
+    import json
+    from scenarios.kit import load_benchmark
+    mod = load_benchmark("two_level_projection.py")
+    base = ["--workers", "16", "--gbps", "10", "--spec", QSGD]
+    runs = {}
+    for name, extra in (("gpus", []), ("own", ["--cores", "8"]), ("shared", ["--cores", "2", "--cpu-per-byte", "1e-9"])):
+        out = tmp_path / f"{name}.json"
+        assert mod.main(base + extra + ["--out", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert runs["gpus"]["columns"] == list(mod.COLUMNS) and "cores_per_node" not in runs["gpus"]["assumed"]
+    plain = runs["gpus"]["rows"]
+    for name in ("own", "shared"):
+        assert runs[name]["columns"] == list(mod.COLUMNS) + [mod.CONTENDED]
+        assert [r[:-1] for r in runs[name]["rows"]] == plain  # the timeline's figures unchanged
+    step = mod.COLUMNS.index("step_seconds")
+    assert all(r[-1] == r[step] for r in runs["own"]["rows"])  # a core per rank: nothing charged
+    assert all(r[-1] >= r[step] for r in runs["shared"]["rows"])
+    with pytest.raises(SystemExit):
+        mod.main(base + ["--cores", "0", "--out", str(tmp_path / "x.json")])
