@@ -89,12 +89,11 @@ def test_recheck_puts_a_stored_run_through_the_contention_term(tmp_path):
     link = "100mbit (tbf, emulated)"
     old = {"rows": [_row("flat dense", "none", 1.0, 0.95, 0.8), _row("two-level spec", "dgc", 0.1, 0.93, 0.05),
                     _row("choice", "dgc:ratio=0.001", 0.06, 0.93, 0.05), _row("flat spec", "qsgd", 0.3, 0.9, 0.2)]}
-    old["rows"][2]["plan"] = {"kept": "all flat", "routes": {"g0": "flat dgc"}}
+    old["rows"][2]["plan"] = {"kept": "all flat", "routes": {"g0": "flat dgc:ratio=0.001"}}
     cpu = {"compute": {link: {"ranks": 4, "cores": 2, "cpu_seconds": 0.01}},
            "rows": [dict(_row("flat dense", "none", 1.1, 0.95), cpu_seconds_per_step=0.3),
                     dict(_row("two-level spec", "dgc", 0.1, 0.93), cpu_seconds_per_step=0.04),
-                    dict(_row("flat spec", "dgc", 0.05, 0.9), cpu_seconds_per_step=0.02,
-                         plan={"routes": {"g0": "flat dgc"}}),
+                    dict(_row("flat spec", "dgc:ratio=0.001", 0.05, 0.9), cpu_seconds_per_step=0.02),
                     dict(_row("choice", "qsgd", 0.3, 0.9), cpu_seconds_per_step=0.5)]}
     rows = bench.recheck(old, cpu)
     by = {(r["layout"], r["spec"]): r for r in rows}
@@ -102,7 +101,7 @@ def test_recheck_puts_a_stored_run_through_the_contention_term(tmp_path):
     assert by[("two-level spec", "dgc")]["contended_s"] == pytest.approx(0.08)  # 2 x 40 ms of CPU
     assert by[("two-level spec", "dgc")]["measured_over_contended"] == pytest.approx(1.25)
     choice = by[("choice", "dgc:ratio=0.001")]  # its kept plan is the flat dgc row's: that row's CPU
-    assert choice["cpu_seconds_per_step"] == 0.02 and "flat spec dgc" in choice["cpu_of"]
+    assert choice["cpu_seconds_per_step"] == 0.02 and "flat spec dgc:ratio=0.001" in choice["cpu_of"]
     assert choice["contended_s"] == pytest.approx(0.05)
     assert by[("flat spec", "qsgd")]["contended_s"] is None and by[("flat spec", "qsgd")]["cpu_of"] is None
     table = bench.recheck_markdown(rows, "note")
