@@ -43,12 +43,27 @@ profiled workload (``opt.workload``, where its plan profiled) includes the conte
 exchange with the backward pass on the shared cores; the prediction from it is kept in the JSON
 (``predicted_own_workload``), not used for the check.
 
+The contention term (``hvdcompress.schedule.scaling.contended_step``: the 4 ranks share the
+machine's ``--cores``, so the step is at least ranks/cores x one rank's CPU seconds per step)
+takes the CPU seconds the ranks' CPU clocks (``time.process_time``: every thread of the rank,
+user and system) measured: the compute-only phase's per step (``compute.cpu_seconds``) and each
+row's over its timed steps (``cpu_seconds_per_step``; its exchange's is the difference). CPU time
+barely depends on how busy the cores are, unlike the step's wall time. Each row records
+``predicted_contended`` beside ``predicted`` (whose ``contended_step_seconds`` is the fits' estimate
+of the same term: codec fits and the loopback hop's seconds per byte, no CPU clock), and
+``measured_over_contended``. ``--recheck RUN.json --cpu-from OTHER.json`` runs nothing: it puts a
+stored run's rows (their step and prediction as stored) through the term with another run's CPU
+seconds per step, for runs recorded before the CPU clock was.
+
 The model is a wide MLP on the 8x8 digits (``hvdcompress.datasets.load_digits``): 64 inputs,
 ``--depth`` hidden layers of ``--width``, 10 classes; with the defaults 2,476,042 parameters
 (9.9 MB of fp32 gradients), so dense exchanges at 100 Mbit/s are bound by the wire.
 
     sudo python benchmarks/two_level_evidence.py --out benchmarks/results/scaling/two-level-evidence
     sudo python benchmarks/two_level_evidence.py --quick --out /tmp/tl-quick   # smoke: < 2 minutes
+    # a stored run through the contention term, with the CPU seconds of another run
+    python benchmarks/two_level_evidence.py --recheck benchmarks/results/scaling/two-level-evidence.json \
+        --cpu-from benchmarks/results/scaling/two-level-cpu.json --out /tmp/recheck
     # the default where two-level wins: qsgd at 100 Mbit/s, through both front ends
     sudo python benchmarks/two_level_evidence.py --links 100mbit --spec qsgd --choice-spec qsgd --front optimizer \
         --front ddp --out benchmarks/results/scaling/two-level-default-qsgd
@@ -136,20 +151,40 @@ def fit_links(cfg: dict, topology) -> dict:
     return fitted
 
 
-def predicted(row: dict, workload, fitted: dict, topology) -> dict:
-    """The simulator's step and bytes for ``row`` on ``workload`` (module doc)."""
+def predicted(row: dict, workload, fitted: dict, topology, host=None) -> dict:
+    """The simulator's step and bytes for ``row`` on ``workload`` (module doc); with ``host``, also
+    the fits' estimate of the step on the shared cores (``contended_step_seconds``)."""
     from hvdcompress.schedule.scaling import LAYOUT_ROUTES, predict_choice_row, predict_route
     from hvdcompress.schedule.twolevel import TwoLevelCostModel
 
     model = TwoLevelCostModel(topology, fitted["flat"], fitted["intra"], fitted["inter"],
                               nics_per_node=topology.local_size)
     if row["layout"] == "choice":
-        got = predict_choice_row(workload, model, row["spec"])
+        got = predict_choice_row(workload, model, row["spec"], host=host)
     else:
-        got = predict_route(workload, model, row["spec"], LAYOUT_ROUTES[row["layout"]])
+        got = predict_route(workload, model, row["spec"], LAYOUT_ROUTES[row["layout"]], host=host)
     return {"step_seconds": got["step_seconds"], "label": got["label"], "groups": got["groups"],
             "bytes_per_worker": got["bytes_per_worker"], "inter_bytes_per_node": got["inter_bytes_per_node"],
-            **({"counts": got["counts"]} if "counts" in got else {})}
+            **{k: got[k] for k in ("counts", "contended_step_seconds", "cpu_seconds") if k in got}}
+
+
+def host_of(cfg: dict, fitted: dict):
+    """The machine's ranks on its cores (every rank of the launch shares them) and the transport's
+    seconds per byte, timed on the node's loopback with every rank busy (the intra fit's hop)."""
+    from hvdcompress.schedule.scaling import Host
+    from hvdcompress.schedule.twolevel import hop_fit
+    return Host(cfg["workers"], cfg["cores"], hop_fit(fitted["intra"]).beta)
+
+
+def contended(row: dict, step_seconds: float, compute_cpu: float, host) -> dict:
+    """The contention term on ``row`` (``hvdcompress.schedule.scaling.contended_step``) with the CPU
+    seconds its ranks' CPU clocks measured per step: the compute-only phase's, and the row's (so
+    its exchange's: the difference). CPU time barely depends on how the cores are shared; the
+    step's wall time is not used."""
+    from hvdcompress.schedule.scaling import contended_step
+    cpu = row["cpu_seconds_per_step"]
+    return {"step_seconds": contended_step(step_seconds, cpu, host), "cpu_seconds": cpu,
+            "exchange_cpu_seconds": cpu - compute_cpu, "share": host.share}
 
 
 class _Front:
@@ -202,10 +237,14 @@ class _Front:
         return None if self.ddp else self.opt.workload
 
 
+COMPUTE_CPU_STEPS = 5  # plain steps whose CPU time gives the compute's CPU seconds per step
+
+
 def compute_workload(cfg: dict, data):
     """The model's per-layer backward, forward and update times with no exchange in flight (every
     rank computes at once, as in training; times averaged over the ranks): the compute-only
-    workload the simulator predicts every row from."""
+    workload the simulator predicts every row from; and the CPU seconds one such step takes by the
+    ranks' CPU clocks (``time.process_time``, mean over the ranks and ``COMPUTE_CPU_STEPS`` steps)."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -223,7 +262,15 @@ def compute_workload(cfg: dict, data):
         idx = torch.from_numpy(rng.integers(0, len(y_train), cfg["batch_size"]))
         return torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
 
-    return profile_workload(model, closure, iters=10, warmup=3, optimizer=opt, comm=TorchDistCommunicator())
+    workload = profile_workload(model, closure, iters=10, warmup=3, optimizer=opt, comm=TorchDistCommunicator())
+    began = time.process_time()
+    for _ in range(COMPUTE_CPU_STEPS):
+        opt.zero_grad()
+        closure().backward()
+        opt.step()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (time.process_time() - began) / COMPUTE_CPU_STEPS)
+    return workload, statistics.fmean(every)
 
 
 def run_row(row: dict, cfg: dict, data):
@@ -244,24 +291,25 @@ def run_row(row: dict, cfg: dict, data):
     x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     rng = np.random.default_rng([cfg["seed"], rank])
     start = cfg["steps"] - cfg["measure"]
-    times, settled, before = [], None, None
+    times, cpu, settled, before = [], [], None, None
     for step in range(cfg["steps"]):
         idx = torch.from_numpy(rng.integers(0, len(y_train), cfg["batch_size"]))
         if step == start:
             before = (stats.total_bytes, dict(stats.total_hop_bytes), read_counters(cfg["iface"]))
         dist.barrier()
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(front.net(x_train[idx]), y_train[idx]).backward()
         opt.step()
         if step >= start:
             times.append(time.perf_counter() - began)
+            cpu.append(time.process_time() - began_cpu)
         if settled is None and front.settled:
             settled = step + 1
     n = cfg["measure"]
     counters = read_counters(cfg["iface"])
     hops = {k: (v - before[1].get(k, 0)) / n for k, v in stats.total_hop_bytes.items()}
-    mine = {"times": times, "payload": (stats.total_bytes - before[0]) / n, "hops": hops,
+    mine = {"times": times, "cpu": statistics.fmean(cpu), "payload": (stats.total_bytes - before[0]) / n, "hops": hops,
             "link": max(counters[k] - before[2][k] for k in counters) / n if counters else None}
     every = [None] * world
     dist.all_gather_object(every, mine)
@@ -274,6 +322,7 @@ def run_row(row: dict, cfg: dict, data):
     slowest = [max(ts) for ts in zip(*[e["times"] for e in every])]
     return dict(row, **front.described(), median_step_s=statistics.median(slowest),
                 settled_at_step=settled, settled_before_measure=settled is not None and settled <= start,
+                cpu_seconds_per_step=statistics.fmean(e["cpu"] for e in every),
                 link_bytes_per_step=max((e["link"] or 0) for e in every) if cfg["iface"] else None,
                 payload_bytes_per_rank=statistics.fmean(e["payload"] for e in every),
                 hop_bytes_per_rank={k: statistics.fmean(e["hops"].get(k, 0.0) for e in every)
@@ -305,7 +354,8 @@ def worker_main(cfg_json: str, out_path: str) -> None:
         fitted = fit_links(cfg, topology)
         if dist.get_rank() == 0:
             print(f"links fitted in {time.perf_counter() - began:.1f} s", flush=True)
-        compute = compute_workload(cfg, data)
+        compute, compute_cpu = compute_workload(cfg, data)
+        host = host_of(cfg, fitted)
         rows, workloads = [], []
         for row in rows_for(cfg["specs"], cfg["choice_spec"], cfg["topology"], cfg.get("fronts", ("optimizer",))):
             started = time.perf_counter()
@@ -319,14 +369,18 @@ def worker_main(cfg_json: str, out_path: str) -> None:
         if dist.get_rank() == 0:
             for row, workload in zip(rows, workloads):
                 if row["layout"] == CHOICES["ddp"]:  # no cost-model schedule: nothing to predict with
-                    row["predicted"], row["workload_of"] = None, None
+                    row["predicted"], row["workload_of"], row["predicted_contended"] = None, None, None
                     continue
-                row["predicted"] = predicted(row, compute, fitted, topology)
+                row["predicted"] = predicted(row, compute, fitted, topology, host)
                 row["workload_of"] = "compute only"
+                row["predicted_contended"] = contended(row, row["predicted"]["step_seconds"], compute_cpu, host)
                 # a plan that needed no profiling (PowerSGD's layerwise) has no workload of its own
                 row["predicted_own_workload"] = predicted(row, workload, fitted, topology) if workload else None
             with open(out_path, "w") as f:
-                json.dump({"rows": rows, "fits": {k: m.to_dict() for k, m in fitted.items()}}, f)
+                json.dump({"rows": rows, "fits": {k: m.to_dict() for k, m in fitted.items()},
+                           "compute": {"workload": compute.to_dict(), "cpu_seconds": compute_cpu,
+                                       "cores": host.cores, "ranks": host.ranks,
+                                       "cpu_per_byte": host.cpu_per_byte}}, f)
     finally:
         dist.destroy_process_group()
 
@@ -371,6 +425,8 @@ def add_ratios(rows: List[dict]) -> List[dict]:
                 r["accuracy_vs_flat"] = r["held_out_accuracy"] - base["held_out_accuracy"]
             p = r.get("predicted")
             r["measured_over_predicted"] = r["median_step_s"] / p["step_seconds"] if p else None
+            c = r.get("predicted_contended")
+            r["measured_over_contended"] = r["median_step_s"] / c["step_seconds"] if c else None
         choice = next((r for r in mine if r["layout"] == CHOICES["optimizer"]), None)
         fixed = [r for r in mine if not is_choice(r)]
         best_flat = min(flat.values(), key=lambda r: r["median_step_s"])
@@ -393,6 +449,73 @@ def add_ratios(rows: List[dict]) -> List[dict]:
     return summaries
 
 
+def recheck(result: dict, cpu_source: dict) -> List[dict]:
+    """The contention term on the rows of a stored run (``result``) whose CPU was not clocked: each
+    row's stored prediction (``predicted``, unchanged) through ``contended_step`` with the CPU
+    seconds per step of the same link, layout and spec in ``cpu_source``, another run's JSON
+    (a default row takes the fixed row its kept plan matches when the specs differ: one route for
+    every group). The share of the cores is ``cpu_source``'s (its ranks on its cores). Rows with
+    their own CPU clock keep it."""
+    from hvdcompress.schedule.scaling import Host, contended_step
+    measured = {(r["link"], r["layout"], r["spec"]): r for r in cpu_source["rows"]
+                if r.get("cpu_seconds_per_step") is not None}
+    out = []
+    for r in result["rows"]:
+        p = r.get("predicted")
+        if not p:
+            continue
+        compute = cpu_source["compute"][r["link"]]
+        host = Host(compute["ranks"], compute["cores"])
+        source, of = (r, "this row") if r.get("cpu_seconds_per_step") is not None else (None, None)
+        if source is None:
+            source = measured.get((r["link"], r["layout"], r["spec"]))
+            of = "the same row of the CPU source" if source is not None else None
+        if source is None and is_choice(r):
+            routes = _routes(r)
+            fixed = [m for m in measured.values() if m["link"] == r["link"] and not is_choice(m)
+                     and len(routes) == 1 and routes == _routes(m)]
+            source, of = (fixed[0], f"the CPU source's {fixed[0]['layout']} {fixed[0]['spec']}") if fixed \
+                else (None, None)
+        row = {k: r[k] for k in ("link", "layout", "spec", "median_step_s")}
+        row.update(predicted_s=p["step_seconds"], measured_over_predicted=r["median_step_s"] / p["step_seconds"],
+                   cpu_seconds_per_step=None, cpu_of=of, contended_s=None, measured_over_contended=None)
+        if source is not None:
+            cpu = source["cpu_seconds_per_step"]
+            step = contended_step(p["step_seconds"], cpu, host)
+            row.update(cpu_seconds_per_step=cpu, share=host.share, contended_s=step,
+                       measured_over_contended=r["median_step_s"] / step)
+        out.append(row)
+    return out
+
+
+def _routes(row: dict) -> set:
+    """The routes a row's groups took ("flat dgc:ratio=0.001", ...): as its plan recorded them (a
+    default row), or its layout's (a fixed row)."""
+    from hvdcompress.schedule.scaling import LAYOUT_ROUTES
+    from hvdcompress.schedule.twolevel import label
+    got = set(((row.get("plan") or {}).get("routes") or {}).values())
+    if not got and row["layout"] in LAYOUT_ROUTES:
+        got = {label(LAYOUT_ROUTES[row["layout"]], row["spec"])}
+    return got
+
+
+def recheck_markdown(rows: List[dict], note: str) -> str:
+    out = [note, "", "| link | layout | spec | step ms | predicted ms | measured/predicted | CPU ms/step (of) "
+           "| contended ms | measured/contended |", "|---|---|---|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        cpu = f"{1e3 * r['cpu_seconds_per_step']:.1f} ({r['cpu_of']})" if r["cpu_of"] else "-"
+        out.append("| " + " | ".join([
+            r["link"], r["layout"], f"`{r['spec']}`", f"{1e3 * r['median_step_s']:.1f}", f"{1e3 * r['predicted_s']:.1f}",
+            f"{r['measured_over_predicted']:.2f}", cpu,
+            f"{1e3 * r['contended_s']:.1f}" if r["contended_s"] else "-",
+            f"{r['measured_over_contended']:.2f}" if r["measured_over_contended"] else "-"]) + " |")
+    got = [r["measured_over_contended"] for r in rows if r["measured_over_contended"]]
+    if got:
+        out += ["", f"measured/contended {min(got):.2f}-{max(got):.2f} over {len(got)} rows; "
+                f"{sum(abs(x - 1) <= 0.15 for x in got)} within 15%"]
+    return "\n".join(out) + "\n"
+
+
 def _mb(v) -> str:
     return "-" if v is None else f"{v / 1e6:.3g}"
 
@@ -403,11 +526,12 @@ def markdown(result: dict) -> str:
            f"(nodes over one tbf-limited link each, ranks of a node over its loopback), one machine "
            f"({os.cpu_count()} cores); MLP {m['parameters']:,} parameters ({_mb(m['gradient_bytes'])} MB of gradients), "
            f"{result['steps']} steps, step time = median of the slowest rank over the last {result['measure']}.", "",
-           "| link | layout | spec | step ms | vs flat | predicted ms | measured/predicted | node link MB/step "
+           "| link | layout | spec | step ms | vs flat | predicted ms | measured/predicted | contended ms "
+           "| measured/contended | CPU ms/step | node link MB/step "
            "| predicted MB/node across | payload MB/rank: inside / across | accuracy | vs flat | identical | settled |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|"]
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|"]
     for r in result["rows"]:
-        p = r.get("predicted") or {}
+        p, c = r.get("predicted") or {}, r.get("predicted_contended")
         hops = r.get("hop_bytes_per_rank")
         payload = f"{_mb(hops.get('local'))} / {_mb(hops.get('cross'))}" if hops else f"{_mb(r['payload_bytes_per_rank'])} (flat)"
         spec = r["spec"] + (f" ({r['plan']['kept']})" if is_choice(r) and r["plan"].get("kept") else "")
@@ -419,6 +543,9 @@ def markdown(result: dict) -> str:
             f"{r['speedup_vs_flat']:.2f}x" if r.get("speedup_vs_flat") else "-",
             f"{1e3 * p['step_seconds']:.1f}" if p else "-",
             f"{r['measured_over_predicted']:.2f}" if r.get("measured_over_predicted") else "-",
+            f"{1e3 * c['step_seconds']:.1f}" if c else "-",
+            f"{r['measured_over_contended']:.2f}" if r.get("measured_over_contended") else "-",
+            f"{1e3 * r['cpu_seconds_per_step']:.1f}" if r.get("cpu_seconds_per_step") is not None else "-",
             _mb(r["link_bytes_per_step"]), _mb(p.get("inter_bytes_per_node")), payload,
             f"{r['held_out_accuracy']:.4f}",
             f"{100 * r['accuracy_vs_flat']:+.2f} pt" if r.get("accuracy_vs_flat") is not None else "-",
@@ -456,10 +583,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timings per size when fitting the links")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per link before the ranks are stopped")
+    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
+                   help="cores the ranks share (the contention term; default: the cores this process may use)")
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "scaling", "two-level-evidence"),
                    help="writes OUT.json and OUT.md")
+    p.add_argument("--recheck", default=None, metavar="RUN.json",
+                   help="run nothing: the contention term on a stored run's rows (recheck), CPU from --cpu-from")
+    p.add_argument("--cpu-from", default=None, metavar="RUN.json",
+                   help="with --recheck: the run whose rows' CPU seconds per step are used (default: RUN.json)")
     args = p.parse_args(argv)
+    if args.recheck:
+        return _recheck(args)
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -480,6 +615,8 @@ def main(argv=None) -> int:
         p.error(f"--topology: a two-level layout is needed (nodes and local size > 1); got {args.topology}")
     if not 1 <= args.measure < args.steps:
         p.error("--measure: must be >= 1 and below --steps")
+    if args.cores < 1:
+        p.error(f"--cores: must be an integer >= 1; got {args.cores}")
     why = missing_prerequisites()
     if why:
         p.error(f"the emulated network needs network namespaces: {why}")
@@ -488,26 +625,48 @@ def main(argv=None) -> int:
            "choice_spec": args.choice_spec or specs[0], "fronts": list(dict.fromkeys(args.front or ["optimizer"])),
            "steps": args.steps, "measure": args.measure,
            "width": args.width, "depth": args.depth, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-           "repeats": args.repeats, "parameters": parameters, "gradient_bytes": 4 * parameters}
-    rows, fits = [], {}
+           "repeats": args.repeats, "parameters": parameters, "gradient_bytes": 4 * parameters, "cores": args.cores}
+    rows, fits, compute = [], {}, {}
     for link in links:
         started = time.perf_counter()
         got = launch(cfg, link, args.timeout)
         rows += got["rows"]
         fits[link_label(link)] = got["fits"]
+        compute[link_label(link)] = got["compute"]
         print(f"{link_label(link)}: {time.perf_counter() - started:.0f} s", flush=True)
     result = {"label": "EMULATED: one machine, network namespaces and tbf (hvdcompress.bench.dist_launch)",
               "command": "python benchmarks/two_level_evidence.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "workers": topology.world, "topology": args.topology, "steps": args.steps, "measure": args.measure,
               "model": {"kind": "MLP on digits", "width": args.width, "depth": args.depth, "parameters": parameters,
                         "gradient_bytes": 4 * parameters, "batch_size": args.batch_size, "lr": args.lr},
-              "links": [link_label(link) for link in links], "fits": fits, "rows": rows}
+              "links": [link_label(link) for link in links], "fits": fits, "compute": compute, "rows": rows}
     result["summary"] = add_ratios(rows)
     table = markdown(result)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(table)
+    return 0
+
+
+def _recheck(args) -> int:
+    with open(args.recheck) as f:
+        result = json.load(f)
+    with open(args.cpu_from or args.recheck) as f:
+        source = json.load(f)
+    if "compute" not in source:
+        raise SystemExit(f"--cpu-from {args.cpu_from or args.recheck}: no CPU clocked in it (a run before the "
+                         "contention term)")
+    rows = recheck(result, source)
+    note = (f"Contention term (hvdcompress.schedule.scaling.contended_step) on the rows of {args.recheck} "
+            f"(their measured step and stored prediction), CPU seconds per step from {args.cpu_from or args.recheck}.")
+    table = recheck_markdown(rows, note)
+    print(table)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"note": note, "recheck": args.recheck, "cpu_from": args.cpu_from or args.recheck,
+                   "rows": rows}, f, indent=1)
     with open(args.out + ".md", "w") as f:
         f.write(table)
     return 0

@@ -30,11 +30,14 @@ COLUMNS = ("workers", "gbps", "layout", "label", "step_seconds", "efficiency", "
            "inter_bytes_per_worker", "inter_bytes_per_node", "counts")
 
 
-def _row(r: dict) -> list:
-    """One row of the sweep as a list in ``COLUMNS`` order, floats to 4 significant digits."""
+CONTENDED = "contended_step_seconds"  # a column only where --cores says a node's ranks share cores
+
+
+def _row(r: dict, columns=COLUMNS) -> list:
+    """One row of the sweep as a list in ``columns`` order, floats to 4 significant digits."""
     flat = dict(r, intra_bytes_per_worker=r["bytes_per_worker"]["intra"],
                 inter_bytes_per_worker=r["bytes_per_worker"]["inter"])
-    return [float(f"{flat[k]:.4g}") if isinstance(flat.get(k), float) else flat.get(k) for k in COLUMNS]
+    return [float(f"{flat[k]:.4g}") if isinstance(flat.get(k), float) else flat.get(k) for k in columns]
 
 
 def rows_of(result: dict) -> list:
@@ -45,24 +48,29 @@ def rows_of(result: dict) -> list:
 def run(args) -> dict:
     from hvdcompress.bench.advise import workload_from_profile
     from hvdcompress.schedule.costmodel import CostModel
-    from hvdcompress.schedule.scaling import TWO_LEVEL_NOTE, codec_fits, two_level_sweep
+    from hvdcompress.schedule.scaling import TWO_LEVEL_NOTE, Host, codec_fits, two_level_sweep
 
     workload = workload_from_profile(args.profile)
+    # a GPU per rank: no host, the timeline's step; --cores: a node's ranks share that many cores
+    host = None if args.cores is None else Host(args.gpus_per_node, args.cores, args.cpu_per_byte)
     fits = codec_fits((), args.codec_times, args.codec_branch)
     base = CostModel.from_link(2, args.gbps[0], args.latency_us * 1e-6, fits)
     rows = two_level_sweep(workload, base, args.spec, local_size=args.gpus_per_node, workers=args.workers,
                            gbps=args.gbps, intra_gbps=args.intra_gbps, intra_latency_s=args.intra_latency_us * 1e-6,
-                           latency_s=args.latency_us * 1e-6, nics_per_node=args.nics_per_node, gtopk=True)
+                           latency_s=args.latency_us * 1e-6, nics_per_node=args.nics_per_node, gtopk=True,
+                           host=host)
+    columns = COLUMNS + ((CONTENDED,) if host is not None else ())
     return {"note": TWO_LEVEL_NOTE,
             "command": "python benchmarks/two_level_projection.py " + " ".join(sys.argv[1:]),
             "assumed": {"workload": f"profile {args.profile} (nominal V100-class times, batch 64)",
                         "intra": f"{args.intra_gbps:g} Gbit/s, {args.intra_latency_us:g} us per hop (NVLink-class)",
                         "inter": f"{', '.join(f'{g:g}' for g in args.gbps)} Gbit/s, {args.latency_us:g} us per hop",
-                        "nics_per_node": args.nics_per_node, "gpus_per_node": args.gpus_per_node},
+                        "nics_per_node": args.nics_per_node, "gpus_per_node": args.gpus_per_node,
+                        **({"cores_per_node": args.cores, "cpu_per_byte": args.cpu_per_byte} if host else {})},
             "measured": {"codec_times": os.path.relpath(args.codec_times, ROOT), "branch": args.codec_branch,
                          "fits": {k: v.to_dict() for k, v in fits.items()}},
             "compute_seconds": workload.compute_seconds, "gradient_bytes": float(sum(workload.sizes_bytes)),
-            "columns": list(COLUMNS), "rows": [_row(r) for r in rows]}
+            "columns": list(columns), "rows": [_row(r, columns) for r in rows]}
 
 
 def markdown(result: dict, workers: int) -> str:
@@ -113,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--intra-gbps", type=float, default=2400.0, help="ASSUMED intra-node rate (Gbit/s)")
     ap.add_argument("--intra-latency-us", type=float, default=2.0, help="ASSUMED intra-node latency per hop")
     ap.add_argument("--nics-per-node", type=int, default=1)
+    ap.add_argument("--cores", type=int, default=None, help="cores a node's ranks share (the contention term, "
+                    "hvdcompress.schedule.scaling.contended_step; default: each GPU rank its own device)")
+    ap.add_argument("--cpu-per-byte", type=float, default=0.0, help="with --cores: the transport's seconds per byte")
     ap.add_argument("--codec-times", default=CODEC_TIMES)
     ap.add_argument("--codec-branch", default="triton")
     ap.add_argument("--out", default="two-level-projection.json")
@@ -120,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--render", default=None, help="only write the tables of a stored JSON (no sweep)")
     args = ap.parse_args(argv)
     args.spec = args.spec or list(SPECS)
+    if args.cores is not None and args.cores < 1:
+        ap.error(f"--cores: must be an integer >= 1; got {args.cores}")
     if args.render:
         with open(args.render) as f:
             result = json.load(f)

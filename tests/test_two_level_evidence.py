@@ -47,10 +47,11 @@ def test_the_ddp_front_adds_its_own_default_row():
         bench.main(["--front", "horovod"])
 
 
-def _row(layout, spec, seconds, accuracy, predicted=None):
+def _row(layout, spec, seconds, accuracy, predicted=None, contended=None):
     return {"link": "100mbit (tbf, emulated)", "layout": layout, "spec": spec, "median_step_s": seconds,
             "held_out_accuracy": accuracy, "predicted": {"step_seconds": predicted, "inter_bytes_per_node": 1e6}
-            if predicted else None, "link_bytes_per_step": 2e6, "payload_bytes_per_rank": 4e6,
+            if predicted else None, "predicted_contended": {"step_seconds": contended} if contended else None,
+            "cpu_seconds_per_step": 0.05 if contended else None, "link_bytes_per_step": 2e6, "payload_bytes_per_rank": 4e6,
             "hop_bytes_per_rank": {"local": 8e6, "cross": 1e5} if layout != "flat spec" else None,
             "identical": True, "settled_before_measure": True, "plan": {"kept": None}}
 
@@ -58,12 +59,13 @@ def _row(layout, spec, seconds, accuracy, predicted=None):
 def test_ratios_and_table_compare_like_with_like():
     bench = _bench()
     rows = [_row("flat dense", "none", 1.0, 0.95, 0.8), _row("hierarchical dense", "none", 0.8, 0.95),
-            _row("flat spec", "dgc", 0.3, 0.90), _row("two-level spec", "dgc", 0.1, 0.93, 0.125),
+            _row("flat spec", "dgc", 0.3, 0.90), _row("two-level spec", "dgc", 0.1, 0.93, 0.05, 0.11),
             _row("choice", "dgc", 0.104, 0.93)]
     (summary,) = bench.add_ratios(rows)
     assert rows[1]["speedup_vs_flat"] == pytest.approx(1.25) and rows[3]["speedup_vs_flat"] == pytest.approx(3.0)
     assert rows[3]["accuracy_vs_flat"] == pytest.approx(0.03)
-    assert rows[3]["measured_over_predicted"] == pytest.approx(0.8) and rows[2]["measured_over_predicted"] is None
+    assert rows[3]["measured_over_predicted"] == pytest.approx(2.0) and rows[2]["measured_over_predicted"] is None
+    assert rows[3]["measured_over_contended"] == pytest.approx(0.1 / 0.11) and rows[0]["measured_over_contended"] is None
     assert summary["best_flat"] == "flat spec dgc" and summary["best_fixed"] == "two-level spec dgc"
     assert summary["choice_over_best_flat"] == pytest.approx(0.104 / 0.3) and summary["choice_within_target"]
     assert summary["choice_over_best_fixed"] == pytest.approx(1.04)
@@ -71,6 +73,7 @@ def test_ratios_and_table_compare_like_with_like():
                             "summary": [summary], "model": {"parameters": 1000, "gradient_bytes": 4000}})
     assert "EMULATED" in table and table.count("(tbf, emulated)") == len(rows) + 1
     assert "| 3.00x |" in table and "+3.00 pt" in table and "within the 1.05x target" in table
+    assert "| 50.0 | 2.00 | 110.0 | 0.91 | 50.0 |" in table  # predicted, ratio, contended, ratio, CPU ms
     ddp = _row("choice (ddp)", "dgc", 0.12, 0.92)
     ddp["plan"] = {"kept": "all flat", "routes": {"a": "flat dgc", "b": "flat dgc"}}
     (summary,) = bench.add_ratios(rows + [ddp])
@@ -81,10 +84,41 @@ def test_ratios_and_table_compare_like_with_like():
     assert "`dgc (all flat); 2x flat dgc`" in table and "the DDP hook's default takes 0.400x" in table
 
 
+def test_recheck_puts_a_stored_run_through_the_contention_term(tmp_path):
+    bench = _bench()
+    link = "100mbit (tbf, emulated)"
+    old = {"rows": [_row("flat dense", "none", 1.0, 0.95, 0.8), _row("two-level spec", "dgc", 0.1, 0.93, 0.05),
+                    _row("choice", "dgc:ratio=0.001", 0.06, 0.93, 0.05), _row("flat spec", "qsgd", 0.3, 0.9, 0.2)]}
+    old["rows"][2]["plan"] = {"kept": "all flat", "routes": {"g0": "flat dgc:ratio=0.001"}}
+    cpu = {"compute": {link: {"ranks": 4, "cores": 2, "cpu_seconds": 0.01}},
+           "rows": [dict(_row("flat dense", "none", 1.1, 0.95), cpu_seconds_per_step=0.3),
+                    dict(_row("two-level spec", "dgc", 0.1, 0.93), cpu_seconds_per_step=0.04),
+                    dict(_row("flat spec", "dgc:ratio=0.001", 0.05, 0.9), cpu_seconds_per_step=0.02),
+                    dict(_row("choice", "qsgd", 0.3, 0.9), cpu_seconds_per_step=0.5)]}
+    rows = bench.recheck(old, cpu)
+    by = {(r["layout"], r["spec"]): r for r in rows}
+    assert by[("flat dense", "none")]["contended_s"] == pytest.approx(0.8)  # the wire dominates: unchanged
+    assert by[("two-level spec", "dgc")]["contended_s"] == pytest.approx(0.08)  # 2 x 40 ms of CPU
+    assert by[("two-level spec", "dgc")]["measured_over_contended"] == pytest.approx(1.25)
+    choice = by[("choice", "dgc:ratio=0.001")]  # its kept plan is the flat dgc row's: that row's CPU
+    assert choice["cpu_seconds_per_step"] == 0.02 and "flat spec dgc:ratio=0.001" in choice["cpu_of"]
+    assert choice["contended_s"] == pytest.approx(0.05)
+    assert by[("flat spec", "qsgd")]["contended_s"] is None and by[("flat spec", "qsgd")]["cpu_of"] is None
+    table = bench.recheck_markdown(rows, "note")
+    assert "measured/contended 1.20-1.25 over 3 rows; 0 within 15%" in table
+    old_path, cpu_path = tmp_path / "old.json", tmp_path / "cpu.json"
+    old_path.write_text(json.dumps(old))
+    cpu_path.write_text(json.dumps(cpu))
+    assert bench.main(["--recheck", str(old_path), "--cpu-from", str(cpu_path), "--out", str(tmp_path / "r")]) == 0
+    assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 4
+    with pytest.raises(SystemExit, match="no CPU clocked"):
+        bench.main(["--recheck", str(old_path), "--out", str(tmp_path / "r")])
+
+
 def test_refuses_bad_arguments_before_launching():
     bench = _bench()
     for argv in (["--measure", "0"], ["--measure", "100", "--steps", "100"], ["--topology", "4x1"],
-                 ["--topology", "two"], ["--links", "fast"], ["--spec", "topk:ratio=2"]):
+                 ["--topology", "two"], ["--links", "fast"], ["--spec", "topk:ratio=2"], ["--cores", "0"]):
         with pytest.raises(SystemExit):
             bench.main(argv)
 
@@ -142,6 +176,10 @@ def test_quick_mode_on_an_emulated_two_level_network(tmp_path):
         assert r["median_step_s"] > 0 and 0 <= r["held_out_accuracy"] <= 1 and r["link_bytes_per_step"] > 0
         assert r["predicted"]["step_seconds"] > 0 and r["measured_over_predicted"] > 0
         assert r["workload_of"] == "compute only"  # the simulator's check: no exchange's contention in it
+        c = r["predicted_contended"]  # the contention term, with the CPU the ranks' clocks measured
+        assert r["cpu_seconds_per_step"] > 0 and c["cpu_seconds"] == r["cpu_seconds_per_step"]
+        assert c["step_seconds"] >= r["predicted"]["step_seconds"] and r["measured_over_contended"] > 0
+        assert r["predicted"]["contended_step_seconds"] >= r["predicted"]["step_seconds"]  # the fits' estimate
         two_level = r["topology_used"] != "flat"
         assert two_level == (r["layout"] not in ("flat dense", "flat spec")), r
         if two_level:  # payload per hop: inside the node the whole gradient, across a part of it
@@ -150,5 +188,8 @@ def test_quick_mode_on_an_emulated_two_level_network(tmp_path):
             assert r["hop_bytes_per_rank"] is None
     assert {r["codec_choice_used"] for r in rows if r["layout"] != "choice"} == {"off"}
     assert set(result["fits"]["1gbit (tbf, emulated)"]) == {"flat", "intra", "inter"}
+    compute = result["compute"]["1gbit (tbf, emulated)"]
+    assert compute["cpu_seconds"] > 0 and compute["ranks"] == 4 and compute["cpu_per_byte"] > 0
+    assert compute["workload"]["t_b"] and compute["cores"] >= 1
     assert open(out + ".md").read().startswith("**EMULATED two-level network**")
     assert not set(netns.list_namespaces()) - before  # nothing left behind (other runs' may have gone)

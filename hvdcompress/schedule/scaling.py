@@ -34,7 +34,9 @@ worker per step on each link class. ``--codec-fit SPEC=FORM,A,B`` and ``--codec-
 where the model has none. ``--measured`` with two levels takes records of measured steps
 (``compare_two_level``: workers, layout, compression, seconds, and the inter-node rate, ranks per
 node and intra rate where they differ) and prints each prediction's error and whether all are
-within 15%::
+within 15%. ``--cores C`` (with ``--cpu-per-byte``) says a node's ranks share C cores: each row adds
+the step on those shared cores (``contended_step``: the host's CPU work against the timeline; not
+given, each rank has its own device and nothing changes)::
 
     python -m hvdcompress.schedule.scaling --link 1,50 --workload w.json --gpus-per-node 8 \\
         --intra-gbps 2400 --gbps 1,10,100 --workers 16,128,1024 --compression dgc:ratio=0.001 --gtopk \\
@@ -47,7 +49,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
@@ -167,26 +169,120 @@ def plot(rows: Sequence[dict], path: str, measured: Sequence[dict] = (), title: 
     plt.close(fig)
 
 
+# --- cores shared by ranks -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Host:
+    """Where ranks share a machine's cores: ``ranks`` ranks on ``cores`` cores, and the transport's
+    seconds per byte a rank sends (``cpu_per_byte``: Gloo's copies and sums, the TCP stack), timed
+    as the codecs and the workload are, with the host's ranks all busy at once; a link that only
+    moves bytes through the CPU measures it (a node's loopback: ``hop_fit(intra).beta``). Used by
+    ``contended_step`` and ``exchange_cpu_estimate``."""
+
+    ranks: int
+    cores: int
+    cpu_per_byte: float = 0.0
+
+    def __post_init__(self):
+        for name in ("ranks", "cores"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"host: {name} must be an integer >= 1; got {v!r}")
+        c = self.cpu_per_byte
+        if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)) or not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"host: cpu_per_byte must be a finite number of seconds >= 0; got {c!r}")
+
+    @property
+    def share(self) -> float:
+        """Ranks per core where they outnumber the cores, else 1 (each rank has its own)."""
+        return max(1.0, self.ranks / self.cores)
+
+    @property
+    def oversubscribed(self) -> bool:
+        return self.ranks > self.cores
+
+
+def contended_step(step_seconds: float, cpu_seconds: float, host: Optional[Host]) -> float:
+    """A step on a host whose ranks share its cores (issue 43's missing term).
+
+    The timeline (``timeline.py``) gives a rank's compute stream and its transfers separate
+    resources: a transfer overlaps the backward after it. That holds where each rank has its own
+    device or cores. Where a host's R ranks share C < R cores, every CPU second any of them spends
+    (forward, backward and update; encode and decode; the transport's own work: Gloo's copies and
+    sums, the TCP stack of every hop, a node's loopback included) is drawn from the same C cores,
+    so no CPU second hides behind another: the host does R x ``cpu_seconds`` of work per step, at
+    most C at a time. A rank waiting on the wire uses no core, so the wire still overlaps the
+    other ranks' work, as the timeline has it::
+
+        step = max(timeline step, R/C x cpu_seconds)    where R > C
+        step = timeline step                            otherwise (or no ``host``)
+
+    ``cpu_seconds``: one rank's CPU seconds per step, compute and exchange (the mean over the
+    host's ranks). Serial in this model: all CPU work of the host's ranks (one pool of C cores,
+    spread evenly). Overlapping: the wire with CPU work. Not modelled: the waits where every rank
+    idles on the wire at once while CPU work is still due (the bound is then low), and the ranks'
+    drift (the slowest rank's share of the cores)."""
+    step, cpu = float(step_seconds), float(cpu_seconds)
+    for name, v in (("step_seconds", step), ("cpu_seconds", cpu)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"contended_step: {name} must be finite and >= 0; got {v!r}")
+    if host is None or not host.oversubscribed:
+        return step
+    return max(step, host.share * cpu)
+
+
+def exchange_cpu_estimate(model: TwoLevelCostModel, group_bytes: Sequence[float], choices: Sequence[Candidate],
+                          host: Host, itemsize: int = 4) -> float:
+    """Seconds of CPU work one rank's exchanges take per step, from the fits where no CPU clock
+    measured them, as the fits were timed (with the host's ranks all busy at once): per group
+    encode and decode (the cost model's codec fits, ``Hops.cpu`` and ``Hops.decompress``) plus the
+    bytes the rank sends over both link classes times ``host.cpu_per_byte`` (every byte goes
+    through the CPU, whichever link carries it)."""
+    total = 0.0
+    for b, c in zip(group_bytes, choices):
+        h = model.hops(c.route, c.spec, np.array([float(b)]), itemsize)
+        total += float(h.cpu[0] + h.decompress[0]) + host.cpu_per_byte * float(h.intra_bytes[0] + h.inter_bytes[0])
+    return total
+
+
+def _contention(row: dict, workload: Workload, model: TwoLevelCostModel, groups, choices,
+                host: Optional[Host]) -> dict:
+    """The row with the fits' estimate of the contended step (``host`` given; the row unchanged
+    otherwise). The workload and the fits are taken as timed with the host's ranks all busy at
+    once, so each of their seconds is ``share`` x the CPU seconds it takes."""
+    if host is None:
+        return row
+    exchange = exchange_cpu_estimate(model, [sum(workload.sizes_bytes[i] for i in g) for g in groups], choices,
+                                     host) / host.share
+    cpu = workload.compute_seconds / host.share + exchange
+    return dict(row, exchange_cpu_seconds=exchange, cpu_seconds=cpu,
+                contended_step_seconds=contended_step(row["step_seconds"], cpu, host))
+
+
 # --- two levels ------------------------------------------------------------------------------------
 def predict_route(workload: Workload, model: TwoLevelCostModel, spec, route: Route, schedule="auto",
-                  overlap: str = "shared") -> dict:
-    """One fixed route: the planner's plan (``schedule``) and predicted step, bytes per link class."""
+                  overlap: str = "shared", host: Optional[Host] = None) -> dict:
+    """One fixed route: the planner's plan (``schedule``) and predicted step, bytes per link class;
+    with ``host``, the fits' estimate of the step on its shared cores (``contended_step``)."""
     spec = resolve(spec)
     plan = workload.plan(schedule, model.for_route(route), spec, overlap=overlap)
-    sent = step_bytes(model, plan.groups, workload.sizes_bytes, [Candidate(route, spec)] * len(plan.groups))
-    return _route_row(workload, model, label(route, spec), str(spec), plan.predicted_seconds, len(plan.groups),
-                      sent, route=route.as_dict(), plan=plan.schedule)
+    choices = [Candidate(route, spec)] * len(plan.groups)
+    sent = step_bytes(model, plan.groups, workload.sizes_bytes, choices)
+    row = _route_row(workload, model, label(route, spec), str(spec), plan.predicted_seconds, len(plan.groups),
+                     sent, route=route.as_dict(), plan=plan.schedule)
+    return _contention(row, workload, model, plan.groups, choices, host)
 
 
 def predict_choice_row(workload: Workload, model: TwoLevelCostModel, spec, gtopk: bool = False,
-                       overlap: str = "shared") -> dict:
-    """The planner's choice of route and spec per group (``twolevel.plan_routes``)."""
+                       overlap: str = "shared", host: Optional[Host] = None) -> dict:
+    """The planner's choice of route and spec per group (``twolevel.plan_routes``); ``host`` as
+    ``predict_route``."""
     spec = resolve(spec)
     found = plan_routes(workload.sizes_bytes, workload.t_b, model, spec, candidates(spec, model.topology, gtopk=gtopk),
                         overlap, workload.forward_seconds, workload.update_seconds)
     sent = step_bytes(model, found.groups, workload.sizes_bytes, found.choices)
-    return _route_row(workload, model, f"choice {spec_label(spec)}", str(spec), found.predicted_seconds,
-                      len(found.groups), sent, counts=found.counts())
+    row = _route_row(workload, model, f"choice {spec_label(spec)}", str(spec), found.predicted_seconds,
+                     len(found.groups), sent, counts=found.counts())
+    return _contention(row, workload, model, found.groups, found.choices, host)
 
 
 def _route_row(workload, model, text, spec, step, groups, sent, **extra) -> dict:
@@ -203,12 +299,14 @@ def two_level_sweep(workload: Workload, cost_model: CostModel, specs: Iterable, 
                     workers: Iterable[int] = DEFAULT_WORKERS, gbps: Iterable[Optional[float]] = (None,),
                     intra_gbps: float, intra_latency_s: float, latency_s: Optional[float] = None,
                     nics_per_node: int = 1, gtopk: bool = False, choice: bool = True,
-                    overlap: str = "shared") -> List[dict]:
+                    overlap: str = "shared", host: Optional[Host] = None) -> List[dict]:
     """Per worker count (a multiple of ``local_size``) and inter-node rate: flat dense, hierarchical
     dense, and per spec flat spec and two-level spec (dense inside), with ``gtopk`` also both with a
     global top-k across (top-k, DGC), and with ``choice`` the planner's route and spec per group.
     ``cost_model`` is the inter-node link (carried by ring scaling as ``model_at``); the intra-node
-    link an ideal ring of ``intra_gbps`` and ``intra_latency_s``. Rows: ``layout`` names the kind."""
+    link an ideal ring of ``intra_gbps`` and ``intra_latency_s``. Rows: ``layout`` names the kind.
+    ``host`` (a node's ranks on its cores; none: each rank its own device) adds the fits' estimate
+    of the step on shared cores (``contended_step``); the rows are otherwise the same."""
     workers = [int(n) for n in workers]
     bad = [n for n in workers if n % local_size or n < local_size]
     if bad:
@@ -222,20 +320,20 @@ def two_level_sweep(workload: Workload, cost_model: CostModel, specs: Iterable, 
 
             def add(row, layout):
                 rows.append(dict(row, layout=layout, gbps=g, intra_gbps=intra_gbps, nics_per_node=nics_per_node))
-            add(predict_route(workload, model, "none", Route(), overlap=overlap), "flat dense")
-            add(predict_route(workload, model, "none", HIERARCHICAL, overlap=overlap), "hierarchical dense")
+            add(predict_route(workload, model, "none", Route(), overlap=overlap, host=host), "flat dense")
+            add(predict_route(workload, model, "none", HIERARCHICAL, overlap=overlap, host=host), "hierarchical dense")
             for spec in specs:
                 if spec.name == "none":
                     continue
                 aggregates = [GATHER] + ([GTOPK] if gtopk and spec.name in GTOPK_SPECS else [])
                 for agg in aggregates:
                     tail = "" if agg == GATHER else ", gtopk"
-                    add(predict_route(workload, model, spec, Route(FLAT, aggregate=agg), overlap=overlap),
-                        "flat spec" + tail)
-                    add(predict_route(workload, model, spec, Route(TWO_LEVEL, aggregate=agg), overlap=overlap),
-                        "two-level spec" + tail)
+                    add(predict_route(workload, model, spec, Route(FLAT, aggregate=agg), overlap=overlap,
+                                      host=host), "flat spec" + tail)
+                    add(predict_route(workload, model, spec, Route(TWO_LEVEL, aggregate=agg), overlap=overlap,
+                                      host=host), "two-level spec" + tail)
                 if choice:
-                    add(predict_choice_row(workload, model, spec, gtopk, overlap), "choice")
+                    add(predict_choice_row(workload, model, spec, gtopk, overlap, host), "choice")
     return rows
 
 
@@ -247,11 +345,14 @@ LAYOUT_ROUTES = {"flat dense": Route(), "hierarchical dense": HIERARCHICAL, "fla
 
 def compare_two_level(measured: Sequence[dict], workload: Workload, cost_model: CostModel, *, local_size: int,
                       intra_gbps: float, intra_latency_s: float, latency_s: Optional[float] = None,
-                      nics_per_node: int = 1, overlap: str = "shared") -> List[dict]:
+                      nics_per_node: int = 1, overlap: str = "shared", host: Optional[Host] = None) -> List[dict]:
     """Prediction vs measurement on two levels. Each record: workers, layout (a key of
     ``LAYOUT_ROUTES``), compression (the spec; dense for the dense layouts), seconds (measured
     step), optionally gbps (the inter-node rate; None: the model's), local_size and intra_gbps
-    (default: the sweep's)."""
+    (default: the sweep's), and cpu_seconds (one rank's CPU seconds per step by its CPU clock,
+    for ``contended_step`` in place of the fits' estimate). With ``host`` (the ranks that share
+    the measuring machine's cores) each row adds ``contended_step_seconds`` and
+    ``rel_error_contended``."""
     rows = []
     for m in measured:
         missing = {"workers", "layout", "seconds"} - set(m)
@@ -266,9 +367,14 @@ def compare_two_level(measured: Sequence[dict], workload: Workload, cost_model: 
         spec = "none" if m["layout"].endswith("dense") else m.get("compression")
         if spec is None:
             raise ValueError(f"measured record {m!r}: layout {m['layout']!r} needs its compression")
-        row = predict_route(workload, model, spec, LAYOUT_ROUTES[m["layout"]], overlap=overlap)
+        row = predict_route(workload, model, spec, LAYOUT_ROUTES[m["layout"]], overlap=overlap, host=host)
         row.update(layout=m["layout"], gbps=m.get("gbps"), measured_seconds=float(m["seconds"]),
                    rel_error=row["step_seconds"] / float(m["seconds"]) - 1.0)
+        if host is not None:
+            if m.get("cpu_seconds") is not None:
+                row.update(cpu_seconds=float(m["cpu_seconds"]), cpu_measured=True,
+                           contended_step_seconds=contended_step(row["step_seconds"], m["cpu_seconds"], host))
+            row["rel_error_contended"] = row["contended_step_seconds"] / float(m["seconds"]) - 1.0
         rows.append(row)
     return rows
 
@@ -402,6 +508,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      help="a compression-time fit a*f(d)+b (FORM linear or dlogd; repeatable)")
     two.add_argument("--codec-times", help="a benchmarks/cuda_check.py JSON: linear compression-time fits per spec")
     two.add_argument("--codec-branch", default="triton", help="which branch of --codec-times (default triton)")
+    two.add_argument("--cores", type=int, default=None,
+                     help="cores a node's ranks share (contended_step; default: each rank its own device)")
+    two.add_argument("--cpu-per-byte", type=float, default=0.0,
+                     help="with --cores: the transport's CPU seconds per byte a rank sends")
     args = ap.parse_args(argv)
 
     try:
@@ -461,15 +571,16 @@ def _main_two_level(args, model: CostModel, workload: Workload) -> int:
     specs = args.compression or [s for s in model.compress if resolve(s).name not in ("none", "fp16")]
     latency = None if args.latency_us is None else args.latency_us * 1e-6
     try:
+        host = None if args.cores is None else Host(args.gpus_per_node, args.cores, args.cpu_per_byte)
         rows = two_level_sweep(workload, model, specs, local_size=args.gpus_per_node,
                                workers=[int(n) for n in args.workers], gbps=args.gbps or [None],
                                intra_gbps=args.intra_gbps, intra_latency_s=args.intra_latency_us * 1e-6,
                                latency_s=latency, nics_per_node=args.nics_per_node, gtopk=args.gtopk,
-                               choice=not args.no_choice, overlap=args.overlap)
+                               choice=not args.no_choice, overlap=args.overlap, host=host)
         measured = compare_two_level(_load_json(args.measured) if args.measured else [], workload, model,
                                      local_size=args.gpus_per_node, intra_gbps=args.intra_gbps,
                                      intra_latency_s=args.intra_latency_us * 1e-6, latency_s=latency,
-                                     nics_per_node=args.nics_per_node, overlap=args.overlap)
+                                     nics_per_node=args.nics_per_node, overlap=args.overlap, host=host)
     except ValueError as e:
         raise SystemExit(f"simulate: {e}") from None
     result = {"note": TWO_LEVEL_NOTE,
@@ -480,7 +591,8 @@ def _main_two_level(args, model: CostModel, workload: Workload) -> int:
                            "compute_seconds": workload.compute_seconds},
               "two_level": {"local_size": args.gpus_per_node, "intra_gbps": args.intra_gbps,
                             "intra_latency_us": args.intra_latency_us, "nics_per_node": args.nics_per_node,
-                            "inter_latency_us": args.latency_us},
+                            "inter_latency_us": args.latency_us, "cores": args.cores,
+                            "cpu_per_byte": args.cpu_per_byte if args.cores is not None else None},
               "overlap": args.overlap, "rows": rows, "measured": measured}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=None, separators=(",", ":"))
