@@ -226,6 +226,7 @@ class ExchangeSession:
 
     def add(self, sent, dense_bytes) -> None:
         """Bytes of exchanges run beside the step's (sparse gradients), added to this step's."""
+        self._hops = None  # they ran on the world's transport: no hop to count
         self._last_bytes.assign_add(sent)
         self._total_bytes.assign_add(sent)
         self._last_dense.assign_add(dense_bytes)
