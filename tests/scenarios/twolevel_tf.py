@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -24,11 +25,15 @@ from scenarios import kit  # noqa: E402
 TOPOLOGY = "2x2"
 # dense, a quantizer, a data-dependent sparsifier with error feedback, low rank (state of another size)
 SPECS = ("none", "qsgd:levels=3,bucket=64", "topk:ratio=0.1", "powersgd:rank=2")
-RESUMED = ("topk:ratio=0.1", "powersgd:rank=2")  # the specs that keep state: resumed from a checkpoint
+RESUMED = ("topk:ratio=0.1",)  # error feedback's residual, part l at its place: resumed from a checkpoint
 KERAS_SPEC = "topk:ratio=0.1"
-STEPS, SAVE_AT = 3, 2
+STEPS, SAVE_AT = 2, 2  # a resumed spec runs SAVE_AT + 1 steps, then 1 more from the checkpoint
 MLP = (12, 24, 24, 4)
 NODE_SETS = [(0, 1), (2, 3)]
+# Horovod's background cycle in these workers: each cycle negotiates every process set a worker is in
+# (here three: the job, its node, its cross-node peers), so an idle worker's thread costs about three
+# times a flat launch's per cycle; a step's few rounds wait a cycle each, a few tens of ms in all.
+CYCLE_MS = "10"
 
 
 class Recorder:
@@ -143,10 +148,11 @@ def every_spec(rec) -> dict:
     import numpy as np
     out = {}
     for spec in SPECS:
-        model, compression, identical, prefix = _tape_run(spec, TOPOLOGY, STEPS, rec=rec, tag=("tape", spec))
+        steps = SAVE_AT + 1 if spec in RESUMED else STEPS
+        model, compression, identical, prefix = _tape_run(spec, TOPOLOGY, steps, rec=rec, tag=("tape", spec))
         out[spec] = _summary(model, compression, identical)
         if spec in RESUMED:
-            resumed, comp2, ident2, _ = _tape_run(spec, TOPOLOGY, STEPS - SAVE_AT, first=SAVE_AT, saved=prefix,
+            resumed, comp2, ident2, _ = _tape_run(spec, TOPOLOGY, steps - SAVE_AT, first=SAVE_AT, saved=prefix,
                                                   rec=rec, tag=("tape-resumed", spec))
             out[spec]["resumed_identical"] = ident2
             out[spec]["resumed_equal"] = bool(np.array_equal(kit.tf_flat(model).numpy(), kit.tf_flat(resumed).numpy()))
@@ -226,7 +232,16 @@ def _worker(names):
     finally:
         topology.launcher_groups = launcher
     rec = Recorder()
-    out = kit.run_scenarios(names, lambda name: globals()[name](rec))
+    cpu = {}
+
+    def call(name):  # each scenario's CPU seconds in this worker (its threads, Horovod's included)
+        start = time.process_time()
+        try:
+            return globals()[name](rec)
+        finally:
+            cpu[name] = round(time.process_time() - start, 2)
+    out = kit.run_scenarios(names, call)
+    out["cpu"] = cpu
     rec.restore()
     out["log"] = rec.log
     hvd.shutdown()
@@ -236,5 +251,6 @@ def _worker(names):
 def launch(names) -> list:
     """One launch of 4 Horovod/Gloo workers running ``names``; every rank's results."""
     from scenarios.launch import NO_GRAPH_OPTIMIZER, run_workers
-    return run_workers(_worker, 4, list(names), env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1", NO_GRAPH_OPTIMIZER: "1"},
-                       start_timeout=120)
+    env = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1", NO_GRAPH_OPTIMIZER: "1", "HOROVOD_CYCLE_TIME": CYCLE_MS}
+    return run_workers(_worker, 4, list(names), env=env, start_timeout=120)
+
