@@ -26,7 +26,10 @@ Names:
   given the Keras 2 backend (``tf_ops.horovod_callbacks``).
 * ``Compression.<name>(**params)``, ``parse_spec``, ``CompressionSpec``: the specs.
 * ``elastic``: Horovod's Keras elastic names with ``elastic.KerasState`` (docs/reliability.md).
-* Horovod's own, unchanged: ``init``, ``shutdown``, ``is_initialized``, ``rank``, ``size``,
+* ``init(comm=None, process_sets=None)``: Horovod's ``hvd.init``, which also registers the process
+  sets of the launcher's nodes when it has several nodes of several ranks (the two-level exchange
+  runs on them: ``topology=``, docs/two-level.md).
+* Horovod's own, unchanged: ``shutdown``, ``is_initialized``, ``rank``, ``size``,
   ``local_rank``, ``local_size``, ``Average``, ``Sum``, ``allreduce``, ``allgather``,
   ``broadcast``, ``broadcast_object``, ``allgather_object``, ``broadcast_global_variables``,
   ``callbacks``.
@@ -44,6 +47,7 @@ from tf_ops.horovod_callbacks import (BroadcastGlobalVariablesCallback,  # noqa:
                                       MetricAverageCallback)
 from tf_ops import *  # noqa: F401,F403,E402
 from tf_ops import __all__ as _backend_all  # noqa: E402
+from tf_ops.collectives import init  # noqa: E402,F811  (hvd.init, plus the launcher's node process sets)
 
 
 

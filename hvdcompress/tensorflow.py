@@ -19,7 +19,10 @@ Names:
 * ``DistributedOptimizer``: the Keras one (as in ``horovod.tensorflow`` for Keras optimizers).
 * ``Compression.<name>(**params)``, ``parse_spec``, ``CompressionSpec``: the specs.
 * ``elastic``: Horovod's TF elastic names with ``elastic.TensorFlowKerasState``.
-* Horovod's own, unchanged: ``init``, ``shutdown``, ``is_initialized``, ``rank``, ``size``,
+* ``init(comm=None, process_sets=None)``: Horovod's ``hvd.init``, which also registers the process
+  sets of the launcher's nodes when it has several nodes of several ranks (the two-level exchange
+  runs on them: ``topology=``, docs/two-level.md).
+* Horovod's own, unchanged: ``shutdown``, ``is_initialized``, ``rank``, ``size``,
   ``local_rank``, ``local_size``, ``Average``, ``Sum``, ``allreduce``, ``allgather``,
   ``broadcast``, ``broadcast_variables``, ``broadcast_object``, ``allgather_object``.
 
@@ -33,6 +36,7 @@ from horovod.tensorflow import (Average, Sum, allgather, allgather_object, allre
                                 local_size, rank, shutdown, size)
 from tf_ops import *  # noqa: F401,F403,E402
 from tf_ops import __all__ as _backend_all  # noqa: E402
+from tf_ops.collectives import init  # noqa: E402,F811  (hvd.init, plus the launcher's node process sets)
 
 
 

@@ -19,7 +19,7 @@ give node ``n`` the ranks ``n*L .. n*L+L-1``), which is the layout assumed here:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 
 ENV_KEYS = ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -164,3 +164,52 @@ def resolve_topology(topology, world: int, env: Optional[Mapping[str, str]] = No
         except ValueError as e:
             raise ValueError(f"{e}; accepted: {FORMS}") from None
     raise ValueError(f"topology={topology!r}: accepted: {FORMS}")
+
+
+# -- the launcher's layout as Horovod's process sets (pure: environment reads only) ---------------
+# A two-level exchange on Horovod runs on process sets (a node's ranks, the ranks at one local
+# position of every node), registered at ``hvd.init(process_sets=[...])`` or added later when
+# Horovod allows it. Each backend's ``init`` registers ``launcher_groups()``; these answers are the
+# same for every framework.
+DYNAMIC_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
+
+
+def dynamic_process_sets() -> bool:
+    """Whether Horovod lets process sets be added after ``hvd.init`` (``HOROVOD_DYNAMIC_PROCESS_SETS``
+    a positive integer, as Horovod reads it; ``hvd.init(process_sets="dynamic")`` sets it)."""
+    import os
+    try:
+        return int(os.environ.get(DYNAMIC_ENV, "0").strip() or 0) > 0
+    except ValueError:
+        return False
+
+
+def launcher_homogeneous(env=None) -> bool:
+    """Whether the launcher's layout has the same number of ranks on every node, as far as this
+    rank can tell: horovodrun's ``HOROVOD_LOCAL_SIZE`` x ``HOROVOD_CROSS_SIZE`` (the nodes holding
+    this local rank) is ``HOROVOD_SIZE`` (``-H a:4,b:2`` fails it on every rank), or it does not say.
+    A two-level default needs it: ranks that read different local sizes would make different sets."""
+    import os
+    env = os.environ if env is None else env
+    try:
+        local, cross, size = (int(env[k]) for k in ("HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_SIZE", "HOROVOD_SIZE"))
+    except (KeyError, ValueError):
+        return True
+    return local * cross == size
+
+
+def launcher_groups(env=None) -> List[Tuple[int, ...]]:
+    """The node and cross-node groups of the launcher's topology (``HOROVOD_SIZE`` or Open MPI's
+    world size, and ``HOROVOD_LOCAL_SIZE``, as horovodrun sets them;
+    ``hvdcompress.topology.resolve_topology``), nodes first; none when it is flat, not the same on
+    every node (``launcher_homogeneous``) or the launcher does not say. Pure."""
+    import os
+    env = os.environ if env is None else env
+    try:
+        world = int(env.get("HOROVOD_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or "")
+    except ValueError:
+        return []
+    if world < 1 or not launcher_homogeneous(env):
+        return []
+    topo = resolve_topology(None, world, env)
+    return [] if topo.flat else list(topo.local_groups() + topo.cross_groups())

@@ -63,6 +63,7 @@ from .policy import Synchronous
 from .grouping import (Group, cached_cost_model, check_cost_model, check_plannable, check_schedule, flatten, make_groups,
                        needs_cost_model, schedule_text, split)
 from .session import ExchangeSession, Untracked, exchange_name, rank_in
+from .twolevel import check_topology, check_topology_form
 
 
 class _Local:
@@ -73,6 +74,7 @@ class _Local:
         self.plans: Dict[tuple, tuple] = {}  # gradient signature -> (groups, planner Plan or None)
         self.last: Optional[tuple] = None  # (groups, plan) of the latest traced exchange
         self.last_args: Optional[tuple] = None  # the latest exchange's (world, scale, prescale, process set)
+        self.topologies: Dict[int, object] = {}  # id(process set) -> the Topology its exchanges run on
 
 
 class _Host:
@@ -116,6 +118,13 @@ class GradientCompression(tf.Module):
             groups (without the choice "auto" is "layerwise" for it). None or "off" (default):
             the compressor everywhere. Unlike PyTorch's optimizer, None never turns it on: a TF
             plan is made from the cost model alone, with no measured validation to check it.
+        topology: where the ranks sit (``tf_ops.twolevel``, docs/two-level.md): None (default) the
+            launcher's (``HOROVOD_LOCAL_SIZE``), two-level where it has several nodes of several
+            ranks and ``hvdcompress.tensorflow.init()`` registered their process sets (flat on one
+            node, under Elastic, on uneven nodes, on a process set smaller than the job, on a
+            transport given here); "flat": one level; "NxL" / "L" / a ``Topology``: that layout
+            (every group two-level: dense inside a node, the spec across nodes). Checked against
+            the process set when the wrapper is made (``prepare``), before any collective.
 
     Delayed averaging (``tf_ops.delayed``; the arithmetic of PyTorch's, the link latency not
     overlapped: TF collectives complete within the step):
@@ -128,8 +137,9 @@ class GradientCompression(tf.Module):
     """
 
     def __init__(self, compression=None, name: str = "hvc", transport=None, schedule="layerwise", cost_model=None,
-                 delay: int = 0, sync_every: int = 1, codec_choice=None, driver=None):
+                 delay: int = 0, sync_every: int = 1, codec_choice=None, driver=None, topology=None):
         transport = transport_argument(transport, driver, "GradientCompression")
+        check_topology_form(topology)
         check_delay(delay)
         check_sync_every(sync_every)
         spec = resolve(compression)
@@ -152,6 +162,7 @@ class GradientCompression(tf.Module):
         self._cost_model = model
         self._alternatives = alternatives  # specs a group may be sent with instead (tf_ops.codec_choice)
         self._transport = transport
+        self._topology = topology
         self._local = _Local()
         session = self.session
         session.make_clock()
@@ -191,6 +202,23 @@ class GradientCompression(tf.Module):
         return self._schedule
 
     @property
+    def topology(self):
+        """The ``topology=`` argument as given (None: the launcher's)."""
+        return self._topology
+
+    def topology_for(self, process_set=None):
+        """The ``hvdcompress.topology.Topology`` the exchanges on ``process_set`` run on (resolved
+        once per set, ``tf_ops.twolevel.check_topology``; a two-level one makes the session's
+        transport for the set two-level). ValueError for a topology that cannot run there."""
+        found = self._local.topologies.get(id(process_set))
+        if found is None:
+            found = check_topology(self._topology, process_set, self._transport)
+            if not found.flat:
+                self.session.use_topology(found, process_set)
+            self._local.topologies[id(process_set)] = found
+        return found
+
+    @property
     def cost_model(self):
         """The cost model planning uses (given, or found by ``prepare``), or None."""
         return self._cost_model
@@ -211,7 +239,9 @@ class GradientCompression(tf.Module):
     def prepare(self, world_size: int, process_set=None):
         """Find the cost model now (the wrappers call this when they are made): for a schedule
         that needs one and was given none, the cached one for ``world_size`` ranks and this host
-        set, else a ValueError on every rank (``grouping.cached_cost_model``). Returns the model."""
+        set, else a ValueError on every rank (``grouping.cached_cost_model``); and the topology on
+        ``process_set`` (``topology_for``: a bad one raises here). Returns the model."""
+        self.topology_for(process_set)
         if self._cost_model is None and (needs_cost_model(self._schedule) or self._alternatives):
             model = cached_cost_model(world_size, process_set, use_horovod=self._transport is None)
             check_plannable(self._schedule, model, self._spec, self._alternatives)
@@ -350,6 +380,7 @@ class GradientCompression(tf.Module):
                 raise ValueError(f"gradient {i} has shape {tuple(g.shape)}, not fully known when traced; "
                                  "compressed exchange needs static shapes")
         session = self.session
+        self.topology_for(process_set)
         groups = self._groups(grads, world_size, process_set)
         session.ensure_slots(self.slots, grads, groups)
         check = session.check_spec()
@@ -371,7 +402,8 @@ class GradientCompression(tf.Module):
                                      f"{len(group.positions)} gradients")
             gens.append(session.start(x, key=group.key, step=step, world_size=world_size, scale=scale, state=state,
                                       shape=group.shape, rank=rank, members=group.layout, density=density,
-                                      codec=group.codec, restored=restored, where=where))  # codec: the plan's
+                                      codec=group.codec, restored=restored, where=where,  # codec: the plan's
+                                      process_set=process_set))
             names.append(exchange_name(self.name, group.op_name))
             states.append(state)
         return PendingExchange(self.slots, session, grads, groups, states, gens, names)

@@ -24,6 +24,11 @@ as Horovod does (allgather of values and indices; ``tf_ops.sparse_grads``), and 
 Delayed averaging and ``backward_passes_per_step`` > 1 keep dense state and densify them (with a
 warning unless ``sparse_as_dense=True``).
 
+``topology`` (``tf_ops.twolevel``: dense inside a node, the spec across nodes) goes to the
+``GradientCompression`` built from a spec; one given as ``compression=`` carries its own (its state
+is laid out for it), and a different one passed beside it is refused. It is checked against the
+process set when the wrapper is made (``GradientCompression.prepare``).
+
 ``delay`` / ``sync_every`` (delayed averaging, ``tf_ops.delayed``) are checked first; None means
 "the GradientCompression's own" (0 / 1 for a spec). They keep corrections between steps, so a tape
 (one step long) needs them on a ``GradientCompression`` made once; the Keras optimizer builds its
@@ -49,6 +54,7 @@ from .delayed import check_delay, check_sync_every
 from .grouping import check_cost_model, check_schedule
 from .model_check import check_same_model, signature
 from .sparse_grads import exchange_sparse, split_sparse
+from .twolevel import check_topology_form
 
 _STATELESS_CACHE: Dict[str, GradientCompression] = {}
 
@@ -163,8 +169,8 @@ def _check_factor(value, op_is_average: bool) -> float:
     return factor
 
 
-def _check_carried(compression: GradientCompression, sched, cost_model) -> None:
-    """A GradientCompression carries its schedule and cost model; refuse different ones beside it."""
+def _check_carried(compression: GradientCompression, sched, cost_model, topology=None) -> None:
+    """A GradientCompression carries its schedule, cost model and topology; refuse different ones beside it."""
     if sched is not None and sched != compression.parsed_schedule:
         raise ValueError(f"schedule: the GradientCompression given as compression= has schedule "
                          f"'{compression.schedule}'; it carries its own: pass schedule= to "
@@ -172,11 +178,16 @@ def _check_carried(compression: GradientCompression, sched, cost_model) -> None:
     if cost_model is not None and cost_model is not compression.cost_model:
         raise ValueError("cost_model: the GradientCompression given as compression= carries its own; pass "
                          "cost_model= to hvc.GradientCompression(spec, schedule=..., cost_model=...)")
+    if topology is not None and topology != compression.topology:
+        raise ValueError(f"topology={topology!r}: the GradientCompression given as compression= has topology="
+                         f"{compression.topology!r}; it carries its own (its state belongs to it): pass topology= "
+                         "to hvc.GradientCompression(spec, topology=...) and leave it out here")
 
 
 def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as_dense, op,
                    gradient_predivide_factor, num_groups, groups, process_set, persistent_only: bool,
-                   name: str = "hvc", schedule=None, cost_model=None, delay=None, sync_every=None) -> Exchanger:
+                   name: str = "hvc", schedule=None, cost_model=None, delay=None, sync_every=None,
+                   topology=None) -> Exchanger:
     """Check the Horovod-style arguments and build the exchanger (see module doc).
 
     ``persistent_only``: the wrapper lives for one step (a tape), so a compressor that keeps state
@@ -188,6 +199,7 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
     sync_every = None if sync_every is None else check_sync_every(sync_every)
     sched = None if schedule is None else check_schedule(schedule)
     check_cost_model(cost_model)
+    check_topology_form(topology)
     spec = None
     if not isinstance(compression, GradientCompression):
         spec = resolve(compression)  # a bad spec raises here, naming the parameter
@@ -206,7 +218,7 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
                 f"step, as hvc.GradientCompression('{spec}'{extra}), pass that object as compression= "
                 "every step, and checkpoint it with the model")
     else:
-        _check_carried(compression, sched, cost_model)
+        _check_carried(compression, sched, cost_model, topology)
         for arg, value, own in (("delay", delay, compression.delay), ("sync_every", sync_every, compression.sync_every)):
             if value is not None and value != own:
                 raise ValueError(f"{arg}: the GradientCompression given as compression= has {arg}={own}; it "
@@ -235,13 +247,14 @@ def make_exchanger(who: str, compression, device_dense, device_sparse, sparse_as
     if not hvd.is_initialized():
         raise ValueError(f"horovod is not initialized: call hvd.init() before {who}")
     if spec is not None and persistent_only:  # stateless: one shared object per spec, no new variables per step
-        key = f"{name}:{spec}:{sched!r}:{id(cost_model)}"  # the cached object keeps cost_model alive
+        key = f"{name}:{spec}:{sched!r}:{id(cost_model)}:{topology!r}"  # the cached object keeps cost_model alive
         if key not in _STATELESS_CACHE:
-            _STATELESS_CACHE[key] = GradientCompression(spec, name=name, schedule=sched, cost_model=cost_model)
+            _STATELESS_CACHE[key] = GradientCompression(spec, name=name, schedule=sched, cost_model=cost_model,
+                                                        topology=topology)
         compression = _STATELESS_CACHE[key]
     elif spec is not None:
         compression = GradientCompression(spec, name=name, schedule=sched, cost_model=cost_model, delay=delay,
-                                          sync_every=sync_every)
+                                          sync_every=sync_every, topology=topology)
     world = process_set_size(process_set)
     compression.prepare(world, process_set)  # a missing cost model raises now, on every rank
     scale = factor / world if op == hvd.Average else 1.0

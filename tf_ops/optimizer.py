@@ -155,7 +155,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
                          backward_passes_per_step=1, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=None, schedule=None, cost_model=None,
-                         delay=None, sync_every=None):
+                         delay=None, sync_every=None, topology=None):
     """Wrap a Keras optimizer so the gradients it computes are compressed, exchanged and averaged.
 
     Args mirror ``horovod.tensorflow.keras.DistributedOptimizer``:
@@ -187,6 +187,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         delay: steps between an exchange and applying its correction (int >= 0; None/0: synchronous,
             the same code path bit for bit). A ``GradientCompression`` carries its own.
         sync_every: exchange once every this many steps, local steps in between (int >= 1; None: 1).
+        topology: where the ranks sit (docs/two-level.md): None (default) the launcher's, two-level
+            on several nodes of several ranks whose process sets ``hvdcompress.keras.init()``
+            registered (dense inside a node, the spec across nodes); "flat" opts out; "NxL" / "L" /
+            a ``Topology``. A ``GradientCompression`` carries its own.
 
     Returns an optimizer of the wrapped one's class whose gradients are exchanged in
     ``apply_gradients`` (and so in ``model.fit``); its compression state is
@@ -224,7 +228,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     exchanger = make_exchanger("DistributedOptimizer", compression, device_dense, device_sparse,
                                sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
                                process_set, persistent_only=False, name=name, schedule=schedule,
-                               cost_model=cost_model, delay=delay, sync_every=sync_every)
+                               cost_model=cost_model, delay=delay, sync_every=sync_every, topology=topology)
     mixin = _LegacyOptimizerMixin if isinstance(optimizer, legacy_base) else _OptimizerMixin
     cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
     opt = cls.from_config(config)

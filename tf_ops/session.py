@@ -22,11 +22,16 @@ TensorFlow tracks what a checkpoint saves by the attribute path from the saved o
 session is a plain object (not tracked) and a front end keeps the variables it saves under its
 own attribute names (``self.step = session.step``): the saved format is the front end's.
 
-The transport is the one given, or a Horovod ``Communicator`` per process set.
+The transport is the one given, or a Horovod ``Communicator`` per process set, or, for a set a
+front end made two-level (``use_topology``), a ``tf_ops.twolevel.TwoLevelTransport``: ``start``
+then composes the two-level exchange around the compressor's (dense inside a node, the spec
+across nodes), and the stats count the payload per hop (``stats.last_hop_bytes`` /
+``total_hop_bytes``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -91,6 +96,8 @@ class ExchangeSession:
         self._steps = _counter("stats_steps")
         self._last_bytes, self._total_bytes = _counter("stats_last_bytes"), _counter("stats_total_bytes")
         self._last_dense, self._total_dense = _counter("stats_last_dense"), _counter("stats_total_dense")
+        self._hop_counters: Optional[Dict[str, Tuple[tf.Variable, tf.Variable]]] = None  # level -> (last, total)
+        self._hops: Optional[Dict[str, tf.Tensor]] = None  # the hop bytes of the exchanges run, until counted
 
     # -- the transport -------------------------------------------------------------------------------
     def transport(self, process_set=None):
@@ -100,6 +107,20 @@ class ExchangeSession:
         found = self._transports.get(id(process_set))
         if found is None:
             found = self._transports[id(process_set)] = Communicator(process_set)
+        return found
+
+    def use_topology(self, topology, process_set=None):
+        """Exchanges on ``process_set`` go two-level on ``topology`` (a two-level
+        ``hvdcompress.topology.Topology`` that ``tf_ops.twolevel.check_topology`` accepted): the
+        set's transport becomes a ``TwoLevelTransport`` over its node and cross-node process sets
+        (made here, on every rank in the same order). Returns that transport."""
+        from .twolevel import two_level_transport
+        found = self._transports.get(id(process_set))
+        if found is None or getattr(found, "topology", None) != topology:
+            found = self._transports[id(process_set)] = two_level_transport(process_set, topology, self.compressor)
+        if self._hop_counters is None:
+            self._hop_counters = {level: (_counter(f"stats_last_{level}"), _counter(f"stats_total_{level}"))
+                                  for level in ("local", "cross")}
         return found
 
     # -- the clock -----------------------------------------------------------------------------------
@@ -165,18 +186,27 @@ class ExchangeSession:
     # -- exchanges ---------------------------------------------------------------------------------
     def start(self, x: tf.Tensor, *, key: str, step, world_size: int, scale: float, state: State,
               shape: Tuple[int, ...], rank: int, members=(), density=None, codec: Optional[str] = None,
-              restored=None, where: str = "a gradient"):
+              restored=None, where: str = "a gradient", process_set=None):
         """The guarded exchange of the flat ``x``: its context, the compressor's exchange (or,
-        with ``codec``, the group sent "none" / "fp16" by it), wrapped in the non-finite guard (a
-        non-finite value on any rank makes the result NaN on every rank, never hidden)."""
+        with ``codec``, the group sent "none" / "fp16" by it), two-level where the transport of
+        ``process_set`` is (``use_topology``), wrapped in the non-finite guard (a non-finite value
+        on any rank makes the result NaN on every rank, never hidden)."""
         ctx = ExchangeContext(key, step, world_size, scale, state, shape, 0, rank, members, density=density)
-        exchange = (self.compressor.exchange(x, ctx) if codec is None else
-                    fallback_exchange(self.compressor, codec, x, ctx))
+        make = (self.compressor.exchange if codec is None else
+                functools.partial(fallback_exchange, self.compressor, codec))
+        compose = getattr(self._transports.get(id(process_set)), "compose", None) if self._transport is None else None
+        exchange = make(x, ctx) if compose is None else compose(make, x, ctx, codec)
         return guard(exchange, x, state, restored, where)
 
     def run(self, gens, names: Sequence[str], process_set=None):
-        """Drive the started exchanges on the transport: (results in order, bytes sent, int64)."""
-        return run_exchanges(gens, names, self.transport(process_set))
+        """Drive the started exchanges on the transport: (results in order, bytes sent, int64). A
+        two-level transport's bytes per hop wait for the next ``count``."""
+        transport = self.transport(process_set)
+        results, sent = run_exchanges(gens, names, transport)
+        hops = getattr(transport, "take_hop_bytes", None)
+        if hops is not None:
+            self._hops = hops()
+        return results, sent
 
     # -- stats -------------------------------------------------------------------------------------
     def count(self, sent, dense_bytes) -> None:
@@ -187,9 +217,16 @@ class ExchangeSession:
         self._total_bytes.assign_add(sent)
         self._last_dense.assign(dense_bytes)
         self._total_dense.assign_add(dense_bytes)
+        if self._hop_counters is not None:
+            hops, self._hops = self._hops or {}, None
+            for level, (last, total) in self._hop_counters.items():
+                value = hops.get(level, 0)
+                last.assign(value)
+                total.assign_add(value)
 
     def add(self, sent, dense_bytes) -> None:
         """Bytes of exchanges run beside the step's (sparse gradients), added to this step's."""
+        self._hops = None  # they ran on the world's transport: no hop to count
         self._last_bytes.assign_add(sent)
         self._total_bytes.assign_add(sent)
         self._last_dense.assign_add(dense_bytes)
@@ -200,10 +237,13 @@ class ExchangeSession:
         return WireStats(steps=int(self._steps.numpy()), last_bytes=int(self._last_bytes.numpy()),
                          last_dense_bytes=int(self._last_dense.numpy()),
                          total_bytes=int(self._total_bytes.numpy()),
-                         total_dense_bytes=int(self._total_dense.numpy()))
+                         total_dense_bytes=int(self._total_dense.numpy()),
+                         last_hop_bytes={k: int(last.numpy()) for k, (last, _) in (self._hop_counters or {}).items()},
+                         total_hop_bytes={k: int(total.numpy()) for k, (_, total) in (self._hop_counters or {}).items()})
 
     def reset_stats(self) -> None:
-        for v in (self._steps, self._last_bytes, self._total_bytes, self._last_dense, self._total_dense):
+        hops = [v for pair in (self._hop_counters or {}).values() for v in pair]
+        for v in [self._steps, self._last_bytes, self._total_bytes, self._last_dense, self._total_dense] + hops:
             v.assign(0)
 
 

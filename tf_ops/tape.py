@@ -65,7 +65,7 @@ class _TapeMixin:
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
                             sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
                             num_groups=0, groups=None, process_set=None, schedule=None, cost_model=None,
-                            delay=None, sync_every=None):
+                            delay=None, sync_every=None, topology=None):
     """Wrap ``gradtape`` so ``gradient()`` returns compressed, exchanged, averaged gradients.
 
     Args mirror ``horovod.tensorflow.DistributedGradientTape``:
@@ -95,6 +95,10 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
             so they belong to the ``GradientCompression`` (``GradientCompression(spec, delay=2)``);
             here None (default) takes its values, and anything else must equal them (0 / 1 with a
             spec: other values raise, pointing there).
+        topology: where the ranks sit (docs/two-level.md): None (default) the launcher's, two-level
+            on several nodes of several ranks whose process sets ``hvdcompress.tensorflow.init()``
+            registered; "flat" opts out; "NxL" / "L" / a ``Topology``. A ``GradientCompression``
+            carries its own (``GradientCompression(spec, topology=...)``); here None takes it.
 
     Returns a tape of ``gradtape``'s class whose ``gradient()`` exchanges the gradients (eagerly or
     inside ``tf.function``). Raises ``ValueError`` naming the argument, here, on every rank, before
@@ -105,7 +109,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     exchanger = make_exchanger("DistributedGradientTape", compression, device_dense, device_sparse,
                                sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
                                process_set, persistent_only=True, schedule=schedule, cost_model=cost_model,
-                               delay=delay, sync_every=sync_every)
+                               delay=delay, sync_every=sync_every, topology=topology)
     base = type(gradtape)
     cls = type(base.__name__, (_TapeMixin, base), {})
     tape = cls(persistent=gradtape._persistent,

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hvdcompress.contract import Allgather, Allreduce, Alltoall, Exchange, Flag, Request, Transport, payload_requests
+from hvdcompress.topology import DYNAMIC_ENV, dynamic_process_sets, launcher_groups, launcher_homogeneous  # noqa: F401
 
 
 def request_bytes(requests: Sequence[Request]) -> int:
@@ -227,17 +228,6 @@ class Communicator:
 # Horovod has no public lookup of a set by its ranks, so the sets made here are kept here.
 _SETS: Dict[Tuple[int, ...], Any] = {}
 
-DYNAMIC_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
-
-
-def dynamic_process_sets() -> bool:
-    """Whether Horovod lets process sets be added after ``hvd.init`` (``HOROVOD_DYNAMIC_PROCESS_SETS``
-    a positive integer, as Horovod reads it; ``hvd.init(process_sets="dynamic")`` sets it)."""
-    import os
-    try:
-        return int(os.environ.get(DYNAMIC_ENV, "0").strip() or 0) > 0
-    except ValueError:
-        return False
 
 
 def can_make_process_sets(groups: Sequence[Sequence[int]]) -> bool:
@@ -263,39 +253,6 @@ def process_sets(groups: Sequence[Sequence[int]]) -> List[Any]:
             _SETS[ranks] = hvd.add_process_set(list(ranks))
         out.append(_SETS[ranks])
     return out
-
-
-def launcher_homogeneous(env=None) -> bool:
-    """Whether the launcher's layout has the same number of ranks on every node, as far as this
-    rank can tell: horovodrun's ``HOROVOD_LOCAL_SIZE`` x ``HOROVOD_CROSS_SIZE`` (the nodes holding
-    this local rank) is ``HOROVOD_SIZE`` (``-H a:4,b:2`` fails it on every rank), or it does not say.
-    A two-level default needs it: ranks that read different local sizes would make different sets."""
-    import os
-    env = os.environ if env is None else env
-    try:
-        local, cross, size = (int(env[k]) for k in ("HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_SIZE", "HOROVOD_SIZE"))
-    except (KeyError, ValueError):
-        return True
-    return local * cross == size
-
-
-def launcher_groups(env=None) -> List[Tuple[int, ...]]:
-    """The node and cross-node groups of the launcher's topology (``HOROVOD_SIZE`` or Open MPI's
-    world size, and ``HOROVOD_LOCAL_SIZE``, as horovodrun sets them;
-    ``hvdcompress.topology.resolve_topology``), nodes first; none when it is flat, not the same on
-    every node (``launcher_homogeneous``) or the launcher does not say. Pure."""
-    import os
-
-    from hvdcompress.topology import resolve_topology
-    env = os.environ if env is None else env
-    try:
-        world = int(env.get("HOROVOD_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or "")
-    except ValueError:
-        return []
-    if world < 1 or not launcher_homogeneous(env):
-        return []
-    topo = resolve_topology(None, world, env)
-    return [] if topo.flat else list(topo.local_groups() + topo.cross_groups())
 
 
 def init(comm=None, process_sets=None):
