@@ -1,6 +1,6 @@
 """Global top-k (``gtopk``, hvdcompress/reference/gtopk.py): the plan of rounds, the bytes per worker
 as a function of P, the error semantics, PyTorch and TensorFlow against the numpy oracle on simulated
-worlds of every shape of plan, and real torch.distributed Gloo processes (2, 3 and 4; 8 in the
+worlds of every shape of plan, and real torch.distributed Gloo processes (3 and 4; 2 and 8 in the
 extended tier; one spawn each, tests/scenarios/gtopk.py): every exchange equal to the oracle bit for bit, the bytes the
 transport delivered to each rank equal to the oracle's count (O(k log P), against top-k's (P - 1) k
 pairs measured beside it), the optimizer's replicas identical every step, a checkpoint of the
@@ -147,8 +147,9 @@ def test_folded_worlds_conserve_the_sum_and_agree(world):
 # -- real torch.distributed processes ----------------------------------------------------------------------
 WORLDS = (2, 3, 4, 8)
 # 8 ranks run a third round of the loop 4 ranks run twice (3: the fold) and cost on 2 cores what the
-# other three spawns together do: extended tier
-EXTENDED_WORLDS = (8,)
+# other three spawns together do; 2 ranks run the single round that is 4 ranks' first (its plan:
+# test_plan_pairs_every_rank_and_folds_the_rest): extended tier
+EXTENDED_WORLDS = (2, 8)
 _LAUNCHED = {}
 
 

@@ -11,7 +11,7 @@ stateful ones on 3); bad parameters raise on every rank before any collective, a
 still works afterwards; signSGD's majority vote with an even (2: ties give 0) and an odd (3)
 number of workers. On 2 workers, our specs inside Horovod's own optimizers
 (``horovod.torch.DistributedOptimizer``, ``horovod.tensorflow.keras.DistributedOptimizer``):
-none/fp16/bf16 (TF: fp16/bf16, none too in the extended tier) keep ranks identical and give our
+none/fp16/bf16 (TF: fp16, none and bf16 too in the extended tier) keep ranks identical and give our
 optimizer's parameters; other specs raise.
 """
 

@@ -51,7 +51,7 @@ def test_sparse_as_dense_densifies_and_compresses(results, spec):
             assert r["embedding_slots"] == ["residual"], r  # compressed with error feedback
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam", "legacy_adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adam", marks=pytest.mark.extended), "legacy_adagrad"])
 def test_keras_optimizer_matches_horovods_own_on_an_embedding(results, optimizer):
     for r in part(results, f"keras:{optimizer}:none"):
         assert all(r["identical"]) and len(r["identical"]) == sc.STEPS, r

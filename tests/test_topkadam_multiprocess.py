@@ -107,7 +107,9 @@ def test_torch_qsgdadam_bad_combinations_raise_on_every_rank(torch_results, labe
         assert msg is not None and needle in msg, msg
 
 
-@pytest.mark.parametrize("entry", ["qsgdadam", "fp16_warmup"])
+# topkadam's fp16 warm-up on Keras: topkadam's Keras run above and the fp16 codec's exchange
+# (test_tf_multiprocess's tape) in the default suite, its arithmetic in test_properties: extended tier
+@pytest.mark.parametrize("entry", ["qsgdadam", pytest.param("fp16_warmup", marks=pytest.mark.extended)])
 def test_keras_qsgdadam_and_a_16_bit_warm_up_follow_the_oracle_and_resume(tf_results, entry):
     for r in tf_results:
         t, base = _ok(r[entry]), r["training"]

@@ -155,10 +155,11 @@ INTEROP = ("none", "fp16", "bf16")  # the specs Horovod's own optimizers can run
 
 
 def tf_interop():
-    """The specs run inside Horovod's own Keras optimizer: fp16 and bf16 (codecs that change the
-    payload, through the same compress/decompress hooks ``none`` takes); ``none`` too in the
-    extended tier (PyTorch runs all three)."""
-    return [n for n in INTEROP if kit.extended() or n != "none"]
+    """The specs run inside Horovod's own Keras optimizer: fp16 (a codec that changes the payload,
+    through the compress/decompress hooks every spec takes there); ``none`` and bf16 (float32 on the
+    wire, its rounding checked on TF tensors by test_quantizers.py's protocol test) too in the
+    extended tier (PyTorch runs all three). Each costs two Keras traces per process."""
+    return [n for n in INTEROP if kit.extended() or n == "fp16"]
 
 TIE = {0: [1.0, -1.0, 1.0, 0.0, -2.0], 1: [-1.0, -1.0, 1.0, 5.0, 2.0], 2: [1.0, 1.0, -1.0, 0.0, 3.0]}
 VOTE = {2: [0.0, -1.0, 1.0, 1.0, 0.0], 3: [1.0, -1.0, 1.0, 1.0, 1.0]}  # sign of the vote: ties -> 0
