@@ -48,10 +48,12 @@ def _check(rows, steps):
         assert rows["alone"]["identical"] is None and rows["alone"]["bytes_per_step"] == 0
 
 
-# The Horovod front is the measurement's own; the DDP and Keras fronts (spot checks) are costly
-# repeats of the same loop through paths test_ddp_hook and the Keras tests cover: extended tier.
+# A benchmark's end-to-end smoke, not the library's: the specs it runs are tested against their
+# oracles on real workers (test_onebitadam_multiprocess, test_topkadam_multiprocess, test_ddp_hook,
+# the Keras tests), so every front is in the extended tier (make test-full).
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("front", ["horovod", pytest.param("ddp", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("front", ["horovod", "ddp"])
 def test_quick_run_on_a_torch_front(tmp_path, front):
     rows = _quick(tmp_path, front, ["none", "alone", "onebitadam", "topkadam"])
     _check(rows, 6)

@@ -69,6 +69,7 @@ def test_presets_name_the_model_and_batch():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended  # the benchmark end to end; the compressed FSDP2 path is test_fsdp's and test_fsdp_hybrid's
 def test_smoke_two_seeds_on_two_processes(tmp_path):
     bench = _bench()
     out = tmp_path / "rows.json"
