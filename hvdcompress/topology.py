@@ -19,7 +19,7 @@ give node ``n`` the ranks ``n*L .. n*L+L-1``), which is the layout assumed here:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 
 ENV_KEYS = ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -213,3 +213,58 @@ def launcher_groups(env=None) -> List[Tuple[int, ...]]:
         return []
     topo = resolve_topology(None, world, env)
     return [] if topo.flat else list(topo.local_groups() + topo.cross_groups())
+
+
+class HorovodProcessSets:
+    """The Horovod process sets hvdcompress registered in one framework's Horovod, by their ranks
+    (global, sorted): the sets a two-level exchange runs on. Horovod has no public lookup of a set
+    by its ranks, so the sets made here are kept here; each framework's Horovod library
+    (``horovod.torch``, ``horovod.tensorflow``) keeps its own sets, so each backend holds one of
+    these (``torch_ops.collectives``, ``tf_ops.collectives``), made with a function returning that
+    library's module (imported when first needed) and the name of the ``init`` a user calls there."""
+
+    def __init__(self, horovod: Callable[[], Any], front: str):
+        self._hvd, self.front = horovod, front
+        self.sets: Dict[Tuple[int, ...], Any] = {}
+
+    def can_make(self, groups: Sequence[Sequence[int]]) -> bool:
+        """Whether ``get(groups)`` can give every set: each was registered here already, or Horovod
+        adds sets after its init. A pure local check: no collective."""
+        return all(tuple(sorted(g)) in self.sets for g in groups) or dynamic_process_sets()
+
+    def get(self, groups: Sequence[Sequence[int]]) -> List[Any]:
+        """One Horovod process set per group of global ranks, in order: the one registered here if
+        there is one (``init`` made it, or an earlier call), else ``hvd.add_process_set`` (every rank
+        must call this with the same groups in the same order: Horovod registers a set on all
+        ranks). ValueError when a set is missing and Horovod was not initialized for dynamic sets."""
+        out = []
+        for g in groups:
+            ranks = tuple(sorted(int(r) for r in g))
+            if ranks not in self.sets:
+                if not dynamic_process_sets():
+                    raise ValueError(f"process set {list(ranks)}: not registered, and Horovod adds sets only with "
+                                     f"{DYNAMIC_ENV}=1 ({self.front}.init() registers the launcher's node sets; "
+                                     "hvd.init(process_sets='dynamic') lets any topology be made)")
+                self.sets[ranks] = self._hvd().add_process_set(list(ranks))
+            out.append(self.sets[ranks])
+        return out
+
+    def init(self, comm=None, process_sets=None, elastic: bool = False):
+        """``hvd.init(comm, process_sets)``, registering beside the given sets the node and
+        cross-node sets of the launcher's topology (``launcher_groups``: several nodes of several
+        ranks), so that a two-level exchange on the launcher's topology needs no other call. With
+        ``process_sets="dynamic"`` Horovod adds sets later, so none is added here. The sets are
+        registered on the whole job only (``comm`` None), and not under Horovod Elastic
+        (``elastic``: its world changes size)."""
+        hvd = self._hvd()
+        if isinstance(process_sets, str):
+            return hvd.init(comm, process_sets=process_sets)
+        given = list(process_sets or [])
+        have = {tuple(ps.ranks) for ps in given if ps.ranks is not None} | set(self.sets)
+        groups = launcher_groups() if comm is None and not hvd.is_initialized() and not elastic else []
+        extra = [hvd.ProcessSet(list(g)) for g in groups if tuple(g) not in have]
+        result = hvd.init(comm, process_sets=given + extra)
+        for ps in given + extra:
+            if ps.ranks is not None and ps.process_set_id is not None:
+                self.sets.setdefault(tuple(ps.ranks), ps)
+        return result

@@ -128,7 +128,7 @@ def test_check_topology_on_horovod(monkeypatch):
 
 
 def test_launcher_groups_are_the_node_and_cross_sets():
-    from torch_ops.collectives import launcher_groups
+    from hvdcompress.topology import launcher_groups
     assert launcher_groups({"HOROVOD_SIZE": "6", "HOROVOD_LOCAL_SIZE": "2"}) == [
         (0, 1), (2, 3), (4, 5), (0, 2, 4), (1, 3, 5)]
     assert launcher_groups({"HOROVOD_SIZE": "4", "HOROVOD_LOCAL_SIZE": "4"}) == []  # one node

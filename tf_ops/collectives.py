@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from hvdcompress.contract import Allgather, Allreduce, Alltoall, Exchange, Flag, Request, payload_requests
+from hvdcompress.topology import HorovodProcessSets
 
 
 def request_bytes(requests: Sequence[Request]) -> tf.Tensor:
@@ -202,61 +203,21 @@ def run_exchanges(gens: Sequence[Exchange], names: Sequence[str], driver) -> Tup
 
 
 # -- the process sets of a two-level topology ------------------------------------------------------
-# The Horovod process sets registered here, by their ranks (global, sorted): the node sets and the
-# cross-node sets a two-level exchange runs on (``tf_ops.twolevel``). Horovod has no public lookup of
-# a set by its ranks, so the ones made here are kept here (TensorFlow's Horovod library keeps its own
-# sets, apart from PyTorch's).
-_SETS: Dict[Tuple[int, ...], Any] = {}
-
-
-def can_make_process_sets(groups: Sequence[Sequence[int]]) -> bool:
-    """Whether ``process_sets(groups)`` can give every set: each was registered here already, or
-    Horovod adds sets after its init. A pure local check: no collective."""
-    from hvdcompress.topology import dynamic_process_sets
-    return all(tuple(sorted(g)) in _SETS for g in groups) or dynamic_process_sets()
-
-
-def process_sets(groups: Sequence[Sequence[int]]) -> List[Any]:
-    """One Horovod process set per group of global ranks, in order: the one registered here if
-    there is one (``init`` made it, or an earlier call), else ``hvd.add_process_set`` (every rank
-    must call this with the same groups in the same order). ValueError when a set is missing and
-    Horovod was not initialized for dynamic sets."""
+# The sets a two-level exchange runs on (``tf_ops.twolevel``) in TensorFlow's Horovod, which keeps
+# its sets apart from PyTorch's: ``hvdcompress.topology.HorovodProcessSets``.
+def _horovod():
     import horovod.tensorflow as hvd
-    from hvdcompress.topology import DYNAMIC_ENV, dynamic_process_sets
-    out = []
-    for g in groups:
-        ranks = tuple(sorted(int(r) for r in g))
-        if ranks not in _SETS:
-            if not dynamic_process_sets():
-                raise ValueError(f"process set {list(ranks)}: not registered, and Horovod adds sets only with "
-                                 f"{DYNAMIC_ENV}=1 (hvdcompress.tensorflow.init() registers the launcher's node "
-                                 "sets; hvd.init(process_sets='dynamic') lets any topology be made)")
-            _SETS[ranks] = hvd.add_process_set(list(ranks))
-        out.append(_SETS[ranks])
-    return out
+    return hvd
+
+
+PROCESS_SETS = HorovodProcessSets(_horovod, "hvdcompress.tensorflow")
+can_make_process_sets = PROCESS_SETS.can_make
+process_sets = PROCESS_SETS.get
 
 
 def init(comm=None, process_sets=None):
-    """``hvd.init(comm, process_sets)`` (TensorFlow's Horovod), registering beside the given sets the
-    node and cross-node sets of the launcher's topology (``hvdcompress.topology.launcher_groups``:
-    several nodes of several ranks), so that a two-level exchange on the launcher's topology needs
-    no other call. With ``process_sets="dynamic"`` Horovod adds sets later, so none is added here.
-    The sets are registered on the whole job only (``comm`` None), and not under Horovod Elastic
-    (its world changes size)."""
-    import horovod.tensorflow as hvd
-
+    """``hvd.init`` (TensorFlow's Horovod) registering the launcher's node and cross-node sets
+    (``HorovodProcessSets.init``); not under Horovod Elastic."""
     import os
-
-    from hvdcompress.topology import launcher_groups
     elastic = os.environ.get("HOROVOD_ELASTIC", "0") == "1"  # as tf_ops.elastic.elastic_mode reads it
-    if isinstance(process_sets, str):
-        return hvd.init(comm, process_sets=process_sets)
-    given = list(process_sets or [])
-    have = {tuple(ps.ranks) for ps in given if ps.ranks is not None} | set(_SETS)
-    groups = launcher_groups() if comm is None and not hvd.is_initialized() and not elastic else []
-    extra = [hvd.ProcessSet(list(g)) for g in groups if tuple(g) not in have]
-    result = hvd.init(comm, process_sets=given + extra)
-    for ps in given + extra:
-        if ps.ranks is not None and ps.process_set_id is not None:
-            _SETS.setdefault(tuple(ps.ranks), ps)
-    return result
+    return PROCESS_SETS.init(comm, process_sets, elastic=elastic)

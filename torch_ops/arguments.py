@@ -144,8 +144,9 @@ def _horovod_topology(topology, topo, transport):
     hand (registered by ``hvdcompress.torch.init``, or Horovod adds sets after its init) and the
     transport must span the whole job. The launcher's (``topology`` None) is flat otherwise; an
     explicit one is a ValueError saying what to do."""
-    from hvdcompress.topology import FORMS, Topology
-    from .collectives import can_make_process_sets, launcher_homogeneous
+    from hvdcompress.topology import FORMS, Topology, launcher_homogeneous
+
+    from .collectives import can_make_process_sets
     from .elastic import elastic_mode
     if topology is None and (elastic_mode() or not launcher_homogeneous()):  # a changing world; or ranks
         return Topology(topo.world, topo.world)                             # that read different layouts

@@ -126,13 +126,13 @@ def _worker(names):
     import horovod.torch as hvd
     import hvdcompress.torch as hvc
     from scenarios.twolevel import Recorder
-    from torch_ops import collectives
-    launcher = collectives.launcher_groups
-    collectives.launcher_groups = lambda env=None: list(NODE_SETS)
+    from hvdcompress import topology
+    launcher = topology.launcher_groups
+    topology.launcher_groups = lambda env=None: list(NODE_SETS)
     try:
         hvc.init()
     finally:
-        collectives.launcher_groups = launcher
+        topology.launcher_groups = launcher
     rec = Recorder()
     out = kit.run_scenarios(names, lambda name: globals()[name](rec))
     rec.restore()
