@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+from unittest import mock
 
 from scenarios import kit
 
@@ -261,20 +262,13 @@ def launcher_default(rec, topology) -> dict:
     import torch
     import hvdcompress.torch as hvc
     out = {}
-    saved = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = topology.split("x")[1]
-    try:
+    with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": topology.split("x")[1]}):  # restored after
         for arg in (None, "flat"):
             model = _model()
             opt = hvc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                            named_parameters=model.named_parameters(), compression="topk:ratio=0.1",
                                            backend="torch", topology=arg)
             out[str(arg)] = type(opt.engine.transport).__name__
-    finally:
-        if saved is None:
-            os.environ.pop("LOCAL_WORLD_SIZE")
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = saved
     return out
 
 

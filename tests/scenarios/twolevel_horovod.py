@@ -14,6 +14,7 @@ both ways a set is made are used. Every two-level exchange is logged at its oute
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 from scenarios import kit
 from scenarios.twolevel import SAVE_AT, recorded_steps
@@ -75,17 +76,9 @@ def launcher_default(rec) -> dict:
     import torch
     out = {}
     launcher = {"HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_SIZE": "2"}  # a launcher of 2 nodes of 2
-    saved = {k: os.environ.get(k) for k in launcher}
-    os.environ.update(launcher)
-    try:
+    with mock.patch.dict(os.environ, launcher):  # restored after
         for arg in (None, "flat"):
             out[str(arg)] = type(_optimizer(_model(), "topk:ratio=0.1", arg).engine.transport).__name__
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     from torch_ops.collectives import process_sets
     try:
         _optimizer(_model(), "topk:ratio=0.1", TOPOLOGY, process_set=process_sets(NODE_SETS)[hvd.rank() // 2])

@@ -279,6 +279,7 @@ def hook_arguments(log) -> dict:
     """Which hooks choose routes (the launcher's topology, explicit ones, routes=), and the refusals:
     each a ValueError on every rank before any collective (the world's next collective lines up)."""
     import os
+    from unittest import mock
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -290,9 +291,7 @@ def hook_arguments(log) -> dict:
         return type(state.transport).__name__, state.route_choice is not None
 
     out = {}
-    saved = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    try:
+    with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": "2"}):  # restored after
         for name, kw in (("launcher", {}), ("launcher two-level", {"routes": "two-level"}),
                          ("launcher tune_steps=0", {"tune_steps": 0}), ("explicit", {"topology": TOPOLOGY}),
                          ("explicit auto", {"topology": TOPOLOGY, "routes": "auto"}),
@@ -310,11 +309,6 @@ def hook_arguments(log) -> dict:
                 out[name] = "accepted"
             except ValueError as e:
                 out[name] = str(e)
-    finally:
-        if saved is None:
-            os.environ.pop("LOCAL_WORLD_SIZE")
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = saved
     t = torch.tensor([1.0])
     dist.all_reduce(t)
     out["after"] = float(t)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from unittest import mock
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -188,19 +189,11 @@ def opt_out(rec) -> dict:
     from tf_ops.collectives import process_sets
     out = {}
     launcher = {"HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_SIZE": "2"}  # a launcher of 2 nodes of 2
-    saved = {k: os.environ.get(k) for k in launcher}
-    os.environ.update(launcher)
-    try:
+    with mock.patch.dict(os.environ, launcher):  # restored after
         for arg in (None, "flat"):
             compression = hvc.GradientCompression("topk:ratio=0.1", topology=arg)
             compression.prepare(hvd.size(), hvd.global_process_set)
             out[str(arg)] = type(compression.session.transport(hvd.global_process_set)).__name__
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         hvc.DistributedGradientTape(tf.GradientTape(), compression=hvc.GradientCompression("topk:ratio=0.1"),
                                     topology="flat")
