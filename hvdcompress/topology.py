@@ -215,6 +215,54 @@ def launcher_groups(env=None) -> List[Tuple[int, ...]]:
     return [] if topo.flat else list(topo.local_groups() + topo.cross_groups())
 
 
+# -- a two-level transport's levels ----------------------------------------------------------------
+LOCAL, CROSS, WORLD = "local", "cross", "world"
+LEVELS = (WORLD, LOCAL, CROSS)
+
+
+class LevelTransports:
+    """What a two-level ``Transport`` is on every backend (``torch_ops.twolevel``,
+    ``tf_ops.twolevel``): three transports, the world's (``world``: untagged requests, every
+    blocking and object collective; ``rank`` / ``size`` are its), the node's (``local``) and the
+    cross-node peers' (``cross``) for ``Hop`` requests, by level in ``by_level``. A backend adds
+    the exchange around a spec's (``compose``) and how requests are sent to their level."""
+
+    def __init__(self, world, local, cross, topology: Topology):
+        self.world, self.local, self.cross = world, local, cross
+        self.topology = topology
+        self.process_set = world.process_set
+        self.by_level = {WORLD: world, LOCAL: local, CROSS: cross}
+
+    # -- who ------------------------------------------------------------------------------------
+    def rank(self) -> int:
+        return self.world.rank()
+
+    def size(self) -> int:
+        return self.world.size()
+
+    def included(self) -> bool:
+        return self.world.included()
+
+    def versions(self) -> Dict[str, str]:
+        return dict(self.world.versions(), topology=str(self.topology))
+
+    # -- blocking collectives: the world's ------------------------------------------------------
+    def allreduce_(self, t, name: str, average: bool = False):
+        return self.world.allreduce_(t, name, average)
+
+    def allgather(self, t, name: str):
+        return self.world.allgather(t, name)
+
+    def barrier(self) -> None:
+        self.world.barrier()
+
+    def allgather_object(self, obj, name: str):
+        return self.world.allgather_object(obj, name)
+
+    def broadcast_object(self, obj, name: str, root: int = 0):
+        return self.world.broadcast_object(obj, name, root)
+
+
 class HorovodProcessSets:
     """The Horovod process sets hvdcompress registered in one framework's Horovod, by their ranks
     (global, sorted): the sets a two-level exchange runs on. Horovod has no public lookup of a set

@@ -61,13 +61,12 @@ import tensorflow as tf
 
 from hvdcompress.contract import Allgather, Alltoall, ExchangeContext, Hop, payload_requests
 from hvdcompress.schedule.groups import Part, process_set_size, split_layout
-from hvdcompress.topology import FORMS, Topology, launcher_homogeneous, resolve_topology
+from hvdcompress.topology import (CROSS, FORMS, LEVELS, LOCAL, WORLD, LevelTransports, Topology,
+                                  launcher_homogeneous, resolve_topology)
 
 from .collectives import Communicator, can_make_process_sets, process_sets, request_bytes
 from .variables import state_variable
 
-LOCAL, CROSS, WORLD = "local", "cross", "world"
-LEVELS = (WORLD, LOCAL, CROSS)
 _ROUND = re.compile(r"\.r\d+$")
 _LOG = logging.getLogger("hvdcompress")
 
@@ -170,36 +169,20 @@ def node_sum(pieces: tf.Tensor, L: int, numel: int) -> tf.Tensor:
     return mine
 
 
-class TwoLevelTransport:
-    """A ``Transport`` over three Horovod ``Communicator``s: the world's (untagged requests, every
-    blocking and object collective), the node's (``local``) and the cross-node peers' (``cross``)
-    for ``Hop`` requests; ``rank`` / ``size`` are the world's. ``compose`` makes the two-level
+class TwoLevelTransport(LevelTransports):
+    """The TensorFlow ``Transport`` over three Horovod ``Communicator``s
+    (``hvdcompress.topology.LevelTransports``: the world's, the node's and the cross-node peers').
+    ``compose`` makes the two-level
     exchange around a spec's exchange (``tf_ops.session.ExchangeSession.start`` calls it);
     ``take_hop_bytes`` gives the payload bytes handed to each hop since the last call (tensors of
     the trace that built them)."""
 
     def __init__(self, world, local, cross, topology: Topology, compressor):
-        self.world, self.local, self.cross = world, local, cross
-        self.topology = topology
+        super().__init__(world, local, cross, topology)
         self.compressor = compressor
-        self.process_set = world.process_set
-        self._by_level = {WORLD: world, LOCAL: local, CROSS: cross}
         self._hop_bytes: Dict[str, List[tf.Tensor]] = {LOCAL: [], CROSS: []}
         self._parts: Dict[Tuple, tf.Variable] = {}  # part-sized working state (not checkpointed)
         self._flat: Dict[str, str] = {}  # group key -> why it goes flat (logged once)
-
-    # -- who ------------------------------------------------------------------------------------
-    def rank(self) -> int:
-        return self.world.rank()
-
-    def size(self) -> int:
-        return self.world.size()
-
-    def included(self) -> bool:
-        return self.world.included()
-
-    def versions(self) -> Dict[str, str]:
-        return dict(self.world.versions(), topology=str(self.topology))
 
     # -- the exchange ---------------------------------------------------------------------------
     def compose(self, make, x: tf.Tensor, ctx: ExchangeContext, codec: Optional[str] = None):
@@ -263,17 +246,17 @@ class TwoLevelTransport:
         for j, req in enumerate(requests):
             level = req.level if isinstance(req, Hop) else WORLD
             inner = req.request if isinstance(req, Hop) else req
-            if level not in self._by_level:
+            if level not in self.by_level:
                 raise ValueError(f"Hop: level must be one of {LEVELS[1:]}; got {level!r}")
             if level in self._hop_bytes and payload_requests((inner,)):
                 self._hop_bytes[level].append(request_bytes((inner,)))
             if isinstance(req, Tagged):
-                (tagged[j],) = self._by_level[level].launch((inner,), f"{_ROUND.sub('', name)}.{req.tag}.{level}")
+                (tagged[j],) = self.by_level[level].launch((inner,), f"{_ROUND.sub('', name)}.{req.tag}.{level}")
                 where.append((level, -1))
                 continue
             where.append((level, len(by[level])))
             by[level].append(inner)
-        built = {level: self._by_level[level].launch(reqs, f"{name}.{level}") for level, reqs in by.items() if reqs}
+        built = {level: self.by_level[level].launch(reqs, f"{name}.{level}") for level, reqs in by.items() if reqs}
         return [tagged[j] if i < 0 else built[level][i] for j, (level, i) in enumerate(where)]
 
     def wait(self, handles: Sequence[tf.Tensor]) -> Tuple[tf.Tensor, ...]:
@@ -285,21 +268,6 @@ class TwoLevelTransport:
     def batch(self):
         return self.world.batch()
 
-    # -- blocking collectives: the world's ------------------------------------------------------
-    def allreduce_(self, t, name: str, average: bool = False):
-        return self.world.allreduce_(t, name, average)
-
-    def allgather(self, t, name: str):
-        return self.world.allgather(t, name)
-
-    def barrier(self) -> None:
-        self.world.barrier()
-
-    def allgather_object(self, obj, name: str):
-        return self.world.allgather_object(obj, name)
-
-    def broadcast_object(self, obj, name: str, root: int = 0):
-        return self.world.broadcast_object(obj, name, root)
 
 
 def _across(gen):

@@ -46,10 +46,7 @@ from hvdcompress.schedule import tuning
 from hvdcompress.schedule.groups import MergedGroup, Part, split_layout
 from hvdcompress.schedule.twolevel import (FLAT, TWO_LEVEL, Route, TwoLevelCostModel, choose_routes, label,
                                            route_trials)
-from hvdcompress.topology import Topology
-
-LOCAL, CROSS, WORLD = "local", "cross", "world"
-LEVELS = (WORLD, LOCAL, CROSS)
+from hvdcompress.topology import CROSS, LEVELS, LOCAL, WORLD, LevelTransports, Topology
 
 
 def part_state(state: Dict[str, Any], part: Part, numel: int) -> Dict[str, Any]:
@@ -141,32 +138,15 @@ def two_level_exchange(make: Callable[[torch.Tensor, ExchangeContext], Any], x: 
     return whole
 
 
-class TwoLevelTransport:
-    """A ``Transport`` over three: the world's (``world``: untagged requests, every blocking and
-    object collective), the node's (``local``) and the cross-node peers' (``cross``), for ``Hop``
-    requests; ``rank`` / ``size`` are the world's (module doc)."""
+class TwoLevelTransport(LevelTransports):
+    """The PyTorch ``Transport`` over three (``hvdcompress.topology.LevelTransports``: the world's,
+    the node's and the cross-node peers'; module doc)."""
 
     def __init__(self, world, local, cross, topology: Topology, choose_routes: bool = False):
-        self.world, self.local, self.cross = world, local, cross
-        self.topology = topology
+        super().__init__(world, local, cross, topology)
         # per-group flat or two-level (``RouteChoice``); None: every group two-level
         self.route_choice = RouteChoice(self) if choose_routes else None
-        self.process_set = world.process_set
-        self._by_level = {WORLD: world, LOCAL: local, CROSS: cross}
         self._hop_bytes = {LOCAL: 0, CROSS: 0}
-
-    # -- who ------------------------------------------------------------------------------------
-    def rank(self) -> int:
-        return self.world.rank()
-
-    def size(self) -> int:
-        return self.world.size()
-
-    def included(self) -> bool:
-        return self.world.included()
-
-    def versions(self) -> Dict[str, str]:
-        return dict(self.world.versions(), topology=str(self.topology))
 
     # -- the exchange ---------------------------------------------------------------------------
     def compose(self, make, x: torch.Tensor, ctx: ExchangeContext):
@@ -199,50 +179,35 @@ class TwoLevelTransport:
         for req in requests:
             level = req.level if isinstance(req, Hop) else WORLD
             inner = req.request if isinstance(req, Hop) else req
-            if level not in self._by_level:
+            if level not in self.by_level:
                 raise ValueError(f"Hop: level must be one of {LEVELS[1:]}; got {level!r}")
             where.append((level, len(by[level])))
             by[level].append(inner)
             if level in self._hop_bytes and payload_requests((inner,)):
                 self._hop_bytes[level] += inner.tensor.numel() * inner.tensor.element_size()
-        handles = {level: self._by_level[level].launch(reqs, f"{name}.{level}")
+        handles = {level: self.by_level[level].launch(reqs, f"{name}.{level}")
                    for level, reqs in by.items() if reqs}
         return [(level, i, handles[level]) for level, i in where]
 
     def wait(self, handles: Sequence[Tuple[str, int, Any]]) -> Tuple[Any, ...]:
-        for t in self._by_level.values():  # issue every level's deferred stages before blocking on one
+        for t in self.by_level.values():  # issue every level's deferred stages before blocking on one
             t.launch((), "flush")
         got: Dict[int, Tuple[Any, ...]] = {}
         for level, _, hs in handles:
             if id(hs) not in got:
-                got[id(hs)] = self._by_level[level].wait(hs)
+                got[id(hs)] = self.by_level[level].wait(hs)
         return tuple(got[id(hs)][i] for _, i, hs in handles)
 
     def poll(self, handles) -> bool:
-        return all(self._by_level[level].poll(hs) for level, _, hs in handles)
+        return all(self.by_level[level].poll(hs) for level, _, hs in handles)
 
     @contextlib.contextmanager
     def batch(self):
         with contextlib.ExitStack() as stack:
-            for t in self._by_level.values():
+            for t in self.by_level.values():
                 stack.enter_context(t.batch())
             yield self
 
-    # -- blocking collectives: the world's ------------------------------------------------------
-    def allreduce_(self, t, name: str, average: bool = False):
-        return self.world.allreduce_(t, name, average)
-
-    def allgather(self, t, name: str):
-        return self.world.allgather(t, name)
-
-    def barrier(self) -> None:
-        self.world.barrier()
-
-    def allgather_object(self, obj, name: str):
-        return self.world.allgather_object(obj, name)
-
-    def broadcast_object(self, obj, name: str, root: int = 0):
-        return self.world.broadcast_object(obj, name, root)
 
 
 def two_level_transport(transport, topology: Topology, choose_routes: bool = False):
